@@ -1,0 +1,224 @@
+"""The one typed argument model of a run: every flag, its type, default, group and help.
+
+Recipes (YAML under ``deployments/recipes/``) and overrides are loaded into it; the CLI parser is
+generated from it. Every validation error is one line naming the key and the closest valid name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "deployments" / "recipes"
+
+
+class ArgsError(ValueError):
+    """Bad configuration input; its message is one line that names the key or path."""
+
+
+def _f(default, group: str, help: str, **kw):
+    return Field(default, description=help, json_schema_extra={"group": group}, **kw)
+
+
+class Args(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    # --- run -----------------------------------------------------------------------------------
+    run_name: str = _f("dmd2", "run", "Name of the run, used for Ray namespaces and artifact keys.")
+    seed: int = _f(0, "run", "Seed; every random draw of iteration i derives from (seed, i).", ge=0)
+    num_iterations: int = _f(100, "run", "Number of DMD2 iterations (student updates).", ge=0)
+    save: str = _f("runs/dmd2", "run", "Storage URL of the run (path, file:// or s3://).")
+    load: Optional[str] = _f(None, "run", "Storage URL to resume from; defaults to `save`.")
+    save_interval: int = _f(0, "run", "Checkpoint every N iterations (0: only at the end).", ge=0)
+    ray_address: Optional[str] = _f(None, "run", "Address of an existing Ray cluster; unset starts a local Ray.")
+    device: Literal["cpu", "cuda"] = _f("cpu", "run", "Accelerator each trainer rank computes on.")
+    num_devices: int = _f(1, "run", "Devices (placement-group bundles, ranks per group).", ge=1)
+    colocate: bool = _f(True, "run", "Place every trainer group on the same bundles (fractional shares).")
+    device_resource: Optional[str] = _f(
+        None, "run", "Ray resource one bundle holds per device; default GPU on cuda, dmd2_device on cpu."
+    )
+    torch_threads: int = _f(1, "run", "torch intra-op threads per trainer process.", ge=1)
+    dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "run", "Compute dtype of the models.")
+    ray_timeout_s: float = _f(1800.0, "run", "Seconds any Ray call may take before it counts as failed.", gt=0)
+
+    # --- model ---------------------------------------------------------------------------------
+    hf_checkpoint: Optional[str] = _f(None, "model", "The teacher: a diffusers model directory (path or URL).")
+    critic_hf_checkpoint: Optional[str] = _f(None, "model", "Fake-score initialisation; defaults to the teacher.")
+    prompts: Optional[str] = _f(
+        None, "model", "Prompt-embedding set (safetensors) of training conditions; 'digits' for the built-in set."
+    )
+
+    # --- train ---------------------------------------------------------------------------------
+    loss_type: Literal["flow_matching", "dmd2", "dmd2_critic"] = _f(
+        "dmd2", "train", "Loss of this trainer; dmd2 on the actor adds the critic group."
+    )
+    lr: float = _f(1e-4, "train", "Learning rate.", gt=0)
+    adam_beta1: float = _f(0.0, "train", "AdamW beta1 (DMD2 uses 0).", ge=0, lt=1)
+    adam_beta2: float = _f(0.999, "train", "AdamW beta2.", ge=0, lt=1)
+    weight_decay: float = _f(0.01, "train", "AdamW weight decay.", ge=0)
+    clip_grad: float = _f(10.0, "train", "Gradient-norm clip (0 disables).", ge=0)
+    global_batch_size: int = _f(64, "train", "Samples per iteration over all ranks.", ge=1)
+    micro_batch_size: int = _f(64, "train", "Samples per forward/backward on one rank.", ge=1)
+    num_steps_per_rollout: int = _f(1, "train", "Optimizer steps this trainer takes on one rollout.", ge=1)
+    train_input_hook_path: Optional[str] = _f(
+        None, "train", "Dotted path of a hook(args, pairs, external_data) -> pairs run before micro-batching."
+    )
+    ema_decay: Optional[float] = _f(None, "train", "EMA decay of the trained weights, used for eval when set.", gt=0, lt=1)
+    label_dropout: float = _f(0.1, "train", "Flow-matching training: fraction of conditions replaced by the empty prompt.", ge=0, le=1)
+
+    # --- dmd2 ----------------------------------------------------------------------------------
+    critic_lr: Optional[float] = _f(None, "dmd2", "Critic (fake score) learning rate; defaults to lr.", gt=0)
+    critic_load: Optional[str] = _f(None, "dmd2", "Critic resume URL; defaults to the run's load.")
+    critic_save: Optional[str] = _f(None, "dmd2", "Critic save URL; defaults to the run's save.")
+    critic_train_input_hook_path: Optional[str] = _f(None, "dmd2", "The critic group's train-input hook.")
+    dmd2_update_ratio: int = _f(5, "dmd2", "Critic updates per student update (two time-scale rule).", ge=1)
+    dmd2_student_steps: int = _f(4, "dmd2", "Student sampling steps K.", ge=1)
+    dmd2_guidance_scale: float = _f(1.0, "dmd2", "Teacher classifier-free guidance scale for the real score.", ge=0)
+    dmd2_critic_scoring: Literal["fused", "original"] = _f(
+        "fused", "dmd2", "fused: score on the critic's last-step inputs; original: separate scoring pass before it."
+    )
+    dmd2_backward_simulation: bool = _f(True, "dmd2", "Stop the rollout at a random step k ~ U{0..K-1}.")
+    dmd2_shift: Optional[float] = _f(None, "dmd2", "Sigma shift S; defaults to the teacher scheduler's shift.", gt=0)
+    dmd2_min_sigma: float = _f(0.02, "dmd2", "Lower clamp of DMD/critic sigmas.", ge=0, lt=1)
+    dmd2_max_sigma: float = _f(0.98, "dmd2", "Upper clamp of DMD/critic sigmas.", gt=0, le=1)
+
+    # --- eval ----------------------------------------------------------------------------------
+    eval_interval: int = _f(0, "eval", "Eval media and metrics every N iterations (0: never).", ge=0)
+    eval_num_samples: int = _f(200, "eval", "Samples drawn for quality metrics.", ge=1)
+    eval_prompts: Optional[list[int]] = _f(None, "eval", "Indices of prompts shown in eval media; default all.")
+    eval_samples_per_prompt: int = _f(4, "eval", "Eval media samples per prompt.", ge=1)
+    eval_seed: int = _f(1234, "eval", "Seed of eval noise (the same every eval).", ge=0)
+    eval_fps: int = _f(8, "eval", "Frames per second of video eval media.", ge=1)
+
+    @model_validator(mode="after")
+    def _check_relations(self) -> "Args":
+        if self.dmd2_min_sigma >= self.dmd2_max_sigma:
+            raise ValueError("dmd2_min_sigma: must be below dmd2_max_sigma")
+        return self
+
+    # ---- derived values (one place each) ------------------------------------------------------
+    @property
+    def load_url(self) -> str:
+        return self.load or self.save
+
+    @property
+    def resource_name(self) -> str:
+        return self.device_resource or ("GPU" if self.device == "cuda" else "dmd2_device")
+
+
+ARG_NAMES: tuple[str, ...] = tuple(Args.model_fields)
+
+
+def nearest(name: str, options) -> str:
+    """Suffix suggesting the closest valid name, or '' when none is close."""
+    match = difflib.get_close_matches(str(name), list(options), n=1, cutoff=0.5)
+    return f"; did you mean '{match[0]}'?" if match else ""
+
+
+def check_keys(keys, where: str) -> None:
+    for key in keys:
+        if key not in Args.model_fields:
+            raise ArgsError(f"unknown key '{key}' in {where}{nearest(key, ARG_NAMES)}")
+
+
+def _one_line(err: ValidationError, where: str) -> ArgsError:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "args"
+    msg = first["msg"]
+    if not first["loc"] and ":" in msg:  # model validator: "key: message"
+        loc, msg = msg.split(":", 1)
+        loc = loc.removeprefix("Value error, ")
+    got = first.get("input")
+    got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+    return ArgsError(f"invalid value for '{loc}' in {where}: {msg.strip()}{got_s}")
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def resolve_recipe(recipe: str | Path) -> Path:
+    path = Path(recipe)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ArgsError(f"recipe file not found: {path}")
+        return path
+    candidate = RECIPES_DIR / f"{recipe}.yaml"
+    if not candidate.is_file():
+        raise ArgsError(f"unknown recipe '{recipe}'{nearest(recipe, recipe_names())} (known: {', '.join(recipe_names())})")
+    return candidate
+
+
+def read_recipe(recipe: str | Path) -> dict[str, Any]:
+    path = resolve_recipe(recipe)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ArgsError(f"recipe {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ArgsError(f"recipe {path} must be a mapping of flag names to values")
+    check_keys(data, f"recipe {path.name}")
+    return data
+
+
+def build_args(values: dict[str, Any], where: str = "args") -> Args:
+    check_keys(values, where)
+    try:
+        return Args(**values)
+    except ValidationError as err:
+        raise _one_line(err, where) from None
+
+
+def load_args(recipe: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Args:
+    """Recipe values, then overrides on top; validated. Raises ArgsError with one clear line."""
+    values: dict[str, Any] = read_recipe(recipe) if recipe is not None else {}
+    overrides = dict(overrides or {})
+    check_keys(overrides, "overrides")
+    values.update(overrides)
+    where = f"recipe {recipe}" if recipe is not None else "args"
+    if overrides:
+        where += " with overrides"
+    return build_args(values, where)
+
+
+def replace_args(args: Args, overrides: dict[str, Any], where: str) -> Args:
+    """A validated deep copy of ``args`` with ``overrides`` applied; ``args`` is left untouched."""
+    check_keys(overrides, where)
+    values = args.model_dump()
+    values.update(overrides)
+    return build_args(values, where)
+
+
+# ---- CLI generated from the model -------------------------------------------------------------
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse that reports any error as one line (with the nearest flag) and exits 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse hook
+        match = re.search(r"unrecognized arguments: (\S+)", message)
+        if match:
+            flag = match.group(1).split("=")[0]
+            known = [o for a in self._actions for o in a.option_strings]
+            message = f"unknown flag '{flag}'{nearest(flag, known)}"
+        self.exit(2, f"error: {message}\n")
+
+
+def add_arg_flags(parser: argparse.ArgumentParser) -> None:
+    """One --flag per Args field, grouped. Values stay strings for the model to validate (so
+    errors name the key); unset flags stay absent so the recipe's value wins."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for name, field in Args.model_fields.items():
+        group_name = (field.json_schema_extra or {}).get("group", "other")
+        group = groups.setdefault(group_name, parser.add_argument_group(f"{group_name} flags"))
+        is_list = "list[" in str(field.annotation)
+        group.add_argument(
+            "--" + name.replace("_", "-"), dest=name, nargs="+" if is_list else None,
+            metavar=name.upper(), default=argparse.SUPPRESS,
+            help=f"{field.description} (default: {field.default!r})",
+        )

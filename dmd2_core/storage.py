@@ -1,0 +1,115 @@
+"""fsspec storage: every path is a URL (plain path, file://, s3://). One place for I/O helpers.
+
+S3 endpoints and credentials come from the usual AWS environment (AWS_ENDPOINT_URL,
+AWS_ACCESS_KEY_ID, ...), which Ray workers inherit from the driver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import fsspec
+
+
+def filesystem(url: str):
+    fs, path = fsspec.core.url_to_fs(str(url))
+    fs.invalidate_cache()
+    return fs, path
+
+
+def is_local(url: str) -> bool:
+    fs, _ = fsspec.core.url_to_fs(str(url))
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+def join(url: str, *parts: str) -> str:
+    return "/".join([str(url).rstrip("/"), *[p.strip("/") for p in parts]])
+
+
+def exists(url: str) -> bool:
+    fs, path = filesystem(url)
+    return fs.exists(path)
+
+
+def read_bytes(url: str) -> bytes:
+    fs, path = filesystem(url)
+    with fs.open(path, "rb") as f:
+        return f.read()
+
+
+def read_text(url: str) -> str:
+    return read_bytes(url).decode()
+
+
+def write_bytes(url: str, data: bytes) -> None:
+    """Write a file so readers see the old content or the new one, never a torn one: local files
+    go through a temp name and an atomic rename; object stores put whole objects."""
+    fs, path = filesystem(url)
+    if is_local(url):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    else:
+        fs.pipe_file(path, data)
+
+
+def write_text(url: str, text: str) -> None:
+    write_bytes(url, text.encode())
+
+
+def upload_dir(local_dir: str | Path, url: str) -> None:
+    fs, path = filesystem(url)
+    local_dir = Path(local_dir)
+    if is_local(url):
+        shutil.copytree(local_dir, path, dirs_exist_ok=True)
+        return
+    for file in sorted(local_dir.rglob("*")):
+        if file.is_file():
+            fs.put_file(str(file), f"{path.rstrip('/')}/{file.relative_to(local_dir).as_posix()}")
+
+
+def download_dir(url: str, local_dir: str | Path) -> None:
+    fs, path = filesystem(url)
+    root = path.rstrip("/")
+    for remote in fs.find(root):
+        rel = remote[len(root):].lstrip("/")
+        target = Path(local_dir) / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(remote, str(target))
+
+
+@contextlib.contextmanager
+def local_copy(url: str) -> Iterator[Path]:
+    """A local directory holding the contents of ``url`` (itself when it is already local):
+    diffusers cannot from_pretrained an s3:// URL."""
+    if is_local(url):
+        _, path = filesystem(url)
+        yield Path(path)
+        return
+    with tempfile.TemporaryDirectory(prefix="dmd2-stage-") as tmp:
+        download_dir(url, tmp)
+        yield Path(tmp)
+
+
+@contextlib.contextmanager
+def staged_dir(url: str) -> Iterator[Path]:
+    """A local directory to write into; its contents land at ``url`` when the block exits cleanly."""
+    with tempfile.TemporaryDirectory(prefix="dmd2-stage-") as tmp:
+        yield Path(tmp)
+        upload_dir(tmp, url)
+
+
+def remove(url: str) -> None:
+    fs, path = filesystem(url)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)

@@ -1,0 +1,47 @@
+"""Per-trainer args: a trainer config list names the run's trainers and what each overrides.
+
+The trainer class is role-agnostic and reads the plain argument names (hf_checkpoint, lr, load,
+save, num_steps_per_rollout, loss_type, train_input_hook_path, ...). One Args cannot hold the
+actor's and the critic's values at once, so each trainer gets its own validated deep copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dmd2_core.args import Args, replace_args
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    role: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def critic_overrides(args: Args) -> dict[str, Any]:
+    """The critic group (fake score + frozen teacher) from the actor's critic_* / dmd2_* flags."""
+    return {
+        "hf_checkpoint": args.critic_hf_checkpoint or args.hf_checkpoint,
+        "lr": args.critic_lr or args.lr,
+        "load": args.critic_load or args.load,
+        "save": args.critic_save or args.save,
+        "num_steps_per_rollout": args.dmd2_update_ratio,
+        "train_input_hook_path": args.critic_train_input_hook_path,
+        "loss_type": "dmd2_critic",
+        "ema_decay": None,
+    }
+
+
+def compute_trainer_configs(args: Args) -> list[TrainerConfig]:
+    """The run's trainers, in the order their groups train within one iteration."""
+    if args.loss_type == "dmd2":
+        # The critic trains (and scores) on the actor's rollout before the actor trains.
+        return [TrainerConfig("critic", critic_overrides(args)), TrainerConfig("actor")]
+    return [TrainerConfig("actor")]
+
+
+def compute_trainer_args(args: Args, trainer: TrainerConfig) -> Args:
+    """A validated deep copy of ``args`` with the trainer's overrides; ``args`` is never changed.
+    An override the argument model does not know is rejected (ArgsError)."""
+    return replace_args(args, trainer.overrides, f"overrides of trainer '{trainer.role}'")
