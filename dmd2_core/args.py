@@ -54,6 +54,10 @@ class Args(BaseModel):
         None, "model", "Prompt-embedding set (safetensors) of training conditions; 'digits' for the built-in set."
     )
 
+    latent_shape: Optional[list[int]] = _f(
+        None, "model", "Sample shape [C, H, W] or [C, F, H, W]; default from the model config (required for video)."
+    )
+
     # --- train ---------------------------------------------------------------------------------
     loss_type: Literal["flow_matching", "dmd2", "dmd2_critic"] = _f(
         "dmd2", "train", "Loss of this trainer; dmd2 on the actor adds the critic group."
@@ -74,6 +78,7 @@ class Args(BaseModel):
 
     # --- dmd2 ----------------------------------------------------------------------------------
     critic_lr: Optional[float] = _f(None, "dmd2", "Critic (fake score) learning rate; defaults to lr.", gt=0)
+    teacher_checkpoint: Optional[str] = _f(None, "dmd2", "The frozen teacher (real score); defaults to hf_checkpoint.")
     critic_load: Optional[str] = _f(None, "dmd2", "Critic resume URL; defaults to the run's load.")
     critic_save: Optional[str] = _f(None, "dmd2", "Critic save URL; defaults to the run's save.")
     critic_train_input_hook_path: Optional[str] = _f(None, "dmd2", "The critic group's train-input hook.")
@@ -85,6 +90,7 @@ class Args(BaseModel):
     )
     dmd2_backward_simulation: bool = _f(True, "dmd2", "Stop the rollout at a random step k ~ U{0..K-1}.")
     dmd2_shift: Optional[float] = _f(None, "dmd2", "Sigma shift S; defaults to the teacher scheduler's shift.", gt=0)
+    sleep_after_train: bool = _f(True, "dmd2", "Sleep each trainer group right after its train (frees its device memory).")
     dmd2_min_sigma: float = _f(0.02, "dmd2", "Lower clamp of DMD/critic sigmas.", ge=0, lt=1)
     dmd2_max_sigma: float = _f(0.98, "dmd2", "Upper clamp of DMD/critic sigmas.", gt=0, le=1)
 

@@ -23,6 +23,7 @@ def critic_overrides(args: Args) -> dict[str, Any]:
     """The critic group (fake score + frozen teacher) from the actor's critic_* / dmd2_* flags."""
     return {
         "hf_checkpoint": args.critic_hf_checkpoint or args.hf_checkpoint,
+        "teacher_checkpoint": args.teacher_checkpoint or args.hf_checkpoint,
         "lr": args.critic_lr or args.lr,
         "load": args.critic_load or args.load,
         "save": args.critic_save or args.save,

@@ -1,0 +1,121 @@
+"""Model families: diffusers transformers that predict the flow-matching velocity.
+
+A checkpoint is a diffusers directory, either a pipeline-style one (``model_index.json`` with a
+``transformer/`` subfolder, a ``scheduler/`` one and optionally ``vae/``) or a bare transformer
+directory (``config.json``). The family is chosen from the transformer config's ``_class_name``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from dmd2_core import storage
+from dmd2_core.models.base import ModelFamily
+from dmd2_core.models.sd3 import SD3ImageFamily
+from dmd2_core.models.wan import WanVideoFamily
+
+FAMILIES: dict[str, ModelFamily] = {f.class_name: f for f in (SD3ImageFamily(), WanVideoFamily())}
+DEFAULT_SHIFT = 3.0
+
+
+class CheckpointError(ValueError):
+    """A checkpoint path that cannot be used; the message names the path."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    family: ModelFamily
+    shift: float
+    vae: Optional[torch.nn.Module] = None
+
+
+def family_of(model: torch.nn.Module) -> ModelFamily:
+    return FAMILIES[type(model).__name__]
+
+
+def _read_json(url: str) -> dict[str, Any]:
+    return json.loads(storage.read_text(url))
+
+
+def describe_checkpoint(url: str) -> dict[str, Any]:
+    """What a checkpoint holds, read from its JSON files alone (cheap, before any actor starts):
+    {'family', 'transformer_url', 'shift', 'vae_url'}. Raises CheckpointError naming the path."""
+    if not url:
+        raise CheckpointError("hf_checkpoint is not set: point it at a diffusers model directory")
+    try:
+        root_has_index = storage.exists(storage.join(url, "model_index.json"))
+        if root_has_index:
+            transformer_url = storage.join(url, "transformer")
+        elif storage.exists(storage.join(url, "config.json")):
+            transformer_url = url
+        else:
+            raise CheckpointError(
+                f"{url}: not a diffusers model directory (no model_index.json or config.json)"
+            )
+        config = _read_json(storage.join(transformer_url, "config.json"))
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any storage failure becomes one clear line
+        raise CheckpointError(f"{url}: cannot read checkpoint ({type(exc).__name__}: {exc})") from None
+    class_name = config.get("_class_name", "")
+    if class_name not in FAMILIES:
+        raise CheckpointError(
+            f"{transformer_url}: unsupported transformer class '{class_name}' (supported: {', '.join(FAMILIES)})"
+        )
+    shift = DEFAULT_SHIFT
+    vae_url = None
+    if root_has_index:
+        sched_url = storage.join(url, "scheduler", "scheduler_config.json")
+        if storage.exists(sched_url):
+            shift = float(_read_json(sched_url).get("shift", DEFAULT_SHIFT))
+        if storage.exists(storage.join(url, "vae", "config.json")):
+            vae_url = storage.join(url, "vae")
+    return {"family": class_name, "transformer_url": transformer_url, "shift": shift, "vae_url": vae_url}
+
+
+def load_checkpoint(url: str, device: str = "cpu", dtype: torch.dtype = torch.float32, with_vae: bool = False) -> LoadedModel:
+    info = describe_checkpoint(url)
+    family = FAMILIES[info["family"]]
+    with storage.local_copy(info["transformer_url"]) as local:
+        model = family.model_class.from_pretrained(str(local), torch_dtype=dtype, low_cpu_mem_usage=False)
+    vae = None
+    if with_vae and info["vae_url"]:
+        vae = family.load_vae(info["vae_url"], dtype)
+        vae.to(device)
+    return LoadedModel(model.to(device), family, info["shift"], vae)
+
+
+def save_checkpoint(
+    model: torch.nn.Module,
+    url: str,
+    shift: float,
+    scheduler: str = "FlowMatchEulerDiscreteScheduler",
+    vae_url: Optional[str] = None,
+) -> None:
+    """Save in diffusers format (safetensors) as a pipeline-style directory at any fsspec URL:
+    transformer/, scheduler/ and model_index.json, plus the VAE copied along."""
+    import diffusers
+
+    family = family_of(model)
+    with storage.staged_dir(url) as tmp:
+        model.save_pretrained(str(tmp / "transformer"), safe_serialization=True)
+        sched_cls = getattr(diffusers, scheduler)
+        sched_cls(shift=shift).save_pretrained(str(tmp / "scheduler"))
+        index = {
+            "_class_name": family.pipeline_class,
+            "_diffusers_version": diffusers.__version__,
+            "transformer": ["diffusers", family.class_name],
+            "scheduler": ["diffusers", scheduler],
+        }
+        if vae_url:
+            with storage.local_copy(vae_url) as vae_local:
+                import shutil
+
+                shutil.copytree(vae_local, tmp / "vae")
+            index["vae"] = ["diffusers", json.loads((tmp / "vae" / "config.json").read_text())["_class_name"]]
+        (tmp / "model_index.json").write_text(json.dumps(index, indent=2))

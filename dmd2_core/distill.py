@@ -1,0 +1,238 @@
+"""The driver of a distillation run: it owns the trainer groups and hands each group's outputs to
+the next. Every phase is a method returning small metrics, so an orchestrator (the Prefect flow)
+only sequences them. A phase that fails on Ray marks the run broken; the next phase call (a
+retry) rebuilds the groups from the latest checkpoint and replays, deterministically, every phase
+between that checkpoint and itself, so the run ends with the same weights as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from statistics import fmean
+from typing import Any, Callable, Optional
+
+from dmd2_core import checkpoint
+from dmd2_core.args import Args, ArgsError
+from dmd2_core.hooks import load_hook
+from dmd2_core.models import CheckpointError, describe_checkpoint
+from dmd2_core.trainer_config import compute_trainer_args, compute_trainer_configs
+
+log = logging.getLogger("dmd2")
+
+PHASES = ("rollout", "critic_train_and_score", "sleep_critic", "student_train", "sleep_actor")
+
+
+class RayWorkError(RuntimeError):
+    """Ray work failed (an actor died, a call timed out); retrying recovers from the checkpoint."""
+
+
+def preflight(args: Args) -> dict[str, Args]:
+    """Everything that can be checked before an actor starts: checkpoints, hooks, prompts and the
+    resume point. Returns each trainer's args (shift resolved). Raises ArgsError / CheckpointError."""
+    if not args.hf_checkpoint:
+        raise ArgsError("hf_checkpoint is not set: point it at the teacher's diffusers model directory")
+    teacher = describe_checkpoint(args.hf_checkpoint)
+    if args.dmd2_shift is None:
+        args = args.model_copy(update={"dmd2_shift": teacher["shift"]})
+    if args.global_batch_size % args.num_devices:
+        raise ArgsError(f"global_batch_size: {args.global_batch_size} is not divisible by num_devices {args.num_devices}")
+    trainer_args = {}
+    for cfg in compute_trainer_configs(args):
+        targs = compute_trainer_args(args, cfg)
+        describe_checkpoint(targs.hf_checkpoint)
+        if targs.loss_type == "dmd2_critic":
+            describe_checkpoint(targs.teacher_checkpoint or targs.hf_checkpoint)
+        if targs.train_input_hook_path:
+            flag = "critic_train_input_hook_path" if cfg.role == "critic" else "train_input_hook_path"
+            load_hook(targs.train_input_hook_path, flag=flag)
+        trainer_args[cfg.role] = targs
+    if args.prompts and args.prompts != "digits":
+        from dmd2_core import storage
+
+        if not storage.exists(args.prompts):
+            raise ArgsError(f"prompts: no prompt set at {args.prompts}")
+    checkpoint.validate_resume(args.load_url, list(trainer_args))
+    return trainer_args
+
+
+class DistillRun:
+    def __init__(self, args: Args):
+        self.trainer_args = preflight(args)
+        self.args = self.trainer_args["actor"]
+        self.groups: dict[str, Any] = {}
+        self.pg = None
+        self.broken = False
+        self.handoff: dict[str, list] = {}
+        self.start_iteration = 0
+        self.done: tuple[int, int] = (0, len(PHASES))  # (iteration, phases of it done)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> int:
+        """Start or join Ray, create the groups, resume from the tracker. Returns the iteration
+        the run resumes after (0 for a fresh start)."""
+        from dmd2_core.groups import TrainerGroup, create_placement_group, init_ray
+
+        init_ray(self.args, num_groups=len(self.trainer_args))
+        self.pg = create_placement_group(self.args, num_groups=len(self.trainer_args))
+        share = 1.0 / len(self.trainer_args) if self.args.colocate else 1.0
+        try:
+            for index, (role, targs) in enumerate(self.trainer_args.items()):
+                offset = 0 if self.args.colocate else index * self.args.num_devices
+                self.groups[role] = TrainerGroup(targs, role, self.pg, share, bundle_offset=offset)
+            resumed = checkpoint.read_tracker(self.args.load_url)
+            if resumed is not None:
+                for group in self.groups.values():
+                    group.call("load", resumed)
+        except Exception as exc:
+            self.shutdown()
+            raise _as_ray_error(exc) from exc
+        self.start_iteration = resumed or 0
+        self.done = (self.start_iteration, len(PHASES))
+        self.handoff = {}
+        self.broken = False
+        return self.start_iteration
+
+    def shutdown(self) -> None:
+        from dmd2_core.groups import shutdown_placement_group
+
+        for group in self.groups.values():
+            group.kill()
+        self.groups = {}
+        shutdown_placement_group(self.pg)
+        self.pg = None
+
+    @property
+    def has_critic(self) -> bool:
+        return "critic" in self.trainer_args
+
+    # ---- phase bookkeeping --------------------------------------------------------------------
+    def _run_phase(self, iteration: int, phase: str, fn: Callable[[], dict]) -> dict:
+        index = PHASES.index(phase)
+        if self.broken:
+            self.recover(iteration, index)
+        if self.done >= (iteration, index + 1):  # already done (replayed during a recovery)
+            return {"skipped": True}
+        try:
+            metrics = fn()
+        except Exception as exc:
+            self.broken = True
+            raise _as_ray_error(exc) from exc
+        self.done = (iteration, index + 1)
+        return metrics
+
+    def recover(self, iteration: int, phase_index: int) -> None:
+        """Rebuild the groups from the latest checkpoint and replay up to (iteration, phase)."""
+        log.warning("recovering: rebuilding trainer groups from the latest checkpoint")
+        self.shutdown()
+        start = self.start()
+        for i in range(start + 1, iteration + 1):
+            upto = phase_index if i == iteration else len(PHASES)
+            for name in PHASES[:upto]:
+                getattr(self, name)(i)
+
+    # ---- phases -------------------------------------------------------------------------------
+    def rollout(self, iteration: int) -> dict:
+        def run():
+            refs = self.groups["actor"].call_per_rank("rollout", [(iteration,)] * self.args.num_devices, num_returns=2)
+            self.handoff["pairs"] = [p for p, _ in refs]
+            return _merge(self.groups["actor"].get([m for _, m in refs]))
+        return self._run_phase(iteration, "rollout", run)
+
+    def critic_train_and_score(self, iteration: int) -> dict:
+        def run():
+            if not self.has_critic:
+                return {}
+            refs = self.groups["critic"].train_async(iteration, self.handoff["pairs"])
+            self.handoff["scores"] = [o for o, _ in refs]
+            return _merge(self.groups["critic"].get([m for _, m in refs]))
+        return self._run_phase(iteration, "critic_train_and_score", run)
+
+    def student_train(self, iteration: int) -> dict:
+        def run():
+            refs = self.groups["actor"].train_async(iteration, self.handoff["pairs"], self.handoff.get("scores"))
+            metrics = _merge(self.groups["actor"].get([m for _, m in refs]))
+            self.handoff = {}
+            return metrics
+        return self._run_phase(iteration, "student_train", run)
+
+    def _sleep(self, iteration: int, role: str) -> dict:
+        def run():
+            if not self.args.sleep_after_train or role not in self.groups:
+                return {}
+            start = time.perf_counter()
+            before = fmean(self.groups[role].call("device_bytes"))
+            out = self.groups[role].call("sleep")
+            return {f"{role}_sleep_s": time.perf_counter() - start,
+                    f"{role}_device_bytes_awake": before,
+                    f"{role}_bytes_freed": fmean(o.get("bytes_freed", 0) for o in out)}
+        return self._run_phase(iteration, f"sleep_{role}", run)
+
+    def sleep_critic(self, iteration: int) -> dict:
+        return self._sleep(iteration, "critic")
+
+    def sleep_actor(self, iteration: int) -> dict:
+        return self._sleep(iteration, "actor")
+
+    def iterate(self, iteration: int) -> dict:
+        """All phases of one iteration (the plain sequence the flow spreads over tasks)."""
+        metrics: dict = {"iteration": iteration}
+        for name in PHASES:
+            metrics.update(getattr(self, name)(iteration))
+        metrics.pop("skipped", None)
+        return metrics
+
+    # ---- eval and checkpoints -----------------------------------------------------------------
+    def sample(self, prompt_index: list[int], seed: int):
+        """K-step student samples in pixel space from actor rank 0."""
+        return self._call_or_break(lambda: self.groups["actor"].get(
+            self.groups["actor"].ranks[0].sample.remote(prompt_index, seed)))
+
+    def checkpoint(self, iteration: int) -> dict:
+        """Every trainer saves; the tracker is written last, only after all of them finished."""
+        def run():
+            start = time.perf_counter()
+            urls = {}
+            for role, group in self.groups.items():
+                urls[role] = next(u for u in group.call("save", iteration) if u)
+            checkpoint.write_tracker(self.args.save, iteration)
+            return {"checkpoint": urls, "checkpoint_s": time.perf_counter() - start}
+        return self._call_or_break(run)
+
+    def _call_or_break(self, fn):
+        if self.broken:
+            self.recover(*_next_position(self.done))
+        try:
+            return fn()
+        except Exception as exc:
+            self.broken = True
+            raise _as_ray_error(exc) from exc
+
+    def group_call(self, role: str, method: str, *a) -> list:
+        return self._call_or_break(lambda: self.groups[role].call(method, *a))
+
+
+def _next_position(done: tuple[int, int]) -> tuple[int, int]:
+    iteration, phases = done
+    return (iteration + 1, 0) if phases == len(PHASES) else (iteration, phases)
+
+
+def _as_ray_error(exc: Exception) -> Exception:
+    """Lost actors and timed-out calls become RayWorkError (worth a retry); an exception raised by
+    trainer code comes back as itself."""
+    import ray.exceptions
+
+    if isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, TimeoutError)):
+        return RayWorkError(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        return exc.as_instanceof_cause()
+    return exc
+
+
+def _merge(per_rank: list[dict]) -> dict:
+    """Per-rank metrics -> one dict: numbers averaged over ranks."""
+    out: dict = {}
+    for key in per_rank[0]:
+        values = [m[key] for m in per_rank]
+        out[key] = fmean(values) if all(isinstance(v, (int, float)) for v in values) else values[0]
+    return out

@@ -1,0 +1,107 @@
+"""The steps of one DMD2 iteration, shared by the Ray trainers and the plain reference loop.
+
+Every draw covers the *global* batch and is sliced per rank, so 1 rank and N ranks see the same
+numbers for the same sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from dmd2_core import flow_matching as fm
+from dmd2_core import rng
+from dmd2_core.args import Args
+from dmd2_core.losses import dmd2_gradient
+from dmd2_core.models.base import ModelFamily
+from dmd2_core.sampling import guided_velocity, student_sample
+
+
+def draw_stop_step(args: Args, iteration: int) -> int:
+    """The DMD2 step strategy: k ~ U{0..K-1} per iteration (backward simulation), the same on
+    every rank; without backward simulation the student trains at its first step (pure noise)."""
+    if not args.dmd2_backward_simulation:
+        return 0
+    g = rng.generator(args.seed, iteration, "stop_step")
+    return int(torch.randint(args.dmd2_student_steps, (1,), generator=g))
+
+
+@dataclass
+class RolloutPlan:
+    stop_step: int
+    sigmas: list[float]
+    prompt_index: torch.Tensor  # [G]
+    noise: torch.Tensor  # [G, ...]
+    renoise: list[torch.Tensor]  # stop_step tensors [G, ...]
+
+
+def plan_rollout(args: Args, iteration: int, num_prompts: int, shape: tuple[int, ...]) -> RolloutPlan:
+    G = args.global_batch_size
+    k = draw_stop_step(args, iteration)
+    prompt_index = torch.randint(num_prompts, (G,), generator=rng.generator(args.seed, iteration, "prompts"))
+    noise = rng.randn((G, *shape), args.seed, iteration, "noise")
+    renoise = [rng.randn((G, *shape), args.seed, iteration, f"renoise/{j}") for j in range(k)]
+    return RolloutPlan(k, fm.student_sigmas(args.dmd2_student_steps, args.dmd2_shift), prompt_index, noise, renoise)
+
+
+@torch.no_grad()
+def rollout_pairs(family: ModelFamily, student, cond_of, plan: RolloutPlan, rows: slice) -> dict:
+    """Run the student's steps < k for the rows of this rank and return its train pairs
+    (x at sigma_k, sigma_k, prompt index, the no-grad x0 predicted there)."""
+    prompt_index = plan.prompt_index[rows]
+    x_t, x0 = student_sample(
+        family, student, plan.noise[rows], cond_of(prompt_index), plan.sigmas,
+        [r[rows] for r in plan.renoise], stop_step=plan.stop_step,
+    )
+    n = x_t.shape[0]
+    return {
+        "x_t": x_t,
+        "sigma": torch.full((n,), plan.sigmas[plan.stop_step]),
+        "prompt_index": prompt_index,
+        "x0": x0,
+        "stop_step": torch.full((n,), plan.stop_step, dtype=torch.long),
+    }
+
+
+def noisy_inputs(args: Args, iteration: int, stream: str, x0_global_shape: tuple[int, ...], rows: slice):
+    """Fresh (sigma, noise) of one critic step or scoring pass for this rank's rows:
+    sigma = clamp(shift(u), min, max), u ~ U(0, 1) per sample."""
+    G = x0_global_shape[0]
+    sigma = fm.sample_sigmas(
+        G, args.dmd2_shift, rng.generator(args.seed, iteration, f"{stream}/sigma"),
+        args.dmd2_min_sigma, args.dmd2_max_sigma,
+    )
+    noise = rng.randn(x0_global_shape, args.seed, iteration, f"{stream}/noise")
+    return sigma[rows], noise[rows]
+
+
+def critic_stream(step: int) -> str:
+    return f"critic/{step}"
+
+
+SCORING_STREAM = "scoring"
+
+
+@torch.no_grad()
+def score(
+    family: ModelFamily,
+    teacher,
+    critic,
+    x0: torch.Tensor,
+    x_t: torch.Tensor,
+    sigma: torch.Tensor,
+    cond: dict,
+    uncond: Optional[dict],
+    guidance_scale: float,
+    v_fake: Optional[torch.Tensor] = None,
+) -> dict:
+    """Teacher (real score, CFG) and critic (fake score, conditional) x0 predictions at x_t, and
+    the DMD gradient for the student's x0. ``v_fake`` reuses a critic forward already made."""
+    if v_fake is None:
+        v_fake = family.predict_velocity(critic, x_t, sigma, cond)
+    v_real = guided_velocity(family, teacher, x_t, sigma, cond, uncond, guidance_scale)
+    x0_fake = fm.velocity_to_x0(x_t, v_fake.detach(), sigma)
+    x0_real = fm.velocity_to_x0(x_t, v_real, sigma)
+    return {"grad": dmd2_gradient(x0, x0_real, x0_fake), "x0_real": x0_real, "x0_fake": x0_fake}

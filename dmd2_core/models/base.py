@@ -1,0 +1,45 @@
+"""The interface every model family implements."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from dmd2_core import flow_matching as fm
+
+
+class ModelFamily:
+    class_name: str = ""  # the diffusers transformer class
+    pipeline_class: str = ""  # written to model_index.json of saved checkpoints
+    cond_keys: tuple[str, ...] = ("prompt_embeds",)
+    is_video: bool = False
+
+    @property
+    def model_class(self):
+        import diffusers
+
+        return getattr(diffusers, self.class_name)
+
+    def build(self, config: dict) -> torch.nn.Module:
+        return self.model_class(**config)
+
+    def forward(self, model: torch.nn.Module, x_t: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    def predict_velocity(self, model: torch.nn.Module, x_t: torch.Tensor, sigma: torch.Tensor, cond: dict) -> torch.Tensor:
+        """v(x_t, sigma | cond) in fp32; the model computes in its own dtype."""
+        dtype = next(model.parameters()).dtype
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x_t.device).expand(x_t.shape[0])
+        cond = {k: cond[k].to(device=x_t.device, dtype=dtype) for k in self.cond_keys}
+        return self.forward(model, x_t.to(dtype), fm.timestep(sigma).to(dtype), cond).float()
+
+    def sample_shape(self, model: torch.nn.Module, latent_shape: Optional[list[int]] = None) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def load_vae(self, url: str, dtype: torch.dtype) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def decode(self, vae: Optional[torch.nn.Module], latents: torch.Tensor) -> torch.Tensor:
+        """Latents -> pixels in [-1, 1]; without a VAE the model works in pixel space."""
+        raise NotImplementedError

@@ -1,0 +1,349 @@
+"""The role-agnostic trainer: one rank of a trainer group.
+
+It reads only the plain argument names of the args ``compute_trainer_args`` built for its trainer
+(hf_checkpoint, lr, load, save, num_steps_per_rollout, loss_type, train_input_hook_path, ...), so
+the actor (student) and the critic (fake score + frozen teacher) are the same class.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import socket
+import time
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from dmd2_core import checkpoint, dmd2, rng
+from dmd2_core import flow_matching as fm
+from dmd2_core.args import Args
+from dmd2_core.data import load_prompt_set
+from dmd2_core.hooks import batch_size, train_input_hook
+from dmd2_core.losses import dmd2_loss, flow_matching_loss
+from dmd2_core.models import describe_checkpoint, load_checkpoint
+from dmd2_core.sampling import student_sample
+
+SCORED = "dmd2_critic"  # the loss type whose train also scores the student's samples
+
+
+def pick_device(args: Args) -> torch.device:
+    # Ray exposes the actor's GPU share as cuda:0; num_gpus=0 actors see every GPU, so the args
+    # decide, never CUDA_VISIBLE_DEVICES.
+    return torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+
+
+def micro_batches(n: int, micro: int):
+    for start in range(0, n, micro):
+        yield slice(start, min(start + micro, n))
+
+
+class Trainer:
+    def __init__(self, args: Args, role: str, rank: int = 0, world_size: int = 1):
+        torch.set_num_threads(args.torch_threads)
+        if args.global_batch_size % world_size:
+            raise ValueError(f"global_batch_size {args.global_batch_size} is not divisible by {world_size} ranks")
+        self.args, self.role, self.rank, self.world_size = args, role, rank, world_size
+        self.device = pick_device(args)
+        self.dtype = getattr(torch, args.dtype)
+        self.hook = train_input_hook(args.train_input_hook_path)
+        loaded = load_checkpoint(args.hf_checkpoint, self.device, self.dtype)
+        self.family, self.model = loaded.family, loaded.model
+        self.shift = args.dmd2_shift or loaded.shift
+        self.args = args.model_copy(update={"dmd2_shift": self.shift})
+        self.teacher = None
+        if args.loss_type == SCORED:
+            self.teacher = load_checkpoint(args.teacher_checkpoint or args.hf_checkpoint, self.device, self.dtype).model
+            self.teacher.requires_grad_(False).eval()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+            weight_decay=args.weight_decay,
+        )
+        self.ema = copy.deepcopy(self.model).requires_grad_(False) if args.ema_decay else None
+        self.prompts = load_prompt_set(args.prompts)
+        self.shape = self.family.sample_shape(self.model, args.latent_shape)
+        self.local_batch = args.global_batch_size // world_size
+        self.rows = slice(rank * self.local_batch, (rank + 1) * self.local_batch)
+        self.step = 0
+        self.vae = None
+        self._stash: Optional[list[torch.Tensor]] = None
+
+    # ---- process group ------------------------------------------------------------------------
+    def address(self) -> tuple[str, int]:
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def init_process_group(self, master_addr: str, master_port: int) -> None:
+        if self.world_size == 1:
+            return
+        dist.init_process_group(
+            "nccl" if self.device.type == "cuda" else "gloo",
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=self.args.ray_timeout_s),
+        )
+
+    # ---- conditions ---------------------------------------------------------------------------
+    def _cond(self, prompt_index: torch.Tensor) -> dict:
+        return {k: v.to(self.device) for k, v in self.prompts.cond(prompt_index.cpu()).items()}
+
+    def _uncond(self, n: int) -> Optional[dict]:
+        if self.args.dmd2_guidance_scale == 1.0:
+            return None
+        return {k: v.to(self.device) for k, v in self.prompts.uncond(n).items()}
+
+    # ---- rollout ------------------------------------------------------------------------------
+    def rollout(self, iteration: int):
+        """Few-step generation with this rank's rows of the global batch, stopped at the step the
+        DMD2 step strategy drew. Returns (train pairs, metrics)."""
+        self.wake_up()
+        start = time.perf_counter()
+        plan = dmd2.plan_rollout(self.args, iteration, len(self.prompts), self.shape)
+        pairs = dmd2.rollout_pairs(self.family, self.model, self._cond, _on(plan, self.device), self.rows)
+        metrics = {"stop_step": plan.stop_step, "rollout_sigma": plan.sigmas[plan.stop_step],
+                   "rollout_s": time.perf_counter() - start}
+        return _cpu(pairs), metrics
+
+    # ---- train --------------------------------------------------------------------------------
+    def train(self, iteration: int, pairs: dict, external_data: Optional[dict] = None):
+        """The train-input hook, then ``num_steps_per_rollout`` optimizer steps with micro-batching.
+        Returns (outputs handed to later groups, metrics)."""
+        self.wake_up()
+        start = time.perf_counter()
+        pairs = self.hook(self.args, pairs, external_data)
+        pairs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in pairs.items()}
+        if batch_size(pairs) != self.local_batch:
+            raise ValueError(f"{self.role} rank {self.rank}: {batch_size(pairs)} train pairs, expected {self.local_batch}")
+        if self.args.loss_type == "dmd2":
+            outputs, metrics = self._train_dmd2(pairs)
+        else:
+            outputs, metrics = self._train_flow_matching(iteration, pairs)
+        metrics[f"{self.role}_train_s"] = time.perf_counter() - start
+        return _cpu(outputs), metrics
+
+    def _train_flow_matching(self, iteration: int, pairs: dict):
+        """Flow-matching steps on the pairs' (detached) x0; for the critic, also the scores."""
+        args, B = self.args, self.local_batch
+        x0 = pairs["x0"].detach()
+        cond = self._cond(pairs["prompt_index"])
+        global_shape = (args.global_batch_size, *x0.shape[1:])
+        last = args.num_steps_per_rollout - 1
+        scoring = args.loss_type == SCORED
+        scores: list[dict] = []
+        losses, grad_norms = [], []
+        for step in range(args.num_steps_per_rollout):
+            if scoring and step == last and args.dmd2_critic_scoring == "original":
+                scores = self._score_separately(iteration, x0, cond, global_shape)
+            sigma, noise = dmd2.noisy_inputs(args, iteration, dmd2.critic_stream(step), global_shape, self.rows)
+            sigma, noise = sigma.to(self.device), noise.to(self.device)
+            x_t = fm.add_noise(x0, noise, sigma)
+            fuse = scoring and step == last and args.dmd2_critic_scoring == "fused"
+            total = 0.0
+            for mb in micro_batches(B, args.micro_batch_size):
+                mb_cond = {k: v[mb] for k, v in cond.items()}
+                v = self.family.predict_velocity(self.model, x_t[mb], sigma[mb], mb_cond)
+                loss = flow_matching_loss(v, noise[mb], x0[mb]) * ((mb.stop - mb.start) / B)
+                loss.backward()
+                total += loss.item()
+                if fuse:
+                    scores.append(self._score(x0[mb], x_t[mb], sigma[mb], mb_cond, v_fake=v))
+            losses.append(total)
+            grad_norms.append(self._optimizer_step())
+        metrics = {f"{self.role}_loss": sum(losses) / len(losses), f"{self.role}_loss_last": losses[-1],
+                   f"{self.role}_grad_norm": grad_norms[-1], f"{self.role}_lr": self.optimizer.param_groups[0]["lr"]}
+        if not scoring:
+            return {}, metrics
+        grad = torch.cat([s["grad"] for s in scores])
+        gap = torch.cat([(s["x0_real"] - s["x0_fake"]).abs().flatten(1).mean(1) for s in scores])
+        metrics.update({"dmd2_grad_norm": grad.flatten(1).norm(dim=1).mean().item(),
+                        "dmd2_real_fake_gap": gap.mean().item()})
+        return {"dmd2_grad": grad}, metrics
+
+    def _score(self, x0, x_t, sigma, cond, v_fake=None) -> dict:
+        return dmd2.score(self.family, self.teacher, self.model, x0, x_t, sigma, cond,
+                          self._uncond(x0.shape[0]), self.args.dmd2_guidance_scale, v_fake=v_fake)
+
+    def _score_separately(self, iteration, x0, cond, global_shape) -> list[dict]:
+        """The reference's scoring: its own sigma and noise, before the critic's last step."""
+        sigma, noise = dmd2.noisy_inputs(self.args, iteration, dmd2.SCORING_STREAM, global_shape, self.rows)
+        sigma, noise = sigma.to(self.device), noise.to(self.device)
+        x_t = fm.add_noise(x0, noise, sigma)
+        return [self._score(x0[mb], x_t[mb], sigma[mb], {k: v[mb] for k, v in cond.items()})
+                for mb in micro_batches(self.local_batch, self.args.micro_batch_size)]
+
+    def _train_dmd2(self, pairs: dict):
+        """The student's graded forward at the stop step; loss 0.5 * mse(x0, sg(x0 - g))."""
+        if "dmd2_grad" not in pairs:
+            raise ValueError("loss_type dmd2 needs 'dmd2_grad' in the train pairs: the critic group's "
+                             "scores, joined by the train-input hook")
+        B = self.local_batch
+        cond = self._cond(pairs["prompt_index"])
+        total, drift = 0.0, 0.0
+        for mb in micro_batches(B, self.args.micro_batch_size):
+            mb_cond = {k: v[mb] for k, v in cond.items()}
+            v = self.family.predict_velocity(self.model, pairs["x_t"][mb], pairs["sigma"][mb], mb_cond)
+            x0 = fm.velocity_to_x0(pairs["x_t"][mb], v, pairs["sigma"][mb])
+            loss = dmd2_loss(x0, pairs["dmd2_grad"][mb]) * ((mb.stop - mb.start) / B)
+            loss.backward()
+            total += loss.item()
+            drift = max(drift, (x0.detach() - pairs["x0"][mb]).abs().max().item())
+        grad_norm = self._optimizer_step()
+        return {}, {"dmd2_loss": total, "actor_grad_norm": grad_norm, "actor_lr": self.optimizer.param_groups[0]["lr"],
+                    "graded_x0_drift": drift}
+
+    def _optimizer_step(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.world_size > 1:
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat)
+            flat /= self.world_size
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset: offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+        max_norm = self.args.clip_grad if self.args.clip_grad > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            with torch.no_grad():
+                for e, p in zip(self.ema.parameters(), self.model.parameters()):
+                    e.lerp_(p, 1.0 - self.args.ema_decay)
+        self.step += 1
+        return grad_norm
+
+    # ---- eval ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def sample(self, prompt_index: list[int], seed: int, decode: bool = True) -> torch.Tensor:
+        """Full K-step student samples (EMA weights when kept) for eval; same seed, same noise."""
+        self.wake_up()
+        n = len(prompt_index)
+        shape = (n, *self.shape)
+        noise = rng.randn(shape, seed, 0, "eval/noise").to(self.device)
+        renoise = [rng.randn(shape, seed, 0, f"eval/renoise/{j}").to(self.device)
+                   for j in range(self.args.dmd2_student_steps)]
+        sigmas = fm.student_sigmas(self.args.dmd2_student_steps, self.shift)
+        model = self.ema if self.ema is not None else self.model
+        _, x0 = student_sample(self.family, model, noise, self._cond(torch.tensor(prompt_index)), sigmas, renoise)
+        if decode:
+            if self.vae is None and describe_checkpoint(self.args.hf_checkpoint)["vae_url"]:
+                self.vae = self.family.load_vae(describe_checkpoint(self.args.hf_checkpoint)["vae_url"], self.dtype).to(self.device)
+            x0 = self.family.decode(self.vae, x0)
+        return x0.cpu()
+
+    # ---- sleep / wake -------------------------------------------------------------------------
+    def _state_slots(self):
+        """Every tensor of the training state, as (owner, key) pairs whose value can be swapped."""
+        for module in (self.model, self.ema, self.teacher):
+            if module is None:
+                continue
+            for p in module.parameters():
+                yield p, None
+            for m in module.modules():
+                for name, b in m._buffers.items():
+                    if b is not None:
+                        yield m._buffers, name
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    yield state, key
+
+    @staticmethod
+    def _get(owner, key):
+        return owner.data if key is None else owner[key]
+
+    @staticmethod
+    def _set(owner, key, value):
+        if key is None:
+            owner.data = value
+        else:
+            owner[key] = value
+
+    def sleep(self) -> dict:
+        """Move weights, grads and optimizer state off the device (host copies); idempotent."""
+        if self._stash is not None:
+            return {"asleep": True, "sleep_s": 0.0}
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        before = self.device_bytes()
+        stash = []
+        for owner, key in self._state_slots():
+            t = self._get(owner, key)
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.device.type == "cuda")
+            host.copy_(t)
+            stash.append(host)
+            self._set(owner, key, torch.empty(0, dtype=t.dtype, device=t.device))
+        self._stash = stash
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        return {"asleep": True, "sleep_s": time.perf_counter() - start, "bytes_freed": before - self.device_bytes()}
+
+    def wake_up(self) -> dict:
+        if self._stash is None:
+            return {"asleep": False, "wake_s": 0.0}
+        start = time.perf_counter()
+        for (owner, key), host in zip(list(self._state_slots()), self._stash):
+            self._set(owner, key, host.to(self.device, copy=True))
+        self._stash = None
+        return {"asleep": False, "wake_s": time.perf_counter() - start}
+
+    @property
+    def asleep(self) -> bool:
+        return self._stash is not None
+
+    def device_bytes(self) -> int:
+        """Bytes the training state holds on the device (allocator figure on CUDA)."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return sum(self._get(o, k).untyped_storage().nbytes() for o, k in self._state_slots())
+
+    def state_digest(self) -> str:
+        """sha256 of every state tensor (weights, EMA, optimizer), for bitwise comparisons."""
+        self.wake_up()
+        h = hashlib.sha256()
+        for owner, key in self._state_slots():
+            t = self._get(owner, key).detach().cpu().contiguous().reshape(-1)
+            h.update(str((t.dtype, tuple(t.shape))).encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return h.hexdigest()
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        self.wake_up()
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def save(self, iteration: int) -> Optional[str]:
+        """Rank 0 writes this trainer's checkpoint (weights are replicated across ranks)."""
+        if self.rank != 0:
+            return None
+        was_asleep = self.asleep
+        self.wake_up()
+        url = checkpoint.save_trainer(
+            self.args.save, self.role, iteration, self.model, self.optimizer, self.shift,
+            ema_model=self.ema, extra={"step": self.step, "iteration": iteration},
+        )
+        if was_asleep:
+            self.sleep()
+        return url
+
+    def load(self, iteration: int) -> int:
+        self.wake_up()
+        extra = checkpoint.load_trainer(
+            self.args.load_url, self.role, iteration, self.model, self.optimizer, ema_model=self.ema
+        )
+        self.step = int(extra.get("step", 0))
+        return self.step
+
+
+def _cpu(d: dict) -> dict:
+    return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in d.items()}
+
+
+def _on(plan: dmd2.RolloutPlan, device: torch.device) -> dmd2.RolloutPlan:
+    return dmd2.RolloutPlan(plan.stop_step, plan.sigmas, plan.prompt_index, plan.noise.to(device),
+                            [r.to(device) for r in plan.renoise])
