@@ -105,3 +105,12 @@ def score(
     x0_fake = fm.velocity_to_x0(x_t, v_fake.detach(), sigma)
     x0_real = fm.velocity_to_x0(x_t, v_real, sigma)
     return {"grad": dmd2_gradient(x0, x0_real, x0_fake), "x0_real": x0_real, "x0_fake": x0_fake}
+
+
+@torch.no_grad()
+def eval_samples(family: ModelFamily, model, cond: dict, shape: tuple[int, ...], seed: int,
+                 num_steps: int, shift: float, device=None) -> torch.Tensor:
+    """Full K-step student samples for eval: the same seed gives the same noise every time."""
+    noise = rng.randn(shape, seed, 0, "eval/noise").to(device)
+    renoise = [rng.randn(shape, seed, 0, f"eval/renoise/{j}").to(device) for j in range(num_steps)]
+    return student_sample(family, model, noise, cond, fm.student_sigmas(num_steps, shift), renoise)[1]

@@ -53,13 +53,14 @@ class TrainerGroup:
         self.args, self.role = args, role
         self.timeout = args.ray_timeout_s
         n = args.num_devices
+        self.bundle_indices = [bundle_offset + rank for rank in range(n)]
         resources = {"num_gpus": share} if args.resource_name == "GPU" else {"resources": {args.resource_name: share}}
         self.ranks = [
             RemoteTrainer.options(
                 name=f"{args.run_name}-{role}-{rank}",
                 num_cpus=0,
                 max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_offset + rank),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=self.bundle_indices[rank]),
                 **resources,
             ).remote(args, role, rank, n)
             for rank in range(n)

@@ -1,7 +1,14 @@
 """fsspec storage: every path is a URL (plain path, file://, s3://). One place for I/O helpers.
 
-S3 endpoints and credentials come from the usual AWS environment (AWS_ENDPOINT_URL,
-AWS_ACCESS_KEY_ID, ...), which Ray workers inherit from the driver.
+S3 endpoints and credentials come from the usual AWS environment, which Ray workers and other
+child processes inherit from the driver: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+AWS_DEFAULT_REGION and AWS_ENDPOINT_URL (or the S3-only AWS_ENDPOINT_URL_S3) for a non-AWS store
+such as MinIO or moto. Verified with s3fs/fsspec 2026.9.0 (aiobotocore 3.10, botocore 1.43):
+botocore's config chain reads AWS_ENDPOINT_URL when s3fs creates its client, so the variable
+works even when set after s3fs was imported, and boto3 honours it too. (fsspec's own
+FSSPEC_S3_ENDPOINT_URL also works, but fsspec reads FSSPEC_* variables only once, when it is
+imported, so it is the weaker choice.) fsspec caches S3FileSystem instances per constructor
+arguments: change the endpoint variables before the first s3:// access of a process, not after.
 """
 
 from __future__ import annotations
@@ -54,11 +61,16 @@ def write_bytes(url: str, data: bytes) -> None:
     if is_local(url):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
     else:
         fs.pipe_file(path, data)
 

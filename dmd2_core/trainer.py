@@ -17,14 +17,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from dmd2_core import checkpoint, dmd2, rng
+from dmd2_core import checkpoint, dmd2
 from dmd2_core import flow_matching as fm
 from dmd2_core.args import Args
 from dmd2_core.data import load_prompt_set
 from dmd2_core.hooks import batch_size, train_input_hook
 from dmd2_core.losses import dmd2_loss, flow_matching_loss
 from dmd2_core.models import describe_checkpoint, load_checkpoint
-from dmd2_core.sampling import student_sample
 
 SCORED = "dmd2_critic"  # the loss type whose train also scores the student's samples
 
@@ -86,6 +85,14 @@ class Trainer:
             init_method=f"tcp://{master_addr}:{master_port}",
             rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=self.args.ray_timeout_s),
         )
+
+    def placement(self) -> dict:
+        """Where Ray put this rank: its placement group and its share of the device resource."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        name = self.args.resource_name
+        return {"placement_group": ctx.get_placement_group_id(), "share": ctx.get_assigned_resources().get(name, 0.0)}
 
     # ---- conditions ---------------------------------------------------------------------------
     def _cond(self, prompt_index: torch.Tensor) -> dict:
@@ -221,17 +228,14 @@ class Trainer:
     def sample(self, prompt_index: list[int], seed: int, decode: bool = True) -> torch.Tensor:
         """Full K-step student samples (EMA weights when kept) for eval; same seed, same noise."""
         self.wake_up()
-        n = len(prompt_index)
-        shape = (n, *self.shape)
-        noise = rng.randn(shape, seed, 0, "eval/noise").to(self.device)
-        renoise = [rng.randn(shape, seed, 0, f"eval/renoise/{j}").to(self.device)
-                   for j in range(self.args.dmd2_student_steps)]
-        sigmas = fm.student_sigmas(self.args.dmd2_student_steps, self.shift)
         model = self.ema if self.ema is not None else self.model
-        _, x0 = student_sample(self.family, model, noise, self._cond(torch.tensor(prompt_index)), sigmas, renoise)
+        x0 = dmd2.eval_samples(self.family, model, self._cond(torch.tensor(prompt_index)),
+                               (len(prompt_index), *self.shape), seed, self.args.dmd2_student_steps,
+                               self.shift, self.device)
         if decode:
-            if self.vae is None and describe_checkpoint(self.args.hf_checkpoint)["vae_url"]:
-                self.vae = self.family.load_vae(describe_checkpoint(self.args.hf_checkpoint)["vae_url"], self.dtype).to(self.device)
+            vae_url = describe_checkpoint(self.args.hf_checkpoint)["vae_url"]
+            if self.vae is None and vae_url:
+                self.vae = self.family.load_vae(vae_url, self.dtype).to(self.device)
             x0 = self.family.decode(self.vae, x0)
         return x0.cpu()
 

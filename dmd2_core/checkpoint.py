@@ -1,0 +1,297 @@
+"""Checkpoints of one trainer and the run tracker, at any fsspec URL (path, file://, s3://).
+
+Layout under the run's ``save`` URL::
+
+    {save}/latest_checkpointed_iteration.txt          the run tracker: one integer
+    {save}/trainers/{role}/iter_{iteration:07d}/
+        model/             the trained model, diffusers pipeline-style dir (transformer/, scheduler/)
+        ema/               optional EMA weights, same format
+        trainer_state.pt   {'format', 'optimizer': optimizer.state_dict(), 'extra': {...}}
+        complete.json      written LAST: every file with its size, sha256 of trainer_state.pt
+
+A trainer directory counts only once ``complete.json`` exists; a save interrupted midway leaves a
+directory without it, which ``load_trainer`` and ``validate_resume`` refuse. The tracker is written
+by the driver alone (``write_tracker``), after every trainer's ``save_trainer`` has returned, so it
+only ever names an iteration that every role finished saving; a crash during a save leaves it at
+the previous checkpoint.
+
+Exact resume: the weights are restored from the safetensors (bit-exact), the optimizer from its
+own state dict (AdamW moments, per-parameter ``step`` counts and every param-group setting,
+including ``lr``: the saved values win over the ones the optimizer was built with). Anything else
+a trainer needs (iteration, step counters, RNG states, LR-scheduler state) goes in ``extra``, which
+must hold only what ``torch.load(weights_only=True)`` reads back (tensors, numbers, strings, bools,
+None, lists/tuples/dicts of those); ``save_trainer`` checks that before it writes anything.
+
+Only one process per role should call ``save_trainer`` (e.g. rank 0 of the trainer group).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from typing import Any, Iterable, Optional
+
+import torch
+
+from dmd2_core import storage
+from dmd2_core.models import CheckpointError, save_checkpoint
+
+TRACKER_NAME = "latest_checkpointed_iteration.txt"
+COMPLETE_NAME = "complete.json"
+STATE_NAME = "trainer_state.pt"
+FORMAT = 1
+
+
+class CheckpointLoadError(CheckpointError):
+    """A trainer checkpoint or tracker that cannot be resumed from (a ValueError); the message is
+    one line naming the path."""
+
+
+# ---- paths ------------------------------------------------------------------------------------
+
+def trainer_dir(save_url: str, role: str, iteration: int) -> str:
+    return storage.join(save_url, "trainers", role, f"iter_{int(iteration):07d}")
+
+
+def tracker_url(save_url: str) -> str:
+    return storage.join(save_url, TRACKER_NAME)
+
+
+def _complete_url(save_url: str, role: str, iteration: int) -> str:
+    return storage.join(trainer_dir(save_url, role, iteration), COMPLETE_NAME)
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+def _torch_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _torch_load(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def _listing(url: str) -> dict[str, int]:
+    """Relative path -> size of every file under ``url``."""
+    fs, root = storage.filesystem(url)
+    root = root.rstrip("/")
+    out = {}
+    for path, info in fs.find(root, detail=True).items():
+        if info.get("type", "file") != "directory":
+            out[path[len(root):].lstrip("/")] = int(info["size"])
+    return out
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+# ---- save -------------------------------------------------------------------------------------
+
+def save_trainer(
+    save_url: str,
+    role: str,
+    iteration: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    shift: float,
+    ema_model: Optional[torch.nn.Module] = None,
+    extra: Optional[dict] = None,
+) -> str:
+    """Write one trainer's checkpoint for ``iteration`` and return its directory URL. A directory
+    already there for this iteration is replaced (its marker goes first, so no reader ever takes
+    a half-replaced directory for a complete one)."""
+    extra = dict(extra or {})
+    try:  # fail now, not at resume time, on anything weights_only loading would refuse
+        _torch_load(_torch_bytes(extra))
+    except Exception as exc:  # noqa: BLE001
+        raise ValueError(f"save_trainer({role!r}): extra must hold plain values and tensors ({_one_line(exc)})") from None
+    state = _torch_bytes({"format": FORMAT, "optimizer": optimizer.state_dict(), "extra": extra})
+
+    d = trainer_dir(save_url, role, iteration)
+    storage.remove(storage.join(d, COMPLETE_NAME))
+    storage.remove(d)
+    save_checkpoint(model, storage.join(d, "model"), shift)
+    if ema_model is not None:
+        save_checkpoint(ema_model, storage.join(d, "ema"), shift)
+    storage.write_bytes(storage.join(d, STATE_NAME), state)
+
+    files = _listing(d)
+    files.pop(COMPLETE_NAME, None)
+    marker = {
+        "format": FORMAT,
+        "role": role,
+        "iteration": int(iteration),
+        "has_ema": ema_model is not None,
+        "trainer_state_sha256": hashlib.sha256(state).hexdigest(),
+        "files": dict(sorted(files.items())),
+    }
+    storage.write_text(storage.join(d, COMPLETE_NAME), json.dumps(marker, indent=1))
+    return d
+
+
+# ---- load -------------------------------------------------------------------------------------
+
+def _read_marker(d: str) -> dict:
+    """The parsed complete.json of a trainer dir; CheckpointLoadError when missing or unreadable."""
+    marker_url = storage.join(d, COMPLETE_NAME)
+    try:
+        if not storage.exists(marker_url):
+            if not storage.exists(d):
+                raise CheckpointLoadError(f"{d}: checkpoint directory does not exist")
+            raise CheckpointLoadError(
+                f"{d}: incomplete checkpoint (no {COMPLETE_NAME}; its save was interrupted)"
+            )
+        marker = json.loads(storage.read_text(marker_url))
+        if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
+            raise ValueError("not a checkpoint marker")
+        return marker
+    except CheckpointLoadError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointLoadError(f"{marker_url}: unreadable checkpoint marker ({_one_line(exc)})") from None
+
+
+def _check_files(d: str, marker: dict) -> None:
+    try:
+        present = _listing(d)
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointLoadError(f"{d}: cannot list checkpoint ({_one_line(exc)})") from None
+    for rel, size in marker["files"].items():
+        url = storage.join(d, rel)
+        if rel not in present:
+            raise CheckpointLoadError(f"{url}: missing from checkpoint")
+        if present[rel] != int(size):
+            raise CheckpointLoadError(f"{url}: corrupt ({present[rel]} bytes, {size} recorded at save)")
+
+
+def _load_weights(model_url: str, model: torch.nn.Module) -> None:
+    """Strictly load the safetensors of ``model_url``/transformer into ``model``."""
+    from safetensors.torch import load_file
+
+    transformer_url = storage.join(model_url, "transformer")
+    try:
+        with storage.local_copy(transformer_url) as local:
+            shards = sorted(local.glob("*.safetensors"))
+            if not shards:
+                raise CheckpointLoadError(f"{transformer_url}: no .safetensors weights")
+            state: dict[str, torch.Tensor] = {}
+            for shard in shards:  # diffusers shards big models: one file per shard
+                try:
+                    state.update(load_file(str(shard)))
+                except Exception as exc:  # noqa: BLE001
+                    raise CheckpointLoadError(
+                        f"{storage.join(transformer_url, shard.name)}: corrupt weights ({_one_line(exc)})"
+                    ) from None
+            try:
+                model.load_state_dict(state, strict=True)
+            except Exception as exc:  # noqa: BLE001
+                raise CheckpointLoadError(
+                    f"{transformer_url}: weights do not fit the model ({_one_line(exc)})"
+                ) from None
+    except CheckpointLoadError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointLoadError(f"{transformer_url}: cannot read weights ({_one_line(exc)})") from None
+
+
+def _load_optimizer(state_url: str, optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    try:
+        optimizer.load_state_dict(saved)
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointLoadError(f"{state_url}: optimizer state does not fit ({_one_line(exc)})") from None
+    # load_state_dict checks parameter counts only; a moment of the wrong shape would fail later.
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key, value in optimizer.state.get(p, {}).items():
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape != p.shape:
+                    raise CheckpointLoadError(
+                        f"{state_url}: optimizer state '{key}' has shape {tuple(value.shape)}, "
+                        f"parameter has {tuple(p.shape)}"
+                    )
+
+
+def load_trainer(
+    load_url: str,
+    role: str,
+    iteration: int,
+    model: torch.nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    ema_model: Optional[torch.nn.Module] = None,
+) -> dict:
+    """Load a trainer checkpoint INTO ``model`` (strict), ``optimizer`` (skipped when None) and
+    ``ema_model`` and return the saved ``extra``. Raises CheckpointLoadError naming the path when
+    the directory is missing, incomplete or corrupt."""
+    d = trainer_dir(load_url, role, iteration)
+    marker = _read_marker(d)
+    _check_files(d, marker)
+
+    state_url = storage.join(d, STATE_NAME)
+    try:
+        data = storage.read_bytes(state_url)
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointLoadError(f"{state_url}: cannot read ({_one_line(exc)})") from None
+    digest = marker.get("trainer_state_sha256")
+    if digest and hashlib.sha256(data).hexdigest() != digest:
+        raise CheckpointLoadError(f"{state_url}: corrupt (sha256 differs from the one recorded at save)")
+    try:
+        state = _torch_load(data)
+        if not isinstance(state, dict) or "optimizer" not in state:
+            raise ValueError("no optimizer entry")
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointLoadError(f"{state_url}: corrupt trainer state ({_one_line(exc)})") from None
+
+    _load_weights(storage.join(d, "model"), model)
+    if ema_model is not None:
+        if not marker.get("has_ema"):
+            raise CheckpointLoadError(f"{d}: checkpoint has no ema/ weights but an EMA model was given")
+        _load_weights(storage.join(d, "ema"), ema_model)
+    if optimizer is not None:
+        _load_optimizer(state_url, optimizer, state["optimizer"])
+    return dict(state.get("extra") or {})
+
+
+# ---- tracker ----------------------------------------------------------------------------------
+
+def write_tracker(save_url: str, iteration: int, roles: Optional[Iterable[str]] = None) -> None:
+    """Record ``iteration`` as the run's latest checkpoint (atomic). Call it from the driver after
+    every trainer's save_trainer returned; with ``roles`` it first checks each one's marker."""
+    if roles is not None:
+        for role in roles:
+            url = _complete_url(save_url, role, iteration)
+            if not storage.exists(url):
+                raise CheckpointLoadError(f"{url}: missing; not recording iteration {iteration} as checkpointed")
+    storage.write_text(tracker_url(save_url), f"{int(iteration)}\n")
+
+
+def read_tracker(load_url: str) -> Optional[int]:
+    """The latest checkpointed iteration, or None for a fresh start (no save dir or no tracker)."""
+    url = tracker_url(load_url)
+    try:
+        if not storage.exists(url):
+            return None
+        text = storage.read_text(url).strip()
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointLoadError(f"{url}: cannot read tracker ({_one_line(exc)})") from None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise CheckpointLoadError(f"{url}: tracker must hold a non-negative integer (got {text[:40]!r})")
+    return value
+
+
+def validate_resume(load_url: str, roles: Iterable[str]) -> Optional[int]:
+    """Cheap pre-flight check before any actor starts: the tracker's iteration (None: fresh start)
+    after checking that every role has a complete checkpoint there."""
+    iteration = read_tracker(load_url)
+    if iteration is None:
+        return None
+    for role in roles:
+        _read_marker(trainer_dir(load_url, role, iteration))
+    return iteration

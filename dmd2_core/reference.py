@@ -1,0 +1,103 @@
+"""The plain DMD2 reference loop: one process, no Ray, no Prefect, whole batches.
+
+It runs the same iteration as the trainer groups with the same dmd2_core functions and the same
+random streams, so it is both the cross-check of the distributed path (same weights after N
+iterations) and the baseline of the orchestration-overhead benchmark.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+from dmd2_core import dmd2
+from dmd2_core import flow_matching as fm
+from dmd2_core.args import Args
+from dmd2_core.data import load_prompt_set
+from dmd2_core.losses import dmd2_loss, flow_matching_loss
+from dmd2_core.models import load_checkpoint
+
+
+def _adamw(model, args: Args, lr: float):
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(args.adam_beta1, args.adam_beta2),
+                             weight_decay=args.weight_decay)
+
+
+def _step(model, optimizer, clip: float) -> float:
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf")).item()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+class ReferenceLoop:
+    def __init__(self, args: Args):
+        torch.set_num_threads(args.torch_threads)
+        teacher = load_checkpoint(args.hf_checkpoint)
+        self.args = args.model_copy(update={"dmd2_shift": args.dmd2_shift or teacher.shift})
+        self.family = teacher.family
+        self.teacher = teacher.model.requires_grad_(False).eval()
+        self.student = load_checkpoint(args.hf_checkpoint).model
+        self.critic = load_checkpoint(args.critic_hf_checkpoint or args.hf_checkpoint).model
+        self.student_opt = _adamw(self.student, args, args.lr)
+        self.critic_opt = _adamw(self.critic, args, args.critic_lr or args.lr)
+        self.ema = copy.deepcopy(self.student).requires_grad_(False) if args.ema_decay else None
+        self.prompts = load_prompt_set(args.prompts)
+        self.shape = self.family.sample_shape(self.student, args.latent_shape)
+
+    def cond(self, prompt_index):
+        return self.prompts.cond(prompt_index)
+
+    def iterate(self, iteration: int) -> dict:
+        args, family, everything = self.args, self.family, slice(None)
+        start = time.perf_counter()
+        plan = dmd2.plan_rollout(args, iteration, len(self.prompts), self.shape)
+        pairs = dmd2.rollout_pairs(family, self.student, self.cond, plan, everything)
+        x0, cond = pairs["x0"], self.cond(pairs["prompt_index"])
+        uncond = self.prompts.uncond(x0.shape[0]) if args.dmd2_guidance_scale != 1.0 else None
+        shape = tuple(x0.shape)
+
+        def scores_at(stream, v_fake=None, noisy=None):
+            sigma, noise = noisy or dmd2.noisy_inputs(args, iteration, stream, shape, everything)
+            x_t = fm.add_noise(x0, noise, sigma)
+            return dmd2.score(family, self.teacher, self.critic, x0, x_t, sigma, cond, uncond,
+                              args.dmd2_guidance_scale, v_fake=v_fake)
+
+        scores = None
+        last = args.dmd2_update_ratio - 1
+        for step in range(args.dmd2_update_ratio):
+            if step == last and args.dmd2_critic_scoring == "original":
+                scores = scores_at(dmd2.SCORING_STREAM)
+            sigma, noise = dmd2.noisy_inputs(args, iteration, dmd2.critic_stream(step), shape, everything)
+            x_t = fm.add_noise(x0, noise, sigma)
+            v = family.predict_velocity(self.critic, x_t, sigma, cond)
+            critic_loss = flow_matching_loss(v, noise, x0)
+            critic_loss.backward()
+            if step == last and args.dmd2_critic_scoring == "fused":
+                scores = scores_at(None, v_fake=v, noisy=(sigma, noise))
+            critic_norm = _step(self.critic, self.critic_opt, args.clip_grad)
+
+        v = family.predict_velocity(self.student, pairs["x_t"], pairs["sigma"], cond)
+        x0_graded = fm.velocity_to_x0(pairs["x_t"], v, pairs["sigma"])
+        loss = dmd2_loss(x0_graded, scores["grad"])
+        loss.backward()
+        student_norm = _step(self.student, self.student_opt, args.clip_grad)
+        if self.ema is not None:
+            with torch.no_grad():
+                for e, p in zip(self.ema.parameters(), self.student.parameters()):
+                    e.lerp_(p, 1.0 - args.ema_decay)
+        return {"iteration": iteration, "stop_step": plan.stop_step, "critic_loss": critic_loss.item(),
+                "critic_grad_norm": critic_norm, "dmd2_loss": loss.item(), "actor_grad_norm": student_norm,
+                "iteration_s": time.perf_counter() - start}
+
+    def run(self, num_iterations: int, first: int = 1) -> list[dict]:
+        return [self.iterate(i) for i in range(first, first + num_iterations)]
+
+    def sample(self, prompt_index, seed: int) -> torch.Tensor:
+        """K-step samples (EMA weights when kept), the same noise as Trainer.sample."""
+        model = self.ema if self.ema is not None else self.student
+        return dmd2.eval_samples(self.family, model, self.cond(torch.as_tensor(prompt_index)),
+                                 (len(prompt_index), *self.shape), seed, self.args.dmd2_student_steps,
+                                 self.args.dmd2_shift)

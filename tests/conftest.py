@@ -1,0 +1,117 @@
+"""Shared fixtures: process environment for tests, and an S3 store (moto) on loopback.
+
+The S3 endpoint is published through AWS_ENDPOINT_URL (see dmd2_core/storage.py), so s3fs in this
+process, boto3, and any child process (Ray workers, Prefect subprocesses) all reach the moto server
+without further configuration.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+
+import pytest
+import torch
+
+
+def _set_env(monkeypatch_env: dict, values: dict) -> None:
+    for key, value in values.items():
+        monkeypatch_env.setdefault(key, os.environ.get(key))
+        os.environ[key] = value
+
+
+def _restore_env(saved: dict) -> None:
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _test_environment(tmp_path_factory):
+    """Quiet, local, single-threaded settings every test and child process inherits."""
+    saved: dict = {}
+    _set_env(saved, {
+        "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+        "DMD2_CACHE_DIR": str(tmp_path_factory.mktemp("dmd2-cache")),
+    })
+    torch.set_num_threads(1)
+    yield
+    _restore_env(saved)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A moto S3 server on 127.0.0.1 (free port) for the whole session; yields its endpoint URL.
+    AWS_* variables point every S3 client at it until the session ends."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    saved: dict = {}
+    _set_env(saved, {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": endpoint,
+    })
+    for key in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL_S3"):
+        saved.setdefault(key, os.environ.pop(key, None))
+    try:
+        yield endpoint
+    finally:
+        server.stop()
+        _restore_env(saved)
+
+
+@pytest.fixture
+def s3_bucket(s3_server) -> str:
+    """A fresh, empty bucket on the moto server, as 's3://name'."""
+    import boto3
+
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").create_bucket(Bucket=name)
+    return f"s3://{name}"
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher(tmp_path_factory) -> str:
+    """An untrained tiny SD3 digits model saved as a teacher checkpoint (seeded, so every test
+    session builds the same weights)."""
+    from dmd2_core.models import save_checkpoint
+    from dmd2_core.models.sd3 import SD3ImageFamily, tiny_digits_config
+
+    torch.manual_seed(0)
+    model = SD3ImageFamily().build(tiny_digits_config())
+    url = str(tmp_path_factory.mktemp("tiny-teacher") / "teacher")
+    save_checkpoint(model, url, shift=3.0)
+    return url
+
+
+@pytest.fixture(scope="session")
+def ray_session(s3_server):
+    """One local Ray for the whole session with 4 stand-in devices ('dmd2_device'), started after
+    the S3 endpoint is in the environment so workers inherit it."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(namespace="dmd2-tests", resources={"dmd2_device": 4.0}, include_dashboard=False,
+                 log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def tiny_args(teacher: str, save: str, **overrides):
+    from dmd2_core.args import load_args
+
+    values = dict(hf_checkpoint=teacher, prompts="digits", save=save, global_batch_size=8,
+                  micro_batch_size=8, num_devices=1, dmd2_update_ratio=2, seed=3, dmd2_guidance_scale=2.0)
+    values.update(overrides)
+    return load_args(None, values)

@@ -1,0 +1,324 @@
+"""Model and trainer checkpoints through local paths and S3 (moto), the run tracker, and errors."""
+
+from __future__ import annotations
+
+import json
+import re
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dmd2_core import checkpoint as ckpt
+from dmd2_core import storage
+from dmd2_core.checkpoint import CheckpointLoadError
+from dmd2_core.models import CheckpointError, describe_checkpoint, load_checkpoint, save_checkpoint
+from dmd2_core.models.sd3 import SD3ImageFamily, tiny_digits_config
+
+FAMILY = SD3ImageFamily()
+SHIFT = 2.5
+
+
+@pytest.fixture(params=["local", "s3"])
+def root(request, tmp_path) -> str:
+    """A storage root: a local directory, or a fresh bucket on the moto server."""
+    if request.param == "local":
+        return str(tmp_path / "store")
+    return request.getfixturevalue("s3_bucket") + "/run"
+
+
+def _model(seed: int = 0, **overrides) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return FAMILY.build({**tiny_digits_config(), **overrides})
+
+
+def _batch(seed: int = 1, n: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 1, 8, 8, generator=g)
+    cond = {"prompt_embeds": torch.randn(n, 5, 32, generator=g), "pooled_prompt_embeds": torch.randn(n, 32, generator=g)}
+    sigma = torch.rand(n, generator=g)
+    return x, sigma, cond
+
+
+def _out(model, seed: int = 1) -> torch.Tensor:
+    x, sigma, cond = _batch(seed)
+    with torch.no_grad():
+        return FAMILY.predict_velocity(model, x, sigma, cond)
+
+
+def _optimizer(model) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.0, 0.999), weight_decay=0.01)
+
+
+def _step(model, optimizer, seed: int) -> None:
+    x, sigma, cond = _batch(seed)
+    optimizer.zero_grad(set_to_none=True)
+    loss = FAMILY.predict_velocity(model, x, sigma, cond).square().mean()
+    loss.backward()
+    optimizer.step()
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def _assert_same_optimizer(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    assert sa["state"].keys() == sb["state"].keys() and len(sa["state"]) > 0
+    for idx in sa["state"]:
+        assert sa["state"][idx].keys() == sb["state"][idx].keys()
+        for k, v in sa["state"][idx].items():
+            assert torch.equal(v, sb["state"][idx][k]), (idx, k)
+
+
+def _local_path(url: str) -> Path:
+    return Path(storage.filesystem(url)[1])
+
+
+# ---- model checkpoints ------------------------------------------------------------------------
+
+def test_model_round_trip(root):
+    model = _model()
+    url = storage.join(root, "teacher")
+    save_checkpoint(model, url, shift=SHIFT)
+
+    info = describe_checkpoint(url)
+    assert info["family"] == "SD3Transformer2DModel"
+    assert info["shift"] == SHIFT
+    assert info["transformer_url"] == storage.join(url, "transformer")
+    assert info["vae_url"] is None
+
+    loaded = load_checkpoint(url)
+    assert loaded.shift == SHIFT and loaded.family.class_name == "SD3Transformer2DModel"
+    _assert_same_state(model.state_dict(), loaded.model.state_dict())
+    assert torch.equal(_out(model), _out(loaded.model))
+
+
+def test_describe_checkpoint_errors(tmp_path, s3_bucket):
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(CheckpointError, match=re.escape(str(tmp_path))):
+        describe_checkpoint(str(tmp_path))
+    missing = s3_bucket + "/nothing/here"
+    with pytest.raises(CheckpointError, match=re.escape(missing)):
+        describe_checkpoint(missing)
+    with pytest.raises(CheckpointError, match=re.escape("hf_checkpoint")):
+        describe_checkpoint("")
+
+
+def test_child_process_inherits_s3_endpoint(s3_bucket):
+    """Ray workers are child processes: the AWS_* environment alone must reach the same store."""
+    url = s3_bucket + "/hello.txt"
+    storage.write_text(url, "from the parent")
+    code = f"from dmd2_core import storage; print(storage.read_text({url!r}))"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "from the parent"
+
+
+# ---- trainer checkpoints ----------------------------------------------------------------------
+
+def test_trainer_round_trip_is_exact(root):
+    model, ema = _model(0), _model(0)
+    opt = _optimizer(model)
+    for i in range(2):
+        _step(model, opt, seed=10 + i)
+    with torch.no_grad():
+        for pe, p in zip(ema.parameters(), model.parameters()):
+            pe.lerp_(p, 0.1)
+    extra = {"iteration": 7, "student_steps": 2, "rng": torch.get_rng_state(), "note": "x"}
+
+    d = ckpt.save_trainer(root, "student", 7, model, opt, SHIFT, ema_model=ema, extra=extra)
+    assert d == ckpt.trainer_dir(root, "student", 7)
+    assert d.endswith("trainers/student/iter_0000007")
+    marker = json.loads(storage.read_text(storage.join(d, "complete.json")))
+    assert "trainer_state.pt" in marker["files"] and marker["has_ema"]
+    assert any(f.startswith("model/transformer/") and f.endswith(".safetensors") for f in marker["files"])
+    assert describe_checkpoint(storage.join(d, "model"))["shift"] == SHIFT
+
+    model2, ema2 = _model(123), _model(456)  # different initial weights
+    opt2 = _optimizer(model2)
+    opt2.param_groups[0]["lr"] = 5.0  # the saved value must win
+    got = ckpt.load_trainer(root, "student", 7, model2, opt2, ema_model=ema2)
+
+    assert got["iteration"] == 7 and got["student_steps"] == 2 and got["note"] == "x"
+    assert torch.equal(got["rng"], extra["rng"])
+    _assert_same_state(model.state_dict(), model2.state_dict())
+    _assert_same_state(ema.state_dict(), ema2.state_dict())
+    _assert_same_optimizer(opt, opt2)
+    assert opt2.param_groups[0]["lr"] == 1e-3
+
+    _step(model, opt, seed=99)
+    _step(model2, opt2, seed=99)
+    _assert_same_state(model.state_dict(), model2.state_dict())
+    _assert_same_optimizer(opt, opt2)
+
+
+def test_save_over_existing_iteration_replaces_it(tmp_path):
+    root = str(tmp_path)
+    first = _model(0)
+    d = ckpt.save_trainer(root, "critic", 3, first, _optimizer(first), SHIFT, ema_model=_model(1))
+    stale = _local_path(d) / "model" / "transformer" / "stale.bin"
+    stale.write_bytes(b"old")
+
+    second = _model(5)
+    opt = _optimizer(second)
+    _step(second, opt, seed=3)
+    ckpt.save_trainer(root, "critic", 3, second, opt, SHIFT, extra={"iteration": 3})
+    assert not stale.exists()
+    marker = json.loads((_local_path(d) / "complete.json").read_text())
+    assert not marker["has_ema"] and not any(f.startswith("ema/") for f in marker["files"])
+
+    fresh = _model(9)
+    fresh_opt = _optimizer(fresh)
+    assert ckpt.load_trainer(root, "critic", 3, fresh, fresh_opt) == {"iteration": 3}
+    _assert_same_state(second.state_dict(), fresh.state_dict())
+    _assert_same_optimizer(opt, fresh_opt)
+    with pytest.raises(CheckpointLoadError, match=re.escape("no ema")):
+        ckpt.load_trainer(root, "critic", 3, _model(9), None, ema_model=_model(9))
+
+
+def test_extra_must_survive_weights_only_load(tmp_path):
+    model = _model()
+    with pytest.raises(ValueError, match=re.escape("extra")):
+        ckpt.save_trainer(str(tmp_path), "student", 1, model, _optimizer(model), SHIFT, extra={"bad": object()})
+    assert not (tmp_path / "trainers").exists()
+
+
+# ---- tracker and resume -----------------------------------------------------------------------
+
+def test_tracker(root):
+    assert ckpt.read_tracker(root) is None  # the save dir does not even exist yet
+    ckpt.write_tracker(root, 4)
+    assert ckpt.read_tracker(root) == 4
+    ckpt.write_tracker(root, 12)
+    assert ckpt.read_tracker(root) == 12
+    assert ckpt.validate_resume(storage.join(root, "elsewhere"), ["student"]) is None
+
+    storage.write_text(ckpt.tracker_url(root), "twelve\n")
+    with pytest.raises(CheckpointLoadError, match=re.escape("latest_checkpointed_iteration.txt")):
+        ckpt.read_tracker(root)
+    with pytest.raises(CheckpointLoadError, match=re.escape("latest_checkpointed_iteration.txt")):
+        ckpt.validate_resume(root, ["student"])
+
+
+def _save_all(root, iteration, trainers) -> None:
+    """The driver's rule: every trainer saves; only then does the tracker move."""
+    for role, (model, opt) in trainers.items():
+        ckpt.save_trainer(root, role, iteration, model, opt, SHIFT, extra={"iteration": iteration})
+    ckpt.write_tracker(root, iteration, roles=list(trainers))
+
+
+def test_crash_during_save_keeps_tracker(root, monkeypatch):
+    trainers = {}
+    for role, seed in (("student", 0), ("critic", 1)):
+        model = _model(seed)
+        trainers[role] = (model, _optimizer(model))
+    _save_all(root, 1, trainers)
+    assert ckpt.validate_resume(root, trainers) == 1
+
+    real_write = storage.write_bytes
+
+    def crashing_write(url, data):
+        if "/trainers/critic/iter_0000002/" in url and url.endswith("trainer_state.pt"):
+            raise OSError("simulated crash while saving the critic")
+        real_write(url, data)
+
+    monkeypatch.setattr(storage, "write_bytes", crashing_write)
+    with pytest.raises(OSError, match=re.escape("simulated crash")):
+        _save_all(root, 2, trainers)
+    monkeypatch.setattr(storage, "write_bytes", real_write)
+
+    assert ckpt.read_tracker(root) == 1
+    assert ckpt.validate_resume(root, trainers) == 1
+    critic_dir = ckpt.trainer_dir(root, "critic", 2)
+    assert storage.exists(storage.join(critic_dir, "model", "transformer", "config.json"))  # half written
+    with pytest.raises(CheckpointLoadError, match=re.escape(f"{critic_dir}: incomplete")):
+        ckpt.load_trainer(root, "critic", 2, _model(0), None)
+    ckpt.load_trainer(root, "student", 2, _model(0), None)  # the student's save did finish
+
+    with pytest.raises(CheckpointLoadError, match=re.escape(f"{critic_dir}/complete.json: missing")):
+        ckpt.write_tracker(root, 2, roles=list(trainers))
+    assert ckpt.read_tracker(root) == 1
+
+    ckpt.write_tracker(root, 2)  # a tracker that runs ahead of the checkpoints it names
+    with pytest.raises(CheckpointLoadError, match=re.escape(f"{critic_dir}: incomplete")):
+        ckpt.validate_resume(root, trainers)
+    with pytest.raises(CheckpointLoadError, match=re.escape(ckpt.trainer_dir(root, "ema_student", 2))):
+        ckpt.validate_resume(root, ["student", "ema_student"])
+
+
+# ---- corrupt and missing checkpoints ----------------------------------------------------------
+
+def _saved(root, role="student", iteration=1):
+    model = _model(0)
+    opt = _optimizer(model)
+    _step(model, opt, seed=4)
+    return ckpt.save_trainer(root, role, iteration, model, opt, SHIFT)
+
+
+def _weights_url(d: str) -> str:
+    return storage.join(d, "model", "transformer", "diffusion_pytorch_model.safetensors")
+
+
+def _fresh():
+    model = _model(3)
+    return model, _optimizer(model)
+
+
+def test_missing_checkpoint(root):
+    d = ckpt.trainer_dir(root, "student", 5)
+    with pytest.raises(CheckpointLoadError, match=re.escape(f"{d}: checkpoint directory does not exist")):
+        ckpt.load_trainer(root, "student", 5, *_fresh())
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garble"])
+@pytest.mark.parametrize("target", ["weights", "state"])
+def test_corrupt_checkpoint(tmp_path, damage, target):
+    root = str(tmp_path)
+    d = _saved(root)
+    url = _weights_url(d) if target == "weights" else storage.join(d, "trainer_state.pt")
+    data = storage.read_bytes(url)
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:  # same size: the listing's sizes agree, the content does not
+        data = b"\xff" * 64 + data[64:]
+    storage.write_bytes(url, data)
+    with pytest.raises(CheckpointLoadError, match=re.escape(url)) as info:
+        ckpt.load_trainer(root, "student", 1, *_fresh())
+    assert "corrupt" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_corrupt_checkpoint_on_s3(s3_bucket):
+    root = s3_bucket + "/run"
+    d = _saved(root)
+    url = _weights_url(d)
+    storage.write_bytes(url, storage.read_bytes(url)[:100])
+    with pytest.raises(CheckpointLoadError, match=re.escape(f"{url}: corrupt")):
+        ckpt.load_trainer(root, "student", 1, *_fresh())
+    storage.remove(url)
+    with pytest.raises(CheckpointLoadError, match=re.escape(f"{url}: missing")):
+        ckpt.load_trainer(root, "student", 1, *_fresh())
+
+
+def test_unreadable_marker_and_mismatched_model(tmp_path):
+    root = str(tmp_path)
+    d = _saved(root)
+    with pytest.raises(CheckpointLoadError, match=re.escape(f"{d}/model/transformer: weights do not fit")):
+        ckpt.load_trainer(root, "student", 1, _model(0, num_layers=2), None)
+    other = _model(0, num_layers=2)
+    with pytest.raises(CheckpointLoadError, match=re.escape("trainer_state.pt: optimizer state does not fit")):
+        ckpt.load_trainer(root, "student", 1, _model(0), _optimizer(other))
+
+    storage.write_text(storage.join(d, "complete.json"), "{not json")
+    with pytest.raises(CheckpointLoadError, match=re.escape(f"{d}/complete.json: unreadable")):
+        ckpt.load_trainer(root, "student", 1, *_fresh())
+    ckpt.write_tracker(root, 1)
+    with pytest.raises(CheckpointLoadError, match=re.escape(f"{d}/complete.json: unreadable")):
+        ckpt.validate_resume(root, ["student"])

@@ -1,0 +1,200 @@
+"""Trainer groups on Ray: colocation, external data, the train-input hook, micro-batching,
+data parallelism, sleep/wake and checkpoints (local and S3)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dmd2_core import checkpoint
+from dmd2_core.args import ArgsError
+from dmd2_core.distill import DistillRun, preflight
+from dmd2_core.trainer import Trainer
+from dmd2_core.trainer_config import TrainerConfig, compute_trainer_args
+from tests.conftest import tiny_args
+
+
+def _trainers(args):
+    roles = preflight(args)
+    return {role: Trainer(a, role) for role, a in roles.items()}
+
+
+def _iterate_in_process(trainers, iteration):
+    pairs, _ = trainers["actor"].rollout(iteration)
+    scores, _ = trainers["critic"].train(iteration, pairs)
+    trainers["actor"].train(iteration, pairs, scores)
+
+
+def test_micro_batches_give_the_same_update_as_one_batch(tiny_teacher, tmp_path):
+    whole = _trainers(tiny_args(tiny_teacher, str(tmp_path / "a")))
+    micro = _trainers(tiny_args(tiny_teacher, str(tmp_path / "b"), micro_batch_size=3))
+    for i in (1, 2):
+        _iterate_in_process(whole, i)
+        _iterate_in_process(micro, i)
+    for role in ("actor", "critic"):
+        a, b = whole[role].weights(), micro[role].weights()
+        assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    # and training moved the weights at all (the comparison above is not vacuous)
+    fresh = _trainers(tiny_args(tiny_teacher, str(tmp_path / "c")))["actor"].weights()
+    assert max((fresh[k] - whole["actor"].weights()[k]).abs().max().item() for k in fresh) > 1e-6
+
+
+def test_sleep_and_wake_restore_state_bitwise(tiny_teacher, tmp_path):
+    trainers = _trainers(tiny_args(tiny_teacher, str(tmp_path), ema_decay=0.9))
+    _iterate_in_process(trainers, 1)
+    for trainer in trainers.values():
+        digest = trainer.state_digest()
+        assert trainer.device_bytes() > 0
+        out = trainer.sleep()
+        assert trainer.sleep()["sleep_s"] == 0.0  # idempotent
+        assert trainer.asleep and trainer.device_bytes() == 0
+        assert out["bytes_freed"] > 0
+        assert all(p.numel() == 0 for p in trainer.model.parameters())
+        trainer.wake_up()
+        trainer.wake_up()
+        assert trainer.state_digest() == digest
+    # a woken group trains on exactly as one that never slept
+    awake = _trainers(tiny_args(tiny_teacher, str(tmp_path / "awake"), ema_decay=0.9))
+    _iterate_in_process(awake, 1)
+    for t in trainers.values():
+        t.sleep()
+    _iterate_in_process(trainers, 2)
+    _iterate_in_process(awake, 2)
+    assert trainers["actor"].state_digest() == awake["actor"].state_digest()
+
+
+def test_hook_runs_before_micro_batching_and_shapes_the_update(tiny_teacher, tmp_path):
+    hooked = _trainers(tiny_args(tiny_teacher, str(tmp_path / "a"), global_batch_size=4, micro_batch_size=1,
+                                 train_input_hook_path="tests.hooks_fixture.require_whole_local_batch"))
+    _iterate_in_process(hooked, 1)  # the hook raises if it saw a micro-batch
+    zeroed = _trainers(tiny_args(tiny_teacher, str(tmp_path / "b"), global_batch_size=4, clip_grad=0,
+                                 train_input_hook_path="tests.hooks_fixture.zero_dmd2_gradient",
+                                 adam_beta1=0.9, weight_decay=0.0))
+    before = zeroed["actor"].weights()
+    _iterate_in_process(zeroed, 1)
+    after = zeroed["actor"].weights()
+    assert all(torch.equal(before[k], after[k]) for k in before), "a zero DMD gradient must not move the student"
+
+
+@pytest.mark.parametrize("path, needle", [
+    ("tests.hooks_fixture.zero_dmd2_gradiant", "did you mean 'zero_dmd2_gradient'"),
+    ("tests.hooks_fixture.wrong_signature", "must take (args, pairs, external_data)"),
+    ("no_such_module.hook", "cannot import module 'no_such_module'"),
+])
+def test_bad_hook_fails_in_preflight_with_the_path(tiny_teacher, tmp_path, path, needle):
+    with pytest.raises(ArgsError) as err:
+        DistillRun(tiny_args(tiny_teacher, str(tmp_path), train_input_hook_path=path))
+    assert "train_input_hook_path" in str(err.value) and needle in str(err.value)
+
+
+def test_two_colocated_groups_of_two_ranks(ray_session, tiny_teacher, tmp_path):
+    args = tiny_args(tiny_teacher, str(tmp_path), num_devices=2, run_name="dmd2-coloc")
+    run = DistillRun(args)
+    run.start()
+    try:
+        placements = []
+        for role, group in run.groups.items():
+            assert group.bundle_indices == [0, 1], role
+            placements += group.get([r.placement.remote() for r in group.ranks])
+        assert len(placements) == 4 and all(p["share"] == 0.5 for p in placements)
+        assert {p["placement_group"] for p in placements} == {run.pg.id.hex()}
+        metrics = run.iterate(1)
+        assert metrics["stop_step"] in range(4) and metrics["graded_x0_drift"] < 1e-5
+        # data parallel: both ranks hold identical weights after the update
+        digests = run.group_call("actor", "state_digest")
+        assert digests[0] == digests[1]
+    finally:
+        run.shutdown()
+
+
+def test_external_data_reaches_each_rank(ray_session, tiny_teacher, tmp_path):
+    from dmd2_core.groups import TrainerGroup, create_placement_group
+
+    args = tiny_args(tiny_teacher, str(tmp_path), num_devices=2, loss_type="flow_matching",
+                     train_input_hook_path="tests.hooks_fixture.record_external_data")
+    pg = create_placement_group(args, num_groups=1)
+    group = TrainerGroup(args, "actor", pg, share=1.0)
+    try:
+        pairs = [group.ranks[r].rollout.options(num_returns=2).remote(1)[0] for r in range(2)]
+        per_rank = [{"tag": torch.full((4,), 10 + r)} for r in range(2)]
+        group.get([m for _, m in group.train_async(1, pairs, per_rank)])
+        seen = sorted(p.name.split("-")[1] for p in (Path(args.save) / "seen").iterdir())
+        assert seen == ["10", "11"]
+        group.get([m for _, m in group.train_async(2, pairs, {"tag": torch.full((4,), 7)})])
+        assert sorted(p.name.split("-")[1] for p in (Path(args.save) / "seen").iterdir()).count("7") == 2
+        with pytest.raises(ValueError, match="3 external-data payloads for 2 ranks"):
+            group.train_async(3, pairs, [None] * 3)
+        with pytest.raises(ValueError, match="has 3 rows for 4 train pairs"):
+            group.get([m for _, m in group.train_async(3, pairs, {"tag": torch.full((3,), 7)})])
+    finally:
+        group.kill()
+        from dmd2_core.groups import shutdown_placement_group
+
+        shutdown_placement_group(pg)
+
+
+def test_two_ranks_give_the_same_update_as_one(ray_session, tiny_teacher, tmp_path):
+    weights = {}
+    for n in (1, 2):
+        run = DistillRun(tiny_args(tiny_teacher, str(tmp_path / str(n)), num_devices=n, run_name=f"dmd2-dp{n}"))
+        run.start()
+        try:
+            for i in (1, 2):
+                run.iterate(i)
+            weights[n] = run.group_call("actor", "weights")[0]
+        finally:
+            run.shutdown()
+    assert max((weights[1][k] - weights[2][k]).abs().max().item() for k in weights[1]) < 1e-5
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_save_kill_new_group_load_is_identical(ray_session, tiny_teacher, tmp_path, request, where):
+    save = str(tmp_path / "run") if where == "local" else request.getfixturevalue("s3_bucket") + "/run"
+    args = tiny_args(tiny_teacher, save, ema_decay=0.9, run_name=f"dmd2-resume-{where}")
+    run = DistillRun(args)
+    assert run.start() == 0
+    try:
+        for i in (1, 2):
+            run.iterate(i)
+        run.checkpoint(2)
+        digests = {role: run.group_call(role, "state_digest") for role in run.groups}
+    finally:
+        run.shutdown()
+    assert checkpoint.read_tracker(save) == 2
+    again = DistillRun(args)
+    assert again.start() == 2
+    try:
+        assert {role: again.group_call(role, "state_digest") for role in again.groups} == digests
+    finally:
+        again.shutdown()
+
+
+def test_crash_between_two_trainers_saves_keeps_the_tracker(ray_session, tiny_teacher, tmp_path):
+    import ray
+
+    from dmd2_core.distill import RayWorkError
+
+    save = str(tmp_path / "run")
+    run = DistillRun(tiny_args(tiny_teacher, save, run_name="dmd2-crash"))
+    run.start()
+    try:
+        run.iterate(1)
+        run.checkpoint(1)
+        run.iterate(2)
+        ray.kill(run.groups["actor"].ranks[0])  # the critic saves first, then the actor is gone
+        with pytest.raises(RayWorkError):
+            run.checkpoint(2)
+    finally:
+        run.shutdown()
+    assert checkpoint.read_tracker(save) == 1
+    assert (Path(checkpoint.trainer_dir(save, "critic", 2)) / "complete.json").exists()
+    assert not (Path(checkpoint.trainer_dir(save, "actor", 2)) / "complete.json").exists()
+
+
+def test_trainer_args_stay_role_agnostic(tiny_teacher, tmp_path):
+    args = tiny_args(tiny_teacher, str(tmp_path), critic_lr=3e-4)
+    critic = compute_trainer_args(args, TrainerConfig("critic", {"lr": 3e-4, "loss_type": "dmd2_critic"}))
+    trainer = Trainer(critic, "critic")
+    assert trainer.optimizer.param_groups[0]["lr"] == 3e-4 and trainer.teacher is not None
