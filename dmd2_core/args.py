@@ -210,9 +210,18 @@ class ArgParser(argparse.ArgumentParser):
         match = re.search(r"unrecognized arguments: (\S+)", message)
         if match:
             flag = match.group(1).split("=")[0]
-            known = [o for a in self._actions for o in a.option_strings]
+            known = _option_strings(self)
             message = f"unknown flag '{flag}'{nearest(flag, known)}"
         self.exit(2, f"error: {message}\n")
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    found = []
+    for action in parser._actions:
+        found += action.option_strings
+        for sub in (getattr(action, "choices", None) or {}).values() if isinstance(action, argparse._SubParsersAction) else ():
+            found += _option_strings(sub)
+    return found
 
 
 def add_arg_flags(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,38 @@
+# Two commands do all set-up on a fresh clone: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export RAY_ENABLE_UV_RUN_RUNTIME_ENV := 0
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
+export RAY_AUTH_MODE ?= disabled
+export PYTHONUNBUFFERED := 1
+
+.PHONY: demo test install teacher bench serve clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+teacher: $(STAMP)
+	$(PY) -m dmd2_core.teacher --save runs/teacher --reuse --table
+
+demo: $(STAMP)
+	$(PY) -m flows.demo
+
+# pytest exits 5 when it collects no test: that is a failure of the suite, reported as such.
+test: $(STAMP)
+	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
+
+bench: $(STAMP)
+	$(PY) bench/quality.py
+	$(PY) bench/overhead.py
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,46 @@
+"""`python -m dmd2_core` (console script `dmd2`): check a recipe, print each trainer's args."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+from dmd2_core.args import ArgParser, ArgsError, add_arg_flags, load_args, recipe_names
+from dmd2_core.trainer_config import compute_trainer_args, compute_trainer_configs
+
+
+def build_parser() -> ArgParser:
+    parser = ArgParser(prog="dmd2", description="DMD2 distillation of flow-matching diffusion models.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgParser)
+    check = sub.add_parser("check", help="validate a recipe with overrides and print each trainer's args")
+    check.add_argument("--recipe", required=True, help=f"recipe name ({', '.join(recipe_names())}) or YAML path")
+    check.add_argument("--deep", action="store_true", help="also check checkpoints, hooks and the resume point")
+    add_arg_flags(check)
+    sub.add_parser("recipes", help="list the recipes")
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        if ns.command == "recipes":
+            print("\n".join(recipe_names()))
+            return 0
+        overrides = {k: v for k, v in vars(ns).items() if k not in ("command", "recipe", "deep")}
+        args = load_args(ns.recipe, overrides)
+        if ns.deep:
+            from dmd2_core.distill import preflight
+
+            trainers = preflight(args)
+        else:
+            trainers = {cfg.role: compute_trainer_args(args, cfg) for cfg in compute_trainer_configs(args)}
+        print(json.dumps({role: a.model_dump() for role, a in trainers.items()}, indent=2))
+        return 0
+    except ValueError as exc:  # ArgsError, CheckpointError: one clear line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

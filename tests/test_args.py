@@ -1,0 +1,99 @@
+"""The argument model, recipes, the CLI and per-trainer args (stack PR 1/10)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from dmd2_core.args import ARG_NAMES, ArgsError, load_args
+from dmd2_core.trainer_config import TrainerConfig, compute_trainer_args, compute_trainer_configs
+
+STACK_FLAGS = ["hf_checkpoint", "load", "save", "lr", "seed", "num_iterations", "num_steps_per_rollout",
+               "global_batch_size", "micro_batch_size", "loss_type", "train_input_hook_path", "eval_interval",
+               "save_interval", "critic_hf_checkpoint", "critic_lr", "dmd2_student_steps", "dmd2_guidance_scale",
+               "dmd2_critic_scoring"]
+
+
+def test_every_stack_flag_exists():
+    assert set(STACK_FLAGS) <= set(ARG_NAMES)
+
+
+def test_actor_alone_by_default_without_overrides():
+    args = load_args(None, {"loss_type": "flow_matching"})
+    assert compute_trainer_configs(args) == [TrainerConfig("actor", {})]
+    assert compute_trainer_args(args, TrainerConfig("actor")).model_dump() == args.model_dump()
+
+
+def test_dmd2_synthesizes_the_critic_with_its_overrides():
+    args = load_args(None, {"hf_checkpoint": "s3://b/teacher", "save": "s3://b/run", "lr": 2e-5,
+                            "critic_lr": 4e-5, "dmd2_update_ratio": 5, "critic_train_input_hook_path": "pkg.mod.fn"})
+    roles = [c.role for c in compute_trainer_configs(args)]
+    assert roles == ["critic", "actor"]
+    critic = compute_trainer_args(args, compute_trainer_configs(args)[0])
+    assert critic.hf_checkpoint == "s3://b/teacher" and critic.teacher_checkpoint == "s3://b/teacher"
+    assert critic.lr == 4e-5 and critic.num_steps_per_rollout == 5 and critic.loss_type == "dmd2_critic"
+    assert critic.save == "s3://b/run" and critic.train_input_hook_path == "pkg.mod.fn"
+    own = load_args(None, {"hf_checkpoint": "t", "critic_hf_checkpoint": "c"})
+    own_critic = compute_trainer_args(own, compute_trainer_configs(own)[0])
+    assert own_critic.hf_checkpoint == "c" and own_critic.teacher_checkpoint == "t"
+    actor = compute_trainer_args(args, compute_trainer_configs(args)[1])
+    assert actor.lr == 2e-5 and actor.num_steps_per_rollout == 1
+
+
+def test_trainer_args_are_a_deep_copy():
+    args = load_args(None, {"eval_prompts": [1, 2]})
+    copy = compute_trainer_args(args, TrainerConfig("critic", {"lr": 1.0}))
+    copy.eval_prompts.append(3)
+    assert args.lr == 1e-4 and args.eval_prompts == [1, 2]
+
+
+def test_unknown_override_is_rejected_with_the_nearest_name():
+    with pytest.raises(ArgsError, match=r"unknown key 'lrr' in overrides of trainer 'critic'; did you mean 'lr'\?"):
+        compute_trainer_args(load_args(None), TrainerConfig("critic", {"lrr": 1.0}))
+
+
+@pytest.mark.parametrize("overrides, pattern", [
+    ({"micro_batch_sise": 4}, r"unknown key 'micro_batch_sise' in overrides; did you mean 'micro_batch_size'\?"),
+    ({"lr": "fast"}, r"invalid value for 'lr'.*valid number.*'fast'"),
+    ({"num_devices": 0}, r"invalid value for 'num_devices'.*greater than or equal to 1"),
+    ({"dmd2_critic_scoring": "orig"}, r"invalid value for 'dmd2_critic_scoring'.*'fused' or 'original'"),
+    ({"dmd2_min_sigma": 0.5, "dmd2_max_sigma": 0.4}, r"invalid value for 'dmd2_min_sigma'"),
+])
+def test_bad_values_fail_with_one_line_naming_the_key(overrides, pattern):
+    with pytest.raises(ArgsError, match=pattern) as err:
+        load_args(None, overrides)
+    assert "\n" not in str(err.value)
+
+
+def test_recipe_keys_are_checked(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("lr: 1.0e-4\nglobal_batch_sizee: 8\n")
+    with pytest.raises(ArgsError, match=r"unknown key 'global_batch_sizee' in recipe r.yaml; did you mean 'global_batch_size'"):
+        load_args(recipe)
+    with pytest.raises(ArgsError, match=r"recipe file not found"):
+        load_args(tmp_path / "missing.yaml")
+    recipe.write_text("lr: 3.0e-4\nseed: 4\n")
+    args = load_args(recipe, {"seed": 5})
+    assert (args.lr, args.seed) == (3e-4, 5)
+
+
+def _cli(*argv):
+    return subprocess.run([sys.executable, "-m", "dmd2_core", *argv], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_check_prints_each_trainers_args_and_fails_cleanly(tmp_path):
+    import json
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("hf_checkpoint: /models/teacher\nloss_type: dmd2\n")
+    ok = _cli("check", "--recipe", str(recipe), "--critic-lr", "3e-5", "--eval-prompts", "1", "2")
+    assert ok.returncode == 0, ok.stderr
+    trainers = json.loads(ok.stdout)
+    assert trainers["critic"]["lr"] == 3e-5 and trainers["actor"]["eval_prompts"] == [1, 2]
+    bad = _cli("check", "--recipe", str(recipe), "--lrr", "3")
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: unknown flag '--lrr'; did you mean '--lr'?"
+    bad = _cli("check", "--recipe", str(recipe), "--seed", "-1")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "'seed'" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    helptext = _cli("check", "--help").stdout
+    assert "dmd2 flags" in helptext and "--dmd2-critic-scoring" in helptext and "train flags" in helptext
