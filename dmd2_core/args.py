@@ -33,7 +33,7 @@ class Args(BaseModel):
     run_name: str = _f("dmd2", "run", "Name of the run, used for Ray namespaces and artifact keys.")
     seed: int = _f(0, "run", "Seed; every random draw of iteration i derives from (seed, i).", ge=0)
     num_iterations: int = _f(100, "run", "Number of DMD2 iterations (student updates).", ge=0)
-    save: str = _f("runs/dmd2", "run", "Storage URL of the run (path, file:// or s3://).")
+    save: Optional[str] = _f(None, "run", "Storage URL of the run (path, file:// or s3://); required.")
     load: Optional[str] = _f(None, "run", "Storage URL to resume from; defaults to `save`.")
     save_interval: int = _f(0, "run", "Checkpoint every N iterations (0: only at the end).", ge=0)
     ray_address: Optional[str] = _f(None, "run", "Address of an existing Ray cluster; unset starts a local Ray.")
@@ -51,7 +51,7 @@ class Args(BaseModel):
     hf_checkpoint: Optional[str] = _f(None, "model", "The teacher: a diffusers model directory (path or URL).")
     critic_hf_checkpoint: Optional[str] = _f(None, "model", "Fake-score initialisation; defaults to the teacher.")
     prompts: Optional[str] = _f(
-        None, "model", "Prompt-embedding set (safetensors) of training conditions; 'digits' for the built-in set."
+        None, "model", "Prompt-embedding set (safetensors URL) of training conditions, or 'digits'; required."
     )
 
     latent_shape: Optional[list[int]] = _f(

@@ -99,6 +99,7 @@ def save_trainer(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     shift: float,
+    scheduler: str = "FlowMatchEulerDiscreteScheduler",
     ema_model: Optional[torch.nn.Module] = None,
     extra: Optional[dict] = None,
 ) -> str:
@@ -115,9 +116,9 @@ def save_trainer(
     d = trainer_dir(save_url, role, iteration)
     storage.remove(storage.join(d, COMPLETE_NAME))
     storage.remove(d)
-    save_checkpoint(model, storage.join(d, "model"), shift)
+    save_checkpoint(model, storage.join(d, "model"), shift, scheduler=scheduler)
     if ema_model is not None:
-        save_checkpoint(ema_model, storage.join(d, "ema"), shift)
+        save_checkpoint(ema_model, storage.join(d, "ema"), shift, scheduler=scheduler)
     storage.write_bytes(storage.join(d, STATE_NAME), state)
 
     files = _listing(d)

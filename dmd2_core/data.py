@@ -64,8 +64,8 @@ def digits_prompt_set() -> PromptSet:
     )
 
 
-def load_prompt_set(url: Optional[str]) -> PromptSet:
-    if url is None or url == DIGITS:
+def load_prompt_set(url: str) -> PromptSet:
+    if url == DIGITS:
         return digits_prompt_set()
     from safetensors import safe_open
 

@@ -30,8 +30,11 @@ class RayWorkError(RuntimeError):
 def preflight(args: Args) -> dict[str, Args]:
     """Everything that can be checked before an actor starts: checkpoints, hooks, prompts and the
     resume point. Returns each trainer's args (shift resolved). Raises ArgsError / CheckpointError."""
-    if not args.hf_checkpoint:
-        raise ArgsError("hf_checkpoint is not set: point it at the teacher's diffusers model directory")
+    for key, what in (("hf_checkpoint", "the teacher's diffusers model directory"),
+                      ("prompts", "a prompt-embedding set (safetensors) or 'digits'"),
+                      ("save", "the run's storage URL")):
+        if not getattr(args, key):
+            raise ArgsError(f"{key} is not set: point it at {what}")
     teacher = describe_checkpoint(args.hf_checkpoint)
     if args.dmd2_shift is None:
         args = args.model_copy(update={"dmd2_shift": teacher["shift"]})
@@ -47,7 +50,7 @@ def preflight(args: Args) -> dict[str, Args]:
             flag = "critic_train_input_hook_path" if cfg.role == "critic" else "train_input_hook_path"
             load_hook(targs.train_input_hook_path, flag=flag)
         trainer_args[cfg.role] = targs
-    if args.prompts and args.prompts != "digits":
+    if args.prompts != "digits":
         from dmd2_core import storage
 
         if not storage.exists(args.prompts):

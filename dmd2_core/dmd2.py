@@ -110,7 +110,10 @@ def score(
 @torch.no_grad()
 def eval_samples(family: ModelFamily, model, cond: dict, shape: tuple[int, ...], seed: int,
                  num_steps: int, shift: float, device=None) -> torch.Tensor:
-    """Full K-step student samples for eval: the same seed gives the same noise every time."""
-    noise = rng.randn(shape, seed, 0, "eval/noise").to(device)
-    renoise = [rng.randn(shape, seed, 0, f"eval/renoise/{j}").to(device) for j in range(num_steps)]
+    """Full K-step student samples for eval. The noise is drawn as a diffusers pipeline with
+    FlowMatchLCMScheduler and ``torch.Generator().manual_seed(seed)`` draws it (the latents, then
+    one draw per step), so an exported student reproduces these samples with diffusers alone."""
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.randn(shape, generator=g).to(device)
+    renoise = [torch.randn(shape, generator=g).to(device) for _ in range(num_steps)]
     return student_sample(family, model, noise, cond, fm.student_sigmas(num_steps, shift), renoise)[1]

@@ -330,6 +330,8 @@ class Trainer:
         url = checkpoint.save_trainer(
             self.args.save, self.role, iteration, self.model, self.optimizer, self.shift,
             ema_model=self.ema, extra={"step": self.step, "iteration": iteration},
+            # a student ships with the scheduler of its own few-step sampler
+            scheduler="FlowMatchLCMScheduler" if self.args.loss_type == "dmd2" else "FlowMatchEulerDiscreteScheduler",
         )
         if was_asleep:
             self.sleep()

@@ -82,7 +82,7 @@ def load_checkpoint(url: str, device: str = "cpu", dtype: torch.dtype = torch.fl
     info = describe_checkpoint(url)
     family = FAMILIES[info["family"]]
     with storage.local_copy(info["transformer_url"]) as local:
-        model = family.model_class.from_pretrained(str(local), torch_dtype=dtype, low_cpu_mem_usage=False)
+        model = family.model_class.from_pretrained(str(local), torch_dtype=dtype)
     vae = None
     if with_vae and info["vae_url"]:
         vae = family.load_vae(info["vae_url"], dtype)
@@ -95,27 +95,29 @@ def save_checkpoint(
     url: str,
     shift: float,
     scheduler: str = "FlowMatchEulerDiscreteScheduler",
-    vae_url: Optional[str] = None,
+    vae: "torch.nn.Module | str | None" = None,
 ) -> None:
     """Save in diffusers format (safetensors) as a pipeline-style directory at any fsspec URL:
-    transformer/, scheduler/ and model_index.json, plus the VAE copied along."""
+    transformer/, scheduler/ and model_index.json, plus a VAE (a module, or a URL copied along)."""
+    import shutil
+
     import diffusers
 
     family = family_of(model)
     with storage.staged_dir(url) as tmp:
         model.save_pretrained(str(tmp / "transformer"), safe_serialization=True)
-        sched_cls = getattr(diffusers, scheduler)
-        sched_cls(shift=shift).save_pretrained(str(tmp / "scheduler"))
+        getattr(diffusers, scheduler)(shift=shift).save_pretrained(str(tmp / "scheduler"))
         index = {
             "_class_name": family.pipeline_class,
             "_diffusers_version": diffusers.__version__,
             "transformer": ["diffusers", family.class_name],
             "scheduler": ["diffusers", scheduler],
         }
-        if vae_url:
-            with storage.local_copy(vae_url) as vae_local:
-                import shutil
-
+        if isinstance(vae, str):
+            with storage.local_copy(vae) as vae_local:
                 shutil.copytree(vae_local, tmp / "vae")
+        elif vae is not None:
+            vae.save_pretrained(str(tmp / "vae"), safe_serialization=True)
+        if vae is not None:
             index["vae"] = ["diffusers", json.loads((tmp / "vae" / "config.json").read_text())["_class_name"]]
         (tmp / "model_index.json").write_text(json.dumps(index, indent=2))

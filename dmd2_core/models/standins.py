@@ -1,0 +1,85 @@
+"""Tiny stand-ins of real checkpoints, built from config with seeded random weights: the same
+diffusers classes and directory layout as a real SD3 image or Wan video checkpoint (transformer/,
+vae/, scheduler/, model_index.json) and a prompt set in the real embedding format. Tests and docs
+exercise the large-model recipes on them, since real weights cannot be downloaded here."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from dmd2_core import storage
+from dmd2_core.data import PromptSet
+from dmd2_core.models import FAMILIES, save_checkpoint
+
+TEXT_DIM = 32
+TEXT_TOKENS = 6
+LATENT_CHANNELS = 4
+
+
+def _sd3_transformer():
+    return FAMILIES["SD3Transformer2DModel"].build(dict(
+        sample_size=8, patch_size=2, in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS, num_layers=2,
+        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=TEXT_DIM, caption_projection_dim=32,
+        pooled_projection_dim=TEXT_DIM, pos_embed_max_size=8,
+    ))
+
+
+def _sd3_vae():
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS, block_out_channels=(8, 16),
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        norm_num_groups=4, layers_per_block=1, scaling_factor=1.5305, shift_factor=0.0609,
+    )
+
+
+def _wan_transformer():
+    return FAMILIES["WanTransformer3DModel"].build(dict(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=LATENT_CHANNELS,
+        out_channels=LATENT_CHANNELS, text_dim=TEXT_DIM, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=32,
+    ))
+
+
+def _wan_vae():
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan(
+        base_dim=8, z_dim=LATENT_CHANNELS, dim_mult=[1, 2], num_res_blocks=1, attn_scales=[],
+        temperal_downsample=[True], latents_mean=[0.0] * LATENT_CHANNELS, latents_std=[1.0] * LATENT_CHANNELS,
+    )
+
+
+STANDINS = {
+    "sd3": (_sd3_transformer, _sd3_vae, 3.0, True),
+    "wan": (_wan_transformer, _wan_vae, 5.0, False),
+}
+
+
+def build_standin(url: str, kind: str = "sd3", seed: int = 0) -> str:
+    """Write a stand-in checkpoint of ``kind`` ('sd3' image or 'wan' video) to ``url``."""
+    make_transformer, make_vae, shift, _ = STANDINS[kind]
+    torch.manual_seed(seed)
+    transformer, vae = make_transformer(), make_vae()
+    save_checkpoint(transformer, url, shift=shift, vae=vae)
+    return url
+
+
+def standin_prompt_set(kind: str = "sd3", num_prompts: int = 4, seed: int = 0) -> PromptSet:
+    """Random embeddings in the format the kind's text encoders produce (SD3: tokens + pooled)."""
+    g = torch.Generator().manual_seed(seed)
+    pooled = STANDINS[kind][3]
+    embeds = {"prompt_embeds": torch.randn(num_prompts + 1, TEXT_TOKENS, TEXT_DIM, generator=g)}
+    if pooled:
+        embeds["pooled_prompt_embeds"] = torch.randn(num_prompts + 1, TEXT_DIM, generator=g)
+    return PromptSet(
+        prompts=[f"stand-in prompt {i}" for i in range(num_prompts)],
+        embeds={k: v[:num_prompts] for k, v in embeds.items()},
+        negative={k: v[num_prompts:] for k, v in embeds.items()},
+    )
+
+
+def describe_standin(url: str) -> dict:
+    return json.loads(storage.read_text(storage.join(url, "model_index.json")))
