@@ -115,3 +115,12 @@ def tiny_args(teacher: str, save: str, **overrides):
                   micro_batch_size=8, num_devices=1, dmd2_update_ratio=2, seed=3, dmd2_guidance_scale=2.0)
     values.update(overrides)
     return load_args(None, values)
+
+
+@pytest.fixture(scope="session")
+def prefect_harness(s3_server):
+    """Prefect's test harness (a temporary database and server) for the whole session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

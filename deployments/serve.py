@@ -1,0 +1,107 @@
+"""Serve the dmd2 deployments from this process (no work pool needed):
+
+    python -m deployments.serve [--only tiny] [--limit N]
+
+Run it from the repository root against a Prefect server (PREFECT_API_URL); flow runs execute
+here, in subprocesses, so recipe paths such as runs/teacher resolve against the current directory.
+
+Deployments (flow ``dmd2``):
+
+- ``minimax-h3``: recipe minimax-h3, nightly at 02:00 (cron ``0 2 * * *``), one run at a time.
+  hf_checkpoint, prompts and save (which the recipe leaves to the deployment) come from
+  DMD2_MINIMAX_H3_HF_CHECKPOINT, DMD2_MINIMAX_H3_PROMPTS and DMD2_MINIMAX_H3_SAVE; serve warns
+  when one is missing from both. Skipped with a warning when the recipe file does not exist.
+- ``tiny``: recipe tiny (the digits demo), on demand: ``prefect deployment run dmd2/tiny``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from typing import Any, Optional
+
+from flows.dmd2 import dmd2  # sets the Prefect/Ray environment defaults first
+
+from dmd2_core.args import ArgsError, read_recipe, resolve_recipe
+
+NIGHTLY_CRON = "0 2 * * *"
+REQUIRED = ("hf_checkpoint", "prompts", "save")
+
+
+def _env_parameters(name: str) -> dict[str, str]:
+    prefix = "DMD2_" + name.upper().replace("-", "_") + "_"
+    return {k: os.environ[prefix + k.upper()] for k in REQUIRED if os.environ.get(prefix + k.upper())}
+
+
+def deployment_specs() -> list[dict[str, Any]]:
+    """What each deployment is: name, parameters, schedule and limits (the same as prefect.yaml)."""
+    return [
+        dict(name="minimax-h3", recipe="minimax-h3", cron=NIGHTLY_CRON, concurrency_limit=1,
+             description="Nightly DMD2 distillation of the minimax-h3 recipe.", tags=["dmd2", "nightly"]),
+        dict(name="tiny", recipe="tiny", cron=None, concurrency_limit=None,
+             description="DMD2 on the digits demo (CPU, a few minutes).", tags=["dmd2", "demo"]),
+    ]
+
+
+def build_deployments(only: Optional[list[str]] = None, warn=print) -> list:
+    deployments = []
+    for spec in deployment_specs():
+        if only and spec["name"] not in only:
+            continue
+        try:
+            resolve_recipe(spec["recipe"])
+            recipe = read_recipe(spec["recipe"])
+        except ArgsError as exc:
+            warn(f"warning: skipping deployment '{spec['name']}': {exc}")
+            continue
+        parameters: dict[str, Any] = {"recipe": spec["recipe"], **_env_parameters(spec["name"])}
+        missing = [k for k in REQUIRED if k not in parameters and not recipe.get(k)]
+        if missing:
+            warn(f"warning: deployment '{spec['name']}': {', '.join(missing)} set neither in recipe "
+                 f"{spec['recipe']} nor in the environment; its runs will fail until they are")
+        deployments.append(dmd2.to_deployment(
+            name=spec["name"],
+            cron=spec["cron"],
+            concurrency_limit=spec["concurrency_limit"],
+            parameters=parameters,
+            description=spec["description"],
+            tags=spec["tags"],
+            entrypoint_type=_module_path(),
+        ))
+    return deployments
+
+
+def _module_path():
+    # flows.dmd2.dmd2 imports from wherever the package is importable, independent of the cwd.
+    from prefect.types.entrypoint import EntrypointType
+
+    return EntrypointType.MODULE_PATH
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deployments.serve", description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="Serve only these deployments.")
+    parser.add_argument("--limit", type=int, default=None, help="Most flow runs at once (default unlimited).")
+    ns = parser.parse_args(argv)
+    if not os.environ.get("PREFECT_API_URL"):
+        from prefect.settings import PREFECT_API_URL
+
+        if not PREFECT_API_URL.value():
+            print("note: PREFECT_API_URL is not set; start a server (prefect server start) and point "
+                  "PREFECT_API_URL at it, or runs only live as long as this process", file=sys.stderr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        deployments = build_deployments(ns.only, warn=lambda m: print(m, file=sys.stderr))
+    if not deployments:
+        print("error: no deployment to serve", file=sys.stderr)
+        return 2
+    from prefect import serve
+
+    serve(*deployments, limit=ns.limit)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
