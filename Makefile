@@ -34,5 +34,10 @@ bench: $(STAMP)
 	$(PY) bench/quality.py
 	$(PY) bench/overhead.py
 
+# A local Prefect server on 127.0.0.1:4200 (unless PREFECT_API_URL points at one) and the serve
+# process; then, in another shell: prefect deployment run dmd2/tiny --watch
+serve: $(STAMP)
+	$(PY) -m deployments.serve --local-server 4200
+
 clean:
 	rm -rf runs .pytest_cache

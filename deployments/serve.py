@@ -1,6 +1,6 @@
 """Serve the dmd2 deployments from this process (no work pool needed):
 
-    python -m deployments.serve [--only tiny] [--limit N]
+    python -m deployments.serve [--only tiny] [--limit N] [--local-server]
 
 Run it from the repository root against a Prefect server (PREFECT_API_URL); flow runs execute
 here, in subprocesses, so recipe paths such as runs/teacher resolve against the current directory.
@@ -17,7 +17,9 @@ Deployments (flow ``dmd2``):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 import warnings
 from typing import Any, Optional
@@ -80,26 +82,74 @@ def _module_path():
     return EntrypointType.MODULE_PATH
 
 
+def configured_api_url() -> Optional[str]:
+    from prefect.settings import PREFECT_API_URL
+
+    return os.environ.get("PREFECT_API_URL") or PREFECT_API_URL.value()
+
+
+@contextlib.contextmanager
+def local_server(port: int = 4200, timeout_s: float = 120.0):
+    """A `prefect server start` on loopback for as long as the block runs; PREFECT_API_URL (and
+    the UI's) point at it meanwhile. The server is stopped with SIGTERM when the block exits."""
+    import subprocess
+    import time
+    import urllib.request
+
+    api = f"http://127.0.0.1:{port}/api"
+    os.environ.update(PREFECT_API_URL=api, PREFECT_UI_API_URL=api)
+    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                             "--port", str(port)], start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"prefect server exited with {proc.returncode} (is port {port} taken?)")
+            try:
+                with urllib.request.urlopen(f"{api}/health", timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"prefect server not up on {api} after {timeout_s:.0f}s") from None
+                time.sleep(0.5)
+        print(f"Prefect server: http://127.0.0.1:{port} (UI), PREFECT_API_URL={api}", file=sys.stderr)
+        from prefect.settings import PREFECT_API_URL, PREFECT_UI_API_URL, temporary_settings
+
+        # the environment reaches the flow-run subprocesses; this process read its settings at import
+        with temporary_settings(updates={PREFECT_API_URL: api, PREFECT_UI_API_URL: api}):
+            yield api
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deployments.serve", description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", metavar="NAME", help="Serve only these deployments.")
     parser.add_argument("--limit", type=int, default=None, help="Most flow runs at once (default unlimited).")
+    parser.add_argument("--local-server", type=int, nargs="?", const=4200, default=None, metavar="PORT",
+                        help="When no PREFECT_API_URL is configured, start a Prefect server on 127.0.0.1:PORT "
+                             "(default 4200) for as long as this process serves.")
     ns = parser.parse_args(argv)
-    if not os.environ.get("PREFECT_API_URL"):
-        from prefect.settings import PREFECT_API_URL
+    with contextlib.ExitStack() as stack:
+        if not configured_api_url():
+            if ns.local_server is not None:
+                stack.enter_context(local_server(ns.local_server))
+            else:
+                print("note: PREFECT_API_URL is not set; start a server (prefect server start) and point "
+                      "PREFECT_API_URL at it, or use --local-server", file=sys.stderr)
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            deployments = build_deployments(ns.only, warn=lambda m: print(m, file=sys.stderr))
+        if not deployments:
+            print("error: no deployment to serve", file=sys.stderr)
+            return 2
+        from prefect import serve
 
-        if not PREFECT_API_URL.value():
-            print("note: PREFECT_API_URL is not set; start a server (prefect server start) and point "
-                  "PREFECT_API_URL at it, or runs only live as long as this process", file=sys.stderr)
-    with warnings.catch_warnings():
-        warnings.simplefilter("default")
-        deployments = build_deployments(ns.only, warn=lambda m: print(m, file=sys.stderr))
-    if not deployments:
-        print("error: no deployment to serve", file=sys.stderr)
-        return 2
-    from prefect import serve
-
-    serve(*deployments, limit=ns.limit)
+        serve(*deployments, limit=ns.limit)
     return 0
 
 
