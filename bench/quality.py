@@ -96,9 +96,9 @@ def main() -> None:
     workers = [mp.get_context("spawn").Process(
         target=distill, args=(k, teacher, ns.minutes, ns.eval_every, ns.num_samples, ns.seed, guidance, queue))
         for k in (4, 1)]
-    for w in workers:
-        w.start()
     table = teacher_table(teacher, TEACHER_STEPS, ns.num_samples, ns.seed, guidance_scale=guidance)
+    for w in workers:  # one student per core, after the teacher's table so nothing shares a core
+        w.start()
     results = [queue.get() for _ in workers]
     for w in workers:
         w.join()

@@ -79,8 +79,6 @@ class Args(BaseModel):
     # --- dmd2 ----------------------------------------------------------------------------------
     critic_lr: Optional[float] = _f(None, "dmd2", "Critic (fake score) learning rate; defaults to lr.", gt=0)
     teacher_checkpoint: Optional[str] = _f(None, "dmd2", "The frozen teacher (real score); defaults to hf_checkpoint.")
-    critic_load: Optional[str] = _f(None, "dmd2", "Critic resume URL; defaults to the run's load.")
-    critic_save: Optional[str] = _f(None, "dmd2", "Critic save URL; defaults to the run's save.")
     critic_train_input_hook_path: Optional[str] = _f(None, "dmd2", "The critic group's train-input hook.")
     dmd2_update_ratio: int = _f(5, "dmd2", "Critic updates per student update (two time-scale rule).", ge=1)
     dmd2_student_steps: int = _f(4, "dmd2", "Student sampling steps K.", ge=1)

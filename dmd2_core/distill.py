@@ -55,8 +55,19 @@ def preflight(args: Args) -> dict[str, Args]:
 
         if not storage.exists(args.prompts):
             raise ArgsError(f"prompts: no prompt set at {args.prompts}")
-    checkpoint.validate_resume(args.load_url, list(trainer_args))
+    from dmd2_core.media import eval_prompt_indices, prompt_texts
+
+    eval_prompt_indices(args, len(prompt_texts(args.prompts)))
+    checkpoint.validate_resume(resume_url(args), list(trainer_args))
     return trainer_args
+
+
+def resume_url(args: Args) -> str:
+    """Where a (re)start resumes from: the run's own save once it has a checkpoint there (a retry
+    or a rerun continues the run), else ``load`` (a fine-tune from another run)."""
+    if args.save and checkpoint.read_tracker(args.save) is not None:
+        return args.save
+    return args.load_url
 
 
 class DistillRun:
@@ -83,10 +94,11 @@ class DistillRun:
             for index, (role, targs) in enumerate(self.trainer_args.items()):
                 offset = 0 if self.args.colocate else index * self.args.num_devices
                 self.groups[role] = TrainerGroup(targs, role, self.pg, share, bundle_offset=offset)
-            resumed = checkpoint.read_tracker(self.args.load_url)
+            source = resume_url(self.args)
+            resumed = checkpoint.read_tracker(source)
             if resumed is not None:
                 for group in self.groups.values():
-                    group.call("load", resumed)
+                    group.call("load", resumed, source)
         except Exception as exc:
             self.shutdown()
             raise _as_ray_error(exc) from exc

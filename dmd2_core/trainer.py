@@ -337,10 +337,11 @@ class Trainer:
             self.sleep()
         return url
 
-    def load(self, iteration: int) -> int:
+    def load(self, iteration: int, url: Optional[str] = None) -> int:
+        """Load this trainer's checkpoint of ``iteration`` from ``url`` (default: its load URL)."""
         self.wake_up()
         extra = checkpoint.load_trainer(
-            self.args.load_url, self.role, iteration, self.model, self.optimizer, ema_model=self.ema
+            url or self.args.load_url, self.role, iteration, self.model, self.optimizer, ema_model=self.ema
         )
         self.step = int(extra.get("step", 0))
         return self.step

@@ -25,8 +25,9 @@ def critic_overrides(args: Args) -> dict[str, Any]:
         "hf_checkpoint": args.critic_hf_checkpoint or args.hf_checkpoint,
         "teacher_checkpoint": args.teacher_checkpoint or args.hf_checkpoint,
         "lr": args.critic_lr or args.lr,
-        "load": args.critic_load or args.load,
-        "save": args.critic_save or args.save,
+        # one run, one storage URL: every trainer checkpoints under {save}/trainers/{role}/
+        "load": args.load,
+        "save": args.save,
         "num_steps_per_rollout": args.dmd2_update_ratio,
         "train_input_hook_path": args.critic_train_input_hook_path,
         "loss_type": "dmd2_critic",

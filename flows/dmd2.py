@@ -32,7 +32,6 @@ import torch  # noqa: E402
 from prefect import flow, get_run_logger  # noqa: E402
 
 from dmd2_core import checkpoint as ckpt  # noqa: E402
-from dmd2_core import media  # noqa: E402
 from dmd2_core import storage  # noqa: E402
 from dmd2_core.args import Args, ArgsError, load_args  # noqa: E402
 from dmd2_core.distill import DistillRun  # noqa: E402
@@ -126,8 +125,6 @@ def dmd2(
                         save=save, prompts=prompts, seed=seed)
     run = DistillRun(args)  # preflight: checkpoints, hooks, prompts, resume point; no actor yet
     args = run.args
-    if args.eval_interval > 0:
-        media.eval_prompt_indices(args, len(media.prompt_texts(args.prompts)))  # ArgsError if out of range
     torch.set_num_threads(args.torch_threads)  # the driver's own work (digits metrics)
     keys = artifacts.artifact_keys(_slug(recipe))
     run_id = registry.register(_run_id(), run)

@@ -67,13 +67,13 @@ def build_standin(url: str, kind: str = "sd3", seed: int = 0) -> str:
     return url
 
 
-def standin_prompt_set(kind: str = "sd3", num_prompts: int = 4, seed: int = 0) -> PromptSet:
+def standin_prompt_set(kind: str = "sd3", num_prompts: int = 4, seed: int = 0, dim: int = TEXT_DIM) -> PromptSet:
     """Random embeddings in the format the kind's text encoders produce (SD3: tokens + pooled)."""
     g = torch.Generator().manual_seed(seed)
     pooled = STANDINS[kind][3]
-    embeds = {"prompt_embeds": torch.randn(num_prompts + 1, TEXT_TOKENS, TEXT_DIM, generator=g)}
+    embeds = {"prompt_embeds": torch.randn(num_prompts + 1, TEXT_TOKENS, dim, generator=g)}
     if pooled:
-        embeds["pooled_prompt_embeds"] = torch.randn(num_prompts + 1, TEXT_DIM, generator=g)
+        embeds["pooled_prompt_embeds"] = torch.randn(num_prompts + 1, dim, generator=g)
     return PromptSet(
         prompts=[f"stand-in prompt {i}" for i in range(num_prompts)],
         embeds={k: v[:num_prompts] for k, v in embeds.items()},
