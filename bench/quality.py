@@ -50,11 +50,11 @@ def teacher_reference_features(teacher: str, num_samples: int, seed: int, guidan
 
 
 def distill(steps: int, teacher: str, minutes: float, eval_every: int, num_samples: int, seed: int,
-            guidance: float, out: mp.Queue) -> None:
+            guidance: float, ema_decay, out: mp.Queue) -> None:
     torch.set_num_threads(1)
     args = load_args("tiny", {
         "hf_checkpoint": teacher, "save": "runs/bench-quality", "dmd2_student_steps": steps,
-        "dmd2_guidance_scale": guidance, "seed": seed, "ema_decay": 0.99 if steps == 1 else None,
+        "dmd2_guidance_scale": guidance, "seed": seed, "ema_decay": ema_decay,
     })
     target = teacher_reference_features(teacher, num_samples, seed, guidance)
     loop = ReferenceLoop(args)
@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--num-samples", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--guidance", type=float, default=None, help="default: the tiny recipe's")
+    parser.add_argument("--ema", type=float, default=0.99, help="EMA decay of the students (0: none)")
     ns = parser.parse_args()
     torch.set_num_threads(1)
     start = time.perf_counter()
@@ -94,7 +95,8 @@ def main() -> None:
     guidance = ns.guidance if ns.guidance is not None else load_args("tiny").dmd2_guidance_scale
     queue: mp.Queue = mp.get_context("spawn").Queue()
     workers = [mp.get_context("spawn").Process(
-        target=distill, args=(k, teacher, ns.minutes, ns.eval_every, ns.num_samples, ns.seed, guidance, queue))
+        target=distill, args=(k, teacher, ns.minutes, ns.eval_every, ns.num_samples, ns.seed, guidance,
+                              ns.ema or None, queue))
         for k in (4, 1)]
     table = teacher_table(teacher, TEACHER_STEPS, ns.num_samples, ns.seed, guidance_scale=guidance)
     for w in workers:  # one student per core, after the teacher's table so nothing shares a core
@@ -109,6 +111,7 @@ def main() -> None:
         "iterations": {str(k): n for k, _, n, _, _ in results},
         "history": {str(k): h for k, _, _, h, _ in results},
         "guidance_scale": guidance,
+        "ema_decay": ns.ema or None,
         "wall_s": round(time.perf_counter() - start, 1),
     }))
 

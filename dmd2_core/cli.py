@@ -6,7 +6,7 @@ import json
 import sys
 from typing import Optional
 
-from dmd2_core.args import ArgParser, ArgsError, add_arg_flags, load_args, recipe_names
+from dmd2_core.args import ArgParser, add_arg_flags, load_args, recipe_names
 from dmd2_core.trainer_config import compute_trainer_args, compute_trainer_configs
 
 
@@ -18,6 +18,12 @@ def build_parser() -> ArgParser:
     check.add_argument("--deep", action="store_true", help="also check checkpoints, hooks and the resume point")
     add_arg_flags(check)
     sub.add_parser("recipes", help="list the recipes")
+    prep = sub.add_parser("prepare-prompts", help="encode a prompt list with the checkpoint's own text encoder")
+    prep.add_argument("--hf-checkpoint", required=True, help="diffusers pipeline directory (path or URL)")
+    prep.add_argument("--prompts-file", required=True, help="text file (path or URL), one prompt per line")
+    prep.add_argument("--out", required=True, help="where to write the prompt set (.safetensors, path or URL)")
+    prep.add_argument("--negative-prompt", default="", help="the unconditional prompt for guidance (default empty)")
+    prep.add_argument("--max-sequence-length", type=int, default=None, help="default: the pipeline's")
     return parser
 
 
@@ -26,6 +32,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         if ns.command == "recipes":
             print("\n".join(recipe_names()))
+            return 0
+        if ns.command == "prepare-prompts":
+            from dmd2_core.prompts import prepare_prompts, read_prompt_list
+
+            prompt_set = prepare_prompts(ns.hf_checkpoint, read_prompt_list(ns.prompts_file), ns.out,
+                                         ns.negative_prompt, ns.max_sequence_length)
+            shapes = {k: list(v.shape) for k, v in prompt_set.embeds.items()}
+            print(json.dumps({"out": ns.out, "prompts": len(prompt_set), "shapes": shapes}))
             return 0
         overrides = {k: v for k, v in vars(ns).items() if k not in ("command", "recipe", "deep")}
         args = load_args(ns.recipe, overrides)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import logging
 import time
 from statistics import fmean
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from dmd2_core import checkpoint
 from dmd2_core.args import Args, ArgsError
 from dmd2_core.hooks import load_hook
-from dmd2_core.models import CheckpointError, describe_checkpoint
+from dmd2_core.models import describe_checkpoint
 from dmd2_core.trainer_config import compute_trainer_args, compute_trainer_configs
 
 log = logging.getLogger("dmd2")
@@ -94,6 +94,8 @@ class DistillRun:
             for index, (role, targs) in enumerate(self.trainer_args.items()):
                 offset = 0 if self.args.colocate else index * self.args.num_devices
                 self.groups[role] = TrainerGroup(targs, role, self.pg, share, bundle_offset=offset)
+            for group in self.groups.values():
+                group.connect()
             source = resume_url(self.args)
             resumed = checkpoint.read_tracker(source)
             if resumed is not None:
@@ -107,6 +109,13 @@ class DistillRun:
         self.handoff = {}
         self.broken = False
         return self.start_iteration
+
+    def __enter__(self) -> "DistillRun":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def shutdown(self) -> None:
         from dmd2_core.groups import shutdown_placement_group

@@ -65,8 +65,13 @@ class TrainerGroup:
             ).remote(args, role, rank, n)
             for rank in range(n)
         ]
+
+    def connect(self) -> "TrainerGroup":
+        """Wait for the ranks and join them in one torch.distributed group. Separate from
+        construction so that several groups' actors start (load their models) at the same time."""
         addr, port = self.get(self.ranks[0].address.remote())
         self.get([r.init_process_group.remote(addr, port) for r in self.ranks])
+        return self
 
     def get(self, refs):
         return ray.get(refs, timeout=self.timeout)

@@ -16,7 +16,7 @@ import io
 import json
 import math
 import struct
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 import torch

@@ -103,16 +103,12 @@ def test_reference_loop_and_ray_groups_give_the_same_weights(ray_session, tiny_t
                      run_name=f"dmd2-ref-{scoring}")
     loop = ReferenceLoop(args)
     loop.run(3)
-    run = DistillRun(args)
-    run.start()
-    try:
+    with DistillRun(args) as run:
         for i in (1, 2, 3):
             run.iterate(i)
         actor = run.group_call("actor", "weights")[0]
         critic = run.group_call("critic", "weights")[0]
         samples = run.sample([0, 1, 2], seed=5)
-    finally:
-        run.shutdown()
     student = loop.student.state_dict()
     assert max((actor[k] - student[k]).abs().max().item() for k in actor) < 1e-6
     fake = loop.critic.state_dict()

@@ -3,7 +3,6 @@ Wan video), with VAE-decoded eval media, DMD2 metrics and a diffusers-loadable e
 
 from __future__ import annotations
 
-import io
 import json
 import re
 from pathlib import Path
@@ -105,14 +104,10 @@ def test_exported_student_loads_with_diffusers_and_reproduces_the_sampler(ray_se
     from tests.conftest import tiny_args
 
     save = str(tmp_path / "run")
-    run = DistillRun(tiny_args(tiny_teacher, save, run_name="dmd2-export"))
-    run.start()
-    try:
+    with DistillRun(tiny_args(tiny_teacher, save, run_name="dmd2-export")) as run:
         run.iterate(1)
         run.checkpoint(1)
         ours = run.sample([0, 1, 2], seed=11)
-    finally:
-        run.shutdown()
     code = _readme_sampler().replace('"runs/tiny/trainers/actor/iter_0000300/model"',
                                      repr(f"{save}/trainers/actor/iter_0000001/model"))
     namespace: dict = {}
@@ -123,3 +118,38 @@ def test_exported_student_loads_with_diffusers_and_reproduces_the_sampler(ray_se
     theirs = namespace["sample"](cond["prompt_embeds"], cond["pooled_prompt_embeds"], 11, (3, 1, 8, 8))
     torch.testing.assert_close(theirs.clamp(-1, 1), ours, atol=1e-5, rtol=0)
     assert type(namespace["scheduler"]).__name__ == "FlowMatchLCMScheduler"
+
+
+def test_prepare_prompts_uses_the_pipelines_own_text_encoder(tmp_path):
+    import subprocess
+    import sys
+
+    from diffusers import WanPipeline
+
+    from dmd2_core.data import load_prompt_set
+    from dmd2_core.trainer import Trainer
+    from dmd2_core.distill import preflight
+
+    url = build_standin(str(tmp_path / "wan"), "wan", with_text_encoder=True)
+    listing = tmp_path / "prompts.txt"
+    listing.write_text("a red cat running\n\na dog on the moon\n")
+    out = tmp_path / "prompts.safetensors"
+    cmd = [sys.executable, "-m", "dmd2_core", "prepare-prompts", "--hf-checkpoint", url,
+           "--prompts-file", str(listing), "--out", str(out), "--max-sequence-length", "8"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    prompts = load_prompt_set(str(out))
+    assert prompts.prompts == ["a red cat running", "a dog on the moon"]
+    pipe = WanPipeline.from_pretrained(url, transformer=None, vae=None)
+    expected, negative = pipe.encode_prompt(prompt=prompts.prompts, negative_prompt="", max_sequence_length=8)
+    torch.testing.assert_close(prompts.embeds["prompt_embeds"], expected)
+    torch.testing.assert_close(prompts.negative["prompt_embeds"], negative[:1])
+    # the set trains as it is: a rollout on the Wan stand-in with these conditions
+    args = load_args("minimax-h3", dict(CPU_OVERRIDES, hf_checkpoint=url, prompts=str(out), save=str(tmp_path / "run"),
+                                        latent_shape=[4, 3, 8, 8]))
+    pairs, _ = Trainer(preflight(args)["actor"], "actor").rollout(1)
+    assert pairs["x_t"].shape == (4, 4, 3, 8, 8)
+    # a checkpoint without a text encoder is a clear error naming it
+    bare = build_standin(str(tmp_path / "bare"), "wan")
+    failed = subprocess.run([*cmd[:5], bare, *cmd[6:]], capture_output=True, text=True, timeout=180)
+    assert failed.returncode == 2 and f"{bare}: the checkpoint has no text_encoder" in failed.stderr

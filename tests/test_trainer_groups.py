@@ -91,9 +91,7 @@ def test_bad_hook_fails_in_preflight_with_the_path(tiny_teacher, tmp_path, path,
 
 def test_two_colocated_groups_of_two_ranks(ray_session, tiny_teacher, tmp_path):
     args = tiny_args(tiny_teacher, str(tmp_path), num_devices=2, run_name="dmd2-coloc")
-    run = DistillRun(args)
-    run.start()
-    try:
+    with DistillRun(args) as run:
         placements = []
         for role, group in run.groups.items():
             assert group.bundle_indices == [0, 1], role
@@ -105,8 +103,6 @@ def test_two_colocated_groups_of_two_ranks(ray_session, tiny_teacher, tmp_path):
         # data parallel: both ranks hold identical weights after the update
         digests = run.group_call("actor", "state_digest")
         assert digests[0] == digests[1]
-    finally:
-        run.shutdown()
 
 
 def test_external_data_reaches_each_rank(ray_session, tiny_teacher, tmp_path):
@@ -115,7 +111,7 @@ def test_external_data_reaches_each_rank(ray_session, tiny_teacher, tmp_path):
     args = tiny_args(tiny_teacher, str(tmp_path), num_devices=2, loss_type="flow_matching",
                      train_input_hook_path="tests.hooks_fixture.record_external_data")
     pg = create_placement_group(args, num_groups=1)
-    group = TrainerGroup(args, "actor", pg, share=1.0)
+    group = TrainerGroup(args, "actor", pg, share=1.0).connect()
     try:
         pairs = [group.ranks[r].rollout.options(num_returns=2).remote(1)[0] for r in range(2)]
         per_rank = [{"tag": torch.full((4,), 10 + r)} for r in range(2)]
@@ -138,14 +134,10 @@ def test_external_data_reaches_each_rank(ray_session, tiny_teacher, tmp_path):
 def test_two_ranks_give_the_same_update_as_one(ray_session, tiny_teacher, tmp_path):
     weights = {}
     for n in (1, 2):
-        run = DistillRun(tiny_args(tiny_teacher, str(tmp_path / str(n)), num_devices=n, run_name=f"dmd2-dp{n}"))
-        run.start()
-        try:
+        with DistillRun(tiny_args(tiny_teacher, str(tmp_path / str(n)), num_devices=n, run_name=f"dmd2-dp{n}")) as run:
             for i in (1, 2):
                 run.iterate(i)
             weights[n] = run.group_call("actor", "weights")[0]
-        finally:
-            run.shutdown()
     assert max((weights[1][k] - weights[2][k]).abs().max().item() for k in weights[1]) < 1e-5
 
 
@@ -153,22 +145,16 @@ def test_two_ranks_give_the_same_update_as_one(ray_session, tiny_teacher, tmp_pa
 def test_save_kill_new_group_load_is_identical(ray_session, tiny_teacher, tmp_path, request, where):
     save = str(tmp_path / "run") if where == "local" else request.getfixturevalue("s3_bucket") + "/run"
     args = tiny_args(tiny_teacher, save, ema_decay=0.9, run_name=f"dmd2-resume-{where}")
-    run = DistillRun(args)
-    assert run.start() == 0
-    try:
+    with DistillRun(args) as run:
+        assert run.start_iteration == 0
         for i in (1, 2):
             run.iterate(i)
         run.checkpoint(2)
         digests = {role: run.group_call(role, "state_digest") for role in run.groups}
-    finally:
-        run.shutdown()
     assert checkpoint.read_tracker(save) == 2
-    again = DistillRun(args)
-    assert again.start() == 2
-    try:
+    with DistillRun(args) as again:  # new actors, loaded from the tracker
+        assert again.start_iteration == 2
         assert {role: again.group_call(role, "state_digest") for role in again.groups} == digests
-    finally:
-        again.shutdown()
 
 
 def test_crash_between_two_trainers_saves_keeps_the_tracker(ray_session, tiny_teacher, tmp_path):
@@ -177,17 +163,13 @@ def test_crash_between_two_trainers_saves_keeps_the_tracker(ray_session, tiny_te
     from dmd2_core.distill import RayWorkError
 
     save = str(tmp_path / "run")
-    run = DistillRun(tiny_args(tiny_teacher, save, run_name="dmd2-crash"))
-    run.start()
-    try:
+    with DistillRun(tiny_args(tiny_teacher, save, run_name="dmd2-crash")) as run:
         run.iterate(1)
         run.checkpoint(1)
         run.iterate(2)
         ray.kill(run.groups["actor"].ranks[0])  # the critic saves first, then the actor is gone
         with pytest.raises(RayWorkError):
             run.checkpoint(2)
-    finally:
-        run.shutdown()
     assert checkpoint.read_tracker(save) == 1
     assert (Path(checkpoint.trainer_dir(save, "critic", 2)) / "complete.json").exists()
     assert not (Path(checkpoint.trainer_dir(save, "actor", 2)) / "complete.json").exists()

@@ -37,9 +37,28 @@ class ModelFamily:
     def sample_shape(self, model: torch.nn.Module, latent_shape: Optional[list[int]] = None) -> tuple[int, ...]:
         raise NotImplementedError
 
+    vae_class: str = "AutoencoderKL"
+
+    def encode_prompts(self, pipe, prompts: list[str], negative_prompt: str, max_sequence_length: Optional[int]):
+        """The pipeline's own text encoding -> ({key: [N, ...]}, {key: [1, ...]} for the negative)."""
+        raise NotImplementedError
     def load_vae(self, url: str, dtype: torch.dtype) -> torch.nn.Module:
+        import diffusers
+
+        from dmd2_core import storage
+
+        with storage.local_copy(url) as local:
+            return getattr(diffusers, self.vae_class).from_pretrained(str(local), torch_dtype=dtype)
+
+    def unscale_latents(self, vae: torch.nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        """The model's normalised latents -> the VAE's own latent scale."""
         raise NotImplementedError
 
+    @torch.no_grad()
     def decode(self, vae: Optional[torch.nn.Module], latents: torch.Tensor) -> torch.Tensor:
-        """Latents -> pixels in [-1, 1]; without a VAE the model works in pixel space."""
-        raise NotImplementedError
+        """Latents -> pixels in [-1, 1] ([B, 3, H, W], or [B, 3, F, H, W] for video); without a
+        VAE the model works in pixel space."""
+        if vae is None:
+            return latents.float().clamp(-1, 1)
+        scaled = self.unscale_latents(vae, latents.float())
+        return vae.decode(scaled.to(next(vae.parameters()).dtype), return_dict=False)[0].float().clamp(-1, 1)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 
-from dmd2_core import storage
 from dmd2_core.models.base import ModelFamily
 
 
@@ -30,20 +28,17 @@ class SD3ImageFamily(ModelFamily):
         cfg = model.config
         return (cfg.in_channels, cfg.sample_size, cfg.sample_size)
 
-    def load_vae(self, url, dtype):
-        from diffusers import AutoencoderKL
+    def encode_prompts(self, pipe, prompts, negative_prompt, max_sequence_length):
+        extra = {"max_sequence_length": max_sequence_length} if max_sequence_length else {}
+        pe, npe, pooled, npooled = pipe.encode_prompt(
+            prompt=prompts, prompt_2=None, prompt_3=None, negative_prompt=negative_prompt,
+            do_classifier_free_guidance=True, device="cpu", **extra)
+        return ({"prompt_embeds": pe, "pooled_prompt_embeds": pooled},
+                {"prompt_embeds": npe[:1], "pooled_prompt_embeds": npooled[:1]})
 
-        with storage.local_copy(url) as local:
-            return AutoencoderKL.from_pretrained(str(local), torch_dtype=dtype)
-
-    def decode(self, vae, latents):
-        if vae is None:
-            return latents.float().clamp(-1, 1)
+    def unscale_latents(self, vae, latents):
         cfg = vae.config
-        scaled = latents / cfg.scaling_factor + (getattr(cfg, "shift_factor", None) or 0.0)
-        with torch.no_grad():
-            images = vae.decode(scaled.to(next(vae.parameters()).dtype), return_dict=False)[0]
-        return images.float().clamp(-1, 1)
+        return latents / cfg.scaling_factor + (getattr(cfg, "shift_factor", None) or 0.0)
 
 
 def tiny_digits_config(embed_dim: int = 32, pooled_dim: int = 32) -> dict:

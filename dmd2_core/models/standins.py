@@ -58,12 +58,38 @@ STANDINS = {
 }
 
 
-def build_standin(url: str, kind: str = "sd3", seed: int = 0) -> str:
-    """Write a stand-in checkpoint of ``kind`` ('sd3' image or 'wan' video) to ``url``."""
+TEXT_WORDS = ["<pad>", "</s>", "<unk>"] + "a an the of on in with cat dog bird red blue green running video photo".split()
+
+
+def _add_wan_text_encoder(url: str) -> None:
+    """A one-layer UMT5 encoder and a word-level tokenizer, in the pipeline's own layout."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(TEXT_WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(TEXT_WORDS), d_model=TEXT_DIM, d_kv=16, d_ff=64,
+                                          num_layers=1, num_heads=2))
+    with storage.staged_dir(url) as tmp:
+        tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        encoder.save_pretrained(str(tmp / "text_encoder"))
+        index = describe_standin(url)
+        index.update(text_encoder=["transformers", "UMT5EncoderModel"], tokenizer=["transformers", "PreTrainedTokenizerFast"])
+        (tmp / "model_index.json").write_text(json.dumps(index, indent=2))
+
+
+def build_standin(url: str, kind: str = "sd3", seed: int = 0, with_text_encoder: bool = False) -> str:
+    """Write a stand-in checkpoint of ``kind`` ('sd3' image or 'wan' video) to ``url``; for 'wan',
+    optionally with the pipeline's text encoder and tokenizer."""
     make_transformer, make_vae, shift, _ = STANDINS[kind]
     torch.manual_seed(seed)
     transformer, vae = make_transformer(), make_vae()
     save_checkpoint(transformer, url, shift=shift, vae=vae)
+    if with_text_encoder:
+        if kind != "wan":
+            raise ValueError("stand-in text encoders exist for 'wan' only")
+        _add_wan_text_encoder(url)
     return url
 
 

@@ -6,7 +6,6 @@ from typing import Optional
 
 import torch
 
-from dmd2_core import storage
 from dmd2_core.models.base import ModelFamily
 
 
@@ -15,6 +14,7 @@ class WanVideoFamily(ModelFamily):
     pipeline_class = "WanPipeline"
     cond_keys = ("prompt_embeds",)
     is_video = True
+    vae_class = "AutoencoderKLWan"
 
     def forward(self, model, x_t, t, cond):
         return model(hidden_states=x_t, timestep=t, encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
@@ -24,20 +24,14 @@ class WanVideoFamily(ModelFamily):
             raise ValueError("latent_shape: Wan video models need [C, F, H, W] latents set in the recipe")
         return tuple(int(d) for d in latent_shape)
 
-    def load_vae(self, url, dtype):
-        from diffusers import AutoencoderKLWan
+    def encode_prompts(self, pipe, prompts, negative_prompt, max_sequence_length):
+        extra = {"max_sequence_length": max_sequence_length} if max_sequence_length else {}
+        pe, npe = pipe.encode_prompt(prompt=prompts, negative_prompt=negative_prompt,
+                                     do_classifier_free_guidance=True, device="cpu", **extra)
+        return {"prompt_embeds": pe}, {"prompt_embeds": npe[:1]}
 
-        with storage.local_copy(url) as local:
-            return AutoencoderKLWan.from_pretrained(str(local), torch_dtype=dtype)
-
-    def decode(self, vae, latents):
-        """[B, C, F, H, W] latents -> [B, 3, F', H', W'] video in [-1, 1]."""
-        if vae is None:
-            return latents.float().clamp(-1, 1)
+    def unscale_latents(self, vae, latents):
         cfg = vae.config
         mean = torch.tensor(cfg.latents_mean, dtype=torch.float32, device=latents.device).view(1, -1, 1, 1, 1)
         std = torch.tensor(cfg.latents_std, dtype=torch.float32, device=latents.device).view(1, -1, 1, 1, 1)
-        scaled = latents.float() * std + mean
-        with torch.no_grad():
-            video = vae.decode(scaled.to(next(vae.parameters()).dtype), return_dict=False)[0]
-        return video.float().clamp(-1, 1)
+        return latents * std + mean

@@ -1,0 +1,49 @@
+"""Prompt sets from prompt lists, encoded once with the checkpoint pipeline's own text encoder(s),
+so that training never loads a text encoder."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import torch
+
+from dmd2_core import storage
+from dmd2_core.args import ArgsError
+from dmd2_core.data import PromptSet
+from dmd2_core.models import FAMILIES, describe_checkpoint
+
+
+def read_prompt_list(url: str) -> list[str]:
+    if not storage.exists(url):
+        raise ArgsError(f"prompts file not found: {url}")
+    prompts = [line.strip() for line in storage.read_text(url).splitlines() if line.strip()]
+    if not prompts:
+        raise ArgsError(f"prompts file {url} holds no prompt (one per line)")
+    return prompts
+
+
+def prepare_prompts(
+    hf_checkpoint: str,
+    prompts: list[str],
+    out: str,
+    negative_prompt: str = "",
+    max_sequence_length: Optional[int] = None,
+) -> PromptSet:
+    """Encode ``prompts`` (and the empty/negative prompt) and save the prompt set at ``out``."""
+    import diffusers
+
+    info = describe_checkpoint(hf_checkpoint)
+    index = json.loads(storage.read_text(storage.join(hf_checkpoint, "model_index.json")))
+    if "text_encoder" not in index:
+        raise ArgsError(f"{hf_checkpoint}: the checkpoint has no text_encoder to encode prompts with")
+    family = FAMILIES[info["family"]]
+    pipeline_class = getattr(diffusers, index["_class_name"])
+    with storage.local_copy(hf_checkpoint) as local:
+        pipe = pipeline_class.from_pretrained(str(local), transformer=None, vae=None)
+        with torch.no_grad():
+            embeds, negative = family.encode_prompts(pipe, prompts, negative_prompt, max_sequence_length)
+    prompt_set = PromptSet(list(prompts), {k: v.float().contiguous() for k, v in embeds.items()},
+                           {k: v.float().contiguous() for k, v in negative.items()})
+    prompt_set.save(out)
+    return prompt_set
