@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from typing import Optional
@@ -11,12 +12,15 @@ from dmd2_core.trainer_config import compute_trainer_args, compute_trainer_confi
 
 
 def build_parser() -> ArgParser:
-    parser = ArgParser(prog="dmd2", description="DMD2 distillation of flow-matching diffusion models.")
+    parser = ArgParser(prog="dmd2", description="DMD2 distillation of flow-matching diffusion models.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgParser)
     check = sub.add_parser("check", help="validate a recipe with overrides and print each trainer's args")
     check.add_argument("--recipe", required=True, help=f"recipe name ({', '.join(recipe_names())}) or YAML path")
     check.add_argument("--deep", action="store_true", help="also check checkpoints, hooks and the resume point")
     add_arg_flags(check)
+    # every flag, by group, also on the top-level help (they are the recipe keys and flow overrides)
+    parser.epilog = "Every flag of a run (recipe keys, flow overrides), by group:\n\n" + check.format_help()
     sub.add_parser("recipes", help="list the recipes")
     prep = sub.add_parser("prepare-prompts", help="encode a prompt list with the checkpoint's own text encoder")
     prep.add_argument("--hf-checkpoint", required=True, help="diffusers pipeline directory (path or URL)")

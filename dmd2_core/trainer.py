@@ -107,19 +107,19 @@ class Trainer:
     def rollout(self, iteration: int):
         """Few-step generation with this rank's rows of the global batch, stopped at the step the
         DMD2 step strategy drew. Returns (train pairs, metrics)."""
-        self.wake_up()
+        woke = self.wake_up()
         start = time.perf_counter()
         plan = dmd2.plan_rollout(self.args, iteration, len(self.prompts), self.shape)
         pairs = dmd2.rollout_pairs(self.family, self.model, self._cond, _on(plan, self.device), self.rows)
         metrics = {"stop_step": plan.stop_step, "rollout_sigma": plan.sigmas[plan.stop_step],
-                   "rollout_s": time.perf_counter() - start}
+                   "rollout_s": time.perf_counter() - start, **_wake_metric(self.role, woke)}
         return _cpu(pairs), metrics
 
     # ---- train --------------------------------------------------------------------------------
     def train(self, iteration: int, pairs: dict, external_data: Optional[dict] = None):
         """The train-input hook, then ``num_steps_per_rollout`` optimizer steps with micro-batching.
         Returns (outputs handed to later groups, metrics)."""
-        self.wake_up()
+        woke = self.wake_up()
         start = time.perf_counter()
         pairs = self.hook(self.args, pairs, external_data)
         pairs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in pairs.items()}
@@ -130,6 +130,7 @@ class Trainer:
         else:
             outputs, metrics = self._train_flow_matching(iteration, pairs)
         metrics[f"{self.role}_train_s"] = time.perf_counter() - start
+        metrics.update(_wake_metric(self.role, woke))
         return _cpu(outputs), metrics
 
     def _train_flow_matching(self, iteration: int, pairs: dict):
@@ -141,12 +142,13 @@ class Trainer:
         last = args.num_steps_per_rollout - 1
         scoring = args.loss_type == SCORED
         scores: list[dict] = []
-        losses, grad_norms = [], []
+        losses, grad_norms, sigmas = [], [], []
         for step in range(args.num_steps_per_rollout):
             if scoring and step == last and args.dmd2_critic_scoring == "original":
                 scores = self._score_separately(iteration, x0, cond, global_shape)
             sigma, noise = dmd2.noisy_inputs(args, iteration, dmd2.critic_stream(step), global_shape, self.rows)
             sigma, noise = sigma.to(self.device), noise.to(self.device)
+            sigmas.append(sigma)
             x_t = fm.add_noise(x0, noise, sigma)
             fuse = scoring and step == last and args.dmd2_critic_scoring == "fused"
             total = 0.0
@@ -161,7 +163,10 @@ class Trainer:
             losses.append(total)
             grad_norms.append(self._optimizer_step())
         metrics = {f"{self.role}_loss": sum(losses) / len(losses), f"{self.role}_loss_last": losses[-1],
-                   f"{self.role}_grad_norm": grad_norms[-1], f"{self.role}_lr": self.optimizer.param_groups[0]["lr"]}
+                   f"{self.role}_grad_norm": grad_norms[-1], f"{self.role}_lr": self.optimizer.param_groups[0]["lr"],
+                   f"{self.role}_sigma_mean": torch.cat(sigmas).mean().item(),
+                   f"{self.role}_sigma_min": torch.cat(sigmas).min().item(),
+                   f"{self.role}_sigma_max": torch.cat(sigmas).max().item()}
         if not scoring:
             return {}, metrics
         grad = torch.cat([s["grad"] for s in scores])
@@ -345,6 +350,11 @@ class Trainer:
         )
         self.step = int(extra.get("step", 0))
         return self.step
+
+
+def _wake_metric(role: str, woke: dict) -> dict:
+    """The wake time, only from the call that actually woke the trainer."""
+    return {f"{role}_wake_s": woke["wake_s"]} if woke["wake_s"] else {}
 
 
 def _cpu(d: dict) -> dict:

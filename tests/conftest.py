@@ -124,3 +124,16 @@ def prefect_harness(s3_server):
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+SHORT_TEACHER_STEPS = 500
+
+
+@pytest.fixture(scope="session")
+def short_teacher(tmp_path_factory):
+    """A digits teacher trained for a short while (~20 s): (url, training info)."""
+    from dmd2_core import teacher
+
+    url = str(tmp_path_factory.mktemp("teacher") / "short")
+    info = teacher.train_teacher(url, seed=0, num_steps=SHORT_TEACHER_STEPS, batch_size=64, log=None)
+    return url, info

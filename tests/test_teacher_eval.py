@@ -15,11 +15,9 @@ from dmd2_core.data import digits_prompt_set, digits_tensors
 from dmd2_core.models import LoadedModel, describe_checkpoint, load_checkpoint
 from dmd2_core.models.sd3 import SD3ImageFamily
 from dmd2_core.sampling import euler_sample
+from tests.conftest import SHORT_TEACHER_STEPS
 
 torch.set_num_threads(1)
-
-SHORT_STEPS = 500
-
 
 @pytest.fixture(scope="module", autouse=True)
 def cache_dir(tmp_path_factory):
@@ -28,13 +26,6 @@ def cache_dir(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DMD2_CACHE_DIR", str(path))
         yield path
-
-
-@pytest.fixture(scope="module")
-def short_teacher(tmp_path_factory):
-    url = str(tmp_path_factory.mktemp("teacher") / "short")
-    info = teacher_mod.train_teacher(url, seed=0, num_steps=SHORT_STEPS, batch_size=64, log=None)
-    return url, info
 
 
 def test_classifier_is_cached_and_reloaded(cache_dir):
@@ -102,7 +93,7 @@ def test_sample_quality_passes_balanced_labels_and_fixed_noise():
 
 def test_short_trained_teacher_beats_untrained(short_teacher):
     url, info = short_teacher
-    assert info["steps"] == SHORT_STEPS and np.isfinite(info["final_loss"])
+    assert info["steps"] == SHORT_TEACHER_STEPS and np.isfinite(info["final_loss"])
     trained = ev.teacher_table(url, steps=(8,), num_samples=500, seed=0)["8"]
     untrained = ev.teacher_table(
         LoadedModel(teacher_mod.new_teacher_model(0).eval(), SD3ImageFamily(), 3.0), steps=(8,), num_samples=500, seed=0
