@@ -8,7 +8,7 @@ single-process reference loop, in one run. Prints one JSON line:
 plain loop runs before and after the flow, to bracket the machine's drift; one-off costs (Prefect
 server, Ray start, actors) are reported apart from the per-iteration figures.
 
-    python bench/overhead.py [--iterations 20] [--batch 192]
+    python bench/overhead.py [--iterations 20] [--batch 384]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--iterations", type=int, default=20)
-    parser.add_argument("--batch", type=int, default=192, help="global batch; 192 gives ~1 s iterations on 2 cores")
+    parser.add_argument("--batch", type=int, default=384, help="global batch; 384 gives iterations over 1 s on 2 cores")
     ns = parser.parse_args()
     torch.set_num_threads(1)
 

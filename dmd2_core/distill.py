@@ -184,12 +184,10 @@ class DistillRun:
         def run():
             if not self.args.sleep_after_train or role not in self.groups:
                 return {}
-            start = time.perf_counter()
-            before = fmean(self.groups[role].call("device_bytes"))
             out = self.groups[role].call("sleep")
-            return {f"{role}_sleep_s": time.perf_counter() - start,
-                    f"{role}_device_bytes_awake": before,
-                    f"{role}_bytes_freed": fmean(o.get("bytes_freed", 0) for o in out)}
+            return {f"{role}_sleep_s": fmean(o["sleep_s"] for o in out),
+                    f"{role}_device_bytes_awake": fmean(o["device_bytes_awake"] for o in out),
+                    f"{role}_bytes_freed": fmean(o["bytes_freed"] for o in out)}
         return self._run_phase(iteration, f"sleep_{role}", run)
 
     def sleep_critic(self, iteration: int) -> dict:

@@ -275,7 +275,7 @@ class Trainer:
     def sleep(self) -> dict:
         """Move weights, grads and optimizer state off the device (host copies); idempotent."""
         if self._stash is not None:
-            return {"asleep": True, "sleep_s": 0.0}
+            return {"asleep": True, "sleep_s": 0.0, "device_bytes_awake": 0, "bytes_freed": 0}
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         before = self.device_bytes()
@@ -290,7 +290,8 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-        return {"asleep": True, "sleep_s": time.perf_counter() - start, "bytes_freed": before - self.device_bytes()}
+        return {"asleep": True, "sleep_s": time.perf_counter() - start, "device_bytes_awake": before,
+                "bytes_freed": before - self.device_bytes()}
 
     def wake_up(self) -> dict:
         if self._stash is None:
