@@ -1,8 +1,10 @@
 """What does the orchestration cost? The same N DMD2 iterations of the same model, through the
-Prefect flow (tasks -> Ray trainer groups, sleep after each train) and through the plain
-single-process reference loop, in one run. Prints one JSON line:
+Prefect flow (tasks -> Ray trainer groups, sleep after each train), through the same driver
+without Prefect (the Ray groups alone) and through the plain single-process reference loop, in one
+run. Prints one JSON line:
 
-  {"iterations", "global_batch_size", "plain_median_s", "flow_median_s", "throughput_ratio", ...}
+  {"iterations", "global_batch_size", "plain_median_s", "groups_median_s", "flow_median_s",
+   "throughput_ratio", "groups_throughput_ratio", ...}
 
 ``throughput_ratio`` = plain median / flow median seconds per iteration (1.0: no overhead). The
 plain loop runs before and after the flow, to bracket the machine's drift; one-off costs (Prefect
@@ -51,7 +53,21 @@ def main() -> None:
         loop.iterate(0)  # warm-up, as the flow's first iteration warms its actors
         return [loop.iterate(i)["iteration_s"] for i in range(1, ns.iterations + 1)]
 
+    def groups() -> list[float]:
+        """The same driver the flow uses, without Prefect: what the Ray groups cost alone."""
+        from dmd2_core.distill import DistillRun
+
+        times = []
+        with DistillRun(load_args("tiny", {**overrides, "save": f"{tmp}/groups", "run_name": "overhead-groups"})) as run:
+            run.iterate(1)  # warm-up (iteration 0 is the start point, nothing to run)
+            for i in range(2, ns.iterations + 2):
+                t = time.perf_counter()
+                run.iterate(i)
+                times.append(time.perf_counter() - t)
+        return times
+
     plain_before = plain()
+    groups_times = groups()
     start = time.perf_counter()
     summary = dmd2(recipe="tiny", overrides={**overrides, "save": f"{tmp}/flow"})
     flow_wall = time.perf_counter() - start
@@ -68,6 +84,8 @@ def main() -> None:
         "global_batch_size": ns.batch,
         "plain_median_s": round(plain_median, 4),
         "plain_median_before_after_s": [round(statistics.median(plain_before), 4), round(statistics.median(plain_after), 4)],
+        "groups_median_s": round(statistics.median(groups_times), 4),
+        "groups_throughput_ratio": round(plain_median / statistics.median(groups_times), 3),
         "flow_median_s": round(flow_median, 4),
         "throughput_ratio": round(plain_median / flow_median, 3),
         "plain_total_s": round(sum(plain_before), 2),

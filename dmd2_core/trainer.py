@@ -231,7 +231,9 @@ class Trainer:
     # ---- eval ---------------------------------------------------------------------------------
     @torch.no_grad()
     def sample(self, prompt_index: list[int], seed: int, decode: bool = True) -> torch.Tensor:
-        """Full K-step student samples (EMA weights when kept) for eval; same seed, same noise."""
+        """Full K-step student samples (EMA weights when kept) for eval; same seed, same noise.
+        A sleeping trainer wakes for it and goes back to sleep."""
+        was_asleep = self.asleep
         self.wake_up()
         model = self.ema if self.ema is not None else self.model
         x0 = dmd2.eval_samples(self.family, model, self._cond(torch.tensor(prompt_index)),
@@ -242,6 +244,8 @@ class Trainer:
             if self.vae is None and vae_url:
                 self.vae = self.family.load_vae(vae_url, self.dtype).to(self.device)
             x0 = self.family.decode(self.vae, x0)
+        if was_asleep:
+            self.sleep()
         return x0.cpu()
 
     # ---- sleep / wake -------------------------------------------------------------------------

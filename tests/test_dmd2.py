@@ -119,19 +119,23 @@ def test_reference_loop_and_ray_groups_give_the_same_weights(ray_session, tiny_t
 
 
 def test_a_short_run_improves_the_student_over_its_initialisation(short_teacher, tmp_path):
-    """The student starts as the teacher's weights sampled in 4 steps; 60 DMD2 iterations on the
-    digits must lower its Fréchet distance to held-out digits clearly."""
-    from dmd2_core.evaluation import balanced_labels, evaluate_digits
+    """The student starts as the teacher's weights sampled in 4 steps; 60 DMD2 iterations must
+    bring its samples clearly closer to the teacher's 50-step distribution, which DMD2 matches
+    (the Fréchet distance in the digits classifier's feature space)."""
+    from dmd2_core.evaluation import balanced_labels, eval_noise, features, frechet_distance
+    from dmd2_core.sampling import euler_sample
 
-    args = tiny_args(short_teacher[0], str(tmp_path), global_batch_size=32, micro_batch_size=32,
-                     dmd2_update_ratio=5, dmd2_guidance_scale=1.0, seed=0)
+    args = tiny_args(short_teacher[0], str(tmp_path), global_batch_size=64, micro_batch_size=64,
+                     dmd2_update_ratio=5, dmd2_guidance_scale=1.0, lr=2e-4, seed=0)
     loop = ReferenceLoop(args)
     labels = balanced_labels(500)
+    target = features(euler_sample(loop.family, loop.teacher, eval_noise(500, 1), loop.cond(labels),
+                                   fm.euler_sigmas(50, loop.args.dmd2_shift)).clamp(-1, 1))
 
-    def fd():
-        return evaluate_digits(loop.sample(labels.tolist(), seed=0).clamp(-1, 1), labels)["fd"]
+    def distance():
+        return frechet_distance(features(loop.sample(labels.tolist(), seed=0).clamp(-1, 1)), target)
 
-    before = fd()
+    before = distance()
     loop.run(60)
-    after = fd()
-    assert after < 0.75 * before, (before, after)
+    after = distance()
+    assert after < 0.7 * before, (before, after)

@@ -70,7 +70,8 @@ def test_minimax_h3_two_iterations_on_a_stand_in(prefect_harness, ray_session, s
                 "critic_sleep_s", "actor_sleep_s", "critic_device_bytes_awake", "actor_bytes_freed",
                 "critic_sigma_mean", "rollout_s", "iteration_s"):
         assert all(key in r for r in trained), key
-    # both groups slept after their train in iteration 1, so iteration 2 woke them
+    # both groups slept after their train in iteration 1 (the actor again after its eval), so
+    # iteration 2 woke them
     assert trained[-1]["critic_wake_s"] > 0 and trained[-1]["actor_wake_s"] > 0
     assert all(r["graded_x0_drift"] < 1e-4 for r in trained)
 
