@@ -22,9 +22,8 @@ install: $(STAMP)
 teacher: $(STAMP)
 	$(PY) -m dmd2_core.teacher --save runs/teacher --reuse --table
 
-# Progress is one line per iteration from the flow; task-run state lines are kept out of the way.
 demo: $(STAMP)
-	PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL=WARNING $(PY) -m flows.demo
+	$(PY) -m flows.demo
 
 # pytest exits 5 when it collects no test: that is a failure of the suite, reported as such.
 test: $(STAMP)
