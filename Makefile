@@ -6,7 +6,6 @@ STAMP := $(VENV)/.installed
 export RAY_ENABLE_UV_RUN_RUNTIME_ENV := 0
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
-export RAY_AUTH_MODE ?= disabled
 export PYTHONUNBUFFERED := 1
 
 .PHONY: demo test install teacher bench serve clean
