@@ -34,11 +34,6 @@ def unregister(run_id: str) -> Any:
         return _RUNS.pop(run_id, None)
 
 
-def live_runs() -> list[str]:
-    with _LOCK:
-        return sorted(_RUNS)
-
-
 def shutdown_run(run_id: str) -> bool:
     """Kill the run's actors and placement group and forget it; False when it was not live."""
     run = unregister(run_id)
