@@ -54,7 +54,7 @@ def preflight(args: Args) -> dict[str, Args]:
         from dmd2_core import storage
 
         if not storage.exists(args.prompts):
-            raise ArgsError(f"prompts: no prompt set at {args.prompts}")
+            raise ArgsError(f"prompts: no prompt set at {args.prompts}{storage.nearest_sibling(args.prompts)}")
     from dmd2_core.media import eval_prompt_indices, prompt_texts
 
     eval_prompt_indices(args, len(prompt_texts(args.prompts)))

@@ -44,6 +44,22 @@ def exists(url: str) -> bool:
     return fs.exists(path)
 
 
+def nearest_sibling(url: str) -> str:
+    """'; did you mean ...?' naming the closest existing entry beside a missing ``url``, or ''."""
+    import difflib
+
+    parent, _, name = str(url).rstrip("/").rpartition("/")
+    if not parent:
+        parent, name = ".", name
+    try:
+        fs, path = filesystem(parent)
+        siblings = [p.rstrip("/").rpartition("/")[2] for p in fs.ls(path, detail=False)]
+    except Exception:  # noqa: BLE001 - no listing, no suggestion
+        return ""
+    match = difflib.get_close_matches(name, siblings, n=1, cutoff=0.6)
+    return f"; did you mean '{parent}/{match[0]}'?" if match else ""
+
+
 def read_bytes(url: str) -> bytes:
     fs, path = filesystem(url)
     with fs.open(path, "rb") as f:

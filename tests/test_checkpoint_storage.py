@@ -109,6 +109,13 @@ def test_describe_checkpoint_errors(tmp_path, s3_bucket):
         describe_checkpoint(missing)
     with pytest.raises(CheckpointError, match=re.escape("hf_checkpoint")):
         describe_checkpoint("")
+    # a typo in the path: the nearest existing entry beside it is named, locally and on S3
+    (tmp_path / "teacher").mkdir()
+    with pytest.raises(CheckpointError, match=re.escape(f"did you mean '{tmp_path}/teacher'?")):
+        describe_checkpoint(str(tmp_path / "teachr"))
+    storage.write_text(s3_bucket + "/models/teacher/config.json", "{}")
+    with pytest.raises(CheckpointError, match=re.escape(f"did you mean '{s3_bucket}/models/teacher'?")):
+        describe_checkpoint(s3_bucket + "/models/teacher2")
 
 
 def test_child_process_inherits_s3_endpoint(s3_bucket):

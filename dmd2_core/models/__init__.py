@@ -53,6 +53,8 @@ def describe_checkpoint(url: str) -> dict[str, Any]:
             transformer_url = storage.join(url, "transformer")
         elif storage.exists(storage.join(url, "config.json")):
             transformer_url = url
+        elif not storage.exists(url):
+            raise CheckpointError(f"{url}: no such checkpoint{storage.nearest_sibling(url)}")
         else:
             raise CheckpointError(
                 f"{url}: not a diffusers model directory (no model_index.json or config.json)"
