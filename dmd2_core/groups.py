@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import uuid
 from typing import Any, Optional, Sequence
 
 import ray
@@ -53,11 +54,14 @@ class TrainerGroup:
         self.args, self.role = args, role
         self.timeout = args.ray_timeout_s
         n = args.num_devices
+        self.instance = uuid.uuid4().hex[:8]
         self.bundle_indices = [bundle_offset + rank for rank in range(n)]
         resources = {"num_gpus": share} if args.resource_name == "GPU" else {"resources": {args.resource_name: share}}
         self.ranks = [
             RemoteTrainer.options(
-                name=f"{args.run_name}-{role}-{rank}",
+                # unique per group instance: a rebuilt group must not wait for its killed
+                # predecessor's names to be released
+                name=f"{args.run_name}-{role}-{rank}-{self.instance}",
                 num_cpus=0,
                 max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=self.bundle_indices[rank]),
