@@ -15,7 +15,7 @@ from typing import Any, Callable
 from dmd2_core import checkpoint
 from dmd2_core.args import Args, ArgsError
 from dmd2_core.hooks import load_hook
-from dmd2_core.models import describe_checkpoint
+from dmd2_core.models import FAMILIES, describe_checkpoint
 from dmd2_core.trainer_config import compute_trainer_args, compute_trainer_configs
 
 log = logging.getLogger("dmd2")
@@ -36,6 +36,9 @@ def preflight(args: Args) -> dict[str, Args]:
         if not getattr(args, key):
             raise ArgsError(f"{key} is not set: point it at {what}")
     teacher = describe_checkpoint(args.hf_checkpoint)
+    if FAMILIES[teacher["family"]].is_video and not args.latent_shape:
+        raise ArgsError(f"latent_shape: {args.hf_checkpoint} is a video model ({teacher['family']}); "
+                        "set latent_shape to its latents' [C, F, H, W]")
     if args.dmd2_shift is None:
         args = args.model_copy(update={"dmd2_shift": teacher["shift"]})
     if args.global_batch_size % args.num_devices:

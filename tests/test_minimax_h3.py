@@ -49,6 +49,12 @@ def test_recipe_requires_checkpoint_prompts_and_save(tmp_path):
         DistillRun(load_args("minimax-h3", {"hf_checkpoint": "x"}))
 
 
+def test_a_video_model_needs_its_latent_shape_before_any_actor(standins, tmp_path):
+    url, prompts = standins["wan"]
+    with pytest.raises(ArgsError, match=r"latent_shape: .* is a video model \(WanTransformer3DModel\)"):
+        DistillRun(load_args("minimax-h3", dict(CPU_OVERRIDES, hf_checkpoint=url, prompts=prompts, save=str(tmp_path))))
+
+
 @pytest.mark.parametrize("kind", ["sd3", "wan"])
 def test_minimax_h3_two_iterations_on_a_stand_in(prefect_harness, ray_session, standins, tmp_path, kind):
     from prefect.client.orchestration import get_client
