@@ -44,8 +44,19 @@ class Args(BaseModel):
         None, "run", "Ray resource one bundle holds per device; default GPU on cuda, dmd2_device on cpu."
     )
     torch_threads: int = _f(1, "run", "torch intra-op threads per trainer process.", ge=1)
-    dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "run", "Compute dtype of the models.")
+    dtype: Literal["float32", "bfloat16", "float16"] = _f(
+        "float32", "run", "Compute dtype of forward and backward; trained weights, gradients, AdamW state and EMA stay "
+        "float32 (master weights), the frozen teacher is stored in it."
+    )
     ray_timeout_s: float = _f(1800.0, "run", "Seconds any Ray call may take before it counts as failed.", gt=0)
+    fsdp_shard_size: Optional[int] = _f(
+        None, "run", "Ranks one model is sharded over (FSDP2); below num_devices it shards within groups of this "
+        "size and replicates across them (HSDP: shard inside a node, replicate across nodes). Default: all.", ge=1
+    )
+    device_memory_gib: Optional[float] = _f(
+        None, "run", "Memory of one device the plan must fit in; default the device's own on cuda (unchecked on cpu).",
+        gt=0,
+    )
 
     # --- model ---------------------------------------------------------------------------------
     hf_checkpoint: Optional[str] = _f(None, "model", "The teacher: a diffusers model directory (path or URL).")
@@ -74,12 +85,24 @@ class Args(BaseModel):
         None, "train", "Dotted path of a hook(args, pairs, external_data) -> pairs run before micro-batching."
     )
     ema_decay: Optional[float] = _f(None, "train", "EMA decay of the trained weights, used for eval when set.", gt=0, lt=1)
+    gradient_checkpointing: bool = _f(
+        False, "train", "Activation checkpointing per transformer block (recompute in backward; less memory)."
+    )
+    fsdp_cpu_offload: bool = _f(
+        False, "train", "Keep this trainer's sharded weights, gradients and optimizer state in host memory (cuda only)."
+    )
     label_dropout: float = _f(0.1, "train", "Flow-matching training: fraction of conditions replaced by the empty prompt.", ge=0, le=1)
 
     # --- dmd2 ----------------------------------------------------------------------------------
     critic_lr: Optional[float] = _f(None, "dmd2", "Critic (fake score) learning rate; defaults to lr.", gt=0)
     teacher_checkpoint: Optional[str] = _f(None, "dmd2", "The frozen teacher (real score); defaults to hf_checkpoint.")
     critic_train_input_hook_path: Optional[str] = _f(None, "dmd2", "The critic group's train-input hook.")
+    critic_gradient_checkpointing: Optional[bool] = _f(
+        None, "dmd2", "The critic group's activation checkpointing; defaults to gradient_checkpointing."
+    )
+    critic_fsdp_cpu_offload: Optional[bool] = _f(
+        None, "dmd2", "The critic group's CPU offload (fake score and teacher); defaults to fsdp_cpu_offload."
+    )
     dmd2_update_ratio: int = _f(5, "dmd2", "Critic updates per student update (two time-scale rule).", ge=1)
     dmd2_student_steps: int = _f(4, "dmd2", "Student sampling steps K.", ge=1)
     dmd2_guidance_scale: float = _f(1.0, "dmd2", "Teacher classifier-free guidance scale for the real score.", ge=0)
@@ -104,6 +127,11 @@ class Args(BaseModel):
     def _check_relations(self) -> "Args":
         if self.dmd2_min_sigma >= self.dmd2_max_sigma:
             raise ValueError("dmd2_min_sigma: must be below dmd2_max_sigma")
+        if self.fsdp_shard_size is not None and self.num_devices % self.fsdp_shard_size:
+            raise ValueError(f"fsdp_shard_size: {self.fsdp_shard_size} does not divide num_devices {self.num_devices}")
+        for key in ("fsdp_cpu_offload", "critic_fsdp_cpu_offload"):
+            if getattr(self, key) and self.device != "cuda":
+                raise ValueError(f"{key}: offloading to host memory needs device cuda (device is {self.device})")
         return self
 
     # ---- derived values (one place each) ------------------------------------------------------
@@ -197,6 +225,17 @@ def replace_args(args: Args, overrides: dict[str, Any], where: str) -> Args:
     values = args.model_dump()
     values.update(overrides)
     return build_args(values, where)
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """``--set key=value`` items (values parsed as YAML) -> overrides."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ArgsError(f"--set expects key=value (got {item!r})")
+        out[key.strip().replace("-", "_")] = yaml.safe_load(value) if value.strip() else None
+    return out
 
 
 # ---- CLI generated from the model -------------------------------------------------------------

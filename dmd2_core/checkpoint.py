@@ -6,7 +6,7 @@ Layout under the run's ``save`` URL::
     {save}/trainers/{role}/iter_{iteration:07d}/
         model/             the trained model, diffusers pipeline-style dir (transformer/, scheduler/)
         ema/               optional EMA weights, same format
-        trainer_state.pt   {'format', 'optimizer': optimizer.state_dict(), 'extra': {...}}
+        trainer_state.pt   {'format', 'optimizer': whole state keyed by parameter name, 'extra': {...}}
         complete.json      written LAST: every file with its size, sha256 of trainer_state.pt
 
 A trainer directory counts only once ``complete.json`` exists; a save interrupted midway leaves a
@@ -15,14 +15,15 @@ by the driver alone (``write_tracker``), after every trainer's ``save_trainer`` 
 only ever names an iteration that every role finished saving; a crash during a save leaves it at
 the previous checkpoint.
 
-Exact resume: the weights are restored from the safetensors (bit-exact), the optimizer from its
-own state dict (AdamW moments, per-parameter ``step`` counts and every param-group setting,
+The weights and optimizer state are whole (gathered from every rank's shards), so a checkpoint
+resumes on any number of ranks. Exact resume: the weights are restored from the safetensors
+(bit-exact, fp32 master weights), the optimizer from its own state dict (AdamW moments, per-parameter ``step`` counts and every param-group setting,
 including ``lr``: the saved values win over the ones the optimizer was built with). Anything else
 a trainer needs (iteration, step counters, RNG states, LR-scheduler state) goes in ``extra``, which
 must hold only what ``torch.load(weights_only=True)`` reads back (tensors, numbers, strings, bools,
 None, lists/tuples/dicts of those); ``save_trainer`` checks that before it writes anything.
 
-Only one process per role should call ``save_trainer`` (e.g. rank 0 of the trainer group).
+Only one process per role should call ``save_trainer`` (rank 0 of the trainer group).
 """
 
 from __future__ import annotations
@@ -30,17 +31,17 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from dmd2_core import storage
+from dmd2_core import parallel, storage
 from dmd2_core.models import CheckpointError, save_checkpoint
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 COMPLETE_NAME = "complete.json"
 STATE_NAME = "trainer_state.pt"
-FORMAT = 1
+FORMAT = 2  # 2: optimizer state keyed by parameter name (1: by position; still read)
 
 
 class CheckpointLoadError(CheckpointError):
@@ -85,7 +86,7 @@ def _listing(url: str) -> dict[str, int]:
     return out
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
@@ -100,25 +101,33 @@ def save_trainer(
     optimizer: torch.optim.Optimizer,
     shift: float,
     scheduler: str = "FlowMatchEulerDiscreteScheduler",
-    ema_model: Optional[torch.nn.Module] = None,
+    ema: Optional[Sequence[torch.Tensor]] = None,
     extra: Optional[dict] = None,
-) -> str:
-    """Write one trainer's checkpoint for ``iteration`` and return its directory URL. A directory
-    already there for this iteration is replaced (its marker goes first, so no reader ever takes
-    a half-replaced directory for a complete one)."""
+    writer: bool = True,
+) -> Optional[str]:
+    """Write one trainer's checkpoint for ``iteration`` and return its directory URL. The whole
+    weights, ``ema`` (tensors in parameter order) and optimizer state are gathered from the
+    shards (a collective: every rank of the group calls it); only the ``writer`` rank writes.
+    A directory already there for this iteration is replaced (its marker goes first, so no
+    reader ever takes a half-replaced directory for a complete one)."""
     extra = dict(extra or {})
     try:  # fail now, not at resume time, on anything weights_only loading would refuse
         _torch_load(_torch_bytes(extra))
     except Exception as exc:  # noqa: BLE001
-        raise ValueError(f"save_trainer({role!r}): extra must hold plain values and tensors ({_one_line(exc)})") from None
-    state = _torch_bytes({"format": FORMAT, "optimizer": optimizer.state_dict(), "extra": extra})
+        raise ValueError(f"save_trainer({role!r}): extra must hold plain values and tensors ({one_line(exc)})") from None
+    model_state = parallel.full_state_dict(model)
+    ema_state = parallel.full_state_dict(model, ema) if ema is not None else None
+    optimizer_state = parallel.full_optimizer_state(model, optimizer)
+    if not writer:
+        return None
+    state = _torch_bytes({"format": FORMAT, "optimizer": optimizer_state, "extra": extra})
 
     d = trainer_dir(save_url, role, iteration)
     storage.remove(storage.join(d, COMPLETE_NAME))
     storage.remove(d)
-    save_checkpoint(model, storage.join(d, "model"), shift, scheduler=scheduler)
-    if ema_model is not None:
-        save_checkpoint(ema_model, storage.join(d, "ema"), shift, scheduler=scheduler)
+    save_checkpoint(model, storage.join(d, "model"), shift, scheduler=scheduler, state=model_state)
+    if ema_state is not None:
+        save_checkpoint(model, storage.join(d, "ema"), shift, scheduler=scheduler, state=ema_state)
     storage.write_bytes(storage.join(d, STATE_NAME), state)
 
     files = _listing(d)
@@ -127,7 +136,7 @@ def save_trainer(
         "format": FORMAT,
         "role": role,
         "iteration": int(iteration),
-        "has_ema": ema_model is not None,
+        "has_ema": ema_state is not None,
         "trainer_state_sha256": hashlib.sha256(state).hexdigest(),
         "files": dict(sorted(files.items())),
     }
@@ -154,14 +163,14 @@ def _read_marker(d: str) -> dict:
     except CheckpointLoadError:
         raise
     except Exception as exc:  # noqa: BLE001
-        raise CheckpointLoadError(f"{marker_url}: unreadable checkpoint marker ({_one_line(exc)})") from None
+        raise CheckpointLoadError(f"{marker_url}: unreadable checkpoint marker ({one_line(exc)})") from None
 
 
 def _check_files(d: str, marker: dict) -> None:
     try:
         present = _listing(d)
     except Exception as exc:  # noqa: BLE001
-        raise CheckpointLoadError(f"{d}: cannot list checkpoint ({_one_line(exc)})") from None
+        raise CheckpointLoadError(f"{d}: cannot list checkpoint ({one_line(exc)})") from None
     for rel, size in marker["files"].items():
         url = storage.join(d, rel)
         if rel not in present:
@@ -170,8 +179,8 @@ def _check_files(d: str, marker: dict) -> None:
             raise CheckpointLoadError(f"{url}: corrupt ({present[rel]} bytes, {size} recorded at save)")
 
 
-def _load_weights(model_url: str, model: torch.nn.Module) -> None:
-    """Strictly load the safetensors of ``model_url``/transformer into ``model``."""
+def _load_weights(model_url: str) -> dict[str, torch.Tensor]:
+    """The whole state dict of the safetensors under ``model_url``/transformer."""
     from safetensors.torch import load_file
 
     transformer_url = storage.join(model_url, "transformer")
@@ -181,39 +190,34 @@ def _load_weights(model_url: str, model: torch.nn.Module) -> None:
             if not shards:
                 raise CheckpointLoadError(f"{transformer_url}: no .safetensors weights")
             state: dict[str, torch.Tensor] = {}
-            for shard in shards:  # diffusers shards big models: one file per shard
+            for shard in shards:  # big models are sharded: one file per shard
                 try:
                     state.update(load_file(str(shard)))
                 except Exception as exc:  # noqa: BLE001
                     raise CheckpointLoadError(
-                        f"{storage.join(transformer_url, shard.name)}: corrupt weights ({_one_line(exc)})"
+                        f"{storage.join(transformer_url, shard.name)}: corrupt weights ({one_line(exc)})"
                     ) from None
-            try:
-                model.load_state_dict(state, strict=True)
-            except Exception as exc:  # noqa: BLE001
-                raise CheckpointLoadError(
-                    f"{transformer_url}: weights do not fit the model ({_one_line(exc)})"
-                ) from None
+            return state
     except CheckpointLoadError:
         raise
     except Exception as exc:  # noqa: BLE001
-        raise CheckpointLoadError(f"{transformer_url}: cannot read weights ({_one_line(exc)})") from None
+        raise CheckpointLoadError(f"{transformer_url}: cannot read weights ({one_line(exc)})") from None
 
 
-def _load_optimizer(state_url: str, optimizer: torch.optim.Optimizer, saved: dict) -> None:
-    try:
-        optimizer.load_state_dict(saved)
-    except Exception as exc:  # noqa: BLE001
-        raise CheckpointLoadError(f"{state_url}: optimizer state does not fit ({_one_line(exc)})") from None
-    # load_state_dict checks parameter counts only; a moment of the wrong shape would fail later.
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            for key, value in optimizer.state.get(p, {}).items():
-                if torch.is_tensor(value) and value.dim() > 0 and value.shape != p.shape:
-                    raise CheckpointLoadError(
-                        f"{state_url}: optimizer state '{key}' has shape {tuple(value.shape)}, "
-                        f"parameter has {tuple(p.shape)}"
-                    )
+def _named_optimizer_state(saved: dict, param_names: list[str], state_url: str) -> dict:
+    """The optimizer state keyed by parameter name. Format 1 (a plain ``optimizer.state_dict()``,
+    keyed by parameter position) is translated by the model's parameter order."""
+    groups = saved.get("param_groups") or []
+    positional = any(isinstance(i, int) for g in groups for i in g.get("params", []))
+    if not positional:
+        return saved
+    count = sum(len(g["params"]) for g in groups)
+    if count != len(param_names):
+        raise CheckpointLoadError(f"{state_url}: optimizer state holds {count} parameters, the model has {len(param_names)}")
+    return {
+        "state": {param_names[int(i)]: v for i, v in saved.get("state", {}).items()},
+        "param_groups": [{**g, "params": [param_names[int(i)] for i in g["params"]]} for g in groups],
+    }
 
 
 def load_trainer(
@@ -222,11 +226,12 @@ def load_trainer(
     iteration: int,
     model: torch.nn.Module,
     optimizer: Optional[torch.optim.Optimizer],
-    ema_model: Optional[torch.nn.Module] = None,
+    ema: Optional[Sequence[torch.Tensor]] = None,
 ) -> dict:
     """Load a trainer checkpoint INTO ``model`` (strict), ``optimizer`` (skipped when None) and
-    ``ema_model`` and return the saved ``extra``. Raises CheckpointLoadError naming the path when
-    the directory is missing, incomplete or corrupt."""
+    ``ema`` (tensors in parameter order), each rank into its own shards, so any number of ranks
+    loads any checkpoint; returns the saved ``extra``. Raises CheckpointLoadError naming the path
+    when the directory is missing, incomplete, corrupt or does not fit."""
     d = trainer_dir(load_url, role, iteration)
     marker = _read_marker(d)
     _check_files(d, marker)
@@ -235,7 +240,7 @@ def load_trainer(
     try:
         data = storage.read_bytes(state_url)
     except Exception as exc:  # noqa: BLE001
-        raise CheckpointLoadError(f"{state_url}: cannot read ({_one_line(exc)})") from None
+        raise CheckpointLoadError(f"{state_url}: cannot read ({one_line(exc)})") from None
     digest = marker.get("trainer_state_sha256")
     if digest and hashlib.sha256(data).hexdigest() != digest:
         raise CheckpointLoadError(f"{state_url}: corrupt (sha256 differs from the one recorded at save)")
@@ -244,16 +249,32 @@ def load_trainer(
         if not isinstance(state, dict) or "optimizer" not in state:
             raise ValueError("no optimizer entry")
     except Exception as exc:  # noqa: BLE001
-        raise CheckpointLoadError(f"{state_url}: corrupt trainer state ({_one_line(exc)})") from None
+        raise CheckpointLoadError(f"{state_url}: corrupt trainer state ({one_line(exc)})") from None
 
-    _load_weights(storage.join(d, "model"), model)
-    if ema_model is not None:
+    _apply_weights(storage.join(d, "model"), model)
+    if ema is not None:
         if not marker.get("has_ema"):
-            raise CheckpointLoadError(f"{d}: checkpoint has no ema/ weights but an EMA model was given")
-        _load_weights(storage.join(d, "ema"), ema_model)
+            raise CheckpointLoadError(f"{d}: checkpoint has no ema/ weights but the trainer keeps an EMA")
+        _apply_weights(storage.join(d, "ema"), model, ema)
     if optimizer is not None:
-        _load_optimizer(state_url, optimizer, state["optimizer"])
+        names = [n for n, _ in model.named_parameters()]
+        try:
+            parallel.load_optimizer_state(model, optimizer, _named_optimizer_state(state["optimizer"], names, state_url))
+        except CheckpointLoadError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointLoadError(f"{state_url}: optimizer state does not fit ({one_line(exc)})") from None
     return dict(state.get("extra") or {})
+
+
+def _apply_weights(model_url: str, model: torch.nn.Module, shards: Optional[Sequence[torch.Tensor]] = None) -> None:
+    transformer_url = storage.join(model_url, "transformer")
+    try:
+        parallel.load_full_state_dict(model, _load_weights(model_url), shards)
+    except CheckpointLoadError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointLoadError(f"{transformer_url}: weights do not fit the model ({one_line(exc)})") from None
 
 
 # ---- tracker ----------------------------------------------------------------------------------
@@ -277,7 +298,7 @@ def read_tracker(load_url: str) -> Optional[int]:
             return None
         text = storage.read_text(url).strip()
     except Exception as exc:  # noqa: BLE001
-        raise CheckpointLoadError(f"{url}: cannot read tracker ({_one_line(exc)})") from None
+        raise CheckpointLoadError(f"{url}: cannot read tracker ({one_line(exc)})") from None
     try:
         value = int(text)
     except ValueError:

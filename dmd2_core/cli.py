@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Optional
 
-from dmd2_core.args import ArgParser, add_arg_flags, load_args, recipe_names
+from dmd2_core.args import ArgParser, add_arg_flags, load_args, parse_set, recipe_names
 from dmd2_core.trainer_config import compute_trainer_args, compute_trainer_configs
 
 
@@ -21,6 +21,13 @@ def build_parser() -> ArgParser:
     add_arg_flags(check)
     # every flag, by group, also on the top-level help (they are the recipe keys and flow overrides)
     parser.epilog = "Every flag of a run (recipe keys, flow overrides), by group:\n\n" + check.format_help()
+    plan = sub.add_parser("plan", help="the memory plan per group and rank, from the checkpoints' configs "
+                          "(no weights loaded, no device needed); exit 2 when it does not fit")
+    plan.add_argument("--recipe", required=True, help=f"recipe name ({', '.join(recipe_names())}) or YAML path")
+    plan.add_argument("--set", dest="set_items", action="append", default=[], metavar="KEY=VALUE",
+                      help="override one flag (value parsed as YAML); repeatable")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    add_arg_flags(plan)
     sub.add_parser("recipes", help="list the recipes")
     prep = sub.add_parser("prepare-prompts", help="encode a prompt list with the checkpoint's own text encoder")
     prep.add_argument("--hf-checkpoint", required=True, help="diffusers pipeline directory (path or URL)")
@@ -45,8 +52,17 @@ def main(argv: Optional[list[str]] = None) -> int:
             shapes = {k: list(v.shape) for k, v in prompt_set.embeds.items()}
             print(json.dumps({"out": ns.out, "prompts": len(prompt_set), "shapes": shapes}))
             return 0
-        overrides = {k: v for k, v in vars(ns).items() if k not in ("command", "recipe", "deep")}
+        overrides = {k: v for k, v in vars(ns).items() if k not in ("command", "recipe", "deep", "set_items", "json")}
+        overrides.update(parse_set(getattr(ns, "set_items", [])))
         args = load_args(ns.recipe, overrides)
+        if ns.command == "plan":
+            from dmd2_core import memory
+
+            trainers = {cfg.role: compute_trainer_args(args, cfg) for cfg in compute_trainer_configs(args)}
+            memory_plan = memory.plan(trainers)
+            print(json.dumps(memory_plan.as_dict(), indent=1) if ns.json else memory.table(memory_plan))
+            memory.check(memory_plan)
+            return 0
         if ns.deep:
             from dmd2_core.distill import preflight
 

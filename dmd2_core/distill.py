@@ -12,7 +12,7 @@ import time
 from statistics import fmean
 from typing import Any, Callable
 
-from dmd2_core import checkpoint
+from dmd2_core import checkpoint, memory
 from dmd2_core.args import Args, ArgsError
 from dmd2_core.hooks import load_hook
 from dmd2_core.models import FAMILIES, describe_checkpoint
@@ -61,6 +61,8 @@ def preflight(args: Args) -> dict[str, Args]:
     from dmd2_core.media import eval_prompt_indices, prompt_texts
 
     eval_prompt_indices(args, len(prompt_texts(args.prompts)))
+    if memory.device_limit(args) is not None:
+        memory.check(memory.plan(trainer_args))
     checkpoint.validate_resume(resume_url(args), list(trainer_args))
     return trainer_args
 
@@ -209,9 +211,9 @@ class DistillRun:
 
     # ---- eval and checkpoints -----------------------------------------------------------------
     def sample(self, prompt_index: list[int], seed: int):
-        """K-step student samples in pixel space from actor rank 0."""
-        return self._call_or_break(lambda: self.groups["actor"].get(
-            self.groups["actor"].ranks[0].sample.remote(prompt_index, seed)))
+        """K-step student samples in pixel space: every actor rank samples (a sharded forward is
+        a collective), rank 0 decodes and returns them."""
+        return self._call_or_break(lambda: self.groups["actor"].call("sample", prompt_index, seed)[0])
 
     def checkpoint(self, iteration: int) -> dict:
         """Every trainer saves; the tracker is written last, only after all of them finished."""

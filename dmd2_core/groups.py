@@ -12,6 +12,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from dmd2_core import parallel
 from dmd2_core.args import Args
 from dmd2_core.trainer import Trainer
 
@@ -47,6 +48,15 @@ def create_placement_group(args: Args, num_groups: int, timeout_s: Optional[floa
     return pg
 
 
+def rank_bundles(pg, offset: int, count: int) -> list[int]:
+    """The bundle of each rank among ``count`` bundles from ``offset``: ordered by (node, device),
+    so that a shard group (consecutive ranks) stays inside one node whenever it can."""
+    from ray.util import placement_group_table
+
+    nodes = placement_group_table(pg)["bundles_to_node_id"]
+    return [offset + i for i in parallel.rank_bundles([nodes[offset + b] for b in range(count)])]
+
+
 class TrainerGroup:
     """The ranks of one trainer; calls fan out to every rank and come back as per-rank lists."""
 
@@ -55,7 +65,7 @@ class TrainerGroup:
         self.timeout = args.ray_timeout_s
         n = args.num_devices
         self.instance = uuid.uuid4().hex[:8]
-        self.bundle_indices = [bundle_offset + rank for rank in range(n)]
+        self.bundle_indices = rank_bundles(pg, bundle_offset, n)
         resources = {"num_gpus": share} if args.resource_name == "GPU" else {"resources": {args.resource_name: share}}
         self.ranks = [
             RemoteTrainer.options(

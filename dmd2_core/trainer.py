@@ -7,17 +7,15 @@ the actor (student) and the critic (fake score + frozen teacher) are the same cl
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import hashlib
 import socket
 import time
-from datetime import timedelta
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
-from dmd2_core import checkpoint, dmd2
+from dmd2_core import checkpoint, dmd2, parallel
 from dmd2_core import flow_matching as fm
 from dmd2_core.args import Args
 from dmd2_core.data import load_prompt_set
@@ -40,36 +38,40 @@ def micro_batches(n: int, micro: int):
 
 
 class Trainer:
+    """One rank. Models load in ``__init__`` (so colocated groups load at the same time); they are
+    sharded, and the optimizer and EMA built on the shards, once the rank has joined its group
+    (``init_process_group``; at once for a group of one rank)."""
+
     def __init__(self, args: Args, role: str, rank: int = 0, world_size: int = 1):
         torch.set_num_threads(args.torch_threads)
         if args.global_batch_size % world_size:
             raise ValueError(f"global_batch_size {args.global_batch_size} is not divisible by {world_size} ranks")
+        parallel.check_shard_size(world_size, args.fsdp_shard_size)
         self.args, self.role, self.rank, self.world_size = args, role, rank, world_size
         self.device = pick_device(args)
-        self.dtype = getattr(torch, args.dtype)
+        self.dtype = getattr(torch, args.dtype)  # the compute dtype; trained weights stay fp32
         self.hook = train_input_hook(args.train_input_hook_path)
-        loaded = load_checkpoint(args.hf_checkpoint, self.device, self.dtype)
+        # models load on the host; sharding moves each rank's shards to the device
+        loaded = load_checkpoint(args.hf_checkpoint, "cpu", parallel.MASTER_DTYPE)
         self.family, self.model = loaded.family, loaded.model
         self.shift = args.dmd2_shift or loaded.shift
         self.args = args.model_copy(update={"dmd2_shift": self.shift})
         self.teacher = None
         if args.loss_type == SCORED:
-            self.teacher = load_checkpoint(args.teacher_checkpoint or args.hf_checkpoint, self.device, self.dtype).model
-            self.teacher.requires_grad_(False).eval()
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-            weight_decay=args.weight_decay,
-        )
-        self.ema = copy.deepcopy(self.model).requires_grad_(False) if args.ema_decay else None
+            self.teacher = load_checkpoint(args.teacher_checkpoint or args.hf_checkpoint, "cpu", self.dtype).model
         self.prompts = load_prompt_set(args.prompts)
         self.shape = self.family.sample_shape(self.model, args.latent_shape)
         self.local_batch = args.global_batch_size // world_size
         self.rows = slice(rank * self.local_batch, (rank + 1) * self.local_batch)
         self.step = 0
         self.vae = None
-        self._stash: Optional[list[torch.Tensor]] = None
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.ema: Optional[list[torch.Tensor]] = None
+        self._stash: Optional[list[tuple[torch.UntypedStorage, torch.Tensor]]] = None
+        if world_size == 1:
+            self.init_process_group()
 
-    # ---- process group ------------------------------------------------------------------------
+    # ---- process group and sharding -----------------------------------------------------------
     def address(self) -> tuple[str, int]:
         import ray
 
@@ -77,14 +79,25 @@ class Trainer:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
-    def init_process_group(self, master_addr: str, master_port: int) -> None:
-        if self.world_size == 1:
+    def init_process_group(self, master_addr: Optional[str] = None, master_port: Optional[int] = None) -> None:
+        """Join the group's process group, then shard the models and build the optimizer."""
+        if self.optimizer is not None:
             return
-        dist.init_process_group(
-            "nccl" if self.device.type == "cuda" else "gloo",
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=self.args.ray_timeout_s),
+        parallel.ensure_process_group(self.rank, self.world_size, self.device, master_addr, master_port,
+                                      self.args.ray_timeout_s)
+        args = self.args
+        self.mesh = parallel.build_mesh(self.device, self.world_size, args.fsdp_shard_size)
+        parallel.shard_model(self.model, self.mesh, self.dtype, trainable=True,
+                             gradient_checkpointing=args.gradient_checkpointing, cpu_offload=args.fsdp_cpu_offload)
+        if self.teacher is not None:
+            parallel.shard_model(self.teacher, self.mesh, self.dtype, trainable=False,
+                                 cpu_offload=args.fsdp_cpu_offload)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+            weight_decay=args.weight_decay,
         )
+        if args.ema_decay:
+            self.ema = [p.detach().clone() for p in self.model.parameters()]
 
     def placement(self) -> dict:
         """Where Ray put this rank: its placement group and its share of the device resource."""
@@ -111,6 +124,7 @@ class Trainer:
         start = time.perf_counter()
         plan = dmd2.plan_rollout(self.args, iteration, len(self.prompts), self.shape)
         pairs = dmd2.rollout_pairs(self.family, self.model, self._cond, _on(plan, self.device), self.rows)
+        self._reshard()
         metrics = {"stop_step": plan.stop_step, "rollout_sigma": plan.sigmas[plan.stop_step],
                    "rollout_s": time.perf_counter() - start, **_wake_metric(self.role, woke)}
         return _cpu(pairs), metrics
@@ -129,6 +143,7 @@ class Trainer:
             outputs, metrics = self._train_dmd2(pairs)
         else:
             outputs, metrics = self._train_flow_matching(iteration, pairs)
+        self._reshard()
         metrics[f"{self.role}_train_s"] = time.perf_counter() - start
         metrics.update(_wake_metric(self.role, woke))
         return _cpu(outputs), metrics
@@ -208,88 +223,106 @@ class Trainer:
                     "graded_x0_drift": drift}
 
     def _optimizer_step(self) -> float:
+        """Gradients are already averaged over the group's ranks (FSDP reduce-scatters them in
+        fp32 during backward); clip on the global norm, step the fp32 master weights, EMA."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.world_size > 1:
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.all_reduce(flat)
-            flat /= self.world_size
-            offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset: offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
         max_norm = self.args.clip_grad if self.args.clip_grad > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+        grad_norm = parallel.clip_grad_norm(params, max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
             with torch.no_grad():
-                for e, p in zip(self.ema.parameters(), self.model.parameters()):
-                    e.lerp_(p, 1.0 - self.args.ema_decay)
+                for e, p in zip(self.ema, self.model.parameters()):
+                    parallel.local(e).lerp_(parallel.local(p), 1.0 - self.args.ema_decay)
         self.step += 1
         return grad_norm
 
+    @contextlib.contextmanager
+    def _ema_weights(self):
+        """The model's parameters hold the EMA inside the block (this rank's shards, exactly
+        restored after); without an EMA, the model as it is."""
+        if self.ema is None:
+            yield
+            return
+        self._reshard()
+        params = [parallel.local(p) for p in self.model.parameters()]
+        saved = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, e in zip(params, self.ema):
+                p.copy_(parallel.local(e))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, v in zip(params, saved):
+                    p.copy_(v)
+
     # ---- eval ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def sample(self, prompt_index: list[int], seed: int, decode: bool = True) -> torch.Tensor:
+    def sample(self, prompt_index: list[int], seed: int, decode: bool = True) -> Optional[torch.Tensor]:
         """Full K-step student samples (EMA weights when kept) for eval; same seed, same noise.
-        A sleeping trainer wakes for it and goes back to sleep."""
+        Every rank of the group runs it (the sharded forward is a collective); rank 0 decodes
+        and returns them. A sleeping trainer wakes for it and goes back to sleep."""
         was_asleep = self.asleep
         self.wake_up()
-        model = self.ema if self.ema is not None else self.model
-        x0 = dmd2.eval_samples(self.family, model, self._cond(torch.tensor(prompt_index)),
-                               (len(prompt_index), *self.shape), seed, self.args.dmd2_student_steps,
-                               self.shift, self.device)
+        with self._ema_weights():
+            x0 = dmd2.eval_samples(self.family, self.model, self._cond(torch.tensor(prompt_index)),
+                                   (len(prompt_index), *self.shape), seed, self.args.dmd2_student_steps,
+                                   self.shift, self.device)
+        self._reshard()
+        if was_asleep:
+            self.sleep()
+        if self.rank != 0:
+            return None
         if decode:
             vae_url = describe_checkpoint(self.args.hf_checkpoint)["vae_url"]
             if self.vae is None and vae_url:
                 self.vae = self.family.load_vae(vae_url, self.dtype).to(self.device)
             x0 = self.family.decode(self.vae, x0)
-        if was_asleep:
-            self.sleep()
         return x0.cpu()
 
     # ---- sleep / wake -------------------------------------------------------------------------
-    def _state_slots(self):
-        """Every tensor of the training state, as (owner, key) pairs whose value can be swapped."""
-        for module in (self.model, self.ema, self.teacher):
-            if module is None:
-                continue
-            for p in module.parameters():
-                yield p, None
-            for m in module.modules():
-                for name, b in m._buffers.items():
-                    if b is not None:
-                        yield m._buffers, name
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    yield state, key
+    def _reshard(self) -> None:
+        for module in (self.model, self.teacher):
+            if module is not None:
+                parallel.reshard(module)
 
-    @staticmethod
-    def _get(owner, key):
-        return owner.data if key is None else owner[key]
+    def _state_tensors(self):
+        """This rank's tensors of the training state: weight shards, buffers, EMA, optimizer
+        state and the teacher's shards."""
+        self._reshard()
+        for module in (self.model, self.teacher):
+            if module is not None:
+                yield from (parallel.local(t) for t in module.parameters())
+                yield from (parallel.local(t) for t in module.buffers())
+        yield from (parallel.local(e) for e in self.ema or ())
+        for state in (self.optimizer.state.values() if self.optimizer is not None else ()):
+            yield from (parallel.local(v) for v in state.values() if isinstance(v, torch.Tensor))
 
-    @staticmethod
-    def _set(owner, key, value):
-        if key is None:
-            owner.data = value
-        else:
-            owner[key] = value
+    def _device_storages(self) -> list[torch.UntypedStorage]:
+        """The distinct storages behind the state on this rank's device (views share one; with
+        fsdp_cpu_offload the shards already live on the host and are not counted)."""
+        seen: dict[int, torch.UntypedStorage] = {}
+        for t in self._state_tensors():
+            storage = t.untyped_storage()
+            if t.device.type == self.device.type and storage.nbytes():
+                seen.setdefault(storage.data_ptr(), storage)
+        return list(seen.values())
 
     def sleep(self) -> dict:
-        """Move weights, grads and optimizer state off the device (host copies); idempotent."""
+        """Copy every state storage on the device to host memory and free it (resized to zero
+        bytes in place, so FSDP's own views of the shards stay valid); idempotent."""
         if self._stash is not None:
             return {"asleep": True, "sleep_s": 0.0, "device_bytes_awake": 0, "bytes_freed": 0}
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         before = self.device_bytes()
         stash = []
-        for owner, key in self._state_slots():
-            t = self._get(owner, key)
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.device.type == "cuda")
-            host.copy_(t)
-            stash.append(host)
-            self._set(owner, key, torch.empty(0, dtype=t.dtype, device=t.device))
+        for storage in self._device_storages():
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+            host.untyped_storage().copy_(storage)
+            storage.resize_(0)
+            stash.append((storage, host))
         self._stash = stash
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -301,8 +334,9 @@ class Trainer:
         if self._stash is None:
             return {"asleep": False, "wake_s": 0.0}
         start = time.perf_counter()
-        for (owner, key), host in zip(list(self._state_slots()), self._stash):
-            self._set(owner, key, host.to(self.device, copy=True))
+        for storage, host in self._stash:
+            storage.resize_(host.numel())
+            storage.copy_(host.untyped_storage())
         self._stash = None
         return {"asleep": False, "wake_s": time.perf_counter() - start}
 
@@ -314,45 +348,58 @@ class Trainer:
         """Bytes the training state holds on the device (allocator figure on CUDA)."""
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device)
-        return sum(self._get(o, k).untyped_storage().nbytes() for o, k in self._state_slots())
+        return sum(s.nbytes() for s in self._device_storages())
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of this rank's state by kind (storage sizes, any device, awake), to check the
+        memory plan."""
+        self.wake_up()
+        def nbytes(tensors) -> int:
+            return sum(parallel.local(t).untyped_storage().nbytes() for t in tensors)
+
+        optimizer = [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        return {"params": nbytes(self.model.parameters()), "optimizer": nbytes(optimizer),
+                "ema": nbytes(self.ema or ()), "teacher": nbytes(self.teacher.parameters()) if self.teacher else 0}
 
     def state_digest(self) -> str:
-        """sha256 of every state tensor (weights, EMA, optimizer), for bitwise comparisons."""
+        """sha256 of this rank's state tensors (weights, EMA, optimizer), for bitwise comparisons."""
         self.wake_up()
         h = hashlib.sha256()
-        for owner, key in self._state_slots():
-            t = self._get(owner, key).detach().cpu().contiguous().reshape(-1)
+        for t in self._state_tensors():
+            # a copy: a storage once shared with numpy can no longer be resized (slept)
+            t = t.detach().to("cpu", copy=True).contiguous().reshape(-1)
             h.update(str((t.dtype, tuple(t.shape))).encode())
             h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         return h.hexdigest()
 
     def weights(self) -> dict[str, torch.Tensor]:
+        """The whole trained weights on the host (a collective: every rank calls it)."""
         self.wake_up()
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        self._reshard()
+        return parallel.full_state_dict(self.model)
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save(self, iteration: int) -> Optional[str]:
-        """Rank 0 writes this trainer's checkpoint (weights are replicated across ranks)."""
-        if self.rank != 0:
-            return None
+        """Every rank takes part in gathering the whole state; rank 0 writes the checkpoint."""
         was_asleep = self.asleep
         self.wake_up()
+        self._reshard()
         url = checkpoint.save_trainer(
             self.args.save, self.role, iteration, self.model, self.optimizer, self.shift,
-            ema_model=self.ema, extra={"step": self.step, "iteration": iteration},
             # a student ships with the scheduler of its own few-step sampler
             scheduler="FlowMatchLCMScheduler" if self.args.loss_type == "dmd2" else "FlowMatchEulerDiscreteScheduler",
+            ema=self.ema, extra={"step": self.step, "iteration": iteration}, writer=self.rank == 0,
         )
         if was_asleep:
             self.sleep()
         return url
 
     def load(self, iteration: int, url: Optional[str] = None) -> int:
-        """Load this trainer's checkpoint of ``iteration`` from ``url`` (default: its load URL)."""
+        """Load this trainer's checkpoint of ``iteration`` from ``url`` (default: its load URL);
+        any number of ranks loads any checkpoint (each keeps its own shard)."""
         self.wake_up()
-        extra = checkpoint.load_trainer(
-            url or self.args.load_url, self.role, iteration, self.model, self.optimizer, ema_model=self.ema
-        )
+        extra = checkpoint.load_trainer(url or self.args.load_url, self.role, iteration, self.model,
+                                        self.optimizer, ema=self.ema)
         self.step = int(extra.get("step", 0))
         return self.step
 

@@ -30,9 +30,15 @@ def critic_overrides(args: Args) -> dict[str, Any]:
         "save": args.save,
         "num_steps_per_rollout": args.dmd2_update_ratio,
         "train_input_hook_path": args.critic_train_input_hook_path,
+        "gradient_checkpointing": _default(args.critic_gradient_checkpointing, args.gradient_checkpointing),
+        "fsdp_cpu_offload": _default(args.critic_fsdp_cpu_offload, args.fsdp_cpu_offload),
         "loss_type": "dmd2_critic",
         "ema_decay": None,
     }
+
+
+def _default(value, fallback):
+    return fallback if value is None else value
 
 
 def compute_trainer_configs(args: Args) -> list[TrainerConfig]:

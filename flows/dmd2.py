@@ -33,7 +33,7 @@ from prefect import flow, get_run_logger  # noqa: E402
 
 from dmd2_core import checkpoint as ckpt  # noqa: E402
 from dmd2_core import storage  # noqa: E402
-from dmd2_core.args import Args, ArgsError, load_args  # noqa: E402
+from dmd2_core.args import Args, ArgsError, load_args, parse_set  # noqa: E402
 from dmd2_core.distill import DistillRun  # noqa: E402
 from dmd2_core.models import CheckpointError  # noqa: E402
 from tasks import artifacts, registry  # noqa: E402
@@ -227,18 +227,6 @@ def _drive(run: DistillRun, run_id: str, args: Args, keys: dict, logger) -> dict
 
 # ---- CLI --------------------------------------------------------------------------------------
 
-def _parse_set(items: list[str]) -> dict[str, Any]:
-    import yaml
-
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ArgsError(f"--set expects key=value (got {item!r})")
-        out[key.strip().replace("-", "_")] = yaml.safe_load(value) if value.strip() else None
-    return out
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flows.dmd2", description="Run the dmd2 Prefect flow.")
     parser.add_argument("--recipe", default="tiny", help="Recipe name under deployments/recipes or a YAML path.")
@@ -251,7 +239,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seed", type=int)
     ns = parser.parse_args(argv)
     try:
-        overrides = _parse_set(ns.overrides)
+        overrides = parse_set(ns.overrides)
         flat = dict(num_iterations=ns.num_iterations, hf_checkpoint=ns.hf_checkpoint, save=ns.save,
                     prompts=ns.prompts, seed=ns.seed)
         DistillRun(resolve_args(ns.recipe, overrides, **flat))  # fail fast, before Prefect starts

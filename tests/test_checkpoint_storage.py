@@ -141,7 +141,7 @@ def test_trainer_round_trip_is_exact(root):
             pe.lerp_(p, 0.1)
     extra = {"iteration": 7, "student_steps": 2, "rng": torch.get_rng_state(), "note": "x"}
 
-    d = ckpt.save_trainer(root, "student", 7, model, opt, SHIFT, ema_model=ema, extra=extra)
+    d = ckpt.save_trainer(root, "student", 7, model, opt, SHIFT, ema=list(ema.parameters()), extra=extra)
     assert d == ckpt.trainer_dir(root, "student", 7)
     assert d.endswith("trainers/student/iter_0000007")
     marker = json.loads(storage.read_text(storage.join(d, "complete.json")))
@@ -152,7 +152,7 @@ def test_trainer_round_trip_is_exact(root):
     model2, ema2 = _model(123), _model(456)  # different initial weights
     opt2 = _optimizer(model2)
     opt2.param_groups[0]["lr"] = 5.0  # the saved value must win
-    got = ckpt.load_trainer(root, "student", 7, model2, opt2, ema_model=ema2)
+    got = ckpt.load_trainer(root, "student", 7, model2, opt2, ema=list(ema2.parameters()))
 
     assert got["iteration"] == 7 and got["student_steps"] == 2 and got["note"] == "x"
     assert torch.equal(got["rng"], extra["rng"])
@@ -170,7 +170,7 @@ def test_trainer_round_trip_is_exact(root):
 def test_save_over_existing_iteration_replaces_it(tmp_path):
     root = str(tmp_path)
     first = _model(0)
-    d = ckpt.save_trainer(root, "critic", 3, first, _optimizer(first), SHIFT, ema_model=_model(1))
+    d = ckpt.save_trainer(root, "critic", 3, first, _optimizer(first), SHIFT, ema=list(_model(1).parameters()))
     stale = _local_path(d) / "model" / "transformer" / "stale.bin"
     stale.write_bytes(b"old")
 
@@ -188,7 +188,7 @@ def test_save_over_existing_iteration_replaces_it(tmp_path):
     _assert_same_state(second.state_dict(), fresh.state_dict())
     _assert_same_optimizer(opt, fresh_opt)
     with pytest.raises(CheckpointLoadError, match=re.escape("no ema")):
-        ckpt.load_trainer(root, "critic", 3, _model(9), None, ema_model=_model(9))
+        ckpt.load_trainer(root, "critic", 3, _model(9), None, ema=list(_model(9).parameters()))
 
 
 def test_extra_must_survive_weights_only_load(tmp_path):

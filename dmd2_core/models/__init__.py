@@ -35,7 +35,11 @@ class LoadedModel:
 
 
 def family_of(model: torch.nn.Module) -> ModelFamily:
-    return FAMILIES[type(model).__name__]
+    # through the MRO: FSDP2 swaps a sharded model's class for a subclass named FSDP<class>
+    for cls in type(model).__mro__:
+        if cls.__name__ in FAMILIES:
+            return FAMILIES[cls.__name__]
+    raise KeyError(f"{type(model).__name__} is not a supported model family")
 
 
 def _read_json(url: str) -> dict[str, Any]:
@@ -98,16 +102,22 @@ def save_checkpoint(
     shift: float,
     scheduler: str = "FlowMatchEulerDiscreteScheduler",
     vae: "torch.nn.Module | str | None" = None,
+    state: Optional[dict[str, torch.Tensor]] = None,
 ) -> None:
     """Save in diffusers format (safetensors) as a pipeline-style directory at any fsspec URL:
-    transformer/, scheduler/ and model_index.json, plus a VAE (a module, or a URL copied along)."""
+    transformer/, scheduler/ and model_index.json, plus a VAE (a module, or a URL copied along).
+    With ``state`` (a whole state dict, e.g. gathered from shards) those weights are written
+    under ``model``'s config instead of the model's own."""
     import shutil
 
     import diffusers
 
     family = family_of(model)
     with storage.staged_dir(url) as tmp:
-        model.save_pretrained(str(tmp / "transformer"), safe_serialization=True)
+        if state is None:
+            model.save_pretrained(str(tmp / "transformer"), safe_serialization=True)
+        else:
+            write_transformer(family, model.config, state, tmp / "transformer")
         getattr(diffusers, scheduler)(shift=shift).save_pretrained(str(tmp / "scheduler"))
         index = {
             "_class_name": family.pipeline_class,
@@ -123,3 +133,28 @@ def save_checkpoint(
         if vae is not None:
             index["vae"] = ["diffusers", json.loads((tmp / "vae" / "config.json").read_text())["_class_name"]]
         (tmp / "model_index.json").write_text(json.dumps(index, indent=2))
+
+
+def write_transformer(family: ModelFamily, config, state: dict[str, torch.Tensor], directory,
+                      max_shard_size: str = "10GB") -> None:
+    """A diffusers transformer directory (config.json and safetensors, sharded with an index
+    like ``save_pretrained`` above ``max_shard_size``) from a whole state dict."""
+    from pathlib import Path
+
+    import diffusers
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    values = {k: v for k, v in dict(config).items() if not k.startswith("_")}
+    values.update({"_class_name": family.class_name, "_diffusers_version": diffusers.__version__})
+    (directory / "config.json").write_text(json.dumps(values, indent=2, sort_keys=True, default=list) + "\n")
+    state = {k: v.contiguous() for k, v in state.items()}
+    split = split_torch_state_dict_into_shards(
+        state, filename_pattern="diffusion_pytorch_model{suffix}.safetensors", max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({n: state[n] for n in names}, str(directory / filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (directory / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index, indent=2))

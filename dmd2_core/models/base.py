@@ -37,6 +37,18 @@ class ModelFamily:
     def sample_shape(self, model: torch.nn.Module, latent_shape: Optional[list[int]] = None) -> tuple[int, ...]:
         raise NotImplementedError
 
+    # ---- for the memory plan: sizes from the config alone --------------------------------------
+    default_text_tokens: int = 0  # the pipeline's text sequence length
+
+    def tokens(self, config, sample_shape: tuple[int, ...]) -> int:
+        """Image (or video) tokens of one sample after patchifying."""
+        raise NotImplementedError
+
+    def activation_elements(self, config, image_tokens: int, text_tokens: int) -> int:
+        """Elements one transformer block keeps for backward, per sample (SDPA attention keeps no
+        score matrix), from the block's own layer sizes."""
+        raise NotImplementedError
+
     vae_class: str = "AutoencoderKL"
 
     def encode_prompts(self, pipe, prompts: list[str], negative_prompt: str, max_sequence_length: Optional[int]):

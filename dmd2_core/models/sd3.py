@@ -28,6 +28,19 @@ class SD3ImageFamily(ModelFamily):
         cfg = model.config
         return (cfg.in_channels, cfg.sample_size, cfg.sample_size)
 
+    default_text_tokens = 77 + 256  # CLIP tokens + T5 max_sequence_length of the SD3 pipelines
+
+    def tokens(self, config, sample_shape):
+        p = config["patch_size"]
+        return (sample_shape[-2] // p) * (sample_shape[-1] // p)
+
+    def activation_elements(self, config, image_tokens, text_tokens):
+        d = config["num_attention_heads"] * config["attention_head_dim"]
+        # per token and stream: norm, qkv, attention out, projection, MLP in and its 4d hidden
+        # before and after GELU, residuals: ~17 d; a dual-attention block adds a second attention
+        per_token = 17 * d + (6 * d if config.get("dual_attention_layers") else 0)
+        return (image_tokens + text_tokens) * per_token
+
     def encode_prompts(self, pipe, prompts, negative_prompt, max_sequence_length):
         extra = {"max_sequence_length": max_sequence_length} if max_sequence_length else {}
         pe, npe, pooled, npooled = pipe.encode_prompt(

@@ -24,6 +24,19 @@ class WanVideoFamily(ModelFamily):
             raise ValueError("latent_shape: Wan video models need [C, F, H, W] latents set in the recipe")
         return tuple(int(d) for d in latent_shape)
 
+    default_text_tokens = 512  # UMT5 max_sequence_length of the Wan pipelines
+
+    def tokens(self, config, sample_shape):
+        pt, ph, pw = config["patch_size"]
+        return (sample_shape[-3] // pt) * (sample_shape[-2] // ph) * (sample_shape[-1] // pw)
+
+    def activation_elements(self, config, image_tokens, text_tokens):
+        d = config["num_attention_heads"] * config["attention_head_dim"]
+        # self-attention (norm, qkv, out, projection) 6d, cross-attention (norm, q, out,
+        # projection) 4d, FFN input and its hidden before and after GELU, residuals 2d;
+        # the cross-attention keys and values on the text tokens
+        return image_tokens * (12 * d + 2 * config["ffn_dim"]) + text_tokens * 2 * d
+
     def encode_prompts(self, pipe, prompts, negative_prompt, max_sequence_length):
         extra = {"max_sequence_length": max_sequence_length} if max_sequence_length else {}
         pe, npe = pipe.encode_prompt(prompt=prompts, negative_prompt=negative_prompt,

@@ -1,0 +1,255 @@
+"""Parallelism and precision of one trainer rank, in one place.
+
+Every model of a trainer is sharded with torch FSDP2 (``fully_shard`` on each transformer block
+named by diffusers' ``_no_split_modules``, then on the root) over the group's ranks:
+
+- a 1-D mesh when the shard group is the whole trainer group, a 2-D ``(replicate, shard)`` mesh
+  (HSDP) when ``fsdp_shard_size`` is smaller, so a group spanning nodes shards inside a node and
+  replicates across nodes (ranks are ordered by node, see ``rank_bundles``);
+- trainable models keep fp32 master weights (and so fp32 gradients, AdamW state and EMA); the
+  forward and backward run in the compute ``dtype`` and gradients reduce in fp32;
+- a frozen model (the critic's teacher) is stored and run in the compute dtype;
+- activation checkpointing, per block, is diffusers' own (``enable_gradient_checkpointing``,
+  non-reentrant ``torch.utils.checkpoint``), applied before sharding so parameter names stay the
+  diffusers ones;
+- ``fsdp_cpu_offload`` keeps the sharded parameters, gradients and optimizer state in host memory
+  (FSDP2's ``CPUOffloadPolicy``; CUDA only).
+
+One rank runs the same code on a mesh of one, so 1 rank and N ranks differ only by the order of
+floating-point reductions. Within one process, every single-rank trainer shares one gloo process
+group of size one (``ensure_process_group``).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+MASTER_DTYPE = torch.float32
+
+
+def ensure_process_group(rank: int, world_size: int, device: torch.device, master_addr: Optional[str] = None,
+                         master_port: Optional[int] = None, timeout_s: float = 1800.0) -> None:
+    """Join the trainer group's process group; one rank gets a private in-memory one."""
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise RuntimeError(f"this process is already in a group of {dist.get_world_size()} ranks, not {world_size}")
+        return
+    backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+    if world_size == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=timeout_s))
+        return
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+
+
+def check_shard_size(world_size: int, shard_size: Optional[int]) -> int:
+    shard = shard_size or world_size
+    if shard < 1 or world_size % shard:
+        raise ValueError(f"fsdp_shard_size {shard} does not divide the group's {world_size} ranks")
+    return shard
+
+
+def build_mesh(device: torch.device, world_size: int, shard_size: Optional[int]) -> DeviceMesh:
+    shard = check_shard_size(world_size, shard_size)
+    if shard == world_size:
+        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(device.type, (world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def block_classes(model: torch.nn.Module) -> tuple[str, ...]:
+    """The model's transformer block classes: the units that are sharded and checkpointed."""
+    names = tuple(getattr(model, "_no_split_modules", None) or ())
+    if not names:
+        raise ValueError(f"{type(model).__name__} names no transformer block classes (_no_split_modules)")
+    return names
+
+
+def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    names = set(block_classes(model))  # through the MRO: sharded blocks are FSDP<class> subclasses
+    return [m for m in model.modules() if names & {c.__name__ for c in type(m).__mro__}]
+
+
+def shard_model(model: torch.nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype, trainable: bool,
+                gradient_checkpointing: bool = False, cpu_offload: bool = False) -> torch.nn.Module:
+    """Cast, checkpoint and shard ``model`` in place (blocks first, then the root)."""
+    dtype = MASTER_DTYPE if trainable else compute_dtype
+    if any(p.dtype != dtype for p in model.parameters()):
+        model.to(dtype)
+    for module in model.modules():  # own every buffer (loading may leave them on fixed-size mmaps)
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = buf.clone()
+    if gradient_checkpointing and trainable:
+        model.enable_gradient_checkpointing()
+    policy = dict(
+        mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=MASTER_DTYPE),
+        offload_policy=CPUOffloadPolicy(pin_memory=True) if cpu_offload else None,
+    )
+    policy = {k: v for k, v in policy.items() if v is not None}
+    for block in blocks(model):
+        fully_shard(block, mesh=mesh, **policy)
+    fully_shard(model, mesh=mesh, **policy)
+    if not trainable:
+        model.requires_grad_(False).eval()
+    return model
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Register the sharded parameters again (freeing unsharded ones). FSDP2 keeps the root's
+    parameters unsharded after a forward (expecting a backward next); after a forward-only pass
+    (rollout, eval, the teacher's scoring) they would otherwise stay gathered, and the module
+    would expose plain unsharded tensors instead of its shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a (possibly distributed) tensor."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (a collective for a DTensor: every rank must call it)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_state_dict(model: torch.nn.Module, shards: Optional[Iterable[torch.Tensor]] = None) -> dict[str, torch.Tensor]:
+    """The model's (or, with ``shards``, a same-layout copy's) whole state on CPU in every rank:
+    a collective."""
+    params = dict(model.named_parameters())
+    values = dict(zip(params, shards)) if shards is not None else params
+    out = {name: full(value).detach().cpu().clone() for name, value in values.items()}
+    for name, buf in model.named_buffers():
+        out[name] = full(buf).detach().cpu().clone()
+    return out
+
+
+def load_full_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor],
+                         shards: Optional[Sequence[torch.Tensor]] = None) -> None:
+    """Copy a whole state (every rank holds it) into this rank's shards: exact, no collective.
+    With ``shards`` (same order as ``model.parameters()``), into those instead of the model."""
+    names = [n for n, _ in model.named_parameters()]
+    expected = set(names) | {n for n, _ in model.named_buffers()}
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise KeyError(f"state does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    targets = list(shards) if shards is not None else [p for _, p in model.named_parameters()]
+    with torch.no_grad():
+        for name, target in zip(names, targets):
+            _copy_into(target, state[name])
+        if shards is None:
+            for name, buf in model.named_buffers():
+                _copy_into(buf, state[name])
+
+
+def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
+    if tuple(value.shape) != tuple(target.shape):
+        raise ValueError(f"shape {tuple(value.shape)} does not fit {tuple(target.shape)}")
+    if isinstance(target, DTensor):
+        value = _shard_of(value, target)
+    local(target).copy_(value.to(local(target).dtype))
+
+
+def _shard_of(value: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """This rank's piece of a whole tensor, laid out as ``like`` (Shard(0) on dims of the mesh,
+    chunked like torch.chunk, as FSDP2 does)."""
+    from torch.distributed.tensor import Shard
+
+    piece = value
+    for mesh_dim, placement in enumerate(like.placements):
+        if isinstance(placement, Shard):
+            n = like.device_mesh.size(mesh_dim)
+            idx = like.device_mesh.get_local_rank(mesh_dim)
+            chunks = torch.chunk(piece, n, dim=placement.dim)
+            piece = chunks[idx] if idx < len(chunks) else piece.narrow(placement.dim, 0, 0)
+    return piece
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """The global gradient norm (across shards); gradients are scaled down in place when it is
+    above ``max_norm`` (torch's clip_grad_norm_ rule)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    norm = full(torch.nn.utils.get_total_norm(grads, norm_type=2.0)).item()
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        with torch.no_grad():
+            torch._foreach_mul_([local(g) for g in grads], coef)
+    return norm
+
+
+def rank_bundles(bundle_nodes: Sequence[str]) -> list[int]:
+    """Bundle index of each rank: ranks ordered by (node, device), nodes in the order their first
+    bundle appears, so consecutive ranks (a shard group) share a node whenever they can."""
+    first: dict[str, int] = {}
+    for index, node in enumerate(bundle_nodes):
+        first.setdefault(node, index)
+    return sorted(range(len(bundle_nodes)), key=lambda i: (first[bundle_nodes[i]], i))
+
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's whole state, keyed by parameter name, on the host of every rank (a
+    collective for sharded parameters: every rank calls it, in the same order)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p in optimizer.state:
+                state[names[id(p)]] = {k: full(v).detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+                                       for k, v in optimizer.state[p].items()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    return {"state": state, "param_groups": groups}
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load a whole, name-keyed optimizer state (every rank holds it) into this rank's shards:
+    moments copied exactly, settings (lr, betas, ...) the saved ones; no collective."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    saved_groups = state.get("param_groups") or []
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(f"{len(saved_groups)} parameter groups saved, the optimizer has {len(optimizer.param_groups)}")
+    position, by_name, groups = 0, {}, []
+    for saved, group in zip(saved_groups, optimizer.param_groups):
+        current = [names[id(p)] for p in group["params"]]
+        if sorted(saved["params"]) != sorted(current):
+            extra = sorted(set(saved["params"]) ^ set(current))
+            raise ValueError(f"saved parameters do not match the model's (e.g. {extra[:2]})")
+        ids = list(range(position, position + len(current)))
+        by_name.update({n: (i, p) for n, i, p in zip(current, ids, group["params"])})
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+        position += len(current)
+    moments = {}
+    for name, values in state.get("state", {}).items():
+        if name not in by_name:
+            raise ValueError(f"optimizer state for unknown parameter '{name}'")
+        i, p = by_name[name]
+        moments[i] = {k: _shaped_like(v, p, f"optimizer state '{k}' of '{name}'") for k, v in values.items()}
+    optimizer.load_state_dict({"state": moments, "param_groups": groups})
+
+
+def _shaped_like(value, param: torch.Tensor, what: str):
+    """A saved per-parameter tensor as this rank holds it: scalars as they are, moments as the
+    parameter's shard (a DTensor like it when it is one)."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    if tuple(value.shape) != tuple(param.shape):
+        raise ValueError(f"{what} has shape {tuple(value.shape)}, the parameter {tuple(param.shape)}")
+    if not isinstance(param, DTensor):
+        return value.to(param.device)
+    piece = _shard_of(value, param).to(device=local(param).device, dtype=local(param).dtype).contiguous()
+    return DTensor.from_local(piece, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())

@@ -1,0 +1,274 @@
+"""Trainers at real scale: FSDP2 sharding (1 rank == N ranks, HSDP), fp32 master weights with
+bf16 compute, activation checkpointing, sleep/wake of shards, resume across rank counts, the
+memory plan (against the bytes ranks really hold) and rank placement across nodes."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dmd2_core import memory, parallel
+from dmd2_core.args import ArgsError, load_args
+from dmd2_core.distill import DistillRun, preflight
+from dmd2_core.models.standins import build_standin, standin_prompt_set
+from dmd2_core.trainer import Trainer
+from tests.conftest import tiny_args
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "deployments" / "model_configs"
+H3_CPU = dict(device="cpu", num_devices=1, global_batch_size=4, micro_batch_size=2, torch_threads=1,
+              eval_interval=0, save_interval=0)
+
+
+@pytest.fixture(scope="module")
+def sd3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sd3")
+    url = build_standin(str(root / "sd3"), "sd3")
+    prompts = str(root / "prompts.safetensors")
+    standin_prompt_set("sd3").save(prompts)
+    return url, prompts
+
+
+def _in_process(args):
+    return {role: Trainer(a, role) for role, a in preflight(args).items()}
+
+
+def _iterate(trainers, iteration):
+    pairs, _ = trainers["actor"].rollout(iteration)
+    scores, _ = trainers["critic"].train(iteration, pairs)
+    trainers["actor"].train(iteration, pairs, scores)
+
+
+# ---- precision ---------------------------------------------------------------------------------
+
+def test_bf16_recipe_moves_the_fp32_master_weights(sd3, tmp_path):
+    """minimax-h3 as shipped (bf16, lr 2e-6), CPU-sized: the student's fp32 master weights move;
+    the teacher is stored in bf16 and the blocks compute in bf16."""
+    url, prompts = sd3
+    args = load_args("minimax-h3", dict(H3_CPU, hf_checkpoint=url, prompts=prompts, save=str(tmp_path)))
+    assert args.dtype == "bfloat16" and args.lr == 2e-6 and args.gradient_checkpointing
+    trainers = _in_process(args)
+    actor, critic = trainers["actor"], trainers["critic"]
+    assert {p.dtype for p in actor.model.parameters()} == {torch.float32}
+    assert {p.dtype for p in critic.teacher.parameters()} == {torch.bfloat16}
+    assert all(parallel.local(v).dtype == torch.float32 for st in actor.optimizer.state.values() for v in st.values()
+               if v.dim() > 0)
+    seen = []
+    block = parallel.blocks(actor.model)[0]
+    handle = block.register_forward_pre_hook(lambda m, a, kw: seen.append((a[0] if a else kw["hidden_states"]).dtype), with_kwargs=True)
+    before = actor.weights()
+    for i in range(1, 6):
+        _iterate(trainers, i)
+    handle.remove()
+    after = actor.weights()
+    moved = sum((before[k] != after[k]).sum().item() for k in before)
+    total = sum(v.numel() for v in before.values())
+    assert moved / total >= 0.9, f"{moved / total:.1%} of the master weights moved"
+    assert seen and set(seen) == {torch.bfloat16}
+    assert all(v.dtype == torch.float32 for v in after.values())
+
+
+def test_gradient_checkpointing_gives_the_same_update(tiny_teacher, tmp_path):
+    weights = {}
+    for on in (False, True):
+        trainers = _in_process(tiny_args(tiny_teacher, str(tmp_path / str(on)), gradient_checkpointing=on))
+        assert trainers["actor"].model.is_gradient_checkpointing == on
+        for i in (1, 2):
+            _iterate(trainers, i)
+        weights[on] = {role: t.weights() for role, t in trainers.items()}
+    for role in ("actor", "critic"):
+        a, b = weights[False][role], weights[True][role]
+        assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+
+
+# ---- sharding over ranks (Ray, gloo) -------------------------------------------------------------
+
+def _run(tiny_teacher, save, n, iterations, **kw):
+    args = tiny_args(tiny_teacher, save, num_devices=n, run_name=f"shard-{n}-{secrets.token_hex(3)}", **kw)
+    with DistillRun(args) as run:
+        for i in iterations:
+            run.iterate(i)
+        return {role: run.group_call(role, "weights")[0] for role in run.groups}, run
+
+
+@pytest.mark.parametrize("shard_size", [2, 1], ids=["fsdp", "hsdp-replicate"])
+def test_two_sharded_ranks_equal_one_rank(ray_session, tiny_teacher, tmp_path, shard_size):
+    """Same weights after 3 iterations, actor and critic: a gradient summed instead of averaged
+    over ranks (gloo under FSDP2, pytorch issue 162338) would double every update."""
+    one, _ = _run(tiny_teacher, str(tmp_path / "1"), 1, (1, 2, 3))
+    two, _ = _run(tiny_teacher, str(tmp_path / "2"), 2, (1, 2, 3), fsdp_shard_size=shard_size)
+    fresh = _in_process(tiny_args(tiny_teacher, str(tmp_path / "0")))["actor"].weights()
+    for role in ("actor", "critic"):
+        diff = max((one[role][k] - two[role][k]).abs().max().item() for k in one[role])
+        assert diff < 2e-6, (role, diff)
+    moved = max((fresh[k] - one["actor"][k]).abs().max().item() for k in fresh)
+    assert moved > 1e-4  # and training did move them, well beyond the tolerance
+
+
+def test_sharded_sleep_resume_and_resharding(ray_session, tiny_teacher, tmp_path):
+    """2 ranks: every shard survives sleep/wake bitwise; a save resumes bitwise on 2 ranks and
+    loads the same whole weights on 1 rank (and 1 -> 2), which then trains on."""
+    save = str(tmp_path / "two")
+    args = tiny_args(tiny_teacher, save, num_devices=2, ema_decay=0.9, run_name="shard-resume")
+    with DistillRun(args) as run:
+        for i in (1, 2):
+            run.iterate(i)
+        digests = {role: run.group_call(role, "state_digest") for role in run.groups}
+        assert digests["actor"][0] != digests["actor"][1]  # each rank holds its own shard
+        freed = run.group_call("actor", "sleep")
+        assert all(f["bytes_freed"] > 0 for f in freed)
+        assert run.group_call("actor", "state_digest") == digests["actor"]  # woke bitwise
+        run.checkpoint(2)
+        whole = {role: run.group_call(role, "weights")[0] for role in run.groups}
+        run.iterate(3)
+        straight = {role: run.group_call(role, "state_digest") for role in run.groups}
+    with DistillRun(args) as again:
+        assert again.start_iteration == 2
+        assert {role: again.group_call(role, "state_digest") for role in again.groups} == digests
+        again.iterate(3)
+        assert {role: again.group_call(role, "state_digest") for role in again.groups} == straight
+    on_one = tiny_args(tiny_teacher, str(tmp_path / "one"), load=save, ema_decay=0.9, run_name="shard-to-one")
+    with DistillRun(on_one) as one:
+        assert one.start_iteration == 2
+        for role in one.groups:
+            got = one.group_call(role, "weights")[0]
+            assert all(torch.equal(got[k], whole[role][k]) for k in got)
+        one.iterate(3)
+        one.checkpoint(3)
+    back = tiny_args(tiny_teacher, str(tmp_path / "one"), num_devices=2, ema_decay=0.9, run_name="shard-back")
+    with DistillRun(back) as two:
+        assert two.start_iteration == 3
+        metrics = two.iterate(4)
+        assert metrics["dmd2_loss"] > 0 and metrics["critic_loss"] > 0
+
+
+# ---- the memory plan ---------------------------------------------------------------------------
+
+def _planned(args):
+    roles = preflight(args)
+    return {g.role: g for g in memory.plan(roles).groups}
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_plan_matches_the_bytes_ranks_hold(ray_session, sd3, tmp_path, n):
+    url, prompts = sd3
+    args = load_args("minimax-h3", dict(H3_CPU, hf_checkpoint=url, prompts=prompts, save=str(tmp_path),
+                                        num_devices=n, run_name=f"plan-{n}"))
+    planned = _planned(args)
+    with DistillRun(args) as run:
+        run.iterate(1)  # the optimizer state exists after a step
+        held = {role: run.group_call(role, "state_bytes") for role in run.groups}
+    for role, per_rank in held.items():
+        plan = planned[role]
+        for rank_bytes in per_rank:
+            for kind, figure in (("params", plan.params), ("optimizer", plan.optimizer), ("ema", plan.ema),
+                                 ("teacher", plan.teacher)):
+                assert abs(rank_bytes[kind] - figure) <= 0.1 * max(figure, 1), (role, kind, rank_bytes[kind], figure)
+
+
+def test_plan_refuses_a_model_that_does_not_fit_before_any_actor(tmp_path):
+    save = tmp_path / "run"
+    cmd = [sys.executable, "-m", "flows.dmd2", "--recipe", "minimax-h3", "--hf-checkpoint",
+           str(CONFIGS / "wan2.1-t2v-14b"), "--prompts", "digits", "--save", str(save),
+           "--set", "num_devices=1", "--set", "device_memory_gib=80", "--set", "latent_shape=[16,21,60,104]"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2, done.stderr[-2000:]
+    line = done.stderr.strip()
+    assert "\n" not in line and "memory plan: the" in line and "GiB per device" in line
+    assert "fsdp_cpu_offload" in line and "num_devices" in line
+    assert not save.exists() and "Ray" not in done.stderr
+    # the same configuration on 8 devices with the plan's own advice fits
+    plan = subprocess.run([sys.executable, "-m", "dmd2_core", "plan", "--recipe", "minimax-h3", "--set",
+                           f"hf_checkpoint={CONFIGS / 'wan2.1-t2v-14b'}", "--set", "latent_shape=[16,21,60,104]",
+                           "--set", "device_memory_gib=80", "--set", "micro_batch_size=1", "--json"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert plan.returncode == 0, plan.stderr
+    out = json.loads(plan.stdout)
+    assert out["num_devices"] == 8 and out["device_peak"] <= 80 * memory.GIB
+    actor = next(g for g in out["groups"] if g["role"] == "actor")
+    assert 14e9 * 4 / 8 <= actor["params"] <= 14.6e9 * 4 / 8  # 14.3 B fp32 master weights, 1/8 per rank
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (dict(num_devices=4, fsdp_shard_size=3), "fsdp_shard_size"),
+    (dict(fsdp_cpu_offload=True), "fsdp_cpu_offload"),
+    (dict(critic_fsdp_cpu_offload=True), "critic_fsdp_cpu_offload"),
+])
+def test_bad_parallel_settings_fail_in_one_line(tiny_teacher, tmp_path, overrides, needle):
+    with pytest.raises(ArgsError, match=needle) as info:
+        tiny_args(tiny_teacher, str(tmp_path), **overrides)
+    assert "\n" not in str(info.value)
+    assert not any(tmp_path.iterdir())
+
+
+# ---- placement across nodes --------------------------------------------------------------------
+
+def test_ranks_are_ordered_by_node_then_device():
+    assert parallel.rank_bundles(["a", "b", "a", "b"]) == [0, 2, 1, 3]
+    assert parallel.rank_bundles(["n1", "n1", "n0", "n0"]) == [0, 1, 2, 3]
+    assert parallel.rank_bundles(["x"]) == [0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_group_across_two_ray_nodes(tiny_teacher, tmp_path):
+    """A real two-node Ray cluster on this machine (a head and a worker node, one device each):
+    the 2-rank group spans both nodes, ordered by node, and trains as 2 ranks should."""
+    ray_bin = Path(sys.executable).parent / "ray"
+    port = _free_port()
+    dirs = [tempfile.mkdtemp(prefix="ray-", dir="/tmp") for _ in range(2)]  # short socket paths
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_ADDRESS": ""}
+    common = ["--block", "--num-cpus=1", '--resources={"dmd2_device": 1}', "--disable-usage-stats"]
+    head = subprocess.Popen([str(ray_bin), "start", "--head", f"--port={port}", "--include-dashboard=false",
+                             f"--temp-dir={dirs[0]}", *common],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
+    procs = [head]
+    script = f"""
+import json, ray
+from tests.conftest import tiny_args
+from dmd2_core.distill import DistillRun
+args = tiny_args({tiny_teacher!r}, {str(tmp_path / 'run')!r}, ray_address="127.0.0.1:{port}", num_devices=2,
+                 run_name="two-nodes")
+with DistillRun(args) as run:
+    m = run.iterate(1)
+    group = run.groups["actor"]
+    nodes = ray.util.placement_group_table(run.pg)["bundles_to_node_id"]
+    print(json.dumps({{"nodes": [nodes[b] for b in group.bundle_indices], "alive": len(ray.nodes()),
+                      "where": group.get([r.placement.remote() for r in group.ranks]),
+                      "dmd2_loss": m["dmd2_loss"]}}))
+"""
+    try:
+        time.sleep(5)
+        worker = subprocess.Popen([str(ray_bin), "start", f"--address=127.0.0.1:{port}", f"--temp-dir={dirs[1]}",
+                                   *common], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True, env=env)
+        procs.append(worker)
+        time.sleep(5)
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240,
+                              cwd=ROOT, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+        assert out["alive"] == 2 and len(set(out["nodes"])) == 2  # one rank on each node
+        assert all(w["share"] == 0.5 for w in out["where"]) and out["dmd2_loss"] > 0
+    finally:
+        for proc in reversed(procs):
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
