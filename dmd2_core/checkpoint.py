@@ -115,9 +115,9 @@ def save_trainer(
         _torch_load(_torch_bytes(extra))
     except Exception as exc:  # noqa: BLE001
         raise ValueError(f"save_trainer({role!r}): extra must hold plain values and tensors ({one_line(exc)})") from None
-    model_state = parallel.full_state_dict(model)
-    ema_state = parallel.full_state_dict(model, ema) if ema is not None else None
-    optimizer_state = parallel.full_optimizer_state(model, optimizer)
+    model_state = parallel.full_state_dict(model, keep=writer)
+    ema_state = parallel.full_state_dict(model, ema, keep=writer) if ema is not None else None
+    optimizer_state = parallel.full_optimizer_state(model, optimizer, keep=writer)
     if not writer:
         return None
     state = _torch_bytes({"format": FORMAT, "optimizer": optimizer_state, "extra": extra})

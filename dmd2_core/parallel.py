@@ -124,14 +124,19 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def full_state_dict(model: torch.nn.Module, shards: Optional[Iterable[torch.Tensor]] = None) -> dict[str, torch.Tensor]:
-    """The model's (or, with ``shards``, a same-layout copy's) whole state on CPU in every rank:
-    a collective."""
+def full_state_dict(model: torch.nn.Module, shards: Optional[Iterable[torch.Tensor]] = None,
+                    keep: bool = True) -> dict[str, torch.Tensor]:
+    """The model's (or, with ``shards``, a same-layout copy's) whole state on the host: a
+    collective, tensor by tensor; a rank with ``keep=False`` takes part and keeps nothing, so it
+    never holds more than one whole tensor."""
     params = dict(model.named_parameters())
     values = dict(zip(params, shards)) if shards is not None else params
-    out = {name: full(value).detach().cpu().clone() for name, value in values.items()}
-    for name, buf in model.named_buffers():
-        out[name] = full(buf).detach().cpu().clone()
+    values.update(model.named_buffers())
+    out = {}
+    for name, value in values.items():
+        whole = full(value).detach()
+        if keep:
+            out[name] = whole.to("cpu", copy=True)
     return out
 
 
@@ -200,16 +205,18 @@ def rank_bundles(bundle_nodes: Sequence[str]) -> list[int]:
 
 
 
-def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """The optimizer's whole state, keyed by parameter name, on the host of every rank (a
-    collective for sharded parameters: every rank calls it, in the same order)."""
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, keep: bool = True) -> dict:
+    """The optimizer's whole state, keyed by parameter name, on the host (a collective for
+    sharded parameters: every rank calls it, in the same order; ``keep`` as in full_state_dict)."""
     names = {id(p): n for n, p in model.named_parameters()}
     state = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p in optimizer.state:
-                state[names[id(p)]] = {k: full(v).detach().cpu().clone() if isinstance(v, torch.Tensor) else v
-                                       for k, v in optimizer.state[p].items()}
+                values = {k: full(v).detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+                          for k, v in optimizer.state[p].items()}
+                if keep:
+                    state[names[id(p)]] = values
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
               for g in optimizer.param_groups]
     return {"state": state, "param_groups": groups}

@@ -67,7 +67,7 @@ class Trainer:
         self.vae = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.ema: Optional[list[torch.Tensor]] = None
-        self._stash: Optional[list[tuple[torch.UntypedStorage, torch.Tensor]]] = None
+        self._stash: Optional[tuple[list, list]] = None
         if world_size == 1:
             self.init_process_group()
 
@@ -301,29 +301,46 @@ class Trainer:
 
     def _device_storages(self) -> list[torch.UntypedStorage]:
         """The distinct storages behind the state on this rank's device (views share one; with
-        fsdp_cpu_offload the shards already live on the host and are not counted)."""
+        fsdp_cpu_offload the shards already live on the host and are not counted; scalars such as
+        AdamW's step counts stay where they are)."""
         seen: dict[int, torch.UntypedStorage] = {}
         for t in self._state_tensors():
             storage = t.untyped_storage()
-            if t.device.type == self.device.type and storage.nbytes():
+            if t.device.type == self.device.type and t.dim() and storage.nbytes():
                 seen.setdefault(storage.data_ptr(), storage)
         return list(seen.values())
 
+    def _owned_state(self) -> list:
+        """Distributed tensors this trainer alone refers to (EMA, optimizer moments): asleep, their
+        local tensors are swapped out rather than resized (no other view of them exists)."""
+        from torch.distributed.tensor import DTensor
+
+        owned = list(self.ema or ()) + [v for st in self.optimizer.state.values() for v in st.values()
+                                        if isinstance(v, torch.Tensor) and v.dim()]
+        return [v for v in owned if isinstance(v, DTensor) and v._local_tensor.device.type == self.device.type]
+
     def sleep(self) -> dict:
-        """Copy every state storage on the device to host memory and free it (resized to zero
-        bytes in place, so FSDP's own views of the shards stay valid); idempotent."""
+        """Copy the state on the device to host memory and free it: the EMA's and optimizer's
+        local tensors are swapped for empty ones, the model's and teacher's storages (which FSDP
+        views) resized to zero bytes in place; idempotent."""
         if self._stash is not None:
             return {"asleep": True, "sleep_s": 0.0, "device_bytes_awake": 0, "bytes_freed": 0}
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         before = self.device_bytes()
-        stash = []
+        pin = self.device.type == "cuda"
+        swapped = []
+        for t in self._owned_state():
+            local = t._local_tensor
+            swapped.append((t, _host_copy(local, pin)))
+            t._local_tensor = local.new_empty(0)
+        resized = []
         for storage in self._device_storages():
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
             host.untyped_storage().copy_(storage)
             storage.resize_(0)
-            stash.append((storage, host))
-        self._stash = stash
+            resized.append((storage, host))
+        self._stash = (swapped, resized)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -334,9 +351,12 @@ class Trainer:
         if self._stash is None:
             return {"asleep": False, "wake_s": 0.0}
         start = time.perf_counter()
-        for storage, host in self._stash:
+        swapped, resized = self._stash
+        for storage, host in resized:
             storage.resize_(host.numel())
             storage.copy_(host.untyped_storage())
+        for t, host in swapped:
+            t._local_tensor = host.to(self.device, copy=True)
         self._stash = None
         return {"asleep": False, "wake_s": time.perf_counter() - start}
 
@@ -407,6 +427,12 @@ class Trainer:
 def _wake_metric(role: str, woke: dict) -> dict:
     """The wake time, only from the call that actually woke the trainer."""
     return {f"{role}_wake_s": woke["wake_s"]} if woke["wake_s"] else {}
+
+
+def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu", pin_memory=pin)
+    host.copy_(t)
+    return host
 
 
 def _cpu(d: dict) -> dict:
