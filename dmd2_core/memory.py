@@ -99,6 +99,7 @@ class MemoryPlan:
     device_peak: int
     device_limit: Optional[int]
     notes: list[str]
+    peak_during: str = ""
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -188,26 +189,32 @@ def plan(trainer_args: dict[str, Args]) -> MemoryPlan:
     by_role = {g.role: g for g in groups}
     notes = []
     if not args.colocate:
-        peak = max(g.peak for g in groups)
+        candidates = {f"the {g.role} group's train": g.peak for g in groups}
         notes.append("groups on separate devices: the largest group's peak")
     elif args.sleep_after_train and "critic" in by_role:
         actor, critic = by_role["actor"], by_role["critic"]
-        peak = max(actor.resident + critic.peak, actor.peak)
+        candidates = {"the critic group's train (beside the awake actor)": actor.resident + critic.peak,
+                      "the actor group's train": actor.peak}
         notes.append("colocated, sleeping after train: max(actor resident + critic peak, actor peak)")
     else:
-        peak = sum(g.resident for g in groups) + max(g.peak - g.resident for g in groups)
+        resident = sum(g.resident for g in groups)
+        candidates = {f"the {g.role} group's train (every group resident)": resident + g.peak - g.resident
+                      for g in groups}
         notes.append("colocated, awake: every group's resident state + the largest transient")
+    when = max(candidates, key=candidates.get)
+    peak = candidates[when]
     if args.device == "cuda":
         peak += CUDA_RESERVE
         notes.append(f"+ {CUDA_RESERVE / GIB:.0f} GiB reserve for the CUDA context and allocator")
-    return MemoryPlan(groups, args.num_devices, shard_size, peak, device_limit(args), notes)
+    return MemoryPlan(groups, args.num_devices, shard_size, peak, device_limit(args), notes, when)
 
 
 def check(memory_plan: MemoryPlan) -> None:
     """One line naming the group, the figure and the knobs, when the plan does not fit."""
     if memory_plan.fits:
         return
-    worst = max(memory_plan.groups, key=lambda g: g.peak)
+    worst = next((g for g in memory_plan.groups if f"the {g.role} group" in memory_plan.peak_during),
+                 max(memory_plan.groups, key=lambda g: g.peak))
     knobs = ["more devices (num_devices)"]
     if not worst.offloaded:
         knobs.append("fsdp_cpu_offload")
@@ -215,9 +222,9 @@ def check(memory_plan: MemoryPlan) -> None:
         knobs.append("gradient_checkpointing")
     knobs.append("a smaller micro_batch_size")
     raise ArgsError(
-        f"memory plan: the {worst.role} group needs {_gib(memory_plan.device_peak)} per device "
-        f"(largest: {_largest_part(worst)}), more than the {_gib(memory_plan.device_limit)} of one device "
-        f"(device_memory_gib); try {', '.join(knobs)} "
+        f"memory plan: {memory_plan.peak_during} needs {_gib(memory_plan.device_peak)} per device "
+        f"(the {worst.role} group's largest part: {_largest_part(worst)}), more than the "
+        f"{_gib(memory_plan.device_limit)} of one device (device_memory_gib); try {', '.join(knobs)} "
         f"(python -m dmd2_core plan shows the figures)"
     )
 
@@ -246,7 +253,7 @@ def table(memory_plan: MemoryPlan) -> str:
         values = [getattr(g, row) for g in memory_plan.groups]
         lines.append(f"{row:<{width}}" + "".join(f"{v / GIB:>12.2f}" for v in values))
     limit = "unchecked" if memory_plan.device_limit is None else _gib(memory_plan.device_limit)
-    lines.append(f"device peak: {_gib(memory_plan.device_peak)} of {limit} "
+    lines.append(f"device peak: {_gib(memory_plan.device_peak)} of {limit}, during {memory_plan.peak_during} "
                  f"({memory_plan.num_devices} devices, shard size {memory_plan.shard_size}; "
                  + "; ".join(memory_plan.notes) + ")")
     return "\n".join(lines)

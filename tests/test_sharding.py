@@ -186,7 +186,7 @@ def test_plan_refuses_a_model_that_does_not_fit_before_any_actor(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 2, done.stderr[-2000:]
     line = done.stderr.strip()
-    assert "\n" not in line and "memory plan: the" in line and "GiB per device" in line
+    assert "\n" not in line and "memory plan: the" in line and "group" in line and "GiB per device" in line
     assert "fsdp_cpu_offload" in line and "num_devices" in line
     assert not save.exists() and "Ray" not in done.stderr
     # the same configuration on 8 devices with the plan's own advice fits
