@@ -22,7 +22,7 @@ from dmd2_core.models import load_checkpoint
 
 def _adamw(model, args: Args, lr: float):
     return torch.optim.AdamW(model.parameters(), lr=lr, betas=(args.adam_beta1, args.adam_beta2),
-                             weight_decay=args.weight_decay)
+                             weight_decay=args.weight_decay, foreach=True)  # as the trainers
 
 
 def _step(model, optimizer, clip: float) -> float:

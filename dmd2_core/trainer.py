@@ -94,7 +94,7 @@ class Trainer:
                                  cpu_offload=args.fsdp_cpu_offload)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-            weight_decay=args.weight_decay,
+            weight_decay=args.weight_decay, foreach=True,  # one dispatch per op over all shards
         )
         if args.ema_decay:
             self.ema = [p.detach().clone() for p in self.model.parameters()]
