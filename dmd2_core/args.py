@@ -75,6 +75,9 @@ class Args(BaseModel):
     )
     ema_decay: Optional[float] = _f(None, "train", "EMA decay of the trained weights, used for eval when set.", gt=0, lt=1)
     label_dropout: float = _f(0.1, "train", "Flow-matching training: fraction of conditions replaced by the empty prompt.", ge=0, le=1)
+    max_nonfinite_steps: int = _f(
+        10, "train", "Fail the run after this many non-finite (skipped) optimizer steps in a row of one trainer (0: never).", ge=0
+    )
 
     # --- dmd2 ----------------------------------------------------------------------------------
     critic_lr: Optional[float] = _f(None, "dmd2", "Critic (fake score) learning rate; defaults to lr.", gt=0)

@@ -35,6 +35,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from dmd2_core import storage
+from dmd2_core.finite import NonFiniteError, first_nonfinite
 from dmd2_core.models import CheckpointError, save_checkpoint
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
@@ -111,6 +112,7 @@ def save_trainer(
         _torch_load(_torch_bytes(extra))
     except Exception as exc:  # noqa: BLE001
         raise ValueError(f"save_trainer({role!r}): extra must hold plain values and tensors ({_one_line(exc)})") from None
+    _check_finite(role, iteration, model, ema_model, optimizer)
     state = _torch_bytes({"format": FORMAT, "optimizer": optimizer.state_dict(), "extra": extra})
 
     d = trainer_dir(save_url, role, iteration)
@@ -133,6 +135,18 @@ def save_trainer(
     }
     storage.write_text(storage.join(d, COMPLETE_NAME), json.dumps(marker, indent=1))
     return d
+
+
+def _check_finite(role, iteration, model, ema_model, optimizer) -> None:
+    """No checkpoint with a non-finite weight (or EMA weight, or optimizer moment) is written."""
+    named = [(f"model.{k}", v) for k, v in model.state_dict().items()]
+    if ema_model is not None:
+        named += [(f"ema.{k}", v) for k, v in ema_model.state_dict().items()]
+    for index, state in optimizer.state_dict()["state"].items():
+        named += [(f"optimizer.{index}.{k}", v) for k, v in state.items()]
+    bad = first_nonfinite(named)
+    if bad is not None:
+        raise NonFiniteError(f"{role}: not saving iteration {iteration}: '{bad[0]}' holds {bad[1]} non-finite values")
 
 
 # ---- load -------------------------------------------------------------------------------------

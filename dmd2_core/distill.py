@@ -14,8 +14,9 @@ from typing import Any, Callable
 
 from dmd2_core import checkpoint
 from dmd2_core.args import Args, ArgsError
+from dmd2_core.finite import NonFiniteError
 from dmd2_core.hooks import load_hook
-from dmd2_core.models import FAMILIES, describe_checkpoint
+from dmd2_core.models import FAMILIES, CheckpointError, describe_checkpoint
 from dmd2_core.trainer_config import compute_trainer_args, compute_trainer_configs
 
 log = logging.getLogger("dmd2")
@@ -250,6 +251,8 @@ def _as_ray_error(exc: Exception) -> Exception:
     if isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, TimeoutError)):
         return RayWorkError(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
     if isinstance(exc, ray.exceptions.RayTaskError):
+        if isinstance(exc.cause, (NonFiniteError, CheckpointError)):  # one line, no remote traceback
+            return exc.cause
         return exc.as_instanceof_cause()
     return exc
 

@@ -1,0 +1,96 @@
+"""Faults injected into tiny runs: nothing lost, nothing silent.
+
+Non-finite values (through train-input hooks), two runs on one save URL, corrupted checkpoints,
+storage outages (the moto server stopped and restarted on its port), every bad input caught
+before any actor, and no processes left behind when the flow process dies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dmd2_core import checkpoint as ckpt
+from dmd2_core import storage
+from dmd2_core.distill import DistillRun
+from dmd2_core.finite import NonFiniteError
+from tests.conftest import tiny_args
+
+HOOKS = "tests.hooks_fixture"
+
+
+def _weights(save: str, role: str, iteration: int, sub: str = "model") -> dict[str, torch.Tensor]:
+    d = Path(storage.filesystem(ckpt.trainer_dir(save, role, iteration))[1]) / sub / "transformer"
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _all_finite(w: dict) -> bool:
+    return all(torch.isfinite(v).all() for v in w.values())
+
+
+# ---- non-finite steps -------------------------------------------------------------------------
+
+def test_nonfinite_steps_are_skipped_counted_and_never_saved(ray_session, tiny_teacher, tmp_path):
+    """NaN in the DMD gradient (iteration 2), in the student's inputs (3) and in the critic's
+    inputs (4): each step that sees it is skipped (weights, EMA and optimizer untouched), counted
+    in the metrics, and every checkpoint holds finite weights; iteration 5 trains normally."""
+    save = str(tmp_path / "run")
+    args = tiny_args(tiny_teacher, save, ema_decay=0.5, run_name="dmd2-nan",
+                     train_input_hook_path=f"{HOOKS}.nan_into_actor_inputs",
+                     critic_train_input_hook_path=f"{HOOKS}.nan_into_critic_inputs")
+    rows = {}
+    with DistillRun(args) as run:
+        for i in range(1, 6):
+            rows[i] = run.iterate(i)
+            run.checkpoint(i)
+    assert [rows[i]["actor_nonfinite_steps"] for i in rows] == [0, 1, 1, 1, 0]
+    assert [rows[i]["critic_nonfinite_steps"] for i in rows] == [0, 0, 0, args.dmd2_update_ratio, 0]
+    assert [rows[i]["actor_dmd2_grad_nonfinite"] for i in rows] == [0, 1, 0, 1, 0]
+    assert [rows[i]["dmd2_grad_nonfinite"] for i in rows] == [0, 0, 0, 1, 0]  # counted, not zeroed
+
+    for sub in ("model", "ema"):
+        actor = {i: _weights(save, "actor", i, sub) for i in rows}
+        assert all(_all_finite(w) for w in actor.values())
+        assert _same(actor[1], actor[2]) and _same(actor[2], actor[3]) and _same(actor[3], actor[4])
+        assert not _same(actor[4], actor[5])
+    critic = {i: _weights(save, "critic", i) for i in rows}
+    assert all(_all_finite(w) for w in critic.values())
+    assert not _same(critic[2], critic[3]) and _same(critic[3], critic[4]) and not _same(critic[4], critic[5])
+    state = torch.load(Path(ckpt.trainer_dir(save, "actor", 5)) / "trainer_state.pt", weights_only=True)
+    assert state["extra"]["nonfinite_steps"] == 3 and state["extra"]["step"] == 2
+
+
+def test_too_many_nonfinite_steps_in_a_row_fail_in_one_line(ray_session, tiny_teacher, tmp_path):
+    save = str(tmp_path / "run")
+    args = tiny_args(tiny_teacher, save, run_name="dmd2-nan-limit", max_nonfinite_steps=2,
+                     train_input_hook_path=f"{HOOKS}.nan_dmd2_gradient_always")
+    with DistillRun(args) as run:
+        run.iterate(1)
+        with pytest.raises(NonFiniteError) as info:
+            run.iterate(2)
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith("actor: 2 non-finite steps in a row at iteration 2"), msg
+
+
+def test_a_nonfinite_weight_is_never_written(tiny_teacher, tmp_path):
+    from dmd2_core.models import load_checkpoint
+
+    model = load_checkpoint(tiny_teacher).model
+    opt = torch.optim.AdamW(model.parameters())
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[3] = float("inf")
+    with pytest.raises(NonFiniteError, match=r"critic: not saving iteration 7: 'model\.\S+' holds 1 non-finite"):
+        ckpt.save_trainer(str(tmp_path), "critic", 7, model, opt, 3.0)
+    assert not Path(ckpt.trainer_dir(str(tmp_path), "critic", 7)).exists()
