@@ -7,10 +7,13 @@ Layout under the run's ``save`` URL::
         model/             the trained model, diffusers pipeline-style dir (transformer/, scheduler/)
         ema/               optional EMA weights, same format
         trainer_state.pt   {'format', 'optimizer': optimizer.state_dict(), 'extra': {...}}
-        complete.json      written LAST: every file with its size, sha256 of trainer_state.pt
+        complete.json      written LAST: every file with its size and its sha256
 
 A trainer directory counts only once ``complete.json`` exists; a save interrupted midway leaves a
-directory without it, which ``load_trainer`` and ``validate_resume`` refuse. The tracker is written
+directory without it, which ``load_trainer`` and ``validate_resume`` refuse. The sha256 of every
+file is read back from storage after it was written; ``validate_resume`` (preflight, before any
+actor) and ``load_trainer`` check the listing, the sizes and the hashes, so a flipped byte is one
+line naming the file. The tracker is written
 by the driver alone (``write_tracker``), after every trainer's ``save_trainer`` has returned, so it
 only ever names an iteration that every role finished saving; a crash during a save leaves it at
 the previous checkpoint.
@@ -80,7 +83,8 @@ def _listing(url: str) -> dict[str, int]:
     fs, root = storage.filesystem(url)
     root = root.rstrip("/")
     out = {}
-    for path, info in fs.find(root, detail=True).items():
+    found = storage.retrying(lambda: storage.filesystem(url)[0].find(root, detail=True), f"list {url}")
+    for path, info in found.items():
         if info.get("type", "file") != "directory":
             out[path[len(root):].lstrip("/")] = int(info["size"])
     return out
@@ -110,6 +114,8 @@ def save_trainer(
     extra = dict(extra or {})
     try:  # fail now, not at resume time, on anything weights_only loading would refuse
         _torch_load(_torch_bytes(extra))
+    except storage.StorageUnavailableError:
+        raise
     except Exception as exc:  # noqa: BLE001
         raise ValueError(f"save_trainer({role!r}): extra must hold plain values and tensors ({_one_line(exc)})") from None
     _check_finite(role, iteration, model, ema_model, optimizer)
@@ -125,6 +131,7 @@ def save_trainer(
 
     files = _listing(d)
     files.pop(COMPLETE_NAME, None)
+    hashes = {rel: storage.sha256(storage.join(d, rel)) for rel in sorted(files)}
     marker = {
         "format": FORMAT,
         "role": role,
@@ -132,6 +139,7 @@ def save_trainer(
         "has_ema": ema_model is not None,
         "trainer_state_sha256": hashlib.sha256(state).hexdigest(),
         "files": dict(sorted(files.items())),
+        "sha256": hashes,
     }
     storage.write_text(storage.join(d, COMPLETE_NAME), json.dumps(marker, indent=1))
     return d
@@ -167,13 +175,18 @@ def _read_marker(d: str) -> dict:
         return marker
     except CheckpointLoadError:
         raise
+    except storage.StorageUnavailableError:
+        raise
     except Exception as exc:  # noqa: BLE001
         raise CheckpointLoadError(f"{marker_url}: unreadable checkpoint marker ({_one_line(exc)})") from None
 
 
-def _check_files(d: str, marker: dict) -> None:
+def _check_files(d: str, marker: dict, hashes: bool = True) -> None:
+    """Every file the marker lists is there with its recorded size and (``hashes``) sha256."""
     try:
         present = _listing(d)
+    except storage.StorageUnavailableError:
+        raise
     except Exception as exc:  # noqa: BLE001
         raise CheckpointLoadError(f"{d}: cannot list checkpoint ({_one_line(exc)})") from None
     for rel, size in marker["files"].items():
@@ -182,6 +195,18 @@ def _check_files(d: str, marker: dict) -> None:
             raise CheckpointLoadError(f"{url}: missing from checkpoint")
         if present[rel] != int(size):
             raise CheckpointLoadError(f"{url}: corrupt ({present[rel]} bytes, {size} recorded at save)")
+    if not hashes:
+        return
+    for rel, digest in (marker.get("sha256") or {}).items():  # markers before format 1.1 lack them
+        url = storage.join(d, rel)
+        try:
+            actual = storage.sha256(url)
+        except storage.StorageUnavailableError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointLoadError(f"{url}: cannot read ({_one_line(exc)})") from None
+        if actual != digest:
+            raise CheckpointLoadError(f"{url}: corrupt (sha256 differs from the one recorded at save)")
 
 
 def _load_weights(model_url: str, model: torch.nn.Module) -> None:
@@ -198,17 +223,23 @@ def _load_weights(model_url: str, model: torch.nn.Module) -> None:
             for shard in shards:  # diffusers shards big models: one file per shard
                 try:
                     state.update(load_file(str(shard)))
+                except storage.StorageUnavailableError:
+                    raise
                 except Exception as exc:  # noqa: BLE001
                     raise CheckpointLoadError(
                         f"{storage.join(transformer_url, shard.name)}: corrupt weights ({_one_line(exc)})"
                     ) from None
             try:
                 model.load_state_dict(state, strict=True)
+            except storage.StorageUnavailableError:
+                raise
             except Exception as exc:  # noqa: BLE001
                 raise CheckpointLoadError(
                     f"{transformer_url}: weights do not fit the model ({_one_line(exc)})"
                 ) from None
     except CheckpointLoadError:
+        raise
+    except storage.StorageUnavailableError:
         raise
     except Exception as exc:  # noqa: BLE001
         raise CheckpointLoadError(f"{transformer_url}: cannot read weights ({_one_line(exc)})") from None
@@ -217,6 +248,8 @@ def _load_weights(model_url: str, model: torch.nn.Module) -> None:
 def _load_optimizer(state_url: str, optimizer: torch.optim.Optimizer, saved: dict) -> None:
     try:
         optimizer.load_state_dict(saved)
+    except storage.StorageUnavailableError:
+        raise
     except Exception as exc:  # noqa: BLE001
         raise CheckpointLoadError(f"{state_url}: optimizer state does not fit ({_one_line(exc)})") from None
     # load_state_dict checks parameter counts only; a moment of the wrong shape would fail later.
@@ -243,11 +276,13 @@ def load_trainer(
     the directory is missing, incomplete or corrupt."""
     d = trainer_dir(load_url, role, iteration)
     marker = _read_marker(d)
-    _check_files(d, marker)
+    _check_files(d, marker, hashes=True)
 
     state_url = storage.join(d, STATE_NAME)
     try:
         data = storage.read_bytes(state_url)
+    except storage.StorageUnavailableError:
+        raise
     except Exception as exc:  # noqa: BLE001
         raise CheckpointLoadError(f"{state_url}: cannot read ({_one_line(exc)})") from None
     digest = marker.get("trainer_state_sha256")
@@ -257,6 +292,8 @@ def load_trainer(
         state = _torch_load(data)
         if not isinstance(state, dict) or "optimizer" not in state:
             raise ValueError("no optimizer entry")
+    except storage.StorageUnavailableError:
+        raise
     except Exception as exc:  # noqa: BLE001
         raise CheckpointLoadError(f"{state_url}: corrupt trainer state ({_one_line(exc)})") from None
 
@@ -290,6 +327,8 @@ def read_tracker(load_url: str) -> Optional[int]:
         if not storage.exists(url):
             return None
         text = storage.read_text(url).strip()
+    except storage.StorageUnavailableError:
+        raise
     except Exception as exc:  # noqa: BLE001
         raise CheckpointLoadError(f"{url}: cannot read tracker ({_one_line(exc)})") from None
     try:
@@ -308,5 +347,6 @@ def validate_resume(load_url: str, roles: Iterable[str]) -> Optional[int]:
     if iteration is None:
         return None
     for role in roles:
-        _read_marker(trainer_dir(load_url, role, iteration))
+        d = trainer_dir(load_url, role, iteration)
+        _check_files(d, _read_marker(d), hashes=True)
     return iteration

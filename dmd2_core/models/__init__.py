@@ -60,7 +60,7 @@ def describe_checkpoint(url: str) -> dict[str, Any]:
                 f"{url}: not a diffusers model directory (no model_index.json or config.json)"
             )
         config = _read_json(storage.join(transformer_url, "config.json"))
-    except CheckpointError:
+    except (CheckpointError, storage.StorageUnavailableError):
         raise
     except Exception as exc:  # noqa: BLE001 - any storage failure becomes one clear line
         raise CheckpointError(f"{url}: cannot read checkpoint ({type(exc).__name__}: {exc})") from None
