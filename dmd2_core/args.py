@@ -46,6 +46,9 @@ class Args(BaseModel):
     torch_threads: int = _f(1, "run", "torch intra-op threads per trainer process.", ge=1)
     dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "run", "Compute dtype of the models.")
     ray_timeout_s: float = _f(1800.0, "run", "Seconds any Ray call may take before it counts as failed.", gt=0)
+    lease_timeout_s: float = _f(
+        120.0, "run", "A run's lease on its save URL goes stale (a rerun may take it over) after this many seconds without a heartbeat.", gt=0
+    )
 
     # --- model ---------------------------------------------------------------------------------
     hf_checkpoint: Optional[str] = _f(None, "model", "The teacher: a diffusers model directory (path or URL).")

@@ -8,11 +8,14 @@ between that checkpoint and itself, so the run ends with the same weights as an 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
+import uuid
 from statistics import fmean
 from typing import Any, Callable
 
-from dmd2_core import checkpoint
+from dmd2_core import checkpoint, lease
 from dmd2_core.args import Args, ArgsError
 from dmd2_core.finite import NonFiniteError
 from dmd2_core.hooks import load_hook
@@ -28,7 +31,7 @@ class RayWorkError(RuntimeError):
     """Ray work failed (an actor died, a call timed out); retrying recovers from the checkpoint."""
 
 
-def preflight(args: Args) -> dict[str, Args]:
+def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
     """Everything that can be checked before an actor starts: checkpoints, hooks, prompts and the
     resume point. Returns each trainer's args (shift resolved). Raises ArgsError / CheckpointError."""
     for key, what in (("hf_checkpoint", "the teacher's diffusers model directory"),
@@ -63,6 +66,7 @@ def preflight(args: Args) -> dict[str, Args]:
 
     eval_prompt_indices(args, len(prompt_texts(args.prompts)))
     checkpoint.validate_resume(resume_url(args), list(trainer_args))
+    lease.check(args.save, owner, args.lease_timeout_s)  # one run per save URL
     return trainer_args
 
 
@@ -75,9 +79,12 @@ def resume_url(args: Args) -> str:
 
 
 class DistillRun:
-    def __init__(self, args: Args):
-        self.trainer_args = preflight(args)
+    def __init__(self, args: Args, owner: str | None = None):
+        # the lease owner: the flow run's id, so that its retries take the lease over
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.trainer_args = preflight(args, self.owner)
         self.args = self.trainer_args["actor"]
+        self.lease: lease.Lease | None = None
         self.groups: dict[str, Any] = {}
         self.pg = None
         self.broken = False
@@ -91,6 +98,9 @@ class DistillRun:
         the run resumes after (0 for a fresh start)."""
         from dmd2_core.groups import TrainerGroup, create_placement_group, init_ray
 
+        if self.lease is None:  # before any actor: a second run on the URL refuses here
+            self.lease = lease.Lease.acquire(self.args.save, self.owner, self.args.lease_timeout_s)
+        self.lease.ensure()
         init_ray(self.args, num_groups=len(self.trainer_args))
         self.pg = create_placement_group(self.args, num_groups=len(self.trainer_args))
         share = 1.0 / len(self.trainer_args) if self.args.colocate else 1.0
@@ -106,7 +116,7 @@ class DistillRun:
                 for group in self.groups.values():
                     group.call("load", resumed, source)
         except Exception as exc:
-            self.shutdown()
+            self._stop_groups()
             raise _as_ray_error(exc) from exc
         self.start_iteration = resumed or 0
         self.done = (self.start_iteration, len(PHASES))
@@ -122,6 +132,13 @@ class DistillRun:
         self.shutdown()
 
     def shutdown(self) -> None:
+        """Kill the groups and release the save URL's lease (the run is over)."""
+        self._stop_groups()
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
+    def _stop_groups(self) -> None:
         from dmd2_core.groups import shutdown_placement_group
 
         for group in self.groups.values():
@@ -152,7 +169,7 @@ class DistillRun:
     def recover(self, iteration: int, phase_index: int) -> None:
         """Rebuild the groups from the latest checkpoint and replay up to (iteration, phase)."""
         log.warning("recovering: rebuilding trainer groups from the latest checkpoint")
-        self.shutdown()
+        self._stop_groups()
         start = self.start()
         for i in range(start + 1, iteration + 1):
             upto = phase_index if i == iteration else len(PHASES)
@@ -219,8 +236,10 @@ class DistillRun:
         def run():
             start = time.perf_counter()
             urls = {}
+            self.lease.ensure()
             for role, group in self.groups.items():
                 urls[role] = next(u for u in group.call("save", iteration) if u)
+            self.lease.ensure()  # never move the tracker of a URL another run took over
             checkpoint.write_tracker(self.args.save, iteration)
             return {"checkpoint": urls, "checkpoint_s": time.perf_counter() - start}
         return self._call_or_break(run)

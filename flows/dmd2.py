@@ -123,7 +123,7 @@ def dmd2(
     logger = get_run_logger()
     args = resolve_args(recipe, overrides, num_iterations=num_iterations, hf_checkpoint=hf_checkpoint,
                         save=save, prompts=prompts, seed=seed)
-    run = DistillRun(args)  # preflight: checkpoints, hooks, prompts, resume point; no actor yet
+    run = DistillRun(args, owner=_run_id())  # preflight (and the save URL's lease owner); no actor yet
     args = run.args
     torch.set_num_threads(args.torch_threads)  # the driver's own work (digits metrics)
     keys = artifacts.artifact_keys(_slug(recipe))

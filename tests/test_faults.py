@@ -94,3 +94,74 @@ def test_a_nonfinite_weight_is_never_written(tiny_teacher, tmp_path):
     with pytest.raises(NonFiniteError, match=r"critic: not saving iteration 7: 'model\.\S+' holds 1 non-finite"):
         ckpt.save_trainer(str(tmp_path), "critic", 7, model, opt, 3.0)
     assert not Path(ckpt.trainer_dir(str(tmp_path), "critic", 7)).exists()
+
+
+# ---- one run per save URL ---------------------------------------------------------------------
+
+@pytest.fixture(params=["local", "s3"])
+def root(request, tmp_path) -> str:
+    if request.param == "local":
+        return str(tmp_path / "run")
+    return request.getfixturevalue("s3_bucket") + "/run"
+
+
+def test_lease_one_owner_at_a_time(root):
+    import json
+    import subprocess
+    import sys
+
+    from dmd2_core import lease
+
+    a = lease.Lease.acquire(root, "run-a", timeout_s=60)
+    with pytest.raises(lease.LeaseHeldError, match=r"save: .* is in use by run 'run-a' \(host .*, pid \d+\), last seen \d+ s ago"):
+        lease.Lease.acquire(root, "run-b", timeout_s=60)
+    with pytest.raises(lease.LeaseHeldError):
+        lease.check(root, None, 60)
+    lease.check(root, "run-a", 60)  # its own retries pass
+    again = lease.Lease.acquire(root, "run-a", timeout_s=60)  # and take it over
+    again.release()
+    a.release()
+    assert lease.read(root) is None
+
+    # a crashed owner on this host (its process is gone): taken over at once
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    record = {**lease._record("crashed"), "pid": int(dead.stdout), "pid_start": None}
+    storage.write_text(lease.lease_url(root), json.dumps(record))
+    b = lease.Lease.acquire(root, "run-b", timeout_s=60)
+    assert lease.read(root)["owner"] == "run-b"
+
+    # a live owner elsewhere whose heartbeat stopped: stale after the timeout
+    record = {**lease._record("run-b"), "host": "elsewhere"}
+    storage.write_text(lease.lease_url(root), json.dumps({**record, "heartbeat": record["heartbeat"] - 5}))
+    with pytest.raises(lease.LeaseHeldError, match="run 'run-b'"):
+        lease.Lease.acquire(root, "run-c", timeout_s=60)
+    c = lease.Lease.acquire(root, "run-c", timeout_s=3)
+    assert lease.read(root)["owner"] == "run-c"
+    assert b.backend.renew("run-b") is None  # b finds it lost on its next heartbeat
+    c.release()
+    b.release()
+
+
+def test_second_run_on_one_url_refuses_before_any_actor(ray_session, tiny_teacher, tmp_path):
+    import subprocess
+    import sys
+
+    save = str(tmp_path / "run")
+    args = tiny_args(tiny_teacher, save, run_name="dmd2-lease-a", num_iterations=1)
+    with DistillRun(args, owner="flow-run-a") as first:
+        from dmd2_core import lease
+
+        with pytest.raises(lease.LeaseHeldError, match="run 'flow-run-a'"):
+            DistillRun(tiny_args(tiny_teacher, save, run_name="dmd2-lease-b", seed=1), owner="flow-run-b")
+        repo = Path(__file__).resolve().parent.parent
+        done = subprocess.run(
+            [sys.executable, "-m", "flows.dmd2", "--recipe", "tiny", "--hf-checkpoint", tiny_teacher,
+             "--save", save, "--seed", "1", "--num-iterations", "1"],
+            cwd=repo, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+        assert "is in use by run 'flow-run-a'" in done.stderr and "last seen" in done.stderr
+        first.iterate(1)
+        first.checkpoint(1)
+    assert ckpt.read_tracker(save) == 1
+    assert lease.read(save) is None  # released at the end
