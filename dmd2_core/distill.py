@@ -65,7 +65,13 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
     from dmd2_core.media import eval_prompt_indices, prompt_texts
 
     eval_prompt_indices(args, len(prompt_texts(args.prompts)))
-    checkpoint.validate_resume(resume_url(args), list(trainer_args))
+    source = resume_url(args)
+    if checkpoint.validate_resume(source, list(trainer_args)) is None and args.load and args.load != args.save:
+        from dmd2_core import storage
+
+        raise checkpoint.CheckpointLoadError(
+            f"load: no checkpoint at {args.load} (no {checkpoint.TRACKER_NAME})"
+            f"{storage.nearest_sibling(args.load)}")
     lease.check(args.save, owner, args.lease_timeout_s)  # one run per save URL
     return trainer_args
 

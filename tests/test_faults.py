@@ -165,3 +165,44 @@ def test_second_run_on_one_url_refuses_before_any_actor(ray_session, tiny_teache
         first.checkpoint(1)
     assert ckpt.read_tracker(save) == 1
     assert lease.read(save) is None  # released at the end
+
+
+# ---- checksummed checkpoints ------------------------------------------------------------------
+
+def _checkpointed_run(tiny_teacher, save, name):
+    """A run that saved iteration 1 at ``save``; returns its args."""
+    args = tiny_args(tiny_teacher, save, run_name=name)
+    with DistillRun(args) as run:
+        run.iterate(1)
+        run.checkpoint(1)
+    return args
+
+
+def test_a_flipped_byte_or_a_wrong_load_url_fails_in_preflight(ray_session, tiny_teacher, tmp_path, monkeypatch):
+    save = str(tmp_path / "run")
+    args = _checkpointed_run(tiny_teacher, save, "dmd2-flip")
+    weights = Path(ckpt.trainer_dir(save, "actor", 1)) / "model" / "transformer" / "diffusion_pytorch_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01  # same size, one bit
+    weights.write_bytes(bytes(data))
+    before = {p: p.read_bytes() for p in Path(save).rglob("*") if p.is_file()}
+    started = []
+    monkeypatch.setattr("dmd2_core.groups.init_ray", lambda *a, **k: started.append(1))
+    with pytest.raises(ckpt.CheckpointLoadError) as info:
+        DistillRun(args)
+    assert str(info.value) == f"{weights}: corrupt (sha256 differs from the one recorded at save)"
+    assert not started
+    assert {p: p.read_bytes() for p in Path(save).rglob("*") if p.is_file()} == before  # nothing touched
+
+    # the actors check the hashes too (a retry's reload never goes through preflight)
+    from dmd2_core.trainer import Trainer
+
+    trainer = Trainer(args.model_copy(update={"loss_type": "dmd2"}), "actor")
+    with pytest.raises(ckpt.CheckpointLoadError, match=re.escape(f"{weights}: corrupt (sha256")):
+        trainer.load(1, save)
+
+    # an explicit load URL without a checkpoint is an error, not a fresh start
+    fresh = tiny_args(tiny_teacher, str(tmp_path / "fresh"), load=str(tmp_path / "rnu"))
+    with pytest.raises(ckpt.CheckpointLoadError, match=re.escape(f"load: no checkpoint at {tmp_path / 'rnu'} "
+                                                              f"(no latest_checkpointed_iteration.txt); did you mean")):
+        DistillRun(fresh)
