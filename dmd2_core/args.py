@@ -168,7 +168,9 @@ def resolve_recipe(recipe: str | Path) -> Path:
 def read_recipe(recipe: str | Path) -> dict[str, Any]:
     path = resolve_recipe(recipe)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        from dmd2_core.strict_yaml import load_unique
+
+        data = load_unique(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ArgsError(f"recipe {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
     if not isinstance(data, dict):

@@ -15,7 +15,7 @@ import uuid
 from statistics import fmean
 from typing import Any, Callable
 
-from dmd2_core import checkpoint, lease
+from dmd2_core import checkpoint, checks, lease
 from dmd2_core.args import Args, ArgsError
 from dmd2_core.finite import NonFiniteError
 from dmd2_core.hooks import load_hook
@@ -39,10 +39,12 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
                       ("save", "the run's storage URL")):
         if not getattr(args, key):
             raise ArgsError(f"{key} is not set: point it at {what}")
+    checks.check_ray_address(args.ray_address)
     teacher = describe_checkpoint(args.hf_checkpoint)
     if FAMILIES[teacher["family"]].is_video and not args.latent_shape:
         raise ArgsError(f"latent_shape: {args.hf_checkpoint} is a video model ({teacher['family']}); "
                         "set latent_shape to its latents' [C, F, H, W]")
+    checks.check_latent_shape(args, teacher)
     if args.dmd2_shift is None:
         args = args.model_copy(update={"dmd2_shift": teacher["shift"]})
     if args.global_batch_size % args.num_devices:
@@ -62,6 +64,7 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
 
         if not storage.exists(args.prompts):
             raise ArgsError(f"prompts: no prompt set at {args.prompts}{storage.nearest_sibling(args.prompts)}")
+        checks.check_prompt_set(args.prompts)
     from dmd2_core.media import eval_prompt_indices, prompt_texts
 
     eval_prompt_indices(args, len(prompt_texts(args.prompts)))
@@ -72,7 +75,9 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
         raise checkpoint.CheckpointLoadError(
             f"load: no checkpoint at {args.load} (no {checkpoint.TRACKER_NAME})"
             f"{storage.nearest_sibling(args.load)}")
+    checks.check_local_devices(args, len(trainer_args))
     lease.check(args.save, owner, args.lease_timeout_s)  # one run per save URL
+    checks.probe_write(args.save)  # last: nothing is written for input that fails earlier
     return trainer_args
 
 
@@ -104,10 +109,11 @@ class DistillRun:
         the run resumes after (0 for a fresh start)."""
         from dmd2_core.groups import TrainerGroup, create_placement_group, init_ray
 
+        init_ray(self.args, num_groups=len(self.trainer_args))
+        checks.check_cluster_resources(self.args, len(self.trainer_args))  # not a placement-group timeout
         if self.lease is None:  # before any actor: a second run on the URL refuses here
             self.lease = lease.Lease.acquire(self.args.save, self.owner, self.args.lease_timeout_s)
         self.lease.ensure()
-        init_ray(self.args, num_groups=len(self.trainer_args))
         self.pg = create_placement_group(self.args, num_groups=len(self.trainer_args))
         share = 1.0 / len(self.trainer_args) if self.args.colocate else 1.0
         try:
