@@ -365,3 +365,53 @@ def test_missing_device_resource_fails_before_a_placement_group(ray_session, tin
         run.start()
     run.shutdown()
     assert not requested and lease.read(save) is None
+
+
+# ---- no orphans -------------------------------------------------------------------------------
+
+def test_no_orphans_after_sigkill_of_the_flow_process(tiny_teacher, tmp_path):
+    """The flow run as `python -m flows.dmd2` (a subprocess with its own Prefect temporary server
+    and local Ray) is SIGKILLed after its first checkpoint: every process it started is gone
+    within seconds, and a rerun is not refused by the dead run's lease."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from dmd2_core import lease
+    from dmd2_core.reaper import _alive, descendants
+
+    save = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env.update({"PREFECT_HOME": str(tmp_path / "prefect-home"), "RAY_ADDRESS": "local", "PYTHONUNBUFFERED": "1"})
+    err = tmp_path / "flow.err"
+    with open(err, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.dmd2", "--recipe", "tiny", "--hf-checkpoint", tiny_teacher,
+             "--save", str(save), "--num-iterations", "500", "--set", "global_batch_size=8",
+             "--set", "micro_batch_size=8", "--set", "eval_interval=0", "--set", "save_interval=1"],
+            cwd=Path(__file__).resolve().parent.parent, env=env, stdout=subprocess.DEVNULL, stderr=out,
+            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (save / "latest_checkpointed_iteration.txt").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
+            time.sleep(0.5)
+        started = descendants({proc.pid})
+        names = {p: Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:300] for p in started}
+        assert any(b"raylet" in n for n in names.values()) and any(b"uvicorn" in n or b"prefect" in n
+                                                                 for n in names.values()), names
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        gone_by = time.monotonic() + 10
+        while any(_alive(p, s) for p, s in started.items()) and time.monotonic() < gone_by:
+            time.sleep(0.2)
+        left = {p: names[p] for p, s in started.items() if _alive(p, s)}
+        assert not left, left
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert lease.read(str(save))["pid"] == proc.pid  # the crashed run's lease is still there,
+    args = tiny_args(tiny_teacher, str(save), num_iterations=500)
+    DistillRun(args)  # but its process is gone: a rerun passes preflight and would take it over
