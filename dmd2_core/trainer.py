@@ -232,9 +232,10 @@ class Trainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
             loss_finite = bool(flag.item())
         finite = loss_finite and is_finite(grad_norm)
-        self.nonfinite.record(finite, self.iteration, f"loss finite: {loss_finite}, grad norm {grad_norm}")
         if not finite:
             self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite.record(finite, self.iteration, f"loss finite: {loss_finite}, grad norm {grad_norm}")
+        if not finite:
             return grad_norm
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
