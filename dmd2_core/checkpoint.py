@@ -114,8 +114,6 @@ def save_trainer(
     extra = dict(extra or {})
     try:  # fail now, not at resume time, on anything weights_only loading would refuse
         _torch_load(_torch_bytes(extra))
-    except storage.StorageUnavailableError:
-        raise
     except Exception as exc:  # noqa: BLE001
         raise ValueError(f"save_trainer({role!r}): extra must hold plain values and tensors ({_one_line(exc)})") from None
     _check_finite(role, iteration, model, ema_model, optimizer)
@@ -173,9 +171,7 @@ def _read_marker(d: str) -> dict:
         if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
             raise ValueError("not a checkpoint marker")
         return marker
-    except CheckpointLoadError:
-        raise
-    except storage.StorageUnavailableError:
+    except (CheckpointLoadError, storage.StorageUnavailableError):
         raise
     except Exception as exc:  # noqa: BLE001
         raise CheckpointLoadError(f"{marker_url}: unreadable checkpoint marker ({_one_line(exc)})") from None
@@ -223,23 +219,17 @@ def _load_weights(model_url: str, model: torch.nn.Module) -> None:
             for shard in shards:  # diffusers shards big models: one file per shard
                 try:
                     state.update(load_file(str(shard)))
-                except storage.StorageUnavailableError:
-                    raise
                 except Exception as exc:  # noqa: BLE001
                     raise CheckpointLoadError(
                         f"{storage.join(transformer_url, shard.name)}: corrupt weights ({_one_line(exc)})"
                     ) from None
             try:
                 model.load_state_dict(state, strict=True)
-            except storage.StorageUnavailableError:
-                raise
             except Exception as exc:  # noqa: BLE001
                 raise CheckpointLoadError(
                     f"{transformer_url}: weights do not fit the model ({_one_line(exc)})"
                 ) from None
-    except CheckpointLoadError:
-        raise
-    except storage.StorageUnavailableError:
+    except (CheckpointLoadError, storage.StorageUnavailableError):
         raise
     except Exception as exc:  # noqa: BLE001
         raise CheckpointLoadError(f"{transformer_url}: cannot read weights ({_one_line(exc)})") from None
@@ -248,8 +238,6 @@ def _load_weights(model_url: str, model: torch.nn.Module) -> None:
 def _load_optimizer(state_url: str, optimizer: torch.optim.Optimizer, saved: dict) -> None:
     try:
         optimizer.load_state_dict(saved)
-    except storage.StorageUnavailableError:
-        raise
     except Exception as exc:  # noqa: BLE001
         raise CheckpointLoadError(f"{state_url}: optimizer state does not fit ({_one_line(exc)})") from None
     # load_state_dict checks parameter counts only; a moment of the wrong shape would fail later.
@@ -292,8 +280,6 @@ def load_trainer(
         state = _torch_load(data)
         if not isinstance(state, dict) or "optimizer" not in state:
             raise ValueError("no optimizer entry")
-    except storage.StorageUnavailableError:
-        raise
     except Exception as exc:  # noqa: BLE001
         raise CheckpointLoadError(f"{state_url}: corrupt trainer state ({_one_line(exc)})") from None
 
