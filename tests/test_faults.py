@@ -72,16 +72,27 @@ def test_nonfinite_steps_are_skipped_counted_and_never_saved(ray_session, tiny_t
     assert state["extra"]["nonfinite_steps"] == 3 and state["extra"]["step"] == 2
 
 
-def test_too_many_nonfinite_steps_in_a_row_fail_in_one_line(ray_session, tiny_teacher, tmp_path):
-    save = str(tmp_path / "run")
-    args = tiny_args(tiny_teacher, save, run_name="dmd2-nan-limit", max_nonfinite_steps=2,
+def test_too_many_nonfinite_steps_in_a_row_fail_in_one_line(tiny_teacher, tmp_path):
+    import ray
+
+    from dmd2_core.distill import _as_ray_error, preflight
+    from dmd2_core.trainer import Trainer
+
+    args = tiny_args(tiny_teacher, str(tmp_path / "run"), max_nonfinite_steps=2,
                      train_input_hook_path=f"{HOOKS}.nan_dmd2_gradient_always")
-    with DistillRun(args) as run:
-        run.iterate(1)
-        with pytest.raises(NonFiniteError) as info:
-            run.iterate(2)
+    actor = Trainer(preflight(args)["actor"], "actor")
+    before = actor.state_digest()
+    pairs, _ = actor.rollout(1)
+    grad = {"dmd2_grad": torch.zeros_like(pairs["x0"])}
+    assert actor.train(1, pairs, grad)[1]["actor_nonfinite_steps"] == 1
+    with pytest.raises(NonFiniteError) as info:
+        actor.train(2, pairs, grad)
     msg = str(info.value)
     assert "\n" not in msg and msg.startswith("actor: 2 non-finite steps in a row at iteration 2"), msg
+    assert actor.state_digest() == before  # neither step touched weights or optimizer state
+    # from a Ray actor it reaches the driver as itself: one line, not the remote traceback
+    remote = ray.exceptions.RayTaskError("train", "Traceback (most recent call last):\n  ...", info.value)
+    assert _as_ray_error(remote) is info.value
 
 
 def test_a_nonfinite_weight_is_never_written(tiny_teacher, tmp_path):
@@ -211,29 +222,33 @@ OUTAGE_S = 10.0  # longer than one retry (a refused attempt takes ~8 s inside bo
 def test_a_run_rides_out_an_s3_outage_during_a_checkpoint(ray_session, tiny_teacher, s3_bucket, s3_outage, tmp_path):
     """The S3 endpoint goes down as checkpoint 1 starts (the trainers' saves and the tracker write
     hit refused connections) and comes back OUTAGE_S later: the checkpoint completes, the run goes
-    on, and it ends bitwise equal to an uninterrupted run; every file written during the outage
-    passes its sha256 check."""
+    on, and it ends bitwise equal to an uninterrupted run (the same Trainer code in this process);
+    every file written during the outage passes its sha256 check."""
     import time
 
-    def run(save, name, outage=None):
-        args = tiny_args(tiny_teacher, save, run_name=name)
-        with DistillRun(args) as r:
-            r.iterate(1)
-            t = time.monotonic()
-            thread = outage(OUTAGE_S) if outage else None
-            r.checkpoint(1)
-            took = time.monotonic() - t
-            if thread is not None:
-                thread.join()
-            r.iterate(2)
-            return {role: r.group_call(role, "state_digest")[0] for role in r.groups}, took
+    from dmd2_core.distill import preflight
+    from dmd2_core.trainer import Trainer
 
-    reference, _ = run(str(tmp_path / "reference"), "dmd2-outage-ref")
     save = f"{s3_bucket}/run"
-    digests, took = run(save, "dmd2-outage", outage=s3_outage)
+    args = tiny_args(tiny_teacher, save, run_name="dmd2-outage")
+    with DistillRun(args) as run:
+        run.iterate(1)
+        start = time.monotonic()
+        restarted = s3_outage(OUTAGE_S)
+        run.checkpoint(1)
+        took = time.monotonic() - start
+        restarted.join()
+        run.iterate(2)
+        digests = {role: run.group_call(role, "state_digest")[0] for role in run.groups}
     assert took >= OUTAGE_S  # the checkpoint waited the outage out
-    assert digests == reference
     assert ckpt.validate_resume(save, ["actor", "critic"]) == 1  # listing, sizes and sha256 of every file
+
+    uninterrupted = {role: Trainer(a, role) for role, a in preflight(args).items()}
+    for i in (1, 2):
+        pairs, _ = uninterrupted["actor"].rollout(i)
+        scores, _ = uninterrupted["critic"].train(i, pairs)
+        uninterrupted["actor"].train(i, pairs, scores)
+    assert digests == {role: t.state_digest() for role, t in uninterrupted.items()}
 
 
 def test_transient_and_permanent_storage_errors(s3_bucket, s3_outage, monkeypatch):
@@ -371,7 +386,7 @@ def test_missing_device_resource_fails_before_a_placement_group(ray_session, tin
 
 def test_no_orphans_after_sigkill_of_the_flow_process(tiny_teacher, tmp_path):
     """The flow run as `python -m flows.dmd2` (a subprocess with its own Prefect temporary server
-    and local Ray) is SIGKILLed after its first checkpoint: every process it started is gone
+    and local Ray) is SIGKILLed while its trainer groups start: every process it started is gone
     within seconds, and a rerun is not refused by the dead run's lease."""
     import os
     import signal
@@ -395,9 +410,10 @@ def test_no_orphans_after_sigkill_of_the_flow_process(tiny_teacher, tmp_path):
             start_new_session=True)
     try:
         deadline = time.monotonic() + 240
-        while not (save / "latest_checkpointed_iteration.txt").exists():
+        while not (save / "lease.json").exists():  # Prefect's server and Ray are up, actors starting
             assert proc.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
             time.sleep(0.5)
+        time.sleep(1)
         started = descendants({proc.pid})
         names = {p: Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:300] for p in started}
         assert any(b"raylet" in n for n in names.values()) and any(b"uvicorn" in n or b"prefect" in n
