@@ -152,6 +152,19 @@ def test_lease_one_owner_at_a_time(root):
     c.release()
     b.release()
 
+    # a run whose lease was taken over stops writing: its heartbeat notices, ensure() raises
+    import time
+
+    d = lease.Lease.acquire(root, "run-d", timeout_s=1.0)
+    storage.write_text(lease.lease_url(root), json.dumps(lease._record("run-e")))
+    deadline = time.monotonic() + 10
+    while d.lost is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with pytest.raises(lease.LeaseLostError, match="this run's lease was taken over by run 'run-e'"):
+        d.ensure()
+    d.release()
+    assert lease.read(root)["owner"] == "run-e"  # the new owner's lease is left alone
+
 
 def test_second_run_on_one_url_refuses_before_any_actor(ray_session, tiny_teacher, tmp_path, capsys):
     save = str(tmp_path / "run")
