@@ -88,6 +88,8 @@ def s3_outage(s3_server):
     threads = []
 
     def outage(seconds: float) -> threading.Thread:
+        for earlier in threads:  # the previous restart must have replaced the server first
+            earlier.join()
         host, port = _MOTO["server"].get_host_and_port()
         _MOTO["server"].stop()
 
