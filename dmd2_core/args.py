@@ -57,6 +57,9 @@ class Args(BaseModel):
         None, "run", "Memory of one device the plan must fit in; default the device's own on cuda (unchecked on cpu).",
         gt=0,
     )
+    lease_timeout_s: float = _f(
+        120.0, "run", "A run's lease on its save URL goes stale (a rerun may take it over) after this many seconds without a heartbeat.", gt=0
+    )
 
     # --- model ---------------------------------------------------------------------------------
     hf_checkpoint: Optional[str] = _f(None, "model", "The teacher: a diffusers model directory (path or URL).")
@@ -92,6 +95,9 @@ class Args(BaseModel):
         False, "train", "Keep this trainer's sharded weights, gradients and optimizer state in host memory (cuda only)."
     )
     label_dropout: float = _f(0.1, "train", "Flow-matching training: fraction of conditions replaced by the empty prompt.", ge=0, le=1)
+    max_nonfinite_steps: int = _f(
+        10, "train", "Fail the run after this many non-finite (skipped) optimizer steps in a row of one trainer (0: never).", ge=0
+    )
 
     # --- dmd2 ----------------------------------------------------------------------------------
     critic_lr: Optional[float] = _f(None, "dmd2", "Critic (fake score) learning rate; defaults to lr.", gt=0)
@@ -190,7 +196,9 @@ def resolve_recipe(recipe: str | Path) -> Path:
 def read_recipe(recipe: str | Path) -> dict[str, Any]:
     path = resolve_recipe(recipe)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        from dmd2_core.strict_yaml import load_unique
+
+        data = load_unique(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ArgsError(f"recipe {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
     if not isinstance(data, dict):

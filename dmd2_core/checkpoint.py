@@ -7,10 +7,13 @@ Layout under the run's ``save`` URL::
         model/             the trained model, diffusers pipeline-style dir (transformer/, scheduler/)
         ema/               optional EMA weights, same format
         trainer_state.pt   {'format', 'optimizer': whole state keyed by parameter name, 'extra': {...}}
-        complete.json      written LAST: every file with its size, sha256 of trainer_state.pt
+        complete.json      written LAST: every file with its size and its sha256
 
 A trainer directory counts only once ``complete.json`` exists; a save interrupted midway leaves a
-directory without it, which ``load_trainer`` and ``validate_resume`` refuse. The tracker is written
+directory without it, which ``load_trainer`` and ``validate_resume`` refuse. The sha256 of every
+file is read back from storage after it was written; ``validate_resume`` (preflight, before any
+actor) and ``load_trainer`` check the listing, the sizes and the hashes, so a flipped byte is one
+line naming the file. The tracker is written
 by the driver alone (``write_tracker``), after every trainer's ``save_trainer`` has returned, so it
 only ever names an iteration that every role finished saving; a crash during a save leaves it at
 the previous checkpoint.
@@ -36,6 +39,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from dmd2_core import parallel, storage
+from dmd2_core.finite import NonFiniteError, first_nonfinite
 from dmd2_core.models import CheckpointError, save_checkpoint
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
@@ -80,7 +84,8 @@ def _listing(url: str) -> dict[str, int]:
     fs, root = storage.filesystem(url)
     root = root.rstrip("/")
     out = {}
-    for path, info in fs.find(root, detail=True).items():
+    found = storage.retrying(lambda: storage.filesystem(url)[0].find(root, detail=True), f"list {url}")
+    for path, info in found.items():
         if info.get("type", "file") != "directory":
             out[path[len(root):].lstrip("/")] = int(info["size"])
     return out
@@ -120,6 +125,7 @@ def save_trainer(
     optimizer_state = parallel.full_optimizer_state(model, optimizer, keep=writer)
     if not writer:
         return None
+    _check_finite(role, iteration, model_state, ema_state, optimizer_state)
     state = _torch_bytes({"format": FORMAT, "optimizer": optimizer_state, "extra": extra})
 
     d = trainer_dir(save_url, role, iteration)
@@ -132,6 +138,7 @@ def save_trainer(
 
     files = _listing(d)
     files.pop(COMPLETE_NAME, None)
+    hashes = {rel: storage.sha256(storage.join(d, rel)) for rel in sorted(files)}
     marker = {
         "format": FORMAT,
         "role": role,
@@ -139,9 +146,22 @@ def save_trainer(
         "has_ema": ema_state is not None,
         "trainer_state_sha256": hashlib.sha256(state).hexdigest(),
         "files": dict(sorted(files.items())),
+        "sha256": hashes,
     }
     storage.write_text(storage.join(d, COMPLETE_NAME), json.dumps(marker, indent=1))
     return d
+
+
+def _check_finite(role, iteration, model_state: dict, ema_state: Optional[dict], optimizer_state: dict) -> None:
+    """No checkpoint with a non-finite weight (or EMA weight, or optimizer moment) is written."""
+    named = [(f"model.{k}", v) for k, v in model_state.items()]
+    if ema_state is not None:
+        named += [(f"ema.{k}", v) for k, v in ema_state.items()]
+    for name, state in optimizer_state["state"].items():
+        named += [(f"optimizer.{name}.{k}", v) for k, v in state.items()]
+    bad = first_nonfinite(named)
+    if bad is not None:
+        raise NonFiniteError(f"{role}: not saving iteration {iteration}: '{bad[0]}' holds {bad[1]} non-finite values")
 
 
 # ---- load -------------------------------------------------------------------------------------
@@ -160,15 +180,18 @@ def _read_marker(d: str) -> dict:
         if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
             raise ValueError("not a checkpoint marker")
         return marker
-    except CheckpointLoadError:
+    except (CheckpointLoadError, storage.StorageUnavailableError):
         raise
     except Exception as exc:  # noqa: BLE001
         raise CheckpointLoadError(f"{marker_url}: unreadable checkpoint marker ({one_line(exc)})") from None
 
 
-def _check_files(d: str, marker: dict) -> None:
+def _check_files(d: str, marker: dict, hashes: bool = True) -> None:
+    """Every file the marker lists is there with its recorded size and (``hashes``) sha256."""
     try:
         present = _listing(d)
+    except storage.StorageUnavailableError:
+        raise
     except Exception as exc:  # noqa: BLE001
         raise CheckpointLoadError(f"{d}: cannot list checkpoint ({one_line(exc)})") from None
     for rel, size in marker["files"].items():
@@ -177,6 +200,18 @@ def _check_files(d: str, marker: dict) -> None:
             raise CheckpointLoadError(f"{url}: missing from checkpoint")
         if present[rel] != int(size):
             raise CheckpointLoadError(f"{url}: corrupt ({present[rel]} bytes, {size} recorded at save)")
+    if not hashes:
+        return
+    for rel, digest in (marker.get("sha256") or {}).items():  # markers before format 1.1 lack them
+        url = storage.join(d, rel)
+        try:
+            actual = storage.sha256(url)
+        except storage.StorageUnavailableError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointLoadError(f"{url}: cannot read ({one_line(exc)})") from None
+        if actual != digest:
+            raise CheckpointLoadError(f"{url}: corrupt (sha256 differs from the one recorded at save)")
 
 
 def _load_weights(model_url: str) -> dict[str, torch.Tensor]:
@@ -198,7 +233,7 @@ def _load_weights(model_url: str) -> dict[str, torch.Tensor]:
                         f"{storage.join(transformer_url, shard.name)}: corrupt weights ({one_line(exc)})"
                     ) from None
             return state
-    except CheckpointLoadError:
+    except (CheckpointLoadError, storage.StorageUnavailableError):
         raise
     except Exception as exc:  # noqa: BLE001
         raise CheckpointLoadError(f"{transformer_url}: cannot read weights ({one_line(exc)})") from None
@@ -234,11 +269,13 @@ def load_trainer(
     when the directory is missing, incomplete, corrupt or does not fit."""
     d = trainer_dir(load_url, role, iteration)
     marker = _read_marker(d)
-    _check_files(d, marker)
+    _check_files(d, marker, hashes=True)
 
     state_url = storage.join(d, STATE_NAME)
     try:
         data = storage.read_bytes(state_url)
+    except storage.StorageUnavailableError:
+        raise
     except Exception as exc:  # noqa: BLE001
         raise CheckpointLoadError(f"{state_url}: cannot read ({one_line(exc)})") from None
     digest = marker.get("trainer_state_sha256")
@@ -297,6 +334,8 @@ def read_tracker(load_url: str) -> Optional[int]:
         if not storage.exists(url):
             return None
         text = storage.read_text(url).strip()
+    except storage.StorageUnavailableError:
+        raise
     except Exception as exc:  # noqa: BLE001
         raise CheckpointLoadError(f"{url}: cannot read tracker ({one_line(exc)})") from None
     try:
@@ -315,5 +354,6 @@ def validate_resume(load_url: str, roles: Iterable[str]) -> Optional[int]:
     if iteration is None:
         return None
     for role in roles:
-        _read_marker(trainer_dir(load_url, role, iteration))
+        d = trainer_dir(load_url, role, iteration)
+        _check_files(d, _read_marker(d), hashes=True)
     return iteration

@@ -8,14 +8,18 @@ between that checkpoint and itself, so the run ends with the same weights as an 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
+import uuid
 from statistics import fmean
 from typing import Any, Callable
 
-from dmd2_core import checkpoint, memory
+from dmd2_core import checkpoint, checks, lease, memory
 from dmd2_core.args import Args, ArgsError
+from dmd2_core.finite import NonFiniteError
 from dmd2_core.hooks import load_hook
-from dmd2_core.models import FAMILIES, describe_checkpoint
+from dmd2_core.models import FAMILIES, CheckpointError, describe_checkpoint
 from dmd2_core.trainer_config import compute_trainer_args, compute_trainer_configs
 
 log = logging.getLogger("dmd2")
@@ -27,7 +31,7 @@ class RayWorkError(RuntimeError):
     """Ray work failed (an actor died, a call timed out); retrying recovers from the checkpoint."""
 
 
-def preflight(args: Args) -> dict[str, Args]:
+def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
     """Everything that can be checked before an actor starts: checkpoints, hooks, prompts and the
     resume point. Returns each trainer's args (shift resolved). Raises ArgsError / CheckpointError."""
     for key, what in (("hf_checkpoint", "the teacher's diffusers model directory"),
@@ -35,10 +39,12 @@ def preflight(args: Args) -> dict[str, Args]:
                       ("save", "the run's storage URL")):
         if not getattr(args, key):
             raise ArgsError(f"{key} is not set: point it at {what}")
+    checks.check_ray_address(args.ray_address)
     teacher = describe_checkpoint(args.hf_checkpoint)
     if FAMILIES[teacher["family"]].is_video and not args.latent_shape:
         raise ArgsError(f"latent_shape: {args.hf_checkpoint} is a video model ({teacher['family']}); "
                         "set latent_shape to its latents' [C, F, H, W]")
+    checks.check_latent_shape(args, teacher)
     if args.dmd2_shift is None:
         args = args.model_copy(update={"dmd2_shift": teacher["shift"]})
     if args.global_batch_size % args.num_devices:
@@ -58,12 +64,22 @@ def preflight(args: Args) -> dict[str, Args]:
 
         if not storage.exists(args.prompts):
             raise ArgsError(f"prompts: no prompt set at {args.prompts}{storage.nearest_sibling(args.prompts)}")
+        checks.check_prompt_set(args.prompts)
     from dmd2_core.media import eval_prompt_indices, prompt_texts
 
     eval_prompt_indices(args, len(prompt_texts(args.prompts)))
     if memory.device_limit(args) is not None:
         memory.check(memory.plan(trainer_args))
-    checkpoint.validate_resume(resume_url(args), list(trainer_args))
+    source = resume_url(args)
+    if checkpoint.validate_resume(source, list(trainer_args)) is None and args.load and args.load != args.save:
+        from dmd2_core import storage
+
+        raise checkpoint.CheckpointLoadError(
+            f"load: no checkpoint at {args.load} (no {checkpoint.TRACKER_NAME})"
+            f"{storage.nearest_sibling(args.load)}")
+    checks.check_local_devices(args, len(trainer_args))
+    lease.check(args.save, owner, args.lease_timeout_s)  # one run per save URL
+    checks.probe_write(args.save)  # last: nothing is written for input that fails earlier
     return trainer_args
 
 
@@ -76,9 +92,12 @@ def resume_url(args: Args) -> str:
 
 
 class DistillRun:
-    def __init__(self, args: Args):
-        self.trainer_args = preflight(args)
+    def __init__(self, args: Args, owner: str | None = None):
+        # the lease owner: the flow run's id, so that its retries take the lease over
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.trainer_args = preflight(args, self.owner)
         self.args = self.trainer_args["actor"]
+        self.lease: lease.Lease | None = None
         self.groups: dict[str, Any] = {}
         self.pg = None
         self.broken = False
@@ -93,6 +112,10 @@ class DistillRun:
         from dmd2_core.groups import TrainerGroup, create_placement_group, init_ray
 
         init_ray(self.args, num_groups=len(self.trainer_args))
+        checks.check_cluster_resources(self.args, len(self.trainer_args))  # not a placement-group timeout
+        if self.lease is None:  # before any actor: a second run on the URL refuses here
+            self.lease = lease.Lease.acquire(self.args.save, self.owner, self.args.lease_timeout_s)
+        self.lease.ensure()
         self.pg = create_placement_group(self.args, num_groups=len(self.trainer_args))
         share = 1.0 / len(self.trainer_args) if self.args.colocate else 1.0
         try:
@@ -107,7 +130,7 @@ class DistillRun:
                 for group in self.groups.values():
                     group.call("load", resumed, source)
         except Exception as exc:
-            self.shutdown()
+            self._stop_groups()
             raise _as_ray_error(exc) from exc
         self.start_iteration = resumed or 0
         self.done = (self.start_iteration, len(PHASES))
@@ -123,6 +146,13 @@ class DistillRun:
         self.shutdown()
 
     def shutdown(self) -> None:
+        """Kill the groups and release the save URL's lease (the run is over)."""
+        self._stop_groups()
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
+    def _stop_groups(self) -> None:
         from dmd2_core.groups import shutdown_placement_group
 
         for group in self.groups.values():
@@ -153,7 +183,7 @@ class DistillRun:
     def recover(self, iteration: int, phase_index: int) -> None:
         """Rebuild the groups from the latest checkpoint and replay up to (iteration, phase)."""
         log.warning("recovering: rebuilding trainer groups from the latest checkpoint")
-        self.shutdown()
+        self._stop_groups()
         start = self.start()
         for i in range(start + 1, iteration + 1):
             upto = phase_index if i == iteration else len(PHASES)
@@ -220,8 +250,10 @@ class DistillRun:
         def run():
             start = time.perf_counter()
             urls = {}
+            self.lease.ensure()
             for role, group in self.groups.items():
                 urls[role] = next(u for u in group.call("save", iteration) if u)
+            self.lease.ensure()  # never move the tracker of a URL another run took over
             checkpoint.write_tracker(self.args.save, iteration)
             return {"checkpoint": urls, "checkpoint_s": time.perf_counter() - start}
         return self._call_or_break(run)
@@ -252,6 +284,8 @@ def _as_ray_error(exc: Exception) -> Exception:
     if isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, TimeoutError)):
         return RayWorkError(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
     if isinstance(exc, ray.exceptions.RayTaskError):
+        if isinstance(exc.cause, (NonFiniteError, CheckpointError)):  # one line, no remote traceback
+            return exc.cause
         return exc.as_instanceof_cause()
     return exc
 

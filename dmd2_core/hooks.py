@@ -45,6 +45,12 @@ def load_hook(path: str, flag: str = "train_input_hook_path", params=TRAIN_INPUT
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ArgsError(f"{flag}: cannot import module '{module_name}' of '{path}' ({exc})") from None
+    except BaseException as exc:  # noqa: BLE001 - the module itself raised (or exited) on import
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ArgsError(f"{flag}: importing module '{module_name}' of '{path}' raised "
+                        f"{type(exc).__name__}: {first}"[:400]) from None
     if not hasattr(module, attr):
         names = [n for n in dir(module) if not n.startswith("_")]
         raise ArgsError(f"{flag}: module '{module_name}' has no '{attr}'{nearest(attr, names)}")

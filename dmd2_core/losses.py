@@ -13,11 +13,12 @@ def cfg_combine(pred_uncond: torch.Tensor, pred_cond: torch.Tensor, guidance_sca
 
 def dmd2_gradient(x0: torch.Tensor, x0_real: torch.Tensor, x0_fake: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """The distribution-matching gradient g = (x0_fake - x0_real) / n with the per-sample
-    normaliser n = mean over non-batch dims of |x0 - x0_real|; NaN/inf are zeroed."""
+    normaliser n = mean over non-batch dims of |x0 - x0_real|. NaN/inf are NOT zeroed: zeroing
+    would turn a broken score into a silent no-op; the trainer counts them and skips the step."""
     x0, x0_real, x0_fake = x0.float(), x0_real.float(), x0_fake.float()
     dims = tuple(range(1, x0.dim()))
     norm = (x0 - x0_real).abs().mean(dim=dims, keepdim=True) + eps
-    return torch.nan_to_num((x0_fake - x0_real) / norm, nan=0.0, posinf=0.0, neginf=0.0)
+    return (x0_fake - x0_real) / norm
 
 
 def dmd2_loss(x0: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

@@ -9,19 +9,104 @@ works even when set after s3fs was imported, and boto3 honours it too. (fsspec's
 FSSPEC_S3_ENDPOINT_URL also works, but fsspec reads FSSPEC_* variables only once, when it is
 imported, so it is the weaker choice.) fsspec caches S3FileSystem instances per constructor
 arguments: change the endpoint variables before the first s3:// access of a process, not after.
+
+Outages: every helper here retries transient errors (connection refused/reset, timeouts, 5xx,
+throttling) with exponential backoff for up to ``DMD2_STORAGE_RETRY_S`` seconds (default 300;
+read when this module is imported, so Ray workers take the driver's value), then raises
+``StorageUnavailableError`` -- a RuntimeError, never a ValueError, so it is never mistaken for bad
+input. Permanent errors (access denied, no such bucket or key) are raised at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
+import logging
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 import fsspec
+
+log = logging.getLogger("dmd2")
+T = TypeVar("T")
+
+RETRY_S = float(os.environ.get("DMD2_STORAGE_RETRY_S", "300"))
+RETRY_FIRST_DELAY_S = 0.5
+RETRY_MAX_DELAY_S = 10.0
+
+
+class StorageUnavailableError(RuntimeError):
+    """Storage kept failing with transient errors for longer than the retry budget. A runtime
+    failure (worth a retry of the task), not bad input."""
+
+
+_TRANSIENT_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT,
+                     errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EPIPE, errno.EAGAIN}
+_TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "TooManyRequests",
+                    "RequestLimitExceeded", "RequestTimeout", "InternalError", "ServiceUnavailable",
+                    "503", "500", "502", "504"}
+_TRANSIENT_NAMES = {"EndpointConnectionError", "ConnectionClosedError", "ConnectTimeoutError",
+                    "ReadTimeoutError", "HTTPClientError", "ClientConnectionError", "ClientConnectorError",
+                    "ServerDisconnectedError", "ClientOSError", "ClientPayloadError", "IncompleteRead",
+                    "ProtocolError", "FSTimeoutError", "ResponseParserError", "ConnectionError"}
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for errors an outage causes and a later attempt may not: connection refused/reset,
+    timeouts, HTTP 5xx and throttling (looked up through the exception's causes, since s3fs
+    translates botocore's errors into OSErrors)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        seen += 1
+        if isinstance(exc, StorageUnavailableError):
+            return False  # already retried
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            return True
+        if any(c.__name__ in _TRANSIENT_NAMES for c in type(exc).__mro__):
+            return True
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict):
+            err = response.get("Error") or {}
+            status = int((response.get("ResponseMetadata") or {}).get("HTTPStatusCode") or 0)
+            if str(err.get("Code", "")) in _TRANSIENT_CODES or status >= 500 or status == 429:
+                return True
+            return False  # a definite answer from the store (403, 404, ...)
+        if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def retrying(fn: Callable[[], T], what: str, budget_s: float | None = None) -> T:
+    """``fn()``, retried with exponential backoff while it fails with transient errors."""
+    budget = RETRY_S if budget_s is None else budget_s
+    deadline = time.monotonic() + budget
+    delay = RETRY_FIRST_DELAY_S
+    attempt = 0
+    while True:
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - classified below
+            if not is_transient(exc):
+                raise
+            attempt += 1
+            if time.monotonic() + delay > deadline:
+                raise StorageUnavailableError(
+                    f"{what}: storage unavailable for {budget:.0f} s ({_one_line(exc)})") from exc
+            log.warning(f"storage: {what}: {_one_line(exc)}; retry {attempt} in {delay:.1f} s")
+            time.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX_DELAY_S)
 
 
 def filesystem(url: str):
@@ -40,8 +125,10 @@ def join(url: str, *parts: str) -> str:
 
 
 def exists(url: str) -> bool:
-    fs, path = filesystem(url)
-    return fs.exists(path)
+    def run():
+        fs, path = filesystem(url)
+        return fs.exists(path)
+    return retrying(run, f"exists {url}")
 
 
 def nearest_sibling(url: str) -> str:
@@ -61,9 +148,23 @@ def nearest_sibling(url: str) -> str:
 
 
 def read_bytes(url: str) -> bytes:
-    fs, path = filesystem(url)
-    with fs.open(path, "rb") as f:
-        return f.read()
+    def run():
+        fs, path = filesystem(url)
+        with fs.open(path, "rb") as f:
+            return f.read()
+    return retrying(run, f"read {url}")
+
+
+def sha256(url: str, chunk: int = 8 << 20) -> str:
+    """sha256 of the file at ``url``, streamed (bounded memory)."""
+    def run():
+        fs, path = filesystem(url)
+        h = hashlib.sha256()
+        with fs.open(path, "rb") as f:
+            while block := f.read(chunk):
+                h.update(block)
+        return h.hexdigest()
+    return retrying(run, f"read {url}")
 
 
 def read_text(url: str) -> str:
@@ -73,22 +174,25 @@ def read_text(url: str) -> str:
 def write_bytes(url: str, data: bytes) -> None:
     """Write a file so readers see the old content or the new one, never a torn one: local files
     go through a temp name and an atomic rename; object stores put whole objects."""
+    if not is_local(url):
+        def put():
+            fs, path = filesystem(url)
+            fs.pipe_file(path, data)
+        retrying(put, f"write {url}")
+        return
     fs, path = filesystem(url)
-    if is_local(url):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-            raise
-    else:
-        fs.pipe_file(path, data)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def write_text(url: str, text: str) -> None:
@@ -103,17 +207,18 @@ def upload_dir(local_dir: str | Path, url: str) -> None:
         return
     for file in sorted(local_dir.rglob("*")):
         if file.is_file():
-            fs.put_file(str(file), f"{path.rstrip('/')}/{file.relative_to(local_dir).as_posix()}")
+            target = f"{path.rstrip('/')}/{file.relative_to(local_dir).as_posix()}"
+            retrying(lambda: filesystem(url)[0].put_file(str(file), target), f"upload {url}")
 
 
 def download_dir(url: str, local_dir: str | Path) -> None:
     fs, path = filesystem(url)
     root = path.rstrip("/")
-    for remote in fs.find(root):
+    for remote in retrying(lambda: filesystem(url)[0].find(root), f"list {url}"):
         rel = remote[len(root):].lstrip("/")
         target = Path(local_dir) / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        fs.get_file(remote, str(target))
+        retrying(lambda: filesystem(url)[0].get_file(remote, str(target)), f"download {url}")
 
 
 @contextlib.contextmanager
@@ -138,6 +243,8 @@ def staged_dir(url: str) -> Iterator[Path]:
 
 
 def remove(url: str) -> None:
-    fs, path = filesystem(url)
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
+    def run():
+        fs, path = filesystem(url)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+    retrying(run, f"remove {url}")

@@ -14,11 +14,13 @@ import time
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from dmd2_core import checkpoint, dmd2, parallel
 from dmd2_core import flow_matching as fm
 from dmd2_core.args import Args
 from dmd2_core.data import load_prompt_set
+from dmd2_core.finite import NonFiniteCounter, is_finite, nonfinite_rows
 from dmd2_core.hooks import batch_size, train_input_hook
 from dmd2_core.losses import dmd2_loss, flow_matching_loss
 from dmd2_core.models import describe_checkpoint, load_checkpoint
@@ -64,6 +66,8 @@ class Trainer:
         self.local_batch = args.global_batch_size // world_size
         self.rows = slice(rank * self.local_batch, (rank + 1) * self.local_batch)
         self.step = 0
+        self.nonfinite = NonFiniteCounter(role, args.max_nonfinite_steps)
+        self.iteration: Optional[int] = None
         self.vae = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.ema: Optional[list[torch.Tensor]] = None
@@ -135,6 +139,8 @@ class Trainer:
         Returns (outputs handed to later groups, metrics)."""
         woke = self.wake_up()
         start = time.perf_counter()
+        self.iteration = iteration
+        self.nonfinite.begin()
         pairs = self.hook(self.args, pairs, external_data)
         pairs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in pairs.items()}
         if batch_size(pairs) != self.local_batch:
@@ -144,6 +150,7 @@ class Trainer:
         else:
             outputs, metrics = self._train_flow_matching(iteration, pairs)
         self._reshard()
+        metrics[f"{self.role}_nonfinite_steps"] = self.nonfinite.this_call
         metrics[f"{self.role}_train_s"] = time.perf_counter() - start
         metrics.update(_wake_metric(self.role, woke))
         return _cpu(outputs), metrics
@@ -176,7 +183,7 @@ class Trainer:
                 if fuse:
                     scores.append(self._score(x0[mb], x_t[mb], sigma[mb], mb_cond, v_fake=v))
             losses.append(total)
-            grad_norms.append(self._optimizer_step())
+            grad_norms.append(self._optimizer_step(is_finite(total)))
         metrics = {f"{self.role}_loss": sum(losses) / len(losses), f"{self.role}_loss_last": losses[-1],
                    f"{self.role}_grad_norm": grad_norms[-1], f"{self.role}_lr": self.optimizer.param_groups[0]["lr"],
                    f"{self.role}_sigma_mean": torch.cat(sigmas).mean().item(),
@@ -186,7 +193,8 @@ class Trainer:
             return {}, metrics
         grad = torch.cat([s["grad"] for s in scores])
         gap = torch.cat([(s["x0_real"] - s["x0_fake"]).abs().flatten(1).mean(1) for s in scores])
-        metrics.update({"dmd2_grad_norm": grad.flatten(1).norm(dim=1).mean().item(),
+        metrics.update({"dmd2_grad_nonfinite": nonfinite_rows(grad),  # counted, never zeroed
+                        "dmd2_grad_norm": grad.flatten(1).norm(dim=1).mean().item(),
                         "dmd2_real_fake_gap": gap.mean().item()})
         return {"dmd2_grad": grad}, metrics
 
@@ -218,16 +226,27 @@ class Trainer:
             loss.backward()
             total += loss.item()
             drift = max(drift, (x0.detach() - pairs["x0"][mb]).abs().max().item())
-        grad_norm = self._optimizer_step()
+        grad_norm = self._optimizer_step(is_finite(total))
         return {}, {"dmd2_loss": total, "actor_grad_norm": grad_norm, "actor_lr": self.optimizer.param_groups[0]["lr"],
-                    "graded_x0_drift": drift}
+                    "graded_x0_drift": drift, "actor_dmd2_grad_nonfinite": nonfinite_rows(pairs["dmd2_grad"])}
 
-    def _optimizer_step(self) -> float:
+    def _optimizer_step(self, loss_finite: bool = True) -> float:
         """Gradients are already averaged over the group's ranks (FSDP reduce-scatters them in
         fp32 during backward); clip on the global norm, step the fp32 master weights, EMA."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.args.clip_grad if self.args.clip_grad > 0 else float("inf")
-        grad_norm = parallel.clip_grad_norm(params, max_norm)
+        grad_norm = parallel.clip_grad_norm(params, max_norm)  # the global norm: every rank agrees
+        # A non-finite loss or gradient norm: skip the step (no optimizer, no EMA update), count it.
+        if self.world_size > 1:  # every rank must skip the same steps
+            flag = torch.tensor([float(loss_finite)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            loss_finite = bool(flag.item())
+        finite = loss_finite and is_finite(grad_norm)
+        if not finite:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite.record(finite, self.iteration, f"loss finite: {loss_finite}, grad norm {grad_norm}")
+        if not finite:
+            return grad_norm
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
@@ -408,7 +427,8 @@ class Trainer:
             self.args.save, self.role, iteration, self.model, self.optimizer, self.shift,
             # a student ships with the scheduler of its own few-step sampler
             scheduler="FlowMatchLCMScheduler" if self.args.loss_type == "dmd2" else "FlowMatchEulerDiscreteScheduler",
-            ema=self.ema, extra={"step": self.step, "iteration": iteration}, writer=self.rank == 0,
+            ema=self.ema, extra={"step": self.step, "iteration": iteration, **self.nonfinite.state()},
+            writer=self.rank == 0,
         )
         if was_asleep:
             self.sleep()
@@ -421,6 +441,7 @@ class Trainer:
         extra = checkpoint.load_trainer(url or self.args.load_url, self.role, iteration, self.model,
                                         self.optimizer, ema=self.ema)
         self.step = int(extra.get("step", 0))
+        self.nonfinite.load(extra)
         return self.step
 
 

@@ -22,6 +22,7 @@ for _key, _value in {
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
@@ -35,6 +36,9 @@ from dmd2_core import checkpoint as ckpt  # noqa: E402
 from dmd2_core import storage  # noqa: E402
 from dmd2_core.args import Args, ArgsError, load_args, parse_set  # noqa: E402
 from dmd2_core.distill import DistillRun  # noqa: E402
+from dmd2_core.finite import NonFiniteError  # noqa: E402
+from dmd2_core.lease import LeaseLostError  # noqa: E402
+from dmd2_core.storage import StorageUnavailableError  # noqa: E402
 from dmd2_core.models import CheckpointError  # noqa: E402
 from tasks import artifacts, registry  # noqa: E402
 from tasks.checkpoint import checkpoint  # noqa: E402
@@ -123,7 +127,7 @@ def dmd2(
     logger = get_run_logger()
     args = resolve_args(recipe, overrides, num_iterations=num_iterations, hf_checkpoint=hf_checkpoint,
                         save=save, prompts=prompts, seed=seed)
-    run = DistillRun(args)  # preflight: checkpoints, hooks, prompts, resume point; no actor yet
+    run = DistillRun(args, owner=_run_id())  # preflight (and the save URL's lease owner); no actor yet
     args = run.args
     torch.set_num_threads(args.torch_threads)  # the driver's own work (digits metrics)
     keys = artifacts.artifact_keys(_slug(recipe))
@@ -238,15 +242,30 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--prompts")
     parser.add_argument("--seed", type=int)
     ns = parser.parse_args(argv)
+    from dmd2_core import reaper
+
     try:
         overrides = parse_set(ns.overrides)
         flat = dict(num_iterations=ns.num_iterations, hf_checkpoint=ns.hf_checkpoint, save=ns.save,
                     prompts=ns.prompts, seed=ns.seed)
         DistillRun(resolve_args(ns.recipe, overrides, **flat))  # fail fast, before Prefect starts
+        if argv is None:  # a process of its own: no orphans, one line on SIGINT/SIGTERM
+            reaper.watch()
+            reaper.raise_on_signals()
         summary = dmd2(recipe=ns.recipe, overrides=overrides or None, **flat)
     except (ArgsError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BaseException as exc:  # noqa: BLE001 - signals and runtime failures: one line each
+        signum = reaper.interruption(exc)
+        if signum is not None:
+            print(f"error: interrupted by {signal.Signals(signum).name}; rerun the same command to resume "
+                  "from the latest checkpoint", file=sys.stderr)
+            return 128 + int(signum)
+        if isinstance(exc, (NonFiniteError, LeaseLostError, StorageUnavailableError)):
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        raise
     print(json.dumps(summary, indent=1, default=str))
     return 0
 

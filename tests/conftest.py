@@ -44,6 +44,9 @@ def _test_environment(tmp_path_factory):
     _restore_env(saved)
 
 
+_MOTO: dict = {}  # the live moto server of the session (replaced when an outage restarts it)
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """A moto S3 server on 127.0.0.1 (free port) for the whole session; yields its endpoint URL.
@@ -53,6 +56,7 @@ def s3_server():
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
+    _MOTO["server"] = server
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
     saved: dict = {}
@@ -67,8 +71,42 @@ def s3_server():
     try:
         yield endpoint
     finally:
-        server.stop()
+        _MOTO["server"].stop()
         _restore_env(saved)
+
+
+@pytest.fixture
+def s3_outage(s3_server):
+    """``outage(seconds)``: stop the session's moto server now (connections are refused) and start
+    it again on the same port after ``seconds``, in a background thread; returns the thread. The
+    buckets and objects survive (moto keeps them in this process)."""
+    import threading
+    import time
+
+    from moto.server import ThreadedMotoServer
+
+    threads = []
+
+    def outage(seconds: float) -> threading.Thread:
+        for earlier in threads:  # the previous restart must have replaced the server first
+            earlier.join()
+        host, port = _MOTO["server"].get_host_and_port()
+        _MOTO["server"].stop()
+
+        def restart():
+            time.sleep(seconds)
+            server = ThreadedMotoServer(ip_address=host, port=port, verbose=False)
+            server.start()
+            _MOTO["server"] = server
+
+        thread = threading.Thread(target=restart, daemon=True)
+        thread.start()
+        threads.append(thread)
+        return thread
+
+    yield outage
+    for thread in threads:
+        thread.join(timeout=120)
 
 
 @pytest.fixture

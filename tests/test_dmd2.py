@@ -26,10 +26,15 @@ def test_dmd2_gradient_formula_with_a_per_sample_normaliser():
     torch.testing.assert_close(g2[1], g[1])
 
 
-def test_dmd2_gradient_zeroes_nan_and_inf():
-    x0 = torch.zeros(2, 3)
-    g = dmd2_gradient(x0, torch.zeros(2, 3), torch.tensor([[float("nan"), 1.0, 0.0], [float("inf"), 0, 0]]), eps=0.0)
-    assert torch.isfinite(g).all() and g[0, 0] == 0 and g[1, 0] == 0
+def test_dmd2_gradient_keeps_nan_and_inf_where_they_are():
+    """A broken score must not be zeroed into a silent no-op: it stays visible, per sample."""
+    from dmd2_core.finite import nonfinite_rows
+
+    x0 = torch.zeros(3, 3)
+    fake = torch.tensor([[float("nan"), 1.0, 0.0], [float("inf"), 0, 0], [1.0, 0, 0]])
+    g = dmd2_gradient(x0, torch.ones(3, 3), fake)
+    assert g[0, 0].isnan() and g[1, 0].isinf() and torch.isfinite(g[2]).all()
+    assert nonfinite_rows(g) == 2
 
 
 def test_dmd2_loss_gradient_is_g_over_numel():

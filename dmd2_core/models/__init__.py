@@ -64,7 +64,9 @@ def describe_checkpoint(url: str) -> dict[str, Any]:
                 f"{url}: not a diffusers model directory (no model_index.json or config.json)"
             )
         config = _read_json(storage.join(transformer_url, "config.json"))
-    except CheckpointError:
+        if not isinstance(config, dict):
+            raise ValueError(f"{storage.join(transformer_url, 'config.json')} is not a JSON object")
+    except (CheckpointError, storage.StorageUnavailableError):
         raise
     except Exception as exc:  # noqa: BLE001 - any storage failure becomes one clear line
         raise CheckpointError(f"{url}: cannot read checkpoint ({type(exc).__name__}: {exc})") from None
@@ -77,8 +79,16 @@ def describe_checkpoint(url: str) -> dict[str, Any]:
     vae_url = None
     if root_has_index:
         sched_url = storage.join(url, "scheduler", "scheduler_config.json")
-        if storage.exists(sched_url):
-            shift = float(_read_json(sched_url).get("shift", DEFAULT_SHIFT))
+        try:  # parsed inside the error handling: a broken file is one line naming it
+            if storage.exists(sched_url):
+                shift = float(_read_json(sched_url).get("shift", DEFAULT_SHIFT))
+                if not shift > 0:
+                    raise ValueError(f"shift must be positive, got {shift}")
+        except storage.StorageUnavailableError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise CheckpointError(f"{sched_url}: unreadable scheduler config ({type(exc).__name__}: {first})") from None
         if storage.exists(storage.join(url, "vae", "config.json")):
             vae_url = storage.join(url, "vae")
     return {"family": class_name, "transformer_url": transformer_url, "shift": shift, "vae_url": vae_url}

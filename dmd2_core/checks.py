@@ -1,0 +1,189 @@
+"""Preflight checks that need more than the argument model: the save URL is writable, the prompt
+set's header is sound, the latent shape fits the model, the Ray cluster is reachable and has the
+device resource. Each raises ArgsError with one line naming the key (or path) at fault; a storage
+outage comes through as StorageUnavailableError (not bad input)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+from dmd2_core import storage
+from dmd2_core.args import Args, ArgsError
+
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
+
+
+def _one_line(exc: BaseException) -> str:
+    return storage._one_line(exc)
+
+
+# ---- save -------------------------------------------------------------------------------------
+
+def probe_write(save_url: str) -> None:
+    """Write and remove a small object under ``save``; on local storage also remove the
+    directories the probe created, so a failed preflight leaves nothing behind."""
+    probe = storage.join(save_url, f".dmd2-probe-{uuid.uuid4().hex[:8]}")
+    created: Optional[Path] = None
+    if storage.is_local(save_url):
+        path = Path(storage.filesystem(save_url)[1])
+        while not path.exists() and path.parent != path:
+            created, path = path, path.parent
+    try:
+        storage.write_bytes(probe, b"probe")
+        storage.remove(probe)
+    except storage.StorageUnavailableError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - permission, no such bucket, read-only file system ...
+        raise ArgsError(f"save: cannot write to {save_url} ({_one_line(exc)})") from None
+    finally:
+        if created is not None:
+            import shutil
+
+            shutil.rmtree(created, ignore_errors=True)
+
+
+# ---- prompts ----------------------------------------------------------------------------------
+
+def check_prompt_set(url: str) -> None:
+    """The safetensors header of a prompt set, read with bounded memory: an 8-byte length, a JSON
+    header within the file, ``prompt_embeds`` and a ``negative_`` entry for every key."""
+    def bad(reason: str) -> ArgsError:
+        return ArgsError(f"prompts: {url} is not a safetensors prompt set ({reason})")
+
+    try:
+        fs, path = storage.filesystem(url)
+        size = int(storage.retrying(lambda: fs.size(path), f"stat {url}"))
+
+        def read_header():
+            with fs.open(path, "rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    return head, None
+                n = int.from_bytes(head, "little")
+                if n <= 0 or n > min(MAX_HEADER_BYTES, size - 8):
+                    return head, n
+                return head, f.read(n)
+        head, header = storage.retrying(read_header, f"read {url}")
+    except storage.StorageUnavailableError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise ArgsError(f"prompts: cannot read {url} ({_one_line(exc)})") from None
+    if len(head) < 8:
+        raise bad(f"{size} bytes, shorter than a header")
+    if not isinstance(header, bytes):
+        raise bad(f"header length {header} does not fit a {size}-byte file")
+    try:
+        entries = json.loads(header)
+        if not isinstance(entries, dict):
+            raise ValueError("header is not a JSON object")
+    except ValueError as exc:
+        raise bad(f"unreadable header: {_one_line(exc)}") from None
+    data_size = size - 8 - len(header)
+    tensors = {k: v for k, v in entries.items() if k != "__metadata__"}
+    for key, info in tensors.items():
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and 0 <= offsets[0] <= offsets[1] <= data_size):
+            raise bad(f"tensor '{key}' lies outside the file")
+    embeds = {k for k in tensors if not k.startswith("negative_")}
+    negative = {k.removeprefix("negative_") for k in tensors if k.startswith("negative_")}
+    if "prompt_embeds" not in embeds:
+        raise bad(f"no 'prompt_embeds' tensor (has: {', '.join(sorted(tensors)) or 'none'})")
+    if negative != embeds:
+        raise bad("needs a negative_ entry for each embedding key")
+    metadata = entries.get("__metadata__") or {}
+    if "prompts" in metadata:
+        try:
+            json.loads(metadata["prompts"])
+        except (TypeError, ValueError):
+            raise bad("its 'prompts' metadata is not a JSON list") from None
+
+
+# ---- latent shape -----------------------------------------------------------------------------
+
+def check_latent_shape(args: Args, teacher: dict[str, Any]) -> None:
+    """``latent_shape`` against the teacher's transformer config: rank, channels, patch size."""
+    if not args.latent_shape:
+        return
+    from dmd2_core.models import FAMILIES
+
+    shape = list(args.latent_shape)
+    url = storage.join(teacher["transformer_url"], "config.json")
+    try:
+        config = json.loads(storage.read_text(url))
+    except storage.StorageUnavailableError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise ArgsError(f"{url}: unreadable model config ({_one_line(exc)})") from None
+    video = FAMILIES[teacher["family"]].is_video
+    names = "[C, F, H, W]" if video else "[C, H, W]"
+    where = f"latent_shape: {shape}"
+    if len(shape) != (4 if video else 3) or any(int(d) <= 0 for d in shape):
+        raise ArgsError(f"{where} does not fit {teacher['family']}: expected {names} of positive sizes")
+    channels = config.get("in_channels")
+    if channels is not None and shape[0] != int(channels):
+        raise ArgsError(f"{where}: {shape[0]} channels, the model ({url}) takes in_channels={channels}")
+    patch = config.get("patch_size") or 1
+    patch = list(patch) if isinstance(patch, (list, tuple)) else [1] * (len(shape) - 3) + [patch, patch]
+    dims = shape[1:]
+    for dim, p, name in zip(dims, patch[-len(dims):], names.strip("[]").split(", ")[1:]):
+        if int(dim) % int(p):
+            raise ArgsError(f"{where}: {name}={dim} is not a multiple of the model's patch size {p}")
+    max_size = config.get("pos_embed_max_size")
+    if max_size and any(int(d) // int(patch[-1]) > int(max_size) for d in dims[-2:]):
+        raise ArgsError(f"{where}: larger than the model's pos_embed_max_size {max_size} patches")
+
+
+# ---- Ray --------------------------------------------------------------------------------------
+
+def check_ray_address(address: Optional[str], timeout_s: float = 5.0) -> None:
+    """An explicit ``host:port`` (or ray://host:port) must accept a TCP connection within
+    ``timeout_s``: an unreachable address fails here instead of hanging ray.init."""
+    if not address or address in ("auto", "local"):
+        return
+    target = address.split("://", 1)[-1].rstrip("/")
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ArgsError(f"ray_address: '{address}' is not host:port (e.g. ray-head:6379)")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise ArgsError(f"ray_address: cannot reach {address} within {timeout_s:.0f} s ({_one_line(exc)})") from None
+
+
+def bundles_needed(args: Args, num_groups: int) -> int:
+    return args.num_devices * (1 if args.colocate else num_groups)
+
+
+def check_local_devices(args: Args, num_groups: int) -> None:
+    """Before a local Ray starts: ``device: cuda`` needs that many visible GPUs."""
+    if args.ray_address or args.device != "cuda" or args.resource_name != "GPU":
+        return
+    import torch
+
+    need, have = bundles_needed(args, num_groups), torch.cuda.device_count()
+    if have < need:
+        raise ArgsError(f"device: cuda needs {need} GPU(s) for num_devices={args.num_devices}, "
+                        f"this machine has {have}; set device: cpu or fewer num_devices")
+
+
+def check_cluster_resources(args: Args, num_groups: int) -> None:
+    """After joining Ray, before a placement group is requested (which would wait out
+    ray_timeout_s): the cluster must hold the device resource for every bundle."""
+    import ray
+
+    need = bundles_needed(args, num_groups)
+    resources = ray.cluster_resources()
+    have = resources.get(args.resource_name, 0.0)
+    if have < need:
+        from dmd2_core.args import nearest
+
+        known = sorted(k for k in resources if not k.startswith(("node:", "accelerator_type:")))
+        key = "device" if args.device_resource is None else "device_resource"
+        raise ArgsError(f"{key}: the Ray cluster has {have:g} '{args.resource_name}' of the {need} needed "
+                        f"(resources: {', '.join(known)}){nearest(args.resource_name, known)}")
+

@@ -1,0 +1,1 @@
+raise RuntimeError("hook module broken at import time")

@@ -1,0 +1,446 @@
+"""Faults injected into tiny runs: nothing lost, nothing silent.
+
+Non-finite values (through train-input hooks), two runs on one save URL, corrupted checkpoints,
+storage outages (the moto server stopped and restarted on its port), every bad input caught
+before any actor, and no processes left behind when the flow process dies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dmd2_core import checkpoint as ckpt
+from dmd2_core import storage
+from dmd2_core.distill import DistillRun
+from dmd2_core.finite import NonFiniteError
+from tests.conftest import tiny_args
+
+HOOKS = "tests.hooks_fixture"
+
+
+def _weights(save: str, role: str, iteration: int, sub: str = "model") -> dict[str, torch.Tensor]:
+    d = Path(storage.filesystem(ckpt.trainer_dir(save, role, iteration))[1]) / sub / "transformer"
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _all_finite(w: dict) -> bool:
+    return all(torch.isfinite(v).all() for v in w.values())
+
+
+# ---- non-finite steps -------------------------------------------------------------------------
+
+def test_nonfinite_steps_are_skipped_counted_and_never_saved(ray_session, tiny_teacher, tmp_path):
+    """NaN in the DMD gradient (iteration 2), in the student's inputs (3) and in the critic's
+    inputs (4): each step that sees it is skipped (weights, EMA and optimizer untouched), counted
+    in the metrics, and every checkpoint holds finite weights; iteration 5 trains normally."""
+    save = str(tmp_path / "run")
+    args = tiny_args(tiny_teacher, save, ema_decay=0.5, run_name="dmd2-nan",
+                     train_input_hook_path=f"{HOOKS}.nan_into_actor_inputs",
+                     critic_train_input_hook_path=f"{HOOKS}.nan_into_critic_inputs")
+    rows = {}
+    with DistillRun(args) as run:
+        for i in range(1, 6):
+            rows[i] = run.iterate(i)
+            run.checkpoint(i)
+    assert [rows[i]["actor_nonfinite_steps"] for i in rows] == [0, 1, 1, 1, 0]
+    assert [rows[i]["critic_nonfinite_steps"] for i in rows] == [0, 0, 0, args.dmd2_update_ratio, 0]
+    assert [rows[i]["actor_dmd2_grad_nonfinite"] for i in rows] == [0, 1, 0, 1, 0]
+    assert [rows[i]["dmd2_grad_nonfinite"] for i in rows] == [0, 0, 0, 1, 0]  # counted, not zeroed
+
+    for sub in ("model", "ema"):
+        actor = {i: _weights(save, "actor", i, sub) for i in rows}
+        assert all(_all_finite(w) for w in actor.values())
+        assert _same(actor[1], actor[2]) and _same(actor[2], actor[3]) and _same(actor[3], actor[4])
+        assert not _same(actor[4], actor[5])
+    critic = {i: _weights(save, "critic", i) for i in rows}
+    assert all(_all_finite(w) for w in critic.values())
+    assert not _same(critic[2], critic[3]) and _same(critic[3], critic[4]) and not _same(critic[4], critic[5])
+    state = torch.load(Path(ckpt.trainer_dir(save, "actor", 5)) / "trainer_state.pt", weights_only=True)
+    assert state["extra"]["nonfinite_steps"] == 3 and state["extra"]["step"] == 2
+
+
+def test_too_many_nonfinite_steps_in_a_row_fail_in_one_line(tiny_teacher, tmp_path):
+    import ray
+
+    from dmd2_core.distill import _as_ray_error, preflight
+    from dmd2_core.trainer import Trainer
+
+    args = tiny_args(tiny_teacher, str(tmp_path / "run"), max_nonfinite_steps=2,
+                     train_input_hook_path=f"{HOOKS}.nan_dmd2_gradient_always")
+    actor = Trainer(preflight(args)["actor"], "actor")
+    before = actor.state_digest()
+    pairs, _ = actor.rollout(1)
+    grad = {"dmd2_grad": torch.zeros_like(pairs["x0"])}
+    assert actor.train(1, pairs, grad)[1]["actor_nonfinite_steps"] == 1
+    with pytest.raises(NonFiniteError) as info:
+        actor.train(2, pairs, grad)
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith("actor: 2 non-finite steps in a row at iteration 2"), msg
+    assert actor.state_digest() == before  # neither step touched weights or optimizer state
+    # from a Ray actor it reaches the driver as itself: one line, not the remote traceback
+    remote = ray.exceptions.RayTaskError("train", "Traceback (most recent call last):\n  ...", info.value)
+    assert _as_ray_error(remote) is info.value
+
+
+def test_a_nonfinite_weight_is_never_written(tiny_teacher, tmp_path):
+    from dmd2_core.models import load_checkpoint
+
+    model = load_checkpoint(tiny_teacher).model
+    opt = torch.optim.AdamW(model.parameters())
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[3] = float("inf")
+    with pytest.raises(NonFiniteError, match=r"critic: not saving iteration 7: 'model\.\S+' holds 1 non-finite"):
+        ckpt.save_trainer(str(tmp_path), "critic", 7, model, opt, 3.0)
+    assert not Path(ckpt.trainer_dir(str(tmp_path), "critic", 7)).exists()
+
+
+# ---- one run per save URL ---------------------------------------------------------------------
+
+@pytest.fixture(params=["local", "s3"])
+def root(request, tmp_path) -> str:
+    if request.param == "local":
+        return str(tmp_path / "run")
+    return request.getfixturevalue("s3_bucket") + "/run"
+
+
+def test_lease_one_owner_at_a_time(root):
+    import json
+    import subprocess
+    import sys
+
+    from dmd2_core import lease
+
+    a = lease.Lease.acquire(root, "run-a", timeout_s=60)
+    with pytest.raises(lease.LeaseHeldError, match=r"save: .* is in use by run 'run-a' \(host .*, pid \d+\), last seen \d+ s ago"):
+        lease.Lease.acquire(root, "run-b", timeout_s=60)
+    with pytest.raises(lease.LeaseHeldError):
+        lease.check(root, None, 60)
+    lease.check(root, "run-a", 60)  # its own retries pass
+    again = lease.Lease.acquire(root, "run-a", timeout_s=60)  # and take it over
+    again.release()
+    a.release()
+    assert lease.read(root) is None
+
+    # a crashed owner on this host (its process is gone): taken over at once
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    record = {**lease._record("crashed"), "pid": int(dead.stdout), "pid_start": None}
+    storage.write_text(lease.lease_url(root), json.dumps(record))
+    b = lease.Lease.acquire(root, "run-b", timeout_s=60)
+    assert lease.read(root)["owner"] == "run-b"
+
+    # a live owner elsewhere whose heartbeat stopped: stale after the timeout
+    record = {**lease._record("run-b"), "host": "elsewhere"}
+    storage.write_text(lease.lease_url(root), json.dumps({**record, "heartbeat": record["heartbeat"] - 5}))
+    with pytest.raises(lease.LeaseHeldError, match="run 'run-b'"):
+        lease.Lease.acquire(root, "run-c", timeout_s=60)
+    c = lease.Lease.acquire(root, "run-c", timeout_s=3)
+    assert lease.read(root)["owner"] == "run-c"
+    assert b.backend.renew("run-b") is None  # b finds it lost on its next heartbeat
+    c.release()
+    b.release()
+
+    # a run whose lease was taken over stops writing: its heartbeat notices, ensure() raises
+    import time
+
+    d = lease.Lease.acquire(root, "run-d", timeout_s=1.0)
+    storage.write_text(lease.lease_url(root), json.dumps(lease._record("run-e")))
+    deadline = time.monotonic() + 10
+    while d.lost is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with pytest.raises(lease.LeaseLostError, match="this run's lease was taken over by run 'run-e'"):
+        d.ensure()
+    d.release()
+    assert lease.read(root)["owner"] == "run-e"  # the new owner's lease is left alone
+
+
+def test_second_run_on_one_url_refuses_before_any_actor(ray_session, tiny_teacher, tmp_path, capsys):
+    save = str(tmp_path / "run")
+    args = tiny_args(tiny_teacher, save, run_name="dmd2-lease-a", num_iterations=1)
+    with DistillRun(args, owner="flow-run-a") as first:
+        from dmd2_core import lease
+
+        with pytest.raises(lease.LeaseHeldError, match="run 'flow-run-a'"):
+            DistillRun(tiny_args(tiny_teacher, save, run_name="dmd2-lease-b", seed=1), owner="flow-run-b")
+        from flows.dmd2 import main  # the CLI: one line, exit 2, before Prefect or Ray start
+
+        code = main(["--recipe", "tiny", "--hf-checkpoint", tiny_teacher, "--save", save, "--seed", "1"])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1, err
+        assert "is in use by run 'flow-run-a'" in err and "last seen" in err
+        first.iterate(1)
+        first.checkpoint(1)
+    assert ckpt.read_tracker(save) == 1
+    assert lease.read(save) is None  # released at the end
+
+
+# ---- checksummed checkpoints ------------------------------------------------------------------
+
+def _checkpointed_run(tiny_teacher, save, name):
+    """A run that saved iteration 1 at ``save``; returns its args."""
+    args = tiny_args(tiny_teacher, save, run_name=name)
+    with DistillRun(args) as run:
+        run.iterate(1)
+        run.checkpoint(1)
+    return args
+
+
+def test_a_flipped_byte_or_a_wrong_load_url_fails_in_preflight(ray_session, tiny_teacher, tmp_path, monkeypatch):
+    save = str(tmp_path / "run")
+    args = _checkpointed_run(tiny_teacher, save, "dmd2-flip")
+    weights = Path(ckpt.trainer_dir(save, "actor", 1)) / "model" / "transformer" / "diffusion_pytorch_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01  # same size, one bit
+    weights.write_bytes(bytes(data))
+    before = {p: p.read_bytes() for p in Path(save).rglob("*") if p.is_file()}
+    started = []
+    monkeypatch.setattr("dmd2_core.groups.init_ray", lambda *a, **k: started.append(1))
+    with pytest.raises(ckpt.CheckpointLoadError) as info:
+        DistillRun(args)
+    assert str(info.value) == f"{weights}: corrupt (sha256 differs from the one recorded at save)"
+    assert not started
+    assert {p: p.read_bytes() for p in Path(save).rglob("*") if p.is_file()} == before  # nothing touched
+
+    # the actors check the hashes too (a retry's reload never goes through preflight)
+    from dmd2_core.trainer import Trainer
+
+    trainer = Trainer(args.model_copy(update={"loss_type": "dmd2"}), "actor")
+    with pytest.raises(ckpt.CheckpointLoadError, match=re.escape(f"{weights}: corrupt (sha256")):
+        trainer.load(1, save)
+
+    # an explicit load URL without a checkpoint is an error, not a fresh start
+    fresh = tiny_args(tiny_teacher, str(tmp_path / "fresh"), load=str(tmp_path / "rnu"))
+    with pytest.raises(ckpt.CheckpointLoadError, match=re.escape(f"load: no checkpoint at {tmp_path / 'rnu'} "
+                                                              f"(no latest_checkpointed_iteration.txt); did you mean")):
+        DistillRun(fresh)
+
+
+# ---- storage outages --------------------------------------------------------------------------
+
+OUTAGE_S = 10.0  # longer than one retry (a refused attempt takes ~8 s inside botocore and s3fs)
+
+
+def test_a_run_rides_out_an_s3_outage_during_a_checkpoint(ray_session, tiny_teacher, s3_bucket, s3_outage, tmp_path):
+    """The S3 endpoint goes down as checkpoint 1 starts (the trainers' saves and the tracker write
+    hit refused connections) and comes back OUTAGE_S later: the checkpoint completes, the run goes
+    on, and it ends bitwise equal to an uninterrupted run (the same Trainer code in this process);
+    every file written during the outage passes its sha256 check."""
+    import time
+
+    from dmd2_core.distill import preflight
+    from dmd2_core.trainer import Trainer
+
+    save = f"{s3_bucket}/run"
+    args = tiny_args(tiny_teacher, save, run_name="dmd2-outage")
+    with DistillRun(args) as run:
+        run.iterate(1)
+        start = time.monotonic()
+        restarted = s3_outage(OUTAGE_S)
+        run.checkpoint(1)
+        took = time.monotonic() - start
+        restarted.join()
+        run.iterate(2)
+        digests = {role: run.group_call(role, "state_digest")[0] for role in run.groups}
+    assert took >= OUTAGE_S  # the checkpoint waited the outage out
+    assert ckpt.validate_resume(save, ["actor", "critic"]) == 1  # listing, sizes and sha256 of every file
+
+    uninterrupted = {role: Trainer(a, role) for role, a in preflight(args).items()}
+    for i in (1, 2):
+        pairs, _ = uninterrupted["actor"].rollout(i)
+        scores, _ = uninterrupted["critic"].train(i, pairs)
+        uninterrupted["actor"].train(i, pairs, scores)
+    assert digests == {role: t.state_digest() for role, t in uninterrupted.items()}
+
+
+def test_transient_and_permanent_storage_errors(s3_bucket, s3_outage, monkeypatch):
+    """Transient errors are retried and never become bad input; permanent ones fail at once."""
+    import time
+
+    from dmd2_core.storage import StorageUnavailableError, is_transient
+
+    url = f"{s3_bucket}/x.txt"
+    storage.write_text(url, "1")
+    s3_outage(3.0)
+    t = time.monotonic()
+    assert ckpt.read_tracker(f"{s3_bucket}/nothing-here") is None  # a tracker read rides it out
+    assert storage.read_text(url) == "1" and time.monotonic() - t >= 3.0
+
+    monkeypatch.setattr(storage, "RETRY_S", 1.0)  # an outage longer than the retry budget
+    s3_outage(OUTAGE_S + 2)  # (one refused attempt alone takes ~8 s inside botocore)
+    with pytest.raises(StorageUnavailableError) as info:  # never a CheckpointLoadError (exit code 2)
+        ckpt.read_tracker(s3_bucket)
+    assert not isinstance(info.value, ValueError) and "storage unavailable for 1 s" in str(info.value)
+    assert "\n" not in str(info.value)
+    from tasks.common import retry_runtime_failures
+    from prefect.states import Failed
+
+    assert retry_runtime_failures(None, None, Failed(data=info.value))  # the task is retried
+
+    for permanent in (FileNotFoundError("no such key"), PermissionError("access denied"), ValueError("bad")):
+        assert not is_transient(permanent)
+    assert is_transient(ConnectionRefusedError()) and is_transient(TimeoutError())
+
+
+# ---- preflight: every bad input is one line before any actor ----------------------------------
+
+def _broken_scheduler(teacher: str, tmp_path) -> str:
+    import shutil
+
+    root = tmp_path / "teacher"
+    shutil.copytree(teacher, root)
+    (root / "scheduler" / "scheduler_config.json").write_text('{"shift": 3.0,')
+    return str(root)
+
+
+def _prompt_file(tmp_path, content: bytes) -> str:
+    path = tmp_path / "prompts.safetensors"
+    path.write_bytes(content)
+    return str(path)
+
+
+PREFLIGHT_CASES = {
+    # name: (overrides built from (teacher, tmp_path), exception class name, message pattern)
+    "save under a file": (lambda t, p: {"save": str(p / "afile" / "run")}, "ArgsError",
+                          r"^save: cannot write to .*/afile/run \(NotADirectoryError"),
+    "save in a missing bucket": (lambda t, p: {"save": "s3://no-such-bucket-dmd2/run"}, "ArgsError",
+                                 r"^save: cannot write to s3://no-such-bucket-dmd2/run \(FileNotFoundError"),
+    "prompts not safetensors": (lambda t, p: {"prompts": _prompt_file(p, b"a cat\na dog\n" * 100)}, "ArgsError",
+                                r"^prompts: .* is not a safetensors prompt set \(header length \d+ does not fit"),
+    "prompts empty": (lambda t, p: {"prompts": _prompt_file(p, b"")}, "ArgsError",
+                      r"^prompts: .* is not a safetensors prompt set \(0 bytes"),
+    "prompts header not json": (lambda t, p: {"prompts": _prompt_file(p, (4).to_bytes(8, "little") + b"{{{{")},
+                                "ArgsError", r"^prompts: .* \(unreadable header: JSONDecodeError"),
+    "scheduler config broken": (lambda t, p: {"hf_checkpoint": _broken_scheduler(t, p)}, "CheckpointError",
+                                r"^.*/teacher/scheduler/scheduler_config.json: unreadable scheduler config \(JSONDecodeError"),
+    "hook raises on import": (lambda t, p: {"train_input_hook_path": "tests.hooks_raising.hook"}, "ArgsError",
+                              r"^train_input_hook_path: importing module 'tests.hooks_raising' of .* raised "
+                              r"RuntimeError: hook module broken at import time$"),
+    "cuda without GPUs": (lambda t, p: {"device": "cuda"}, "ArgsError",
+                          r"^device: cuda needs 1 GPU\(s\) for num_devices=1, this machine has 0"),
+    "unreachable ray_address": (lambda t, p: {"ray_address": "127.0.0.1:9"}, "ArgsError",
+                                r"^ray_address: cannot reach 127.0.0.1:9 within 5 s \(ConnectionRefusedError"),
+    "latent_shape channels": (lambda t, p: {"latent_shape": [4, 8, 8]}, "ArgsError",
+                              r"^latent_shape: \[4, 8, 8\]: 4 channels, the model .* takes in_channels=1$"),
+    "latent_shape patch": (lambda t, p: {"latent_shape": [1, 7, 8]}, "ArgsError",
+                           r"^latent_shape: \[1, 7, 8\]: H=7 is not a multiple of the model's patch size 2$"),
+    "latent_shape rank": (lambda t, p: {"latent_shape": [1, 2, 8, 8]}, "ArgsError",
+                          r"^latent_shape: \[1, 2, 8, 8\] does not fit SD3Transformer2DModel: expected \[C, H, W\]"),
+}
+
+
+@pytest.mark.parametrize("case", list(PREFLIGHT_CASES))
+def test_bad_input_fails_in_preflight_in_one_line(case, tiny_teacher, tmp_path, monkeypatch, request):
+    import time
+
+    make, exc_name, pattern = PREFLIGHT_CASES[case]
+    if "bucket" in case:
+        request.getfixturevalue("s3_server")
+    (tmp_path / "afile").write_text("not a directory")
+    started = []
+    monkeypatch.setattr("dmd2_core.groups.init_ray", lambda *a, **k: started.append(1))
+    values = {"save": str(tmp_path / "run"), **make(tiny_teacher, tmp_path)}
+    args = tiny_args(tiny_teacher, values.pop("save"), **values)
+    t = time.monotonic()
+    with pytest.raises(Exception) as info:
+        DistillRun(args)
+    assert type(info.value).__name__ == exc_name and isinstance(info.value, ValueError)  # exit code 2
+    assert re.search(pattern, str(info.value)), str(info.value)
+    assert "\n" not in str(info.value)
+    assert not started and time.monotonic() - t < 10
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_the_flow_cli_reports_bad_input_in_one_line_with_exit_2(tiny_teacher, tmp_path, capsys):
+    from flows.dmd2 import main
+
+    (tmp_path / "afile").write_text("")
+    code = main(["--recipe", "tiny", "--hf-checkpoint", tiny_teacher, "--save", str(tmp_path / "afile" / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: save: cannot write to") and err.count("\n") == 1, err
+
+
+def test_duplicate_recipe_keys_are_rejected(tmp_path):
+    from dmd2_core.args import ArgsError, load_args
+
+    recipe = tmp_path / "dup.yaml"
+    recipe.write_text("seed: 0\nlr: 1.0e-4\nnum_iterations: 5\nlr: 1.0e-3\n")
+    with pytest.raises(ArgsError, match=r"^recipe .*dup.yaml is not valid YAML: duplicate key 'lr' \(lines 2 and 4\)$"):
+        load_args(recipe)
+
+
+def test_missing_device_resource_fails_before_a_placement_group(ray_session, tiny_teacher, tmp_path, monkeypatch):
+    from dmd2_core import lease
+    from dmd2_core.args import ArgsError
+
+    requested = []
+    monkeypatch.setattr("dmd2_core.groups.placement_group", lambda *a, **k: requested.append(1))
+    save = str(tmp_path / "run")
+    run = DistillRun(tiny_args(tiny_teacher, save, device_resource="dmd2_devcie", ray_timeout_s=600))
+    with pytest.raises(ArgsError, match=r"^device_resource: the Ray cluster has 0 'dmd2_devcie' of the 1 needed "
+                                        r"\(resources: .*\); did you mean 'dmd2_device'\?$"):
+        run.start()
+    run.shutdown()
+    assert not requested and lease.read(save) is None
+
+
+# ---- no orphans -------------------------------------------------------------------------------
+
+def test_no_orphans_after_sigkill_of_the_flow_process(tiny_teacher, tmp_path):
+    """The flow run as `python -m flows.dmd2` (a subprocess with its own Prefect temporary server
+    and local Ray) is SIGKILLed while its trainer groups start: every process it started is gone
+    within seconds, and a rerun is not refused by the dead run's lease."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from dmd2_core import lease
+    from dmd2_core.reaper import _alive, descendants
+
+    save = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env.update({"PREFECT_HOME": str(tmp_path / "prefect-home"), "RAY_ADDRESS": "local", "PYTHONUNBUFFERED": "1"})
+    err = tmp_path / "flow.err"
+    with open(err, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.dmd2", "--recipe", "tiny", "--hf-checkpoint", tiny_teacher,
+             "--save", str(save), "--num-iterations", "500", "--set", "global_batch_size=8",
+             "--set", "micro_batch_size=8", "--set", "eval_interval=0", "--set", "save_interval=1"],
+            cwd=Path(__file__).resolve().parent.parent, env=env, stdout=subprocess.DEVNULL, stderr=out,
+            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (save / "lease.json").exists():  # Prefect's server and Ray are up, actors starting
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
+            time.sleep(0.5)
+        time.sleep(1)
+        started = descendants({proc.pid})
+        names = {p: Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:300] for p in started}
+        assert any(b"raylet" in n for n in names.values()) and any(b"uvicorn" in n or b"prefect" in n
+                                                                 for n in names.values()), names
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        gone_by = time.monotonic() + 10
+        while any(_alive(p, s) for p, s in started.items()) and time.monotonic() < gone_by:
+            time.sleep(0.2)
+        left = {p: names[p] for p, s in started.items() if _alive(p, s)}
+        assert not left, left
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert lease.read(str(save))["pid"] == proc.pid  # the crashed run's lease is still there,
+    args = tiny_args(tiny_teacher, str(save), num_iterations=500)
+    DistillRun(args)  # but its process is gone: a rerun passes preflight and would take it over
