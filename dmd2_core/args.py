@@ -46,6 +46,9 @@ class Args(BaseModel):
     torch_threads: int = _f(1, "run", "torch intra-op threads per trainer process.", ge=1)
     dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "run", "Compute dtype of the models.")
     ray_timeout_s: float = _f(1800.0, "run", "Seconds any Ray call may take before it counts as failed.", gt=0)
+    iterations_per_window: int = _f(
+        100, "run", "Iterations per subflow run of the Prefect flow (one graph in the UI holds ~5 nodes per iteration).", ge=1
+    )
 
     # --- model ---------------------------------------------------------------------------------
     hf_checkpoint: Optional[str] = _f(None, "model", "The teacher: a diffusers model directory (path or URL).")
