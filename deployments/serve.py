@@ -7,10 +7,12 @@ here, in subprocesses, so recipe paths such as runs/teacher resolve against the 
 
 Deployments (flow ``dmd2``):
 
-- ``minimax-h3``: recipe minimax-h3, nightly at 02:00 (cron ``0 2 * * *``), one run at a time.
-  hf_checkpoint, prompts and save (which the recipe leaves to the deployment) come from
-  DMD2_MINIMAX_H3_HF_CHECKPOINT, DMD2_MINIMAX_H3_PROMPTS and DMD2_MINIMAX_H3_SAVE; serve warns
-  when one is missing from both. Skipped with a warning when the recipe file does not exist.
+- ``minimax-h3``: recipe minimax-h3, nightly at 02:00 UTC (cron ``0 2 * * *``, timezone UTC), one
+  run at a time. hf_checkpoint, prompts and save (which the recipe leaves to the deployment) come
+  from DMD2_MINIMAX_H3_HF_CHECKPOINT, DMD2_MINIMAX_H3_PROMPTS and DMD2_MINIMAX_H3_SAVE; when one is
+  missing from both, the deployment is served with its schedule paused, a description saying what
+  to set, and serve prints one line naming the missing keys. Skipped with a warning when the
+  recipe file does not exist.
 - ``tiny``: recipe tiny (the digits demo), on demand: ``prefect deployment run dmd2/tiny``.
 """
 
@@ -29,6 +31,7 @@ from flows.dmd2 import dmd2  # sets the Prefect/Ray environment defaults first
 from dmd2_core.args import ArgsError, read_recipe, resolve_recipe
 
 NIGHTLY_CRON = "0 2 * * *"
+TIMEZONE = "UTC"
 REQUIRED = ("hf_checkpoint", "prompts", "save")
 
 
@@ -40,38 +43,69 @@ def _env_parameters(name: str) -> dict[str, str]:
 def deployment_specs() -> list[dict[str, Any]]:
     """What each deployment is: name, parameters, schedule and limits (the same as prefect.yaml)."""
     return [
-        dict(name="minimax-h3", recipe="minimax-h3", cron=NIGHTLY_CRON, concurrency_limit=1,
+        dict(name="minimax-h3", recipe="minimax-h3", cron=NIGHTLY_CRON, timezone=TIMEZONE, concurrency_limit=1,
              description="Nightly DMD2 distillation of the minimax-h3 recipe.", tags=["dmd2", "nightly"]),
-        dict(name="tiny", recipe="tiny", cron=None, concurrency_limit=None,
+        dict(name="tiny", recipe="tiny", cron=None, timezone=None, concurrency_limit=None,
              description="DMD2 on the digits demo (CPU, a few minutes).", tags=["dmd2", "demo"]),
     ]
 
 
+def env_name(deployment: str, key: str) -> str:
+    return "DMD2_" + deployment.upper().replace("-", "_") + "_" + key.upper()
+
+
+def missing_inputs(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(parameters, missing): the deployment's parameters (recipe + environment) and the REQUIRED
+    keys set neither by them nor by the recipe."""
+    recipe = read_recipe(spec["recipe"])
+    parameters: dict[str, Any] = {"recipe": spec["recipe"], **_env_parameters(spec["name"])}
+    return parameters, [k for k in REQUIRED if k not in parameters and not recipe.get(k)]
+
+
 def build_deployments(only: Optional[list[str]] = None, warn=print) -> list:
+    """The deployments to serve. One whose required inputs are missing is still served (it can be
+    run by hand with them) but its schedule is paused, its description says what to set, the run
+    form marks the missing keys as required, and ``warn`` gets one line naming them: no scheduled
+    run is ever created that is certain to fail."""
+    from prefect.schedules import Cron
+
     deployments = []
     for spec in deployment_specs():
         if only and spec["name"] not in only:
             continue
         try:
             resolve_recipe(spec["recipe"])
-            recipe = read_recipe(spec["recipe"])
+            parameters, missing = missing_inputs(spec)
         except ArgsError as exc:
             warn(f"warning: skipping deployment '{spec['name']}': {exc}")
             continue
-        parameters: dict[str, Any] = {"recipe": spec["recipe"], **_env_parameters(spec["name"])}
-        missing = [k for k in REQUIRED if k not in parameters and not recipe.get(k)]
+        description = spec["description"]
         if missing:
-            warn(f"warning: deployment '{spec['name']}': {', '.join(missing)} set neither in recipe "
-                 f"{spec['recipe']} nor in the environment; its runs will fail until they are")
-        deployments.append(dmd2.to_deployment(
+            names = ", ".join(missing)
+            envs = ", ".join(env_name(spec["name"], k) for k in missing)
+            if spec["cron"]:
+                warn(f"warning: deployment '{spec['name']}': schedule paused, missing {names} "
+                     f"(set {envs} and restart serve)")
+                description += (f" **Schedule paused**: {names} missing. Set {envs} and restart "
+                                f"`python -m deployments.serve`, or run it by hand with these parameters.")
+            else:
+                warn(f"warning: deployment '{spec['name']}': missing {names} (pass them as parameters)")
+                description += f" Set {names} as parameters."
+        schedules = ([Cron(spec["cron"], timezone=spec["timezone"], active=not missing)] if spec["cron"] else None)
+        deployment = dmd2.to_deployment(
             name=spec["name"],
-            cron=spec["cron"],
+            schedules=schedules,
             concurrency_limit=spec["concurrency_limit"],
             parameters=parameters,
-            description=spec["description"],
+            description=description,
             tags=spec["tags"],
             entrypoint_type=_module_path(),
-        ))
+        )
+        schema = deployment._parameter_openapi_schema
+        for key in missing:  # the run form reads them as required (no '(Optional)')
+            if key not in schema.required:
+                schema.required.append(key)
+        deployments.append(deployment)
     return deployments
 
 

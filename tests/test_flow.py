@@ -8,9 +8,11 @@ One Ray instance and one Prefect test harness serve the whole session (tests/con
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -82,12 +84,23 @@ def read_artifacts(flow_run_id, key: str) -> list:
     return sorted(found, key=lambda a: a.created)
 
 
-def read_task_runs(flow_run_id) -> list:
+def read_flow_run(flow_run_id):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     with get_client(sync_client=True) as client:
-        return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        return client.read_flow_run(flow_run_id)
+
+
+def read_task_runs(flow_run_id) -> list:
+    """The task runs of a flow run and of its window subflows."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
+
+    with get_client(sync_client=True) as client:
+        children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))
+        ids = [flow_run_id] + [c.id for c in children]
+        return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)))
 
 
 def weights_sha(save: Path, role: str, iteration: int) -> str:
@@ -200,19 +213,21 @@ def test_flow_end_to_end(reference):
         assert (save / "media" / f"iter_{i:07d}.png").is_file()
 
     keys = summary["artifact_keys"]
-    assert keys["metrics"] == "dmd2-tiny-metrics"
+    assert keys == {"summary": "dmd2-tiny-summary", "metrics": "dmd2-tiny-metrics", "progress": "dmd2-tiny-progress"}
+    for key in keys.values():  # created once, updated in place: one stored version each
+        assert len(read_artifacts(run_id, key)) == 1
     table = json.loads(read_artifacts(run_id, keys["metrics"])[-1].data)
-    assert [r["iteration"] for r in table] == [0, 1, 2]
-    assert table[2]["dmd2_loss"] == pytest.approx(lines[2]["dmd2_loss"], rel=1e-5)
-    assert table[0]["dmd2_loss"] is None  # same columns in every row
+    assert [r["iteration"] for r in table] == [2, 1, 0]  # newest first
+    assert table[0]["dmd2_loss"] == float(f"{lines[2]['dmd2_loss']:.4g}")
+    assert "critic_sigma_mean" not in table[0] and table[2]["dmd2_loss"] is None
     progress = read_artifacts(run_id, keys["progress"])
-    assert len(progress) == 1 and float(progress[0].data) == 100.0
-    media = read_artifacts(run_id, keys["media"])
-    assert len(media) == 3 and media[-1].type == "markdown"
-    assert "data:image/png;base64," in media[-1].data and "iter_0000002.png" in media[-1].data
-    ckpt = read_artifacts(run_id, keys["checkpoint"])
-    assert len(ckpt) == 2 and "trainers/actor/iter_0000002" in ckpt[-1].data
-
+    assert float(progress[0].data) == 100.0
+    text = read_artifacts(run_id, keys["summary"])[0].data
+    assert "**completed**: iteration 2 of 2" in text and "Quality before -> after: fd" in text
+    assert text.count("data:image/png;base64,") == 2  # the latest grid and the plot
+    assert "iter_0000002.png" in text and "trainers/actor/iter_0000002/model" in text
+    assert "| dmd2_guidance_scale | 1.5 | 1.5 |" in text and "| loss_type | `dmd2_critic` | `dmd2` |" in text
+    assert read_flow_run(run_id).name == f"dmd2-tiny-{datetime.datetime.now(datetime.timezone.utc).date()}"
     names = {t.name: t for t in read_task_runs(run_id)}
     for name in ("rollout-1", "critic-train-and-score-1", "sleep-critic-1", "student-train-1",
                  "sleep-actor-1", "eval-media-0", "eval-media-2", "checkpoint-2"):
@@ -258,8 +273,8 @@ def test_actor_killed_mid_run_recovers_to_same_weights(reference, tiny_teacher, 
 
 
 def test_flow_on_s3_shows_presigned_media(harness, tiny_teacher, s3_bucket):
-    """With save on S3: checkpoints, metrics.jsonl and media land in the bucket, and the media
-    artifact is an image artifact whose presigned URL a browser (here urllib) can open."""
+    """With save on S3: checkpoints, metrics.jsonl and media land in the bucket, and the summary
+    embeds a thumbnail linked to a presigned URL a browser (here urllib) can open."""
     import urllib.request
 
     from dmd2_core import storage
@@ -274,9 +289,11 @@ def test_flow_on_s3_shows_presigned_media(harness, tiny_teacher, s3_bucket):
     assert storage.read_text(f"{save}/latest_checkpointed_iteration.txt").strip() == "1"
     assert len(storage.read_text(f"{save}/metrics.jsonl").splitlines()) == 2
     assert summary["media_urls"][-1] == f"{save}/media/iter_0000001.png"
-    media = read_artifacts(state.state_details.flow_run_id, summary["artifact_keys"]["media"])
-    assert media[-1].type == "image"
-    with urllib.request.urlopen(media[-1].data, timeout=10) as resp:
+    text = read_artifacts(state.state_details.flow_run_id, summary["artifact_keys"]["summary"])[-1].data
+    # the picture survives the presigned link's expiry: a thumbnail data URI, linked to the full file
+    match = re.search(r"\[!\[[^\]]*\]\((data:image/png;base64,[^)]+)\)\]\((http[^)]+)\)", text)
+    assert match, text[:2000]
+    with urllib.request.urlopen(match.group(2), timeout=10) as resp:
         assert resp.read() == storage.read_bytes(summary["media_urls"][-1])
 
 
