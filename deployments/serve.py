@@ -109,6 +109,60 @@ def build_deployments(only: Optional[list[str]] = None, warn=print) -> list:
     return deployments
 
 
+HEARTBEAT_S = 30  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY of the flow-run processes serve starts
+RERUN_AUTOMATION = "dmd2: rerun crashed runs"
+ZOMBIE_AUTOMATION = "dmd2: crash runs without heartbeat"
+
+
+def ensure_automations(deployment_ids: list, heartbeat_s: int = HEARTBEAT_S) -> list:
+    """Two server automations (replaced if they exist), so a run whose process dies comes back:
+
+    - a run of these deployments that emitted a heartbeat and then nothing (no heartbeat, no final
+      state) for 3 heartbeats is set Crashed (its node died; a kill -9 of the flow-run process alone
+      is reported Crashed at once by the serve process that started it);
+    - a Crashed run of these deployments is set Scheduled again: a serve process picks it up, and
+      it resumes from the checkpoint tracker. The flow itself bounds the reruns (``max_crash_reruns``):
+      beyond them it fails (Failed is not Crashed, so the loop ends there).
+
+    Returns the automations' ids."""
+    from datetime import timedelta
+
+    from prefect.automations import Automation, ChangeFlowRunState, EventTrigger, Posture
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+
+    related = {"prefect.resource.role": "deployment",
+               "prefect.resource.id": [f"prefect.deployment.{d}" for d in deployment_ids]}
+    wanted = [
+        Automation(
+            name=ZOMBIE_AUTOMATION,
+            description="A dmd2 deployment run that stops sending heartbeats is Crashed.",
+            trigger=EventTrigger(
+                after={"prefect.flow-run.heartbeat"},
+                expect={"prefect.flow-run.heartbeat", "prefect.flow-run.Completed", "prefect.flow-run.Failed",
+                        "prefect.flow-run.Cancelled", "prefect.flow-run.Crashed"},
+                match={"prefect.resource.id": "prefect.flow-run.*"}, match_related=related,
+                for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1,
+                within=timedelta(seconds=3 * heartbeat_s)),
+            actions=[ChangeFlowRunState(state=StateType.CRASHED, message=f"no heartbeat for {3 * heartbeat_s} s")],
+        ),
+        Automation(
+            name=RERUN_AUTOMATION,
+            description="A Crashed dmd2 deployment run is scheduled again; it resumes from its checkpoint.",
+            trigger=EventTrigger(
+                expect={"prefect.flow-run.Crashed"}, match={"prefect.resource.id": "prefect.flow-run.*"},
+                match_related=related, posture=Posture.Reactive, threshold=1, within=timedelta(0)),
+            actions=[ChangeFlowRunState(state=StateType.SCHEDULED, name="AwaitingRerun",
+                                        message="rerun after a crash (dmd2 serve automation)")],
+        ),
+    ]
+    with get_client(sync_client=True) as client:
+        for automation in wanted:
+            for old in client.read_automations_by_name(automation.name):
+                client.delete_automation(old.id)
+    return [automation.create().id for automation in wanted]
+
+
 def _module_path():
     # flows.dmd2.dmd2 imports from wherever the package is importable, independent of the cwd.
     from prefect.types.entrypoint import EntrypointType
@@ -183,6 +237,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
         from prefect import serve
 
+        os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))  # the flow-run processes
+        ids = [d.apply() for d in deployments]  # registered first, so the automations can name them
+        ensure_automations(ids, int(os.environ["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"]))
         serve(*deployments, limit=ns.limit)
     return 0
 

@@ -284,11 +284,17 @@ def dmd2(
     logger = get_run_logger()
     args = resolve_args(recipe, overrides, num_iterations=num_iterations, hf_checkpoint=hf_checkpoint,
                         save=save, prompts=prompts, seed=seed)
+    from prefect.runtime import flow_run
+
+    reruns = max(0, int(flow_run.run_count or 1) - 1)  # a crashed run set Scheduled again counts up
+    if reruns > args.max_crash_reruns:
+        raise RuntimeError(f"run crashed {reruns} times (max_crash_reruns "
+                           f"{args.max_crash_reruns}): failing instead of running it again")
+    if reruns:
+        logger.warning(f"rerun {reruns} of {args.max_crash_reruns} after a crash: resuming from the tracker")
     run = DistillRun(args)  # preflight: checkpoints, hooks, prompts, resume point; no actor yet
     args = run.args
     torch.set_num_threads(args.torch_threads)  # the driver's own work (digits metrics)
-    from prefect.runtime import flow_run
-
     name = flow_run.name or run_display_name({"recipe": recipe, "overrides": overrides})
     run_id = registry.register(_run_id(), run)
     try:

@@ -335,48 +335,152 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=10)
 
 
-@pytest.mark.server
-def test_served_deployment_run(tiny_teacher, tmp_path):
-    port = _free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update({
-        "PREFECT_HOME": str(tmp_path / "prefect-home"),
-        "PREFECT_API_URL": api,
-        "PREFECT_UI_API_URL": api,
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_SERVER_UI_ENABLED": "false",
-        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-        "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
-        "PYTHONUNBUFFERED": "1",
-    })
-    server_log, serve_log = tmp_path / "server.log", tmp_path / "serve.log"
-    procs = []
-    try:
-        with open(server_log, "w") as out:
-            procs.append(subprocess.Popen(
-                [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
-        _wait_http(f"{api}/health", 90, procs[0], server_log)
-        with open(serve_log, "w") as out:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "deployments.serve", "--only", "tiny"],
-                env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
-        _wait_http(f"{api}/deployments/name/dmd2/tiny", 60, procs[1], serve_log)
+def _api(api: str, path: str, body: dict | None = None):
+    import urllib.request
 
-        save = tmp_path / "run"
-        params = {"overrides": {**FAST, "eval_interval": 2}, "num_iterations": 2,
-                  "hf_checkpoint": tiny_teacher, "save": str(save)}
-        result = subprocess.run(
-            [str(BIN / "prefect"), "deployment", "run", "dmd2/tiny", "--watch", "--watch-timeout", "150",
-             "--params", json.dumps(params)],
-            env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
-        output = result.stdout + result.stderr
-        assert result.returncode == 0, output + serve_log.read_text()[-4000:]
-        assert "Completed" in output, output
-        assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-        lines = (save / "metrics.jsonl").read_text().splitlines()
-        assert [json.loads(line)["iteration"] for line in lines] == [0, 1, 2]
+    import urllib.error
+
+    req = urllib.request.Request(f"{api}{path}", data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="GET" if body is None else "POST")
+    for attempt in range(10):  # 503: the server asks to retry (its database was busy), as Prefect's client does
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            if exc.code != 503 or attempt == 9:
+                raise
+            time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def served(prefect_server, tmp_path_factory):
+    """`python -m deployments.serve` (both deployments; minimax-h3 without its inputs) against the
+    session's real server. Yields (api, env, serve process, serve log)."""
+    api, env = prefect_server
+    env = {k: v for k, v in env.items() if not k.startswith("DMD2_MINIMAX_H3_")}
+    env["PREFECT_RUNNER_POLL_FREQUENCY"] = "2"  # a rescheduled run is picked up within 2 s
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "deployments.serve"], env=env, cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_http(f"{api}/deployments/name/dmd2/tiny", 90, proc, log)
+        _wait_http(f"{api}/deployments/name/dmd2/minimax-h3", 30, proc, log)
+        yield api, env, proc, log
     finally:
-        for proc in reversed(procs):
-            _stop(proc)
+        _stop(proc)
+
+
+def _run_deployment(api: str, env: dict, params: dict, timeout: float = 240) -> dict:
+    """Create a run of dmd2/tiny and wait for a final state; returns the flow run."""
+    dep = _api(api, "/deployments/name/dmd2/tiny")
+    run = _api(api, f"/deployments/{dep['id']}/create_flow_run", {"parameters": params})
+    return run
+
+
+def _wait_final(api: str, run_id: str, timeout: float, log: Path, until=None) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        run = _api(api, f"/flow_runs/{run_id}")
+        if (until or (lambda r: r["state"]["type"] in ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")))(run):
+            return run
+        time.sleep(1)
+    raise AssertionError(f"flow run {run_id} not done after {timeout}s: {run['state']}\n{log.read_text()[-4000:]}")
+
+
+@pytest.mark.server
+def test_deployment_missing_inputs_is_served_paused(served):
+    """minimax-h3 without hf_checkpoint, prompts and save: schedule paused (UTC cron), a description
+    saying what to set, one warning line naming the keys, and no scheduled run at all."""
+    api, _, _, log = served
+    dep = _api(api, "/deployments/name/dmd2/minimax-h3")
+    (schedule,) = dep["schedules"]
+    assert schedule["active"] is False
+    assert schedule["schedule"]["cron"] == "0 2 * * *" and schedule["schedule"]["timezone"] == "UTC"
+    assert "Schedule paused" in dep["description"] and "DMD2_MINIMAX_H3_HF_CHECKPOINT" in dep["description"]
+    assert {"hf_checkpoint", "prompts", "save", "recipe"} <= set(dep["parameter_openapi_schema"]["required"])
+    warnings = [line for line in log.read_text().splitlines() if "minimax-h3" in line and "warning" in line]
+    assert warnings == ["warning: deployment 'minimax-h3': schedule paused, missing hf_checkpoint, prompts, save "
+                        "(set DMD2_MINIMAX_H3_HF_CHECKPOINT, DMD2_MINIMAX_H3_PROMPTS, DMD2_MINIMAX_H3_SAVE and restart serve)"]
+    runs = _api(api, "/flow_runs/filter", {"flow_runs": {"deployment_id": {"any_": [dep["id"]]}}})
+    assert runs == []
+
+
+@pytest.mark.server
+def test_served_deployment_run(served, tiny_teacher, tmp_path):
+    """A run of dmd2/tiny: named {run_name}-{date}, a window subflow per 2 iterations, and one run
+    summary with the configuration, the plot, the latest grid and the checkpoint path."""
+    api, env, _, log = served
+    save = tmp_path / "run"
+    params = {"recipe": "tiny", "overrides": {**FAST, "eval_interval": 2, "iterations_per_window": 2},
+              "num_iterations": 3, "hf_checkpoint": tiny_teacher, "save": str(save)}
+    run = _run_deployment(api, env, params)
+    run = _wait_final(api, run["id"], 240, log)
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    assert run["name"] == f"dmd2-tiny-{today}"
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert [json.loads(line)["iteration"] for line in (save / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+    windows = _api(api, "/flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [run["id"]]}}})
+    assert sorted(w["name"] for w in windows) == ["iterations-0001-0002", "iterations-0003-0003"]
+    for window in windows:  # every phase of an iteration is chained to the one before it
+        graph = _api(api, f"/flow_runs/{window['id']}/graph-v2")
+        names = {n["id"]: n["label"] for _, n in graph["nodes"]}
+        edges = {names[n["id"]]: {names[p["id"]] for p in n["parents"]} for _, n in graph["nodes"]}
+        first = int(window["name"].split("-")[1])
+        assert edges[f"critic-train-and-score-{first}"] == {f"rollout-{first}"}
+        assert edges[f"sleep-actor-{first}"] == {f"student-train-{first}"}
+    artifacts = _api(api, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}})
+    assert sorted(a["key"] for a in artifacts) == ["dmd2-tiny-metrics", "dmd2-tiny-progress", "dmd2-tiny-summary"]
+    text = next(a["data"] for a in artifacts if a["key"] == "dmd2-tiny-summary")
+    assert "## Configuration" in text and "| loss_type | `dmd2_critic` | `dmd2` |" in text
+    assert "![metrics plot](data:image/png;base64," in text
+    assert "## Samples, iteration 3" in text and "iter_0000003.png" in text
+    assert f"`{save}/trainers/actor/iter_0000003/model`" in text
+    table = json.loads(next(a["data"] for a in artifacts if a["key"] == "dmd2-tiny-metrics"))
+    assert [r["iteration"] for r in table] == [3, 2, 1, 0]
+
+
+@pytest.mark.server
+def test_killed_flow_run_process_reruns_itself_to_the_same_weights(served, harness, tiny_teacher, tmp_path):
+    """kill -9 of a served run's flow-run process after checkpoint 2: the serve process reports it
+    Crashed, the server's automation schedules it again, it resumes from the tracker and completes
+    on its own with the weights of an uninterrupted run."""
+    import psutil
+
+    from flows.dmd2 import dmd2
+
+    api, env, serve, log = served
+    overrides = {**FAST, "eval_interval": 0, "save_interval": 2}
+    reference = tmp_path / "reference"
+    state = dmd2(recipe="tiny", overrides=overrides, num_iterations=5, hf_checkpoint=tiny_teacher,
+                 save=str(reference), return_state=True)
+    assert state.is_completed(), state.message
+
+    save = tmp_path / "run"
+    run = _run_deployment(api, env, {"recipe": "tiny", "overrides": overrides, "num_iterations": 5,
+                                     "hf_checkpoint": tiny_teacher, "save": str(save)})
+    tracker = save / "latest_checkpointed_iteration.txt"
+    deadline = time.monotonic() + 180
+    while not (tracker.exists() and tracker.read_text().strip() == "2"):
+        assert time.monotonic() < deadline, log.read_text()[-4000:]
+        time.sleep(0.05)
+    def of_run(p) -> bool:
+        try:
+            return p.environ().get("PREFECT__FLOW_RUN_ID") == run["id"]
+        except psutil.Error:
+            return False
+
+    victims = [p for p in psutil.Process(serve.pid).children(recursive=True) if of_run(p)]
+    assert victims, log.read_text()[-3000:]
+    flow_process = min(victims, key=lambda p: p.create_time())  # the flow-run process, not its children
+    flow_process.send_signal(signal.SIGKILL)
+
+    run = _wait_final(api, run["id"], 300, log, until=lambda r: r["state"]["type"] in ("COMPLETED", "FAILED", "CANCELLED")
+                      and r["run_count"] > 1)
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    assert run["run_count"] == 2
+    states = _api(api, f"/flow_run_states/?flow_run_id={run['id']}")
+    assert [s["type"] for s in states].count("CRASHED") == 1
+    for role in ("actor", "critic"):
+        assert weights_sha(save, role, 5) == weights_sha(reference, role, 5)
