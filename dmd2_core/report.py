@@ -297,7 +297,8 @@ def summary_markdown(s: dict) -> str:
     if s.get("media"):
         out += [f"## Samples, iteration {s.get('media_iteration')}", ""]
         for m in s["media"]:
-            img = f"![{m.get('caption', 'samples')}]({m['src']})"
+            alt = str(m.get("caption") or "samples").replace("[", "(").replace("]", ")")  # no brackets in alt text
+            img = f"![{alt}]({m['src']})"
             out.append(f"[{img}]({m['link']})" if m.get("link") else img)
             note = "full size" if m.get("full") else ("thumbnail; click for full size (link expires)" if m.get("link") else "thumbnail")
             out += ["", f"{m.get('caption', '')} ({note}; stored at `{m['url']}`)", ""]

@@ -1,5 +1,7 @@
 """The dmd2 Prefect flow: end to end on the tiny recipe, bad parameters, an actor lost mid-run, and
-a served deployment run against a real Prefect server.
+against one real Prefect server (tests/conftest.py): a served deployment run (name, windows, edges,
+summary), a deployment missing its inputs (paused), a kill -9 of a run's process (it reruns itself)
+and the run graphs' sizes over a few hundred iterations.
 
 A tiny untrained teacher stands in for the digits teacher (the flow does not care how good it is).
 One Ray instance and one Prefect test harness serve the whole session (tests/conftest.py).
@@ -14,7 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -299,12 +300,6 @@ def test_flow_on_s3_shows_presigned_media(harness, tiny_teacher, s3_bucket):
 
 # ---- a served deployment against a real Prefect server -----------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_http(url: str, timeout: float, proc: subprocess.Popen, log: Path) -> None:
     import urllib.request
 
@@ -484,3 +479,19 @@ def test_killed_flow_run_process_reruns_itself_to_the_same_weights(served, harne
     assert [s["type"] for s in states].count("CRASHED") == 1
     for role in ("actor", "critic"):
         assert weights_sha(save, role, 5) == weights_sha(reference, role, 5)
+
+
+@pytest.mark.server
+def test_run_graphs_stay_small_at_hundreds_of_iterations(prefect_server):
+    """bench/orchestration.py (a zero-cost stand-in on the minimax-h3 recipe) for 240 iterations in
+    windows of 80 against the real server: the parent's graph holds a node per window (and the first
+    eval), each window ~5 per iteration, and the flow logs about one line per iteration."""
+    api, env = prefect_server
+    out = subprocess.run([sys.executable, "bench/orchestration.py", "--iterations", "240", "--window", "80",
+                          "--api-url", api], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert figures["graphs"] == 4 and figures["parent_graph_nodes"] == 4  # eval-media-0 + 3 windows
+    assert figures["task_runs"] >= 5 * 240
+    assert 5 * 80 <= figures["largest_graph_nodes"] <= 5 * 80 + 3  # + its evals and checkpoints
+    assert figures["log_lines_per_iteration"] < 1.2
