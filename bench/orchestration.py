@@ -8,7 +8,9 @@ minimax-h3 recipe's intervals, against a real `prefect server start`. Prints one
    server on a busy machine), "server_catch_up_s" (after the run, until every task run is in the
    graphs), "largest_graph_nodes" (the biggest
    flow-run graph the UI would load), "parent_graph_nodes", "graphs", "db_growth_mb_per_1000",
-   "log_lines_per_iteration", "extrapolated_4000": {...}}
+   "log_lines_per_iteration", "metrics_write_kb_first_last" / "metrics_write_ms_first_last" (what the
+   metrics log writes after iteration 10 and after the 10th iteration of the last segment),
+   "extrapolated_4000": {...}}
 
     python bench/orchestration.py [--iterations 1000] [--window 100] [--api-url URL]
 
@@ -162,6 +164,18 @@ def measure(api: str, home: Path | None, iterations: int, window: int) -> dict:
 
     flow_module.DistillRun = StandIn
     eval_module.run_eval = stand_in_eval
+    # what the metrics log writes per iteration, early and late in the run
+    from dmd2_core import storage
+
+    writes: list[tuple[str, int, int, float]] = []  # (segment, lines, bytes, seconds)
+    original_write = storage.write_text
+
+    def write_text(url, text):
+        t = time.perf_counter()
+        original_write(url, text)
+        if "/metrics/" in str(url):
+            writes.append((str(url), text.count("\n"), len(text), time.perf_counter() - t))
+    storage.write_text = write_text
     save = tempfile.mkdtemp(prefix="dmd2-orchestration-")
     db_before = _db_bytes(home)
     start = time.perf_counter()
@@ -193,6 +207,9 @@ def measure(api: str, home: Path | None, iterations: int, window: int) -> dict:
                 break
         time.sleep(1)
     caught_up = time.perf_counter() - caught_up
+    first = next(w for w in writes if w[0].endswith("iter_0000000.jsonl") and w[1] == 11)  # iterations 0..10
+    later = [w for w in writes if not w[0].endswith("iter_0000000.jsonl") and w[1] == 10]
+    at10 = [first, later[-1] if later else writes[-1]]
     logs = _count_logs(api, [parent] + [f["id"] for f in subflows])
     db_after = _db_bytes(home)
     largest = max(counts.values())
@@ -211,6 +228,10 @@ def measure(api: str, home: Path | None, iterations: int, window: int) -> dict:
         "graphs": len(counts),
         "task_runs": sum(v for k, v in counts.items() if k != "parent"),
         "log_lines_per_iteration": round(logs / iterations, 3),
+        # one write, when the open segment holds its 10th iteration: the first segment vs the last
+        "metrics_write_kb_first_last": [round(at10[0][2] / 1024, 2), round(at10[-1][2] / 1024, 2)],
+        "metrics_write_ms_first_last": [round(at10[0][3] * 1000, 2), round(at10[-1][3] * 1000, 2)],
+        "metrics_write_kb_max": round(max(w[2] for w in writes) / 1024, 2),
         "db_growth_mb_per_1000": None if growth is None else round(growth, 2),
         "extrapolated_4000": {
             "overhead_s": round(4000 * (ends[-1] - ends[0]) / max(1, len(gaps)), 0),
