@@ -6,7 +6,8 @@ minimax-h3 recipe's intervals, against a real `prefect server start`. Prints one
    "overhead_mean_ms" (all of them, window starts included), "slowest_iteration_s" (a window start
    waits for the server to write the previous window's task runs: a zero-cost loop outruns a
    server on a busy machine), "server_catch_up_s" (after the run, until every task run is in the
-   graphs), "largest_graph_nodes" (the biggest
+   graphs), "driver_cpu_ms_per_iteration" and "server_cpu_ms_per_iteration" (CPU time, which a busy
+   machine does not inflate the way it inflates wall time), "largest_graph_nodes" (the biggest
    flow-run graph the UI would load), "parent_graph_nodes", "graphs", "db_growth_mb_per_1000",
    "log_lines_per_iteration", "metrics_write_kb_first_last" / "metrics_write_ms_first_last" (what the
    metrics log writes after iteration 10 and after the 10th iteration of the last segment),
@@ -74,7 +75,7 @@ def prefect_server(home: Path):
             if time.monotonic() > deadline:
                 raise RuntimeError("prefect server not up after 120 s")
             time.sleep(0.5)
-        yield api
+        yield api, proc.pid
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -157,7 +158,16 @@ def _db_bytes(home: Path | None) -> int | None:
     return sum(p.stat().st_size for p in home.glob("prefect.db*"))
 
 
-def measure(api: str, home: Path | None, iterations: int, window: int) -> dict:
+def _cpu_s(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def measure(api: str, home: Path | None, iterations: int, window: int, server_pid: int | None = None) -> dict:
     os.environ["PREFECT_API_URL"] = api
     import flows.dmd2 as flow_module
     import tasks.eval as eval_module
@@ -178,12 +188,15 @@ def measure(api: str, home: Path | None, iterations: int, window: int) -> dict:
     storage.write_text = write_text
     save = tempfile.mkdtemp(prefix="dmd2-orchestration-")
     db_before = _db_bytes(home)
+    server_cpu = _cpu_s(server_pid)
+    driver_cpu = time.process_time()
     start = time.perf_counter()
     state = flow_module.dmd2(recipe="minimax-h3", overrides={
         "hf_checkpoint": "stand-in", "prompts": "digits", "save": save, "device": "cpu", "num_devices": 1,
         "num_iterations": iterations, "iterations_per_window": window, "run_name": "orchestration-bench"},
         return_state=True)
     wall = time.perf_counter() - start
+    driver_cpu = time.process_time() - driver_cpu  # CPU time is what a busy machine cannot inflate
     if not state.is_completed():
         raise RuntimeError(f"bench flow run ended {state.type}: {state.message}")
     parent = str(state.state_details.flow_run_id)
@@ -207,6 +220,7 @@ def measure(api: str, home: Path | None, iterations: int, window: int) -> dict:
                 break
         time.sleep(1)
     caught_up = time.perf_counter() - caught_up
+    server_cpu = None if server_cpu is None else _cpu_s(server_pid) - server_cpu  # until every task run is written
     first = next(w for w in writes if w[0].endswith("iter_0000000.jsonl") and w[1] == 11)  # iterations 0..10
     later = [w for w in writes if not w[0].endswith("iter_0000000.jsonl") and w[1] == 10]
     at10 = [first, later[-1] if later else writes[-1]]
@@ -221,6 +235,8 @@ def measure(api: str, home: Path | None, iterations: int, window: int) -> dict:
         "overhead_per_iteration_ms": round(per_iter * 1000, 2),
         "overhead_mean_ms": round((ends[-1] - ends[0]) / max(1, len(gaps)) * 1000, 2),
         "slowest_iteration_s": round(max(gaps), 2),
+        "driver_cpu_ms_per_iteration": round(driver_cpu / iterations * 1000, 2),
+        "server_cpu_ms_per_iteration": None if server_cpu is None else round(server_cpu / iterations * 1000, 2),
         "flow_wall_s": round(wall, 1),
         "server_catch_up_s": round(caught_up, 1),
         "largest_graph_nodes": largest,
@@ -254,9 +270,9 @@ def main() -> None:
         print(json.dumps(measure(ns.api_url, None, ns.iterations, ns.window)))
         return
     home = Path(tempfile.mkdtemp(prefix="dmd2-prefect-home-"))
-    with prefect_server(home) as api:
+    with prefect_server(home) as (api, server_pid):
         os.environ["PREFECT_HOME"] = str(home)
-        result = measure(api, home, ns.iterations, ns.window)
+        result = measure(api, home, ns.iterations, ns.window, server_pid)
     print(json.dumps(result))
 
 
