@@ -230,7 +230,6 @@ class Driver:
         self.view["status"] = "completed"
         self.log.finish()
         self.publish(self.final)
-        self.result["summary_url"] = self.log.url
         self.result["wall_s"] = round(time.perf_counter() - self.t0, 2)
         self.logger.info(f"dmd2 done: iteration {self.final} in {self.result['wall_s']}s; metrics {self.log.url}")
         return self.result
