@@ -32,6 +32,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/quality.py
 	$(PY) bench/overhead.py
+	$(PY) bench/orchestration.py
 
 # A local Prefect server on 127.0.0.1:4200 (unless PREFECT_API_URL points at one) and the serve
 # process; then, in another shell: prefect deployment run dmd2/tiny --watch

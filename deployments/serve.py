@@ -7,10 +7,12 @@ here, in subprocesses, so recipe paths such as runs/teacher resolve against the 
 
 Deployments (flow ``dmd2``):
 
-- ``minimax-h3``: recipe minimax-h3, nightly at 02:00 (cron ``0 2 * * *``), one run at a time.
-  hf_checkpoint, prompts and save (which the recipe leaves to the deployment) come from
-  DMD2_MINIMAX_H3_HF_CHECKPOINT, DMD2_MINIMAX_H3_PROMPTS and DMD2_MINIMAX_H3_SAVE; serve warns
-  when one is missing from both. Skipped with a warning when the recipe file does not exist.
+- ``minimax-h3``: recipe minimax-h3, nightly at 02:00 UTC (cron ``0 2 * * *``, timezone UTC), one
+  run at a time. hf_checkpoint, prompts and save (which the recipe leaves to the deployment) come
+  from DMD2_MINIMAX_H3_HF_CHECKPOINT, DMD2_MINIMAX_H3_PROMPTS and DMD2_MINIMAX_H3_SAVE; when one is
+  missing from both, the deployment is served with its schedule paused, a description saying what
+  to set, and serve prints one line naming the missing keys. Skipped with a warning when the
+  recipe file does not exist.
 - ``tiny``: recipe tiny (the digits demo), on demand: ``prefect deployment run dmd2/tiny``.
 """
 
@@ -29,6 +31,7 @@ from flows.dmd2 import dmd2  # sets the Prefect/Ray environment defaults first
 from dmd2_core.args import ArgsError, read_recipe, resolve_recipe
 
 NIGHTLY_CRON = "0 2 * * *"
+TIMEZONE = "UTC"
 REQUIRED = ("hf_checkpoint", "prompts", "save")
 
 
@@ -40,39 +43,124 @@ def _env_parameters(name: str) -> dict[str, str]:
 def deployment_specs() -> list[dict[str, Any]]:
     """What each deployment is: name, parameters, schedule and limits (the same as prefect.yaml)."""
     return [
-        dict(name="minimax-h3", recipe="minimax-h3", cron=NIGHTLY_CRON, concurrency_limit=1,
+        dict(name="minimax-h3", recipe="minimax-h3", cron=NIGHTLY_CRON, timezone=TIMEZONE, concurrency_limit=1,
              description="Nightly DMD2 distillation of the minimax-h3 recipe.", tags=["dmd2", "nightly"]),
-        dict(name="tiny", recipe="tiny", cron=None, concurrency_limit=None,
+        dict(name="tiny", recipe="tiny", cron=None, timezone=None, concurrency_limit=None,
              description="DMD2 on the digits demo (CPU, a few minutes).", tags=["dmd2", "demo"]),
     ]
 
 
+def env_name(deployment: str, key: str) -> str:
+    return "DMD2_" + deployment.upper().replace("-", "_") + "_" + key.upper()
+
+
+def missing_inputs(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(parameters, missing): the deployment's parameters (recipe + environment) and the REQUIRED
+    keys set neither by them nor by the recipe."""
+    recipe = read_recipe(spec["recipe"])
+    parameters: dict[str, Any] = {"recipe": spec["recipe"], **_env_parameters(spec["name"])}
+    return parameters, [k for k in REQUIRED if k not in parameters and not recipe.get(k)]
+
+
 def build_deployments(only: Optional[list[str]] = None, warn=print) -> list:
+    """The deployments to serve. One whose required inputs are missing is still served (it can be
+    run by hand with them) but its schedule is paused, its description says what to set, the run
+    form marks the missing keys as required, and ``warn`` gets one line naming them: no scheduled
+    run is ever created that is certain to fail."""
+    from prefect.schedules import Cron
+
     deployments = []
     for spec in deployment_specs():
         if only and spec["name"] not in only:
             continue
         try:
             resolve_recipe(spec["recipe"])
-            recipe = read_recipe(spec["recipe"])
+            parameters, missing = missing_inputs(spec)
         except ArgsError as exc:
             warn(f"warning: skipping deployment '{spec['name']}': {exc}")
             continue
-        parameters: dict[str, Any] = {"recipe": spec["recipe"], **_env_parameters(spec["name"])}
-        missing = [k for k in REQUIRED if k not in parameters and not recipe.get(k)]
+        description = spec["description"]
         if missing:
-            warn(f"warning: deployment '{spec['name']}': {', '.join(missing)} set neither in recipe "
-                 f"{spec['recipe']} nor in the environment; its runs will fail until they are")
-        deployments.append(dmd2.to_deployment(
+            names = ", ".join(missing)
+            envs = ", ".join(env_name(spec["name"], k) for k in missing)
+            if spec["cron"]:
+                warn(f"warning: deployment '{spec['name']}': schedule paused, missing {names} "
+                     f"(set {envs} and restart serve)")
+                description += (f" **Schedule paused**: {names} missing. Set {envs} and restart "
+                                f"`python -m deployments.serve`, or run it by hand with these parameters.")
+            else:
+                warn(f"warning: deployment '{spec['name']}': missing {names} (pass them as parameters)")
+                description += f" Set {names} as parameters."
+        schedules = ([Cron(spec["cron"], timezone=spec["timezone"], active=not missing)] if spec["cron"] else None)
+        deployment = dmd2.to_deployment(
             name=spec["name"],
-            cron=spec["cron"],
+            schedules=schedules,
             concurrency_limit=spec["concurrency_limit"],
             parameters=parameters,
-            description=spec["description"],
+            description=description,
             tags=spec["tags"],
             entrypoint_type=_module_path(),
-        ))
+        )
+        schema = deployment._parameter_openapi_schema
+        for key in missing:  # the run form reads them as required (no '(Optional)')
+            if key not in schema.required:
+                schema.required.append(key)
+        deployments.append(deployment)
     return deployments
+
+
+HEARTBEAT_S = 30  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY of the flow-run processes serve starts
+RERUN_AUTOMATION = "dmd2: rerun crashed runs"
+ZOMBIE_AUTOMATION = "dmd2: crash runs without heartbeat"
+
+
+def ensure_automations(deployment_ids: list, heartbeat_s: int = HEARTBEAT_S) -> list:
+    """Two server automations (replaced if they exist), so a run whose process dies comes back:
+
+    - a run of these deployments that emitted a heartbeat and then nothing (no heartbeat, no final
+      state) for 3 heartbeats is set Crashed (its node died; a kill -9 of the flow-run process alone
+      is reported Crashed at once by the serve process that started it);
+    - a Crashed run of these deployments is set Scheduled again: a serve process picks it up, and
+      it resumes from the checkpoint tracker. The flow itself bounds the reruns (``max_crash_reruns``):
+      beyond them it fails (Failed is not Crashed, so the loop ends there).
+
+    Returns the automations' ids."""
+    from datetime import timedelta
+
+    from prefect.automations import Automation, ChangeFlowRunState, EventTrigger, Posture
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+
+    related = {"prefect.resource.role": "deployment",
+               "prefect.resource.id": [f"prefect.deployment.{d}" for d in deployment_ids]}
+    wanted = [
+        Automation(
+            name=ZOMBIE_AUTOMATION,
+            description="A dmd2 deployment run that stops sending heartbeats is Crashed.",
+            trigger=EventTrigger(
+                after={"prefect.flow-run.heartbeat"},
+                expect={"prefect.flow-run.heartbeat", "prefect.flow-run.Completed", "prefect.flow-run.Failed",
+                        "prefect.flow-run.Cancelled", "prefect.flow-run.Crashed"},
+                match={"prefect.resource.id": "prefect.flow-run.*"}, match_related=related,
+                for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1,
+                within=timedelta(seconds=3 * heartbeat_s)),
+            actions=[ChangeFlowRunState(state=StateType.CRASHED, message=f"no heartbeat for {3 * heartbeat_s} s")],
+        ),
+        Automation(
+            name=RERUN_AUTOMATION,
+            description="A Crashed dmd2 deployment run is scheduled again; it resumes from its checkpoint.",
+            trigger=EventTrigger(
+                expect={"prefect.flow-run.Crashed"}, match={"prefect.resource.id": "prefect.flow-run.*"},
+                match_related=related, posture=Posture.Reactive, threshold=1, within=timedelta(0)),
+            actions=[ChangeFlowRunState(state=StateType.SCHEDULED, name="AwaitingRerun",
+                                        message="rerun after a crash (dmd2 serve automation)")],
+        ),
+    ]
+    with get_client(sync_client=True) as client:
+        for automation in wanted:
+            for old in client.read_automations_by_name(automation.name):
+                client.delete_automation(old.id)
+    return [automation.create().id for automation in wanted]
 
 
 def _module_path():
@@ -149,6 +237,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
         from prefect import serve
 
+        os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))  # the flow-run processes
+        ids = [d.apply() for d in deployments]  # registered first, so the automations can name them
+        ensure_automations(ids, int(os.environ["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"]))
         serve(*deployments, limit=ns.limit)
     return 0
 

@@ -60,6 +60,12 @@ class Args(BaseModel):
     lease_timeout_s: float = _f(
         120.0, "run", "A run's lease on its save URL goes stale (a rerun may take it over) after this many seconds without a heartbeat.", gt=0
     )
+    iterations_per_window: int = _f(
+        100, "run", "Iterations per subflow run of the Prefect flow (one graph in the UI holds ~5 nodes per iteration).", ge=1
+    )
+    max_crash_reruns: int = _f(
+        3, "run", "Times a crashed deployment run is rerun (from its checkpoint) before it is failed for good.", ge=0
+    )
 
     # --- model ---------------------------------------------------------------------------------
     hf_checkpoint: Optional[str] = _f(None, "model", "The teacher: a diffusers model directory (path or URL).")

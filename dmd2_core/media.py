@@ -174,7 +174,7 @@ def run_eval(run, iteration: int, embed_limit: int = 512 * 1024) -> dict[str, An
     """Eval of a DistillRun (anything with ``.args`` and ``.sample(prompt_index, seed)``) at
     ``iteration``: K-step student samples of the eval prompts saved as media under the run's save
     URL, plus {fd, acc, diversity} on ``eval_num_samples`` balanced digits when the prompt set is
-    digits. Returns {iteration, metrics, media: [{url, browser_url, data_uri|None, caption}]}."""
+    digits. Returns {iteration, metrics, media: [{url, browser_url, src, link, full, caption, bytes}]}."""
     import time
 
     args = run.args
@@ -209,11 +209,19 @@ def run_eval(run, iteration: int, embed_limit: int = 512 * 1024) -> dict[str, An
 
 
 def _publish(url: str, data: bytes, caption: str, embed_limit: int) -> dict[str, Any]:
+    """Write a medium; say how it embeds (``report.embed``: whole when local and small, else a
+    thumbnail data URI linked to the full file)."""
+    from dmd2_core.report import embed
+
     storage.write_bytes(url, data)
+    browser_url = media_url(url)
+    shown = embed(url, data, browser_url, embed_limit)
     return {
         "url": url,
-        "browser_url": media_url(url),
-        "data_uri": data_uri(data) if len(data) <= embed_limit else None,
+        "browser_url": browser_url,
+        "src": shown["src"],
+        "link": shown["link"],
+        "full": shown["full"],
         "caption": caption,
         "bytes": len(data),
     }

@@ -34,8 +34,10 @@ def main(argv=None) -> int:
           f"({recipe.eval_num_samples} samples) ===")
     print(format_table({"init": before, "final": after}))
     print(f"\nteacher:     {recipe.hf_checkpoint}")
-    print(f"metrics:     {summary['metrics_url']}  (Prefect table artifact '{summary['artifact_keys']['metrics']}')")
-    print(f"media:       {save}/media/  (artifact '{summary['artifact_keys']['media']}')")
+    print(f"flow run:    {summary['name']}  (Prefect artifacts '{summary['artifact_keys']['summary']}', "
+          f"'{summary['artifact_keys']['metrics']}')")
+    print(f"metrics:     {summary['metrics_url']}")
+    print(f"media:       {save}/media/")
     print(f"checkpoint:  {ckpt.get('trainers', {}).get('actor', ckpt.get('tracker'))}  (diffusers format)")
     print(f"total:       {time.perf_counter() - start:.0f} s")
     return 0

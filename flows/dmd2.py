@@ -4,9 +4,18 @@ to persistent Ray trainer groups held by a DistillRun.
     python -m flows.dmd2 --recipe tiny [--set key=value ...] [--num-iterations N] [--save URL]
 
 Parameters are checked (recipe, overrides, checkpoints, hooks, resume point) before Ray starts;
-a bad one fails the flow run with one line naming it. Artifacts: a metrics table, a progress bar,
-eval media and checkpoint links; the metrics also go to ``{save}/metrics.jsonl`` and the media
-under ``{save}/media/``.
+a bad one fails the flow run with one line naming it.
+
+Structure (what the UI's run graph shows): the flow run ``{run_name}-{date}`` holds the first eval
+and one subflow run per window of ``iterations_per_window`` iterations, named by its range
+(``iterations-0001-0100``); a window holds its iterations' phases as tasks, chained by edges so
+one iteration reads as one row (rollout -> critic train and score -> sleep critic -> student train
+-> sleep actor), plus its evals and checkpoints. No graph grows with the run's length: the parent
+has one node per window, a window about 5 per iteration.
+
+Logs: one INFO line per iteration (losses and time) on the flow run; task runs log at WARNING.
+Artifacts (tasks/artifacts.py): a run summary, a short metrics table and a progress bar, updated in
+place. The full metrics go to ``{save}/metrics.jsonl`` (strict JSON; dmd2_core/report.py).
 """
 
 from __future__ import annotations
@@ -21,7 +30,10 @@ for _key, _value in {
     os.environ.setdefault(_key, _value)
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import datetime  # noqa: E402
 import json  # noqa: E402
+import logging  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -33,21 +45,21 @@ import torch  # noqa: E402
 from prefect import flow, get_run_logger  # noqa: E402
 
 from dmd2_core import checkpoint as ckpt  # noqa: E402
-from dmd2_core import storage  # noqa: E402
+from dmd2_core import report  # noqa: E402
 from dmd2_core.args import Args, ArgsError, load_args, parse_set  # noqa: E402
 from dmd2_core.distill import DistillRun  # noqa: E402
 from dmd2_core.finite import NonFiniteError  # noqa: E402
 from dmd2_core.lease import LeaseLostError  # noqa: E402
 from dmd2_core.storage import StorageUnavailableError  # noqa: E402
 from dmd2_core.models import CheckpointError  # noqa: E402
+from dmd2_core.report import METRICS_NAME, QUALITY_KEYS, MetricsLog  # noqa: E402,F401
 from tasks import artifacts, registry  # noqa: E402
 from tasks.checkpoint import checkpoint  # noqa: E402
 from tasks.eval import eval_media  # noqa: E402
 from tasks.phases import critic_train_and_score, rollout, sleep_groups, student_train  # noqa: E402
 
-METRICS_NAME = "metrics.jsonl"
-QUALITY_KEYS = ("fd", "acc", "diversity")
 LOGGED_KEYS = ("dmd2_loss", "critic_loss", "dmd2_grad_norm", "actor_grad_norm", "fd", "acc", "diversity")
+TASK_LOGGER = "prefect.task_runs"
 
 
 # ---- parameters -------------------------------------------------------------------------------
@@ -59,46 +71,27 @@ def resolve_args(recipe: str, overrides: Optional[dict] = None, **flat: Any) -> 
     return load_args(recipe, merged)
 
 
-def _slug(recipe: str) -> str:
-    from prefect.runtime import deployment
+def run_display_name(parameters: dict, today: Optional[datetime.date] = None) -> str:
+    """``{run_name}-{date}`` (UTC date) of a flow run with these parameters; the recipe's stem when
+    the parameters do not resolve (the run then fails with the reason, under this name)."""
+    try:
+        name = resolve_args(**parameters).run_name
+    except Exception:  # noqa: BLE001 - bad input still gets a readable name; the flow reports it
+        name = Path(str(parameters.get("recipe") or "dmd2")).stem
+    day = today or datetime.datetime.now(datetime.timezone.utc).date()
+    return f"{artifacts.slugify(name)}-{day.isoformat()}"
 
-    name = deployment.name
-    return artifacts.slugify(name if name else Path(str(recipe)).stem)
+
+def _flow_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    return run_display_name(dict(flow_run.parameters or {}))
 
 
 def _run_id() -> str:
     from prefect.runtime import flow_run
 
     return str(flow_run.id or uuid.uuid4())
-
-
-# ---- the metrics log ({save}/metrics.jsonl) ----------------------------------------------------
-
-class MetricsLog:
-    """One JSON line per iteration, rewritten whole through storage (object stores cannot
-    append). On resume, lines of iterations after the checkpoint are dropped: they are replayed."""
-
-    def __init__(self, save_url: str, resume_after: int):
-        self.url = storage.join(save_url, METRICS_NAME)
-        self.rows: dict[int, dict] = {}
-        if resume_after > 0 and storage.exists(self.url):
-            for line in storage.read_text(self.url).splitlines():
-                if line.strip():
-                    row = json.loads(line)
-                    if int(row.get("iteration", -1)) <= resume_after:
-                        self.rows[int(row["iteration"])] = row
-
-    def update(self, iteration: int, values: dict) -> dict:
-        row = self.rows.setdefault(int(iteration), {"iteration": int(iteration)})
-        row.update({k: v for k, v in values.items() if k != "skipped"})
-        return row
-
-    def write(self) -> None:
-        text = "".join(json.dumps(self.rows[i], default=str) + "\n" for i in sorted(self.rows))
-        storage.write_text(self.url, text)
-
-    def table(self) -> list[dict]:
-        return [self.rows[i] for i in sorted(self.rows)]
 
 
 def _fmt(metrics: dict) -> str:
@@ -110,11 +103,169 @@ def _cleanup_hook(flow_obj, flow_run, state) -> None:
     registry.shutdown_run(str(flow_run.id))
 
 
-# ---- the flow ---------------------------------------------------------------------------------
+def windows(start: int, final: int, size: int) -> list[tuple[int, int]]:
+    """Iterations start+1..final cut at multiples of ``size``: (first, last) of each window."""
+    out, i = [], start + 1
+    while i <= final:
+        last = min(final, (i - 1) // size * size + size)
+        out.append((i, last))
+        i = last + 1
+    return out
 
-@flow(name="dmd2", on_cancellation=[_cleanup_hook], on_crashed=[_cleanup_hook])
+
+# ---- the driver of one run (lives in the flow run's process) ----------------------------------
+
+_DRIVERS: dict[str, "Driver"] = {}
+
+
+class Driver:
+    """Sequences one run: iterations, evals and checkpoints as tasks, the metrics log, the run
+    summary. The flow and its window subflows look it up by run id."""
+
+    def __init__(self, run: DistillRun, run_id: str, args: Args, name: str, logger):
+        self.run, self.run_id, self.args, self.logger = run, run_id, args, logger
+        self.t0 = time.perf_counter()
+        self.start = run.start()
+        self.final = max(self.start, args.num_iterations)
+        self.evaluating = args.eval_interval > 0
+        self.last_eval: Optional[int] = None
+        self.last_ckpt: Optional[int] = self.start if (self.start and args.load_url == args.save) else None
+        self.log = MetricsLog(args.save, self.start)
+        self.keys = artifacts.artifact_keys(args.run_name)
+        self.result: dict[str, Any] = {
+            "run_id": run_id, "name": name, "start_iteration": self.start, "final_iteration": self.final,
+            "metrics_url": self.log.url, "media_urls": [], "checkpoint": None, "artifact_keys": self.keys,
+        }
+        self.view: dict[str, Any] = {
+            "name": name, "iteration": self.start, "final": self.final, "start": self.start, "status": "running",
+            "trainer_args": {role: a.model_dump(mode="json") for role, a in run.trainer_args.items()},
+            "evals": [r for r in ({k: row.get(k) for k in ("iteration", *QUALITY_KEYS, "dmd2_loss", "critic_loss")}
+                                  for row in self.log.table() if any(row.get(q) is not None for q in QUALITY_KEYS))],
+            "media": [], "metrics_url": self.log.url, "checkpoint": None, "student": None,
+        }
+        if self.last_ckpt:
+            self._note_checkpoint(self.last_ckpt, {})
+        self.artifacts = artifacts.RunArtifacts(self.keys, self.view, total=self.final, done=self.start)
+
+    # ---- evals and checkpoints ----
+    def eval(self, i: int) -> dict:
+        out = eval_media(self.run_id, i)
+        self.last_eval = i
+        row = self.log.update(i, out["metrics"])
+        self.result["media_urls"] += [m["url"] for m in out["media"]]
+        quality = {k: out["metrics"][k] for k in QUALITY_KEYS if k in out["metrics"]}
+        self.view["evals"] = [e for e in self.view["evals"] if e["iteration"] != i]
+        self.view["evals"].append({k: row.get(k) for k in ("iteration", *QUALITY_KEYS, "dmd2_loss", "critic_loss")})
+        self.view["media"], self.view["media_iteration"] = out["media"], i
+        if quality:
+            self.logger.info(f"eval at iteration {i}: " + _fmt(quality))
+        return quality
+
+    def _note_checkpoint(self, i: int, trainers: dict) -> None:
+        info = {"iteration": i, "trainers": trainers, "tracker": ckpt.tracker_url(self.args.save)}
+        self.result["checkpoint"] = self.view["checkpoint"] = info
+        self.view["student"] = trainers.get("actor") and f"{trainers['actor'].rstrip('/')}/model"
+
+    def checkpoint(self, i: int) -> None:
+        out = checkpoint(self.run_id, i)
+        self.last_ckpt = i
+        self.log.update(i, {"checkpoint_s": out.get("checkpoint_s")})
+        self._note_checkpoint(i, out.get("checkpoint", {}))
+        self.logger.info(f"checkpoint at iteration {i}: {out.get('checkpoint', {})}")
+
+    def publish(self, i: int) -> None:
+        self.view["iteration"] = i
+        self.log.write()
+        self.artifacts.publish(self.log.table())
+        self.artifacts.progress(i, force=True)
+
+    # ---- one iteration ----
+    def iteration(self, i: int) -> dict:
+        t = time.perf_counter()
+        metrics: dict[str, Any] = {}
+        state = None
+        for phase, call in ((rollout, (i,)), (critic_train_and_score, (i,)), (sleep_groups, (i, "critic")),
+                            (student_train, (i,)), (sleep_groups, (i, "actor"))):
+            # wait_for: an edge in the run graph, so one iteration's phases read as one chain
+            state = phase(self.run_id, *call, return_state=True, wait_for=[state] if state is not None else None)
+            metrics.update(state.result())
+        metrics["iteration_s"] = time.perf_counter() - t
+        row = self.log.update(i, metrics)
+        milestone = False
+        if self.evaluating and (i % self.args.eval_interval == 0 or i == self.final):
+            self.eval(i)
+            milestone = True
+        if (self.args.save_interval and i % self.args.save_interval == 0) or i == self.final:
+            self.checkpoint(i)
+            milestone = True
+        self.log.update(i, {"wall_time": time.time()})
+        if milestone:
+            self.publish(i)
+        else:
+            self.log.write()
+            self.artifacts.progress(i)
+        self.logger.info(f"iteration {i}/{self.final} {_fmt(row)} ({metrics['iteration_s']:.2f}s)")
+        return row
+
+    # ---- the whole run ----
+    def drive(self) -> dict:
+        args = self.args
+        self.logger.info(
+            f"dmd2: {self.final - self.start} iterations ({self.start + 1}..{self.final}) on {args.num_devices} "
+            f"device(s), K={args.dmd2_student_steps}, batch {args.global_batch_size}, save {args.save}"
+            + (f" (resumed after iteration {self.start})" if self.start else "")
+            + f"; groups up in {time.perf_counter() - self.t0:.1f}s; windows of {args.iterations_per_window}")
+        if self.evaluating:
+            self.result["quality_before"] = self.eval(self.start) or None
+            self.publish(self.start)
+        for first, last in windows(self.start, self.final, args.iterations_per_window):
+            iterations.with_options(flow_run_name=f"iterations-{first:04d}-{last:04d}")(self.run_id, first, last)
+        if self.evaluating and self.last_eval != self.final:
+            self.eval(self.final)
+        if self.last_ckpt != self.final:
+            self.checkpoint(self.final)
+        final_row = dict(self.log.rows.get(self.final, {"iteration": self.final}))
+        self.result["final_metrics"] = final_row
+        if self.evaluating:
+            self.result["quality_after"] = {k: final_row[k] for k in QUALITY_KEYS if k in final_row} or None
+            b, a = self.result.get("quality_before"), self.result.get("quality_after")
+            if b and a:
+                self.logger.info("quality before -> after: " + ", ".join(f"{k} {b[k]:.4g} -> {a[k]:.4g}" for k in a if k in b))
+        self.view["status"] = "completed"
+        self.log.finish()
+        self.publish(self.final)
+        self.result["wall_s"] = round(time.perf_counter() - self.t0, 2)
+        self.logger.info(f"dmd2 done: iteration {self.final} in {self.result['wall_s']}s; metrics {self.log.url}")
+        return self.result
+
+
+# ---- the flows --------------------------------------------------------------------------------
+
+@flow(name="dmd2-iterations", persist_result=False, validate_parameters=False, log_prints=False)
+def iterations(run_id: str, first: int, last: int) -> dict:
+    """Iterations ``first``..``last`` of the run ``run_id`` (a window of the dmd2 flow run)."""
+    driver = _DRIVERS[run_id]
+    row: dict = {}
+    for i in range(first, last + 1):
+        row = driver.iteration(i)
+    return {"first": first, "last": last, "iteration_s": row.get("iteration_s")}
+
+
+@contextlib.contextmanager
+def _quiet_tasks():
+    """Task runs log at WARNING while the run lasts (no 'Finished in state Completed()' per task)."""
+    task_logger = logging.getLogger(TASK_LOGGER)
+    level = task_logger.level
+    task_logger.setLevel(max(logging.WARNING, level))
+    try:
+        yield
+    finally:
+        task_logger.setLevel(level)
+
+
+@flow(name="dmd2", flow_run_name=_flow_run_name, on_cancellation=[_cleanup_hook], on_crashed=[_cleanup_hook])
 def dmd2(
-    recipe: str = "tiny",
+    recipe: str,
     overrides: Optional[dict[str, Any]] = None,
     num_iterations: Optional[int] = None,
     hf_checkpoint: Optional[str] = None,
@@ -122,111 +273,42 @@ def dmd2(
     prompts: Optional[str] = None,
     seed: Optional[int] = None,
 ) -> dict:
-    """DMD2 distillation of ``recipe`` (a name under deployments/recipes or a YAML path) with
-    ``overrides`` (flag name -> value); the flat parameters, when set, override both."""
+    """DMD2 distillation of a recipe into a few-step student.
+
+    Args:
+        recipe: Recipe name under deployments/recipes (tiny, minimax-h3) or a YAML path.
+        overrides: Flag name -> value on top of the recipe, e.g. {"lr": 1e-6, "ray_address": "ray-head:6379"}; `python -m dmd2_core --help` lists every flag.
+        num_iterations: Number of DMD2 iterations (student updates); default the recipe's.
+        hf_checkpoint: The teacher, a diffusers directory (path, file:// or s3:// URL); default the recipe's.
+        save: Storage URL of the run: checkpoints, metrics.jsonl, media; a run with the same save resumes.
+        prompts: Prompt-embedding set (safetensors URL) or 'digits'; default the recipe's.
+        seed: Seed of every random draw; default the recipe's.
+    """
     logger = get_run_logger()
     args = resolve_args(recipe, overrides, num_iterations=num_iterations, hf_checkpoint=hf_checkpoint,
                         save=save, prompts=prompts, seed=seed)
+    from prefect.runtime import flow_run
+
+    reruns = max(0, int(flow_run.run_count or 1) - 1)  # a crashed run set Scheduled again counts up
+    if reruns > args.max_crash_reruns:
+        raise RuntimeError(f"run crashed {reruns} times (max_crash_reruns "
+                           f"{args.max_crash_reruns}): failing instead of running it again")
+    if reruns:
+        logger.warning(f"rerun {reruns} of {args.max_crash_reruns} after a crash: resuming from the tracker")
     run = DistillRun(args, owner=_run_id())  # preflight (and the save URL's lease owner); no actor yet
     args = run.args
     torch.set_num_threads(args.torch_threads)  # the driver's own work (digits metrics)
-    keys = artifacts.artifact_keys(_slug(recipe))
+    name = flow_run.name or run_display_name({"recipe": recipe, "overrides": overrides})
     run_id = registry.register(_run_id(), run)
     try:
-        return _drive(run, run_id, args, keys, logger)
+        with _quiet_tasks():
+            driver = Driver(run, run_id, args, name, logger)
+            _DRIVERS[run_id] = driver
+            return driver.drive()
     finally:
+        _DRIVERS.pop(run_id, None)
         registry.unregister(run_id)
         run.shutdown()
-
-
-def _drive(run: DistillRun, run_id: str, args: Args, keys: dict, logger) -> dict:
-    t0 = time.perf_counter()
-    start = run.start()
-    final = max(start, args.num_iterations)
-    logger.info(f"dmd2: {final - start} iterations ({start + 1}..{final}) on {args.num_devices} device(s), "
-                f"K={args.dmd2_student_steps}, batch {args.global_batch_size}, save {args.save}"
-                + (f" (resumed after iteration {start})" if start else "")
-                + f"; groups up in {time.perf_counter() - t0:.1f}s")
-    log = MetricsLog(args.save, start)
-    progress = artifacts.Progress(keys["progress"], total=final, done=start)
-    summary: dict[str, Any] = {"run_id": run_id, "start_iteration": start, "final_iteration": final,
-                               "metrics_url": log.url, "media_urls": [], "checkpoint": None}
-    evaluating = args.eval_interval > 0
-    last_eval = last_ckpt = None
-    if start and args.load_url == args.save:
-        last_ckpt = start
-
-    def do_eval(i: int) -> dict:
-        nonlocal last_eval
-        out = eval_media(run_id, i, artifact_key=keys["media"])
-        last_eval = i
-        log.update(i, out["metrics"])
-        summary["media_urls"] += [m["url"] for m in out["media"]]
-        quality = {k: out["metrics"][k] for k in QUALITY_KEYS if k in out["metrics"]}
-        if quality:
-            logger.info(f"eval at iteration {i}: " + _fmt(quality))
-        return quality
-
-    def do_checkpoint(i: int) -> None:
-        nonlocal last_ckpt
-        out = checkpoint(run_id, i)
-        last_ckpt = i
-        log.update(i, {"checkpoint_s": out.get("checkpoint_s")})
-        summary["checkpoint"] = {"iteration": i, "trainers": out.get("checkpoint", {}),
-                                 "tracker": ckpt.tracker_url(args.save)}
-        artifacts.publish_checkpoint(keys["checkpoint"], i, out, ckpt.tracker_url(args.save))
-        logger.info(f"checkpoint at iteration {i}: {out.get('checkpoint', {})}")
-
-    def publish() -> None:
-        log.write()
-        artifacts.publish_metrics(keys["metrics"], log.table(), log.url)
-
-    if evaluating:
-        summary["quality_before"] = do_eval(start) or None
-        publish()
-    for i in range(start + 1, final + 1):
-        t = time.perf_counter()
-        metrics: dict[str, Any] = {}
-        metrics.update(rollout(run_id, i))
-        metrics.update(critic_train_and_score(run_id, i))
-        metrics.update(sleep_groups(run_id, i, "critic"))
-        metrics.update(student_train(run_id, i))
-        metrics.update(sleep_groups(run_id, i, "actor"))
-        metrics["iteration_s"] = time.perf_counter() - t
-        row = log.update(i, metrics)
-        milestone = False
-        if evaluating and (i % args.eval_interval == 0 or i == final):
-            do_eval(i)
-            milestone = True
-        if (args.save_interval and i % args.save_interval == 0) or i == final:
-            do_checkpoint(i)
-            milestone = True
-        log.write()
-        if milestone:
-            artifacts.publish_metrics(keys["metrics"], log.table(), log.url)
-        progress.update(i)
-        logger.info(f"iteration {i}/{final} {_fmt(row)} ({metrics['iteration_s']:.2f}s)")
-
-    if evaluating and last_eval != final:
-        do_eval(final)
-    if last_ckpt != final:
-        do_checkpoint(final)
-    publish()
-    progress.update(final)
-
-    if summary["checkpoint"] is None and last_ckpt is not None:
-        summary["checkpoint"] = {"iteration": last_ckpt, "tracker": ckpt.tracker_url(args.save)}
-    final_row = dict(log.rows.get(final, {"iteration": final}))
-    summary["final_metrics"] = final_row
-    if evaluating:
-        summary["quality_after"] = {k: final_row[k] for k in QUALITY_KEYS if k in final_row} or None
-        if summary.get("quality_before") and summary.get("quality_after"):
-            b, a = summary["quality_before"], summary["quality_after"]
-            logger.info("quality before -> after: " + ", ".join(f"{k} {b[k]:.4g} -> {a[k]:.4g}" for k in a if k in b))
-    summary["artifact_keys"] = keys
-    summary["wall_s"] = round(time.perf_counter() - t0, 2)
-    logger.info(f"dmd2 done: iteration {final} in {summary['wall_s']}s; metrics {log.url}")
-    return summary
 
 
 # ---- CLI --------------------------------------------------------------------------------------

@@ -175,3 +175,58 @@ def short_teacher(tmp_path_factory):
     url = str(tmp_path_factory.mktemp("teacher") / "short")
     info = teacher.train_teacher(url, seed=0, num_steps=SHORT_TEACHER_STEPS, batch_size=64, log=None)
     return url, info
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """One real `prefect server start` (free loopback port, own PREFECT_HOME, no UI) shared by the
+    tests that need a real server. Yields (api_url, env for child processes)."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    home = tmp_path_factory.mktemp("prefect-server")
+    api = f"http://127.0.0.1:{port}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update({
+        "PREFECT_HOME": str(home / "home"),
+        "PREFECT_API_URL": api,
+        "PREFECT_UI_API_URL": api,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_UI_ENABLED": "false",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+        "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+        "PYTHONUNBUFFERED": "1",
+    })
+    log = home / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1",
+                                 "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"prefect server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{api}/health", timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"prefect server not up after 120 s:\n{log.read_text()[-3000:]}") from None
+                time.sleep(0.5)
+        yield api, env
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)

@@ -1,5 +1,7 @@
 """The dmd2 Prefect flow: end to end on the tiny recipe, bad parameters, an actor lost mid-run, and
-a served deployment run against a real Prefect server.
+against one real Prefect server (tests/conftest.py): a served deployment run (name, windows, edges,
+summary), a deployment missing its inputs (paused), a kill -9 of a run's process (it reruns itself)
+and the run graphs' sizes over a few hundred iterations.
 
 A tiny untrained teacher stands in for the digits teacher (the flow does not care how good it is).
 One Ray instance and one Prefect test harness serve the whole session (tests/conftest.py).
@@ -8,11 +10,12 @@ One Ray instance and one Prefect test harness serve the whole session (tests/con
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import json
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -82,12 +85,23 @@ def read_artifacts(flow_run_id, key: str) -> list:
     return sorted(found, key=lambda a: a.created)
 
 
-def read_task_runs(flow_run_id) -> list:
+def read_flow_run(flow_run_id):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     with get_client(sync_client=True) as client:
-        return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        return client.read_flow_run(flow_run_id)
+
+
+def read_task_runs(flow_run_id) -> list:
+    """The task runs of a flow run and of its window subflows."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
+
+    with get_client(sync_client=True) as client:
+        children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))
+        ids = [flow_run_id] + [c.id for c in children]
+        return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)))
 
 
 def weights_sha(save: Path, role: str, iteration: int) -> str:
@@ -200,19 +214,21 @@ def test_flow_end_to_end(reference):
         assert (save / "media" / f"iter_{i:07d}.png").is_file()
 
     keys = summary["artifact_keys"]
-    assert keys["metrics"] == "dmd2-tiny-metrics"
+    assert keys == {"summary": "dmd2-tiny-summary", "metrics": "dmd2-tiny-metrics", "progress": "dmd2-tiny-progress"}
+    for key in keys.values():  # created once, updated in place: one stored version each
+        assert len(read_artifacts(run_id, key)) == 1
     table = json.loads(read_artifacts(run_id, keys["metrics"])[-1].data)
-    assert [r["iteration"] for r in table] == [0, 1, 2]
-    assert table[2]["dmd2_loss"] == pytest.approx(lines[2]["dmd2_loss"], rel=1e-5)
-    assert table[0]["dmd2_loss"] is None  # same columns in every row
+    assert [r["iteration"] for r in table] == [2, 1, 0]  # newest first
+    assert table[0]["dmd2_loss"] == float(f"{lines[2]['dmd2_loss']:.4g}")
+    assert "critic_sigma_mean" not in table[0] and table[2]["dmd2_loss"] is None
     progress = read_artifacts(run_id, keys["progress"])
-    assert len(progress) == 1 and float(progress[0].data) == 100.0
-    media = read_artifacts(run_id, keys["media"])
-    assert len(media) == 3 and media[-1].type == "markdown"
-    assert "data:image/png;base64," in media[-1].data and "iter_0000002.png" in media[-1].data
-    ckpt = read_artifacts(run_id, keys["checkpoint"])
-    assert len(ckpt) == 2 and "trainers/actor/iter_0000002" in ckpt[-1].data
-
+    assert float(progress[0].data) == 100.0
+    text = read_artifacts(run_id, keys["summary"])[0].data
+    assert "**completed**: iteration 2 of 2" in text and "Quality before -> after: fd" in text
+    assert text.count("data:image/png;base64,") == 2  # the latest grid and the plot
+    assert "iter_0000002.png" in text and "trainers/actor/iter_0000002/model" in text
+    assert "| dmd2_guidance_scale | 1.5 | 1.5 |" in text and "| loss_type | `dmd2_critic` | `dmd2` |" in text
+    assert read_flow_run(run_id).name == f"dmd2-tiny-{datetime.datetime.now(datetime.timezone.utc).date()}"
     names = {t.name: t for t in read_task_runs(run_id)}
     for name in ("rollout-1", "critic-train-and-score-1", "sleep-critic-1", "student-train-1",
                  "sleep-actor-1", "eval-media-0", "eval-media-2", "checkpoint-2"):
@@ -258,8 +274,8 @@ def test_actor_killed_mid_run_recovers_to_same_weights(reference, tiny_teacher, 
 
 
 def test_flow_on_s3_shows_presigned_media(harness, tiny_teacher, s3_bucket):
-    """With save on S3: checkpoints, metrics.jsonl and media land in the bucket, and the media
-    artifact is an image artifact whose presigned URL a browser (here urllib) can open."""
+    """With save on S3: checkpoints, metrics.jsonl and media land in the bucket, and the summary
+    embeds a thumbnail linked to a presigned URL a browser (here urllib) can open."""
     import urllib.request
 
     from dmd2_core import storage
@@ -274,19 +290,15 @@ def test_flow_on_s3_shows_presigned_media(harness, tiny_teacher, s3_bucket):
     assert storage.read_text(f"{save}/latest_checkpointed_iteration.txt").strip() == "1"
     assert len(storage.read_text(f"{save}/metrics.jsonl").splitlines()) == 2
     assert summary["media_urls"][-1] == f"{save}/media/iter_0000001.png"
-    media = read_artifacts(state.state_details.flow_run_id, summary["artifact_keys"]["media"])
-    assert media[-1].type == "image"
-    with urllib.request.urlopen(media[-1].data, timeout=10) as resp:
+    text = read_artifacts(state.state_details.flow_run_id, summary["artifact_keys"]["summary"])[-1].data
+    # the picture survives the presigned link's expiry: a thumbnail data URI, linked to the full file
+    match = re.search(r"\[!\[[^\]]*\]\((data:image/png;base64,[^)]+)\)\]\((http[^)]+)\)", text)
+    assert match, text[:2000]
+    with urllib.request.urlopen(match.group(2), timeout=10) as resp:
         assert resp.read() == storage.read_bytes(summary["media_urls"][-1])
 
 
 # ---- a served deployment against a real Prefect server -----------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _wait_http(url: str, timeout: float, proc: subprocess.Popen, log: Path) -> None:
     import urllib.request
@@ -318,48 +330,168 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=10)
 
 
-@pytest.mark.server
-def test_served_deployment_run(tiny_teacher, tmp_path):
-    port = _free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update({
-        "PREFECT_HOME": str(tmp_path / "prefect-home"),
-        "PREFECT_API_URL": api,
-        "PREFECT_UI_API_URL": api,
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_SERVER_UI_ENABLED": "false",
-        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-        "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
-        "PYTHONUNBUFFERED": "1",
-    })
-    server_log, serve_log = tmp_path / "server.log", tmp_path / "serve.log"
-    procs = []
-    try:
-        with open(server_log, "w") as out:
-            procs.append(subprocess.Popen(
-                [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
-        _wait_http(f"{api}/health", 90, procs[0], server_log)
-        with open(serve_log, "w") as out:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "deployments.serve", "--only", "tiny"],
-                env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
-        _wait_http(f"{api}/deployments/name/dmd2/tiny", 60, procs[1], serve_log)
+def _api(api: str, path: str, body: dict | None = None):
+    import urllib.request
 
-        save = tmp_path / "run"
-        params = {"overrides": {**FAST, "eval_interval": 2}, "num_iterations": 2,
-                  "hf_checkpoint": tiny_teacher, "save": str(save)}
-        result = subprocess.run(
-            [str(BIN / "prefect"), "deployment", "run", "dmd2/tiny", "--watch", "--watch-timeout", "150",
-             "--params", json.dumps(params)],
-            env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
-        output = result.stdout + result.stderr
-        assert result.returncode == 0, output + serve_log.read_text()[-4000:]
-        assert "Completed" in output, output
-        assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-        lines = (save / "metrics.jsonl").read_text().splitlines()
-        assert [json.loads(line)["iteration"] for line in lines] == [0, 1, 2]
+    import urllib.error
+
+    req = urllib.request.Request(f"{api}{path}", data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="GET" if body is None else "POST")
+    for attempt in range(10):  # 503: the server asks to retry (its database was busy), as Prefect's client does
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            if exc.code != 503 or attempt == 9:
+                raise
+            time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def served(prefect_server, tmp_path_factory):
+    """`python -m deployments.serve` (both deployments; minimax-h3 without its inputs) against the
+    session's real server. Yields (api, env, serve process, serve log)."""
+    api, env = prefect_server
+    env = {k: v for k, v in env.items() if not k.startswith("DMD2_MINIMAX_H3_")}
+    env["PREFECT_RUNNER_POLL_FREQUENCY"] = "2"  # a rescheduled run is picked up within 2 s
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "deployments.serve"], env=env, cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_http(f"{api}/deployments/name/dmd2/tiny", 90, proc, log)
+        _wait_http(f"{api}/deployments/name/dmd2/minimax-h3", 30, proc, log)
+        yield api, env, proc, log
     finally:
-        for proc in reversed(procs):
-            _stop(proc)
+        _stop(proc)
+
+
+def _run_deployment(api: str, env: dict, params: dict, timeout: float = 240) -> dict:
+    """Create a run of dmd2/tiny and wait for a final state; returns the flow run."""
+    dep = _api(api, "/deployments/name/dmd2/tiny")
+    run = _api(api, f"/deployments/{dep['id']}/create_flow_run", {"parameters": params})
+    return run
+
+
+def _wait_final(api: str, run_id: str, timeout: float, log: Path, until=None) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        run = _api(api, f"/flow_runs/{run_id}")
+        if (until or (lambda r: r["state"]["type"] in ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")))(run):
+            return run
+        time.sleep(1)
+    raise AssertionError(f"flow run {run_id} not done after {timeout}s: {run['state']}\n{log.read_text()[-4000:]}")
+
+
+@pytest.mark.server
+def test_deployment_missing_inputs_is_served_paused(served):
+    """minimax-h3 without hf_checkpoint, prompts and save: schedule paused (UTC cron), a description
+    saying what to set, one warning line naming the keys, and no scheduled run at all."""
+    api, _, _, log = served
+    dep = _api(api, "/deployments/name/dmd2/minimax-h3")
+    (schedule,) = dep["schedules"]
+    assert schedule["active"] is False
+    assert schedule["schedule"]["cron"] == "0 2 * * *" and schedule["schedule"]["timezone"] == "UTC"
+    assert "Schedule paused" in dep["description"] and "DMD2_MINIMAX_H3_HF_CHECKPOINT" in dep["description"]
+    assert {"hf_checkpoint", "prompts", "save", "recipe"} <= set(dep["parameter_openapi_schema"]["required"])
+    warnings = [line for line in log.read_text().splitlines() if "minimax-h3" in line and "warning" in line]
+    assert warnings == ["warning: deployment 'minimax-h3': schedule paused, missing hf_checkpoint, prompts, save "
+                        "(set DMD2_MINIMAX_H3_HF_CHECKPOINT, DMD2_MINIMAX_H3_PROMPTS, DMD2_MINIMAX_H3_SAVE and restart serve)"]
+    runs = _api(api, "/flow_runs/filter", {"flow_runs": {"deployment_id": {"any_": [dep["id"]]}}})
+    assert runs == []
+
+
+@pytest.mark.server
+def test_served_deployment_run(served, tiny_teacher, tmp_path):
+    """A run of dmd2/tiny: named {run_name}-{date}, a window subflow per 2 iterations, and one run
+    summary with the configuration, the plot, the latest grid and the checkpoint path."""
+    api, env, _, log = served
+    save = tmp_path / "run"
+    params = {"recipe": "tiny", "overrides": {**FAST, "eval_interval": 2, "iterations_per_window": 2},
+              "num_iterations": 3, "hf_checkpoint": tiny_teacher, "save": str(save)}
+    run = _run_deployment(api, env, params)
+    run = _wait_final(api, run["id"], 240, log)
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    assert run["name"] == f"dmd2-tiny-{today}"
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert [json.loads(line)["iteration"] for line in (save / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+    windows = _api(api, "/flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [run["id"]]}}})
+    assert sorted(w["name"] for w in windows) == ["iterations-0001-0002", "iterations-0003-0003"]
+    for window in windows:  # every phase of an iteration is chained to the one before it
+        graph = _api(api, f"/flow_runs/{window['id']}/graph-v2")
+        names = {n["id"]: n["label"] for _, n in graph["nodes"]}
+        edges = {names[n["id"]]: {names[p["id"]] for p in n["parents"]} for _, n in graph["nodes"]}
+        first = int(window["name"].split("-")[1])
+        assert edges[f"critic-train-and-score-{first}"] == {f"rollout-{first}"}
+        assert edges[f"sleep-actor-{first}"] == {f"student-train-{first}"}
+    artifacts = _api(api, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}})
+    assert sorted(a["key"] for a in artifacts) == ["dmd2-tiny-metrics", "dmd2-tiny-progress", "dmd2-tiny-summary"]
+    text = next(a["data"] for a in artifacts if a["key"] == "dmd2-tiny-summary")
+    assert "## Configuration" in text and "| loss_type | `dmd2_critic` | `dmd2` |" in text
+    assert "![metrics plot](data:image/png;base64," in text
+    assert "## Samples, iteration 3" in text and "iter_0000003.png" in text
+    assert f"`{save}/trainers/actor/iter_0000003/model`" in text
+    table = json.loads(next(a["data"] for a in artifacts if a["key"] == "dmd2-tiny-metrics"))
+    assert [r["iteration"] for r in table] == [3, 2, 1, 0]
+
+
+@pytest.mark.server
+def test_killed_flow_run_process_reruns_itself_to_the_same_weights(served, harness, tiny_teacher, tmp_path):
+    """kill -9 of a served run's flow-run process after checkpoint 2: the serve process reports it
+    Crashed, the server's automation schedules it again, it resumes from the tracker and completes
+    on its own with the weights of an uninterrupted run."""
+    import psutil
+
+    from flows.dmd2 import dmd2
+
+    api, env, serve, log = served
+    overrides = {**FAST, "eval_interval": 0, "save_interval": 2}
+    reference = tmp_path / "reference"
+    state = dmd2(recipe="tiny", overrides=overrides, num_iterations=5, hf_checkpoint=tiny_teacher,
+                 save=str(reference), return_state=True)
+    assert state.is_completed(), state.message
+
+    save = tmp_path / "run"
+    run = _run_deployment(api, env, {"recipe": "tiny", "overrides": overrides, "num_iterations": 5,
+                                     "hf_checkpoint": tiny_teacher, "save": str(save)})
+    tracker = save / "latest_checkpointed_iteration.txt"
+    deadline = time.monotonic() + 180
+    while not (tracker.exists() and tracker.read_text().strip() == "2"):
+        assert time.monotonic() < deadline, log.read_text()[-4000:]
+        time.sleep(0.05)
+    def of_run(p) -> bool:
+        try:
+            return p.environ().get("PREFECT__FLOW_RUN_ID") == run["id"]
+        except psutil.Error:
+            return False
+
+    victims = [p for p in psutil.Process(serve.pid).children(recursive=True) if of_run(p)]
+    assert victims, log.read_text()[-3000:]
+    flow_process = min(victims, key=lambda p: p.create_time())  # the flow-run process, not its children
+    flow_process.send_signal(signal.SIGKILL)
+
+    run = _wait_final(api, run["id"], 300, log, until=lambda r: r["state"]["type"] in ("COMPLETED", "FAILED", "CANCELLED")
+                      and r["run_count"] > 1)
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    assert run["run_count"] == 2
+    states = _api(api, f"/flow_run_states/?flow_run_id={run['id']}")
+    assert [s["type"] for s in states].count("CRASHED") == 1
+    for role in ("actor", "critic"):
+        assert weights_sha(save, role, 5) == weights_sha(reference, role, 5)
+
+
+@pytest.mark.server
+def test_run_graphs_stay_small_at_hundreds_of_iterations(prefect_server):
+    """bench/orchestration.py (a zero-cost stand-in on the minimax-h3 recipe) for 150 iterations in
+    windows of 50 against the real server: the parent's graph holds a node per window (and the first
+    eval), each window ~5 per iteration, and the flow logs about one line per iteration."""
+    api, env = prefect_server
+    out = subprocess.run([sys.executable, "bench/orchestration.py", "--iterations", "150", "--window", "50",
+                          "--api-url", api], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert figures["graphs"] == 4 and figures["parent_graph_nodes"] == 4  # eval-media-0 + 3 windows
+    assert figures["task_runs"] >= 5 * 150
+    assert 5 * 50 <= figures["largest_graph_nodes"] <= 5 * 50 + 3  # + its evals and checkpoints
+    assert figures["log_lines_per_iteration"] < 1.2

@@ -1,0 +1,335 @@
+"""What a person reads about a run: the metrics log ({save}/metrics.jsonl, strict JSON), the short
+metrics table, the plot, thumbnails and the run summary's markdown. No Prefect here: the flow
+turns these into artifacts (tasks/artifacts.py).
+
+Strict JSON: every line of the metrics log parses with any JSON reader. A non-finite float
+(NaN, +-inf) is written as ``null`` and its key is listed in the row's ``nonfinite`` field, so a
+reader can tell a missing value from a diverged one.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from typing import Any, Iterable, Optional
+
+from dmd2_core import storage
+
+METRICS_NAME = "metrics.jsonl"
+SEGMENTS_DIR = "metrics"
+SEGMENT_ITERATIONS = 100  # lines per segment file: the open one is rewritten, its size is bounded
+QUALITY_KEYS = ("fd", "acc", "diversity")
+TABLE_COLUMNS = ("iteration", "dmd2_loss", "critic_loss", "dmd2_grad_norm", "actor_grad_norm",
+                 "fd", "iteration_s")
+SIGNIFICANT = 4
+THUMBNAIL_PX = 256  # longest side of an embedded thumbnail
+EMBED_LIMIT = 512 * 1024  # local media up to this many bytes are embedded whole
+
+
+# ---- strict JSON ------------------------------------------------------------------------------
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def json_line(row: dict) -> str:
+    """One strict-JSON line: non-finite floats become null and are named in ``nonfinite``."""
+    bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
+    out = _finite({k: v for k, v in row.items() if k != "nonfinite"})
+    if bad:
+        out["nonfinite"] = bad
+    return json.dumps(out, default=str, allow_nan=False) + "\n"
+
+
+# ---- the metrics log --------------------------------------------------------------------------
+
+class MetricsLog:
+    """One strict-JSON line per iteration, kept in segment files of SEGMENT_ITERATIONS iterations
+    (``{save}/metrics/iter_XXXXXXX.jsonl``, named by their first iteration). Object stores cannot
+    append, so only the open segment is rewritten after an iteration: a write costs the same at
+    iteration 4000 as at iteration 10. ``{save}/metrics.jsonl`` (every line, in order) is written
+    once when the run ends (``finish``). On resume, lines after the checkpoint are dropped: those
+    iterations are replayed."""
+
+    def __init__(self, save_url: str, resume_after: int, segment: int = SEGMENT_ITERATIONS):
+        self.save_url = save_url
+        self.url = storage.join(save_url, METRICS_NAME)
+        self.segment = int(segment)
+        self.rows: dict[int, dict] = {}
+        self._dirty: set[int] = set()
+        if resume_after > 0:
+            for row in read_metrics(save_url):
+                if int(row.get("iteration", -1)) <= resume_after:
+                    self.rows[int(row["iteration"])] = row
+            self._drop_segments_after(resume_after)
+        else:
+            self._drop_segments_after(-1)
+
+    def segment_url(self, iteration: int) -> str:
+        first = (int(iteration) // self.segment) * self.segment
+        return storage.join(self.save_url, SEGMENTS_DIR, f"iter_{first:07d}.jsonl")
+
+    def _drop_segments_after(self, iteration: int) -> None:
+        for url in _segment_urls(self.save_url):
+            first = int(url.rstrip("/").rpartition("iter_")[2].split(".")[0])
+            if first > iteration:
+                storage.remove(url)
+        if iteration >= 0:
+            self._dirty.add(int(iteration))
+
+    def update(self, iteration: int, values: dict) -> dict:
+        row = self.rows.setdefault(int(iteration), {"iteration": int(iteration)})
+        row.update({k: v for k, v in values.items() if k != "skipped"})
+        self._dirty.add(int(iteration))
+        return row
+
+    def write(self) -> None:
+        """Rewrite the segments touched since the last write (normally the open one)."""
+        for seg in sorted({self.segment_url(i) for i in self._dirty}):
+            first = int(seg.rpartition("iter_")[2].split(".")[0])
+            lines = [json_line(self.rows[i]) for i in sorted(self.rows) if first <= i < first + self.segment]
+            storage.write_text(seg, "".join(lines))
+        self._dirty.clear()
+
+    def finish(self) -> None:
+        """Write the open segment and the whole log as one file, ``{save}/metrics.jsonl``."""
+        self.write()
+        storage.write_text(self.url, "".join(json_line(self.rows[i]) for i in sorted(self.rows)))
+
+    def table(self) -> list[dict]:
+        return [self.rows[i] for i in sorted(self.rows)]
+
+
+def _segment_urls(save_url: str) -> list[str]:
+    root = storage.join(save_url, SEGMENTS_DIR)
+    try:
+        fs, path = storage.filesystem(root)
+        if not fs.exists(path):
+            return []
+        names = sorted(p for p in fs.ls(path, detail=False) if p.rstrip("/").rpartition("/")[2].startswith("iter_"))
+    except FileNotFoundError:
+        return []
+    return [storage.join(root, n.rstrip("/").rpartition("/")[2]) for n in names]
+
+
+def read_metrics(save_url: str) -> list[dict]:
+    """Every row of a run's metrics log, in iteration order: the segments when there are any (a
+    run in progress or one that crashed), else ``metrics.jsonl``."""
+    rows: dict[int, dict] = {}
+    urls = _segment_urls(save_url) or [u for u in [storage.join(save_url, METRICS_NAME)] if storage.exists(u)]
+    for url in urls:
+        for line in storage.read_text(url).splitlines():
+            if line.strip():
+                row = json.loads(line)
+                rows[int(row.get("iteration", -1))] = row
+    return [rows[i] for i in sorted(rows)]
+
+
+# ---- the short metrics table ------------------------------------------------------------------
+
+def round_sig(value: Any, digits: int = SIGNIFICANT) -> Any:
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return float(f"{value:.{digits}g}") if math.isfinite(value) else None
+    return str(value)
+
+
+def metrics_table(rows: Iterable[dict], columns: tuple[str, ...] = TABLE_COLUMNS,
+                  max_rows: Optional[int] = None) -> list[dict]:
+    """The rows that matter for a screen: a few columns (those that ever have a value), 4
+    significant digits, newest first. The full set of keys stays in the metrics log."""
+    rows = list(rows)
+    present = [c for c in columns if any(r.get(c) is not None for r in rows)]
+    newest = sorted(rows, key=lambda r: -int(r.get("iteration", 0)))
+    if max_rows is not None:
+        newest = newest[:max_rows]
+    return [{c: round_sig(r.get(c)) for c in present} for r in newest]
+
+
+# ---- the plot ---------------------------------------------------------------------------------
+
+PLOT_PANELS = (
+    ("losses", ("dmd2_loss", "critic_loss")),
+    ("grad norms", ("dmd2_grad_norm", "actor_grad_norm", "critic_grad_norm")),
+    ("quality", QUALITY_KEYS),
+)
+
+
+def plot_png(rows: list[dict], title: str = "") -> Optional[bytes]:
+    """A PNG of losses, grad norms and quality over iterations (one panel each; panels without data
+    are left out). None when no panel has data."""
+    panels = []
+    for name, keys in PLOT_PANELS:
+        series = {}
+        for k in keys:
+            pts = [(int(r["iteration"]), float(r[k])) for r in rows
+                   if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)
+                   and math.isfinite(float(r[k]))]
+            if pts:
+                series[k] = pts
+        if series:
+            panels.append((name, series))
+    if not panels:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(4.0 * len(panels), 3.0), dpi=80)
+    for n, (name, series) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), n + 1)
+        for key, pts in series.items():
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, label=key, linewidth=1.0, marker="o" if len(pts) <= 30 else None, markersize=3)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("iteration", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+# ---- media embedding --------------------------------------------------------------------------
+
+def thumbnail(data: bytes, max_px: int = THUMBNAIL_PX) -> bytes:
+    """A small PNG of an image (the first frame of a GIF), its longest side at most ``max_px``."""
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(data))
+    img.seek(0)
+    img = img.convert("RGB") if img.mode not in ("L", "RGB") else img.copy()
+    img.thumbnail((max_px, max_px), Image.NEAREST)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG", optimize=True)
+    return buf.getvalue()
+
+
+def embed(url: str, data: bytes, browser_url: Optional[str], embed_limit: int = EMBED_LIMIT) -> dict:
+    """How a medium shows in an artifact, by where it is stored:
+
+    - a browser link (S3 presigned, expiring): a thumbnail as a data URI, linked to the full file,
+      so the picture survives the link's expiry;
+    - no browser link (local storage), small enough: the whole file as a data URI;
+    - no browser link, too large: a thumbnail as a data URI.
+
+    Returns {src (data URI), link (browser URL or None), url (storage URL), full (bool)}."""
+    from dmd2_core.media import data_uri
+
+    if not browser_url and len(data) <= embed_limit:
+        return {"src": data_uri(data), "link": None, "url": url, "full": True}
+    return {"src": data_uri(thumbnail(data), "image/png"), "link": browser_url, "url": url, "full": False}
+
+
+# ---- the run summary --------------------------------------------------------------------------
+
+SHOWN_SHARED = ("num_iterations", "lr", "critic_lr", "device", "num_devices", "dtype", "global_batch_size",
+                "micro_batch_size", "dmd2_student_steps", "dmd2_guidance_scale", "dmd2_update_ratio",
+                "dmd2_critic_scoring", "dmd2_shift", "ema_decay", "eval_interval", "save_interval", "seed",
+                "hf_checkpoint", "prompts", "save")
+
+
+def config_rows(trainer_args: dict[str, dict]) -> tuple[list[str], list[tuple[str, list[Any]]], list[tuple[str, Any]]]:
+    """(roles, differing keys [(key, [value per role])], shared keys [(key, value)]) of the
+    resolved per-trainer arguments (role -> dict)."""
+    roles = list(trainer_args)
+    keys = list(dict.fromkeys(k for a in trainer_args.values() for k in a))
+    differing, shared = [], []
+    for k in keys:
+        values = [trainer_args[r].get(k) for r in roles]
+        if any(v != values[0] for v in values):
+            differing.append((k, values))
+        elif k in SHOWN_SHARED:
+            shared.append((k, values[0]))
+    return roles, differing, shared
+
+
+def _v(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return f"`{value}`" if isinstance(value, str) else str(value)
+
+
+def _quality(q: Optional[dict]) -> str:
+    return ", ".join(f"{k} {q[k]:.4g}" for k in QUALITY_KEYS if isinstance((q or {}).get(k), (int, float)))
+
+
+def best_eval(evals: list[dict]) -> Optional[dict]:
+    """The eval with the lowest FD (the only quality criterion the run has); None without FD."""
+    scored = [e for e in evals if isinstance(e.get("fd"), (int, float)) and math.isfinite(e["fd"])]
+    return min(scored, key=lambda e: (e["fd"], -e["iteration"])) if scored else None
+
+
+def summary_markdown(s: dict) -> str:
+    """The run summary, top-down: status and before -> after, the latest samples, the plot, the
+    evals (newest first), checkpoint and exported student, then the configuration.
+
+    ``s``: name, iteration, final, start, status, trainer_args (role -> dict), evals (list of
+    {iteration, fd, acc, diversity, dmd2_loss, critic_loss}), media (list of embed() dicts with
+    caption), media_iteration, plot (PNG bytes or None), checkpoint ({iteration, trainers, tracker}),
+    student (URL), metrics_url."""
+    from dmd2_core.media import data_uri
+
+    out = [f"# {s['name']}", ""]
+    out.append(f"**{s.get('status', 'running')}**: iteration {s['iteration']} of {s['final']}"
+               + (f" (resumed after {s['start']})" if s.get("start") else "") + ".")
+    evals = s.get("evals") or []
+    if len(evals) >= 2 and _quality(evals[0]):
+        out.append(f"Quality before -> after: {_quality(evals[0])} -> {_quality(evals[-1])} "
+                   f"(iterations {evals[0]['iteration']} -> {evals[-1]['iteration']}).")
+    best = best_eval(evals)
+    if best:
+        out.append(f"Best eval so far: iteration {best['iteration']} ({_quality(best)}).")
+    out.append("")
+    if s.get("media"):
+        out += [f"## Samples, iteration {s.get('media_iteration')}", ""]
+        for m in s["media"]:
+            alt = str(m.get("caption") or "samples").replace("[", "(").replace("]", ")")  # no brackets in alt text
+            img = f"![{alt}]({m['src']})"
+            out.append(f"[{img}]({m['link']})" if m.get("link") else img)
+            note = "full size" if m.get("full") else ("thumbnail; click for full size (link expires)" if m.get("link") else "thumbnail")
+            out += ["", f"{m.get('caption', '')} ({note}; stored at `{m['url']}`)", ""]
+    if s.get("plot"):
+        out += ["## Losses, grad norms and quality", "", f"![metrics plot]({data_uri(s['plot'], 'image/png')})", ""]
+    if evals:
+        cols = [c for c in ("iteration", "fd", "acc", "diversity", "dmd2_loss", "critic_loss")
+                if any(e.get(c) is not None for e in evals)]
+        out += ["## Evals (newest first)", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for e in sorted(evals, key=lambda e: -e["iteration"]):
+            out.append("| " + " | ".join(_v(round_sig(e.get(c))) if e.get(c) is not None else "" for c in cols) + " |")
+        out.append("")
+    ck = s.get("checkpoint")
+    out += ["## Checkpoint and student", ""]
+    if ck:
+        out.append(f"- latest checkpoint: iteration {ck['iteration']}, tracker `{ck.get('tracker')}`")
+        for role, url in sorted((ck.get("trainers") or {}).items()):
+            out.append(f"  - {role}: `{url}`")
+    else:
+        out.append("- no checkpoint yet")
+    if s.get("student"):
+        out.append(f"- exported student (diffusers): `{s['student']}`")
+    if s.get("metrics_url"):
+        out.append(f"- every metric of every iteration: `{s['metrics_url']}`")
+    out.append("")
+    roles, differing, shared = config_rows(s.get("trainer_args") or {})
+    if roles:
+        out += ["## Configuration", "", "| key | " + " | ".join(roles) + " |", "|---|" + "---|" * len(roles)]
+        for k, values in differing:
+            out.append(f"| {k} | " + " | ".join(_v(v) for v in values) + " |")
+        for k, v in shared:
+            out.append(f"| {k} | " + " | ".join([_v(v)] * len(roles)) + " |")
+        out.append("")
+    return "\n".join(out)

@@ -1,0 +1,165 @@
+"""What a person reads about a run, without Ray or a server: the strict-JSON metrics log and its
+constant-cost segments, the short table, the plot, the embedding rules, the summary, the windows
+and names of the flow, and the deployments' schedules."""
+
+from __future__ import annotations
+
+import datetime
+import io
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from dmd2_core import report, storage
+from dmd2_core.media import image_grid, png_bytes
+
+
+def test_metrics_log_is_strict_json_with_constant_cost_segments(tmp_path, monkeypatch):
+    save = str(tmp_path / "run")
+    log = report.MetricsLog(save, resume_after=0, segment=100)
+    written: list[tuple[str, int]] = []
+    original = storage.write_text
+    monkeypatch.setattr(storage, "write_text", lambda url, text: written.append((url, len(text))) or original(url, text))
+    for i in range(0, 251):
+        log.update(i, {"dmd2_loss": float("nan") if i == 7 else 1.0 / (1 + i), "critic_loss": float("inf") if i == 8 else 2.0,
+                       "per_phase": {"rollout_s": 0.1}})
+        log.write()
+    # each write rewrites only the open segment: the bytes written at iteration 250 are those of
+    # <= 100 lines, as at iteration 10
+    assert all(url.endswith("iter_0000000.jsonl") for url, _ in written[:100])
+    assert written[-1][0].endswith("metrics/iter_0000200.jsonl")
+    assert written[-1][1] <= written[99][1]
+    assert max(n for _, n in written) <= 1.05 * written[99][1]  # (longer iteration numbers later)
+    log.finish()
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}")) for line in lines]
+    assert [r["iteration"] for r in rows] == list(range(251))
+    assert rows[7]["dmd2_loss"] is None and rows[7]["nonfinite"] == ["dmd2_loss"]
+    assert rows[8]["critic_loss"] is None and rows[8]["nonfinite"] == ["critic_loss"]
+    assert "nonfinite" not in rows[9] and rows[9]["dmd2_loss"] == pytest.approx(0.1)
+    assert sorted(p.name for p in (tmp_path / "run" / "metrics").iterdir()) == [
+        "iter_0000000.jsonl", "iter_0000100.jsonl", "iter_0000200.jsonl"]
+
+    # resume after 120: the later lines and segments go (they are replayed), the earlier stay
+    resumed = report.MetricsLog(save, resume_after=120, segment=100)
+    assert max(resumed.rows) == 120 and len(resumed.rows) == 121
+    assert sorted(p.name for p in (tmp_path / "run" / "metrics").iterdir()) == ["iter_0000000.jsonl", "iter_0000100.jsonl"]
+    resumed.write()
+    assert [r["iteration"] for r in report.read_metrics(save)] == list(range(121))
+    # a fresh start (resume_after 0) forgets an old run's segments
+    report.MetricsLog(save, resume_after=0, segment=100)
+    assert not list((tmp_path / "run" / "metrics").iterdir())
+
+
+def test_metrics_table_few_columns_four_digits_newest_first():
+    rows = [{"iteration": i, "dmd2_loss": 1 / 3 * (i + 1), "critic_loss": 123456.789, "critic_sigma_mean": 0.5,
+             "iteration_s": 1.23456} for i in range(5)]
+    rows[2]["fd"] = 0.987654
+    rows[3]["dmd2_loss"] = float("nan")
+    table = report.metrics_table(rows)
+    assert [r["iteration"] for r in table] == [4, 3, 2, 1, 0]
+    assert list(table[0]) == ["iteration", "dmd2_loss", "critic_loss", "fd", "iteration_s"]  # only columns with data
+    assert table[0]["dmd2_loss"] == 1.667 and table[0]["critic_loss"] == 123500.0 and table[0]["iteration_s"] == 1.235
+    assert table[2]["fd"] == 0.9877 and table[0]["fd"] is None and table[1]["dmd2_loss"] is None
+    assert len(report.metrics_table(rows, max_rows=2)) == 2
+
+
+def test_plot_png_has_a_panel_per_kind_of_data():
+    assert report.plot_png([{"iteration": 1, "stop_step": 2.0}]) is None
+    losses = [{"iteration": i, "dmd2_loss": 0.1 * i, "critic_loss": 1.0} for i in range(1, 20)]
+    full = [dict(r, dmd2_grad_norm=1.0, fd=2.0 - 0.01 * r["iteration"]) for r in losses]
+    full[5]["dmd2_loss"] = float("nan")  # skipped, not drawn
+    one, three = (Image.open(io.BytesIO(report.plot_png(rows))) for rows in (losses, full))
+    assert one.format == three.format == "PNG"
+    assert three.size[0] == 3 * one.size[0] and three.size[1] == one.size[1]
+
+
+def test_embedding_rules():
+    grid = png_bytes(image_grid(torch.rand(12, 3, 64, 64) * 2 - 1, nrow=4))
+    local = report.embed("/runs/x/media/iter_0000001.png", grid, browser_url=None)
+    assert local["full"] and local["link"] is None and local["src"].endswith(
+        __import__("base64").b64encode(grid).decode()[-40:])
+    large = report.embed("/runs/x/media/iter_0000001.png", grid, browser_url=None, embed_limit=len(grid) - 1)
+    s3 = report.embed("s3://b/x.png", grid, browser_url="https://s3.example/x.png?X-Amz-Signature=1")
+    for shown in (large, s3):
+        assert not shown["full"] and shown["src"].startswith("data:image/png;base64,")
+        thumb = Image.open(io.BytesIO(__import__("base64").b64decode(shown["src"].split(",", 1)[1])))
+        assert max(thumb.size) <= report.THUMBNAIL_PX
+    assert s3["link"].startswith("https://") and large["link"] is None
+    gif = io.BytesIO()
+    frames = [Image.new("RGB", (600, 300), (i * 40, 0, 0)) for i in range(3)]
+    frames[0].save(gif, format="GIF", save_all=True, append_images=frames[1:])
+    thumb = Image.open(io.BytesIO(report.thumbnail(gif.getvalue())))
+    assert thumb.format == "PNG" and thumb.size == (256, 128)
+
+
+def test_summary_markdown_reads_top_down():
+    from dmd2_core.args import load_args
+    from dmd2_core.trainer_config import compute_trainer_args, compute_trainer_configs
+
+    args = load_args("minimax-h3", {"hf_checkpoint": "s3://m/h3", "prompts": "s3://d/p.safetensors", "save": "s3://r/h3"})
+    trainer_args = {c.role: compute_trainer_args(args, c).model_dump(mode="json") for c in compute_trainer_configs(args)}
+    evals = [{"iteration": 0, "fd": 1.0, "acc": 0.9}, {"iteration": 100, "fd": 0.3, "acc": 0.99},
+             {"iteration": 200, "fd": 0.4, "acc": 0.98}]
+    text = report.summary_markdown({
+        "name": "minimax-h3-2026-12-02", "iteration": 200, "final": 4000, "status": "running",
+        "trainer_args": trainer_args, "evals": evals,
+        "media": [{"src": "data:image/png;base64,AAAA", "link": "https://x/y.png", "url": "s3://r/h3/media/iter_0000200.png",
+                   "full": False, "caption": "iteration 200"}], "media_iteration": 200,
+        "plot": b"\x89PNG....", "checkpoint": {"iteration": 200, "trainers": {"actor": "s3://r/h3/trainers/actor/iter_0000200"},
+                                               "tracker": "s3://r/h3/latest_checkpointed_iteration.txt"},
+        "student": "s3://r/h3/trainers/actor/iter_0000200/model", "metrics_url": "s3://r/h3/metrics.jsonl"})
+    order = [text.index(h) for h in ("# minimax-h3-2026-12-02", "Quality before -> after", "## Samples", "## Losses",
+                                     "## Evals", "## Checkpoint", "## Configuration")]
+    assert order == sorted(order)
+    assert "Quality before -> after: fd 1, acc 0.9 -> fd 0.4, acc 0.98" in text
+    assert "Best eval so far: iteration 100 (fd 0.3, acc 0.99)" in text
+    assert "[![iteration 200](data:image/png;base64,AAAA)](https://x/y.png)" in text
+    assert text.index("| 200 | 0.4") < text.index("| 100 | 0.3")  # newest first
+    assert "| loss_type | `dmd2_critic` | `dmd2` |" in text  # the differing keys, side by side
+    assert "| dmd2_guidance_scale | 5 | 5 |" in text and "| num_devices | 8 | 8 |" in text and "| ema_decay |" in text
+    assert "`s3://r/h3/trainers/actor/iter_0000200/model`" in text
+
+
+def test_windows_and_names():
+    from flows.dmd2 import run_display_name, windows
+    from tasks.artifacts import artifact_keys
+
+    assert windows(0, 250, 100) == [(1, 100), (101, 200), (201, 250)]
+    assert windows(137, 300, 100) == [(138, 200), (201, 300)]
+    assert windows(5, 5, 100) == []
+    assert len(windows(0, 4000, 100)) == 40
+    day = datetime.date(2026, 12, 2)
+    assert run_display_name({"recipe": "tiny"}, day) == "dmd2-tiny-2026-12-02"
+    assert run_display_name({"recipe": "tiny", "overrides": {"run_name": "Ablation A"}}, day) == "ablation-a-2026-12-02"
+    assert run_display_name({"recipe": "tiny", "overrides": {"lrr": 1}}, day) == "tiny-2026-12-02"
+    assert artifact_keys("dmd2-tiny")["summary"] == "dmd2-tiny-summary"
+    assert artifact_keys("minimax-h3")["metrics"] == "dmd2-minimax-h3-metrics"
+    assert set(artifact_keys("h3-a").values()).isdisjoint(artifact_keys("h3-b").values())
+
+
+def test_deployment_missing_inputs_is_paused_with_one_line(monkeypatch):
+    from deployments.serve import build_deployments
+
+    for key in ("HF_CHECKPOINT", "PROMPTS", "SAVE"):
+        monkeypatch.delenv(f"DMD2_MINIMAX_H3_{key}", raising=False)
+    lines: list[str] = []
+    (h3,) = build_deployments(["minimax-h3"], warn=lines.append)
+    assert lines == ["warning: deployment 'minimax-h3': schedule paused, missing hf_checkpoint, prompts, save "
+                     "(set DMD2_MINIMAX_H3_HF_CHECKPOINT, DMD2_MINIMAX_H3_PROMPTS, DMD2_MINIMAX_H3_SAVE and restart serve)"]
+    (schedule,) = h3.schedules
+    assert schedule.active is False and schedule.schedule.timezone == "UTC" and schedule.schedule.cron == "0 2 * * *"
+    assert "Schedule paused" in h3.description and "DMD2_MINIMAX_H3_SAVE" in h3.description
+    schema = h3._parameter_openapi_schema
+    assert {"recipe", "hf_checkpoint", "prompts", "save"} <= set(schema.required)
+    assert all(p.get("description") for p in schema.properties.values())
+
+    monkeypatch.setenv("DMD2_MINIMAX_H3_HF_CHECKPOINT", "s3://m/h3")
+    monkeypatch.setenv("DMD2_MINIMAX_H3_PROMPTS", "s3://d/p.safetensors")
+    monkeypatch.setenv("DMD2_MINIMAX_H3_SAVE", "s3://r/h3")
+    lines.clear()
+    (h3,) = build_deployments(["minimax-h3"], warn=lines.append)
+    assert lines == [] and h3.schedules[0].active is True and "paused" not in h3.description
+    assert h3.parameters["save"] == "s3://r/h3"
