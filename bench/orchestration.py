@@ -88,7 +88,7 @@ def prefect_server(home: Path):
 class StandIn:
     """A DistillRun with the same interface whose work costs nothing."""
 
-    def __init__(self, args):
+    def __init__(self, args, owner=None):
         from dmd2_core.trainer_config import compute_trainer_args, compute_trainer_configs
 
         self.trainer_args = {c.role: compute_trainer_args(args, c) for c in compute_trainer_configs(args)}
