@@ -115,7 +115,8 @@ def summarise(path: str) -> dict:
 
 def _mean(rows: list[dict], key: str) -> dict:
     out = {m: round(sum(r[key][m] for r in rows) / len(rows), 4) for m in METRICS}
-    out["iteration"] = [r[key]["iteration"] for r in rows] if key == "best" else rows[0][key]["iteration"]
+    its = [r[key]["iteration"] for r in rows]
+    out["iteration"] = its if key == "best" or len(set(its)) > 1 else its[0]
     return out
 
 
