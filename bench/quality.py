@@ -1,14 +1,19 @@
-"""Does DMD2 distill? On the digits teacher, distill a 4-step and a 1-step student with the plain
-reference loop (the two in parallel, one core each) and print one JSON line:
+"""Does DMD2 distill, and does the GAN head stop the drift? On the digits teacher, distill 4-step
+and 1-step students with the plain reference loop, without (``student``) and with the GAN head
+(``student_gan``), over several training seeds, for a fixed number of iterations (contention on a
+busy machine slows it down but does not change its figures: every job is seeded and single-threaded), and print one JSON line:
 
-  {"teacher": {"50": {"fd", "acc"}, "8": .., "4": .., "2": .., "1": ..},
-   "student": {"4": {"fd", "acc", "diversity", "iteration"}, "1": {..}}, "iterations": {..}, "wall_s": ..}
+  {"teacher": {"50": {"fd", "acc", "diversity"}, "8": .., "4": .., "2": .., "1": ..},
+   "student":     {"4": {"best": {"fd", "acc", "diversity", "iteration"}, "final": {..}, "per_seed": [..]}, "1": ..},
+   "student_gan": {"4": .., "1": ..}, "targets": {..}, "iterations": .., "wall_s": ..}
 
-Fréchet distance (lower is better) and class accuracy are measured against held-out digits, all
-samplers from the same noise. Each student is evaluated along the way and the one kept is chosen
-by its distance to the teacher's 50-step samples, a criterion that never sees the test split.
+Fréchet distance (lower is better), class accuracy and within-prompt diversity are measured
+against held-out digits, every sampler from the same eval noise. Each student is evaluated every
+``--eval-every`` iterations: ``best`` is the evaluation kept by its distance to the teacher's
+50-step samples (a criterion that never sees the test split), ``final`` the last iteration's
+(steady state). Figures are means over the training seeds.
 
-    python bench/quality.py [--minutes 5] [--teacher runs/teacher]
+    python bench/quality.py [--iterations 500] [--seeds 0 1] [--workers 2] [--teacher runs/teacher]
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from dmd2_core.reference import ReferenceLoop  # noqa: E402
 from dmd2_core.teacher import ensure_teacher  # noqa: E402
 
 TEACHER_STEPS = (50, 8, 4, 2, 1)
+METRICS = ("fd", "acc", "diversity")
 
 
 def teacher_reference_features(teacher: str, num_samples: int, seed: int, guidance: float):
@@ -49,71 +55,153 @@ def teacher_reference_features(teacher: str, num_samples: int, seed: int, guidan
     return features(x.clamp(-1, 1))
 
 
-def distill(steps: int, teacher: str, minutes: float, eval_every: int, num_samples: int, seed: int,
-            guidance: float, ema_decay, out: mp.Queue) -> None:
+def distill(job: dict) -> dict:
+    """One student: ``iterations`` DMD2 iterations, evaluated every ``eval_every``; or, for the
+    job without a variant, the teacher's table."""
     torch.set_num_threads(1)
-    args = load_args("tiny", {
-        "hf_checkpoint": teacher, "save": "runs/bench-quality", "dmd2_student_steps": steps,
-        "dmd2_guidance_scale": guidance, "seed": seed, "ema_decay": ema_decay,
-    })
-    target = teacher_reference_features(teacher, num_samples, seed, guidance)
-    loop = ReferenceLoop(args)
-    labels = balanced_labels(num_samples)
-    best, history, start, i = None, [], time.perf_counter(), 0
+    start = time.perf_counter()
+    if job["variant"] is None:
+        table = teacher_table(job["teacher"], TEACHER_STEPS, job["num_samples"], job["eval_seed"], guidance_scale=job["guidance"])
+        _log(job, {"variant": "teacher", "table": table})
+        return {"variant": None, "table": table}
+    loop = ReferenceLoop(load_args("tiny", job["overrides"]))
+    labels = balanced_labels(job["num_samples"])
+    best, history, final = None, [], None
 
     def evaluate(iteration):
-        nonlocal best
-        images = loop.sample(labels.tolist(), seed).clamp(-1, 1)
-        selection = frechet_distance(features(images), target)
+        nonlocal best, final
+        images = loop.sample(labels.tolist(), job["eval_seed"]).clamp(-1, 1)
+        selection = frechet_distance(features(images), job["target"])
         history.append((iteration, round(selection, 4)))
+        _log(job, {k: job[k] for k in ("variant", "steps", "seed")} | {"iteration": iteration, "selection_fd": selection,
+                                                                       **evaluate_digits(images, labels)})
+        final = (selection, iteration, images)
         if best is None or selection < best[0]:
-            best = (selection, iteration, evaluate_digits(images, labels))
+            best = (selection, iteration, images)
 
     evaluate(0)
-    while time.perf_counter() - start < minutes * 60:
-        i += 1
+    for i in range(1, job["iterations"] + 1):
         loop.iterate(i)
-        if i % eval_every == 0:
+        if i % job["eval_every"] == 0 or i == job["iterations"]:
             evaluate(i)
-    out.put((steps, {**best[2], "iteration": best[1], "selection_fd": best[0]}, i, history,
-             time.perf_counter() - start))
+    scored = {name: {**evaluate_digits(images, labels), "iteration": it, "selection_fd": sel}
+              for name, (sel, it, images) in (("best", best), ("final", final))}
+    return {**{k: job[k] for k in ("variant", "steps", "seed")}, **scored, "history": history,
+            "wall_s": time.perf_counter() - start}
+
+
+def _log(job: dict, line: dict) -> None:
+    """Every evaluation also goes to the progress file, so a run cut short can be summarised."""
+    if job.get("progress"):
+        with open(job["progress"], "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def summarise(path: str) -> dict:
+    """The JSON line's figures from a progress file: per job, best by selection distance and the
+    last evaluation as ``final`` (``complete`` says whether it is the last iteration)."""
+    lines = [json.loads(x) for x in open(path) if x.strip()]
+    meta = next(x for x in lines if x.get("variant") == "meta")
+    table = next((x["table"] for x in lines if x.get("variant") == "teacher"), None)
+    results = []
+    for key in sorted({(x["variant"], x["steps"], x["seed"]) for x in lines if "iteration" in x}):
+        evals = [x for x in lines if (x.get("variant"), x.get("steps"), x.get("seed")) == key and "iteration" in x]
+        best, final = min(evals, key=lambda x: x["selection_fd"]), max(evals, key=lambda x: x["iteration"])
+        results.append({"variant": key[0], "steps": key[1], "seed": key[2],
+                        **{n: {m: e[m] for m in (*METRICS, "iteration", "selection_fd")} for n, e in (("best", best), ("final", final))},
+                        "history": [(x["iteration"], round(x["selection_fd"], 4)) for x in sorted(evals, key=lambda x: x["iteration"])]})
+    return {"meta": meta, "table": table, "results": results}
+
+
+def _mean(rows: list[dict], key: str) -> dict:
+    out = {m: round(sum(r[key][m] for r in rows) / len(rows), 4) for m in METRICS}
+    its = [r[key]["iteration"] for r in rows]
+    out["iteration"] = its if key == "best" or len(set(its)) > 1 else its[0]
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--teacher", default="runs/teacher")
-    parser.add_argument("--minutes", type=float, default=5.0, help="distillation budget per student")
-    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--iterations", type=int, default=500, help="DMD2 iterations per student")
+    parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--num-samples", type=int, default=2000)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="training seeds")
+    parser.add_argument("--eval-seed", type=int, default=0, help="eval noise of every sampler")
+    parser.add_argument("--steps", type=int, nargs="+", default=[4, 1])
+    parser.add_argument("--workers", type=int, default=2, help="jobs (students, the teacher's table) at once, one thread each")
     parser.add_argument("--guidance", type=float, default=None, help="default: the tiny recipe's")
     parser.add_argument("--ema", type=float, default=0.99, help="EMA decay of the students (0: none)")
+    parser.add_argument("--gan-weight", type=float, default=None, help="default: the tiny recipe's")
+    parser.add_argument("--gan-critic-weight", type=float, default=None, help="default: the tiny recipe's")
+    parser.add_argument("--variants", nargs="+", default=["student", "student_gan"])
+    parser.add_argument("--progress", default=None, help="append every evaluation to this JSONL file")
+    parser.add_argument("--summarise", default=None, help="print the JSON line from a progress file (a run cut short) and exit")
     ns = parser.parse_args()
+    if ns.summarise:
+        done = summarise(ns.summarise)
+        return report(done["table"], done["results"], argparse.Namespace(**done["meta"]["ns"]), done["meta"]["gan"], None)
     torch.set_num_threads(1)
     start = time.perf_counter()
     teacher = ensure_teacher(ns.teacher, seed=0, log=lambda m: print(m, file=sys.stderr))
+    tiny = load_args("tiny")
+    guidance = ns.guidance if ns.guidance is not None else tiny.dmd2_guidance_scale
+    gan = {"real_data": tiny.real_data or "digits",
+           "gan_weight": ns.gan_weight if ns.gan_weight is not None else tiny.gan_weight,
+           "gan_critic_weight": ns.gan_critic_weight if ns.gan_critic_weight is not None else tiny.gan_critic_weight}
+    if "student_gan" in ns.variants and not gan["gan_critic_weight"]:
+        parser.error("the tiny recipe has no GAN weights: pass --gan-weight and --gan-critic-weight")
+    if ns.progress:
+        os.makedirs(os.path.dirname(os.path.abspath(ns.progress)), exist_ok=True)
+        _log({"progress": ns.progress}, {"variant": "meta", "ns": vars(ns), "gan": gan})
+    target = teacher_reference_features(teacher, ns.num_samples, ns.eval_seed, guidance)
+    jobs = [{"variant": None, "teacher": teacher, "num_samples": ns.num_samples, "eval_seed": ns.eval_seed,
+             "guidance": guidance, "progress": ns.progress}]
+    for variant in sorted(ns.variants, reverse=True):  # the slower GAN students first
+        for steps in ns.steps:
+            for seed in ns.seeds:
+                heads = gan if variant == "student_gan" else {"gan_weight": 0.0, "gan_critic_weight": 0.0}
+                jobs.append({"variant": variant, "steps": steps, "seed": seed, "iterations": ns.iterations,
+                             "eval_every": ns.eval_every, "num_samples": ns.num_samples, "eval_seed": ns.eval_seed,
+                             "teacher": teacher, "guidance": guidance, "target": target, "progress": ns.progress, "overrides": {
+                                 "hf_checkpoint": teacher, "save": "runs/bench-quality", "dmd2_student_steps": steps,
+                                 "dmd2_guidance_scale": guidance, "seed": seed, "ema_decay": ns.ema or None, **heads}})
+    jobs = jobs[1:] + jobs[:1]  # the students first, the slower GAN ones leading; the table last
+    with mp.get_context("spawn").Pool(ns.workers) as pool:
+        results = []
+        for r in pool.imap_unordered(distill, jobs):
+            results.append(r)
+            print(f"done: {r['variant']} {r.get('steps', '')} seed {r.get('seed', '')} ({len(results)}/{len(jobs)})", file=sys.stderr)
+    table = next(r["table"] for r in results if r["variant"] is None)
+    report(table, [r for r in results if r["variant"]], ns, gan, time.perf_counter() - start)
+
+
+def report(table, results, ns, gan, wall_s) -> None:
     guidance = ns.guidance if ns.guidance is not None else load_args("tiny").dmd2_guidance_scale
-    queue: mp.Queue = mp.get_context("spawn").Queue()
-    workers = [mp.get_context("spawn").Process(
-        target=distill, args=(k, teacher, ns.minutes, ns.eval_every, ns.num_samples, ns.seed, guidance,
-                              ns.ema or None, queue))
-        for k in (4, 1)]
-    table = teacher_table(teacher, TEACHER_STEPS, ns.num_samples, ns.seed, guidance_scale=guidance)
-    for w in workers:  # one student per core, after the teacher's table so nothing shares a core
-        w.start()
-    results = [queue.get() for _ in workers]
-    for w in workers:
-        w.join()
-    students = {str(k): r for k, r, *_ in sorted(results, reverse=True)}
-    print(json.dumps({
-        "teacher": {k: {m: round(v[m], 4) for m in ("fd", "acc", "diversity")} for k, v in table.items()},
-        "student": {k: {m: (round(v, 4) if isinstance(v, float) else v) for m, v in r.items()} for k, r in students.items()},
-        "iterations": {str(k): n for k, _, n, _, _ in results},
-        "history": {str(k): h for k, _, _, h, _ in results},
-        "guidance_scale": guidance,
-        "ema_decay": ns.ema or None,
-        "wall_s": round(time.perf_counter() - start, 1),
-    }))
+    out = {"teacher": {k: {m: round(v[m], 4) for m in METRICS} for k, v in (table or {}).items()}}
+    for variant in ns.variants:
+        out[variant] = {}
+        for steps in ns.steps:
+            rows = sorted((r for r in results if r["variant"] == variant and r["steps"] == steps), key=lambda r: r["seed"])
+            out[variant][str(steps)] = {
+                "best": _mean(rows, "best"), "final": _mean(rows, "final"),
+                "per_seed": [{"seed": r["seed"], **{k: {m: round(v, 4) for m, v in r[k].items()} for k in ("best", "final")},
+                              "history": r["history"]} for r in rows]}
+    if {"student", "student_gan"} <= set(ns.variants) and 4 in ns.steps and table:
+        g4, s = out["student_gan"]["4"], out["student"]
+        out["targets"] = {
+            "gan_4_final_fd_at_or_below_teacher_8": g4["final"]["fd"] <= out["teacher"]["8"]["fd"],
+            "gan_4_final_within_15pct_of_best": g4["final"]["fd"] <= 1.15 * g4["best"]["fd"],
+            **{f"gan_at_least_as_good_{k}_steps_final": out["student_gan"][str(k)]["final"]["fd"] <= s[str(k)]["final"]["fd"]
+               for k in ns.steps},
+            **{f"gan_at_least_as_good_{k}_steps_best": out["student_gan"][str(k)]["best"]["fd"] <= s[str(k)]["best"]["fd"]
+               for k in ns.steps},
+        }
+    out.update({"iterations": ns.iterations, "eval_every": ns.eval_every, "seeds": ns.seeds, "guidance_scale": guidance,
+                "ema_decay": ns.ema or None, "gan": gan, "num_samples": ns.num_samples,
+                "complete": all(r["final"]["iteration"] == ns.iterations for r in results),
+                "wall_s": None if wall_s is None else round(wall_s, 1)})
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

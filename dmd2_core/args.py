@@ -77,6 +77,10 @@ class Args(BaseModel):
     latent_shape: Optional[list[int]] = _f(
         None, "model", "Sample shape [C, H, W] or [C, F, H, W]; default from the model config (required for video)."
     )
+    real_data: Optional[str] = _f(
+        None, "model", "Real samples in the model's latent space with their conditions (a real set URL from "
+        "`prepare-latents`, or 'digits'); the GAN head's real side."
+    )
 
     # --- train ---------------------------------------------------------------------------------
     loss_type: Literal["flow_matching", "dmd2", "dmd2_critic"] = _f(
@@ -126,6 +130,9 @@ class Args(BaseModel):
     sleep_after_train: bool = _f(True, "dmd2", "Sleep each trainer group right after its train (frees its device memory).")
     dmd2_min_sigma: float = _f(0.02, "dmd2", "Lower clamp of DMD/critic sigmas.", ge=0, lt=1)
     dmd2_max_sigma: float = _f(0.98, "dmd2", "Upper clamp of DMD/critic sigmas.", gt=0, le=1)
+    gan_weight: float = _f(0.0, "dmd2", "GAN generator loss weight (softplus(-D(fake_t)), added to the DMD gradient; 0: off).", ge=0)
+    gan_critic_weight: float = _f(0.0, "dmd2", "GAN discriminator loss weight in each critic step (0: no GAN head).", ge=0)
+    gan_feature_block: Optional[int] = _f(None, "dmd2", "Fake-score block whose output feeds the GAN head; default the middle one.")
 
     # --- eval ----------------------------------------------------------------------------------
     eval_interval: int = _f(0, "eval", "Eval media and metrics every N iterations (0: never).", ge=0)
@@ -144,6 +151,11 @@ class Args(BaseModel):
         for key in ("fsdp_cpu_offload", "critic_fsdp_cpu_offload"):
             if getattr(self, key) and self.device != "cuda":
                 raise ValueError(f"{key}: offloading to host memory needs device cuda (device is {self.device})")
+        if (self.gan_weight or self.gan_critic_weight) and not self.real_data:
+            raise ValueError("real_data: the GAN head needs real samples (gan_weight/gan_critic_weight > 0); "
+                             "set real_data to a real set from `prepare-latents` or 'digits'")
+        if self.gan_weight and not self.gan_critic_weight:
+            raise ValueError("gan_critic_weight: must be > 0 when gan_weight is (the discriminator would never train)")
         return self
 
     # ---- derived values (one place each) ------------------------------------------------------

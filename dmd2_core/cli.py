@@ -35,6 +35,15 @@ def build_parser() -> ArgParser:
     prep.add_argument("--out", required=True, help="where to write the prompt set (.safetensors, path or URL)")
     prep.add_argument("--negative-prompt", default="", help="the unconditional prompt for guidance (default empty)")
     prep.add_argument("--max-sequence-length", type=int, default=None, help="default: the pipeline's")
+    lat = sub.add_parser("prepare-latents", help="encode images or clips with the checkpoint's own VAE, and their "
+                         "captions with its text encoder, into a real set (the GAN head's real_data)")
+    lat.add_argument("--hf-checkpoint", required=True, help="diffusers pipeline directory with vae/ (path or URL)")
+    lat.add_argument("--images", required=True, help="directory (path or URL) of images, or clips for a video family")
+    lat.add_argument("--captions", required=True, help="text file: name<TAB>caption lines, or one caption per file in name order")
+    lat.add_argument("--out", required=True, help="where to write the real set (.safetensors, path or URL)")
+    lat.add_argument("--latent-shape", type=int, nargs="+", default=None, help="[C, H, W] or [C, F, H, W]; default the model's")
+    lat.add_argument("--negative-prompt", default="", help="the unconditional prompt for guidance (default empty)")
+    lat.add_argument("--max-sequence-length", type=int, default=None, help="default: the pipeline's")
     return parser
 
 
@@ -51,6 +60,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                                          ns.negative_prompt, ns.max_sequence_length)
             shapes = {k: list(v.shape) for k, v in prompt_set.embeds.items()}
             print(json.dumps({"out": ns.out, "prompts": len(prompt_set), "shapes": shapes}))
+            return 0
+        if ns.command == "prepare-latents":
+            from dmd2_core.latents import prepare_latents
+
+            real = prepare_latents(ns.hf_checkpoint, ns.images, ns.captions, ns.out, ns.latent_shape,
+                                   ns.negative_prompt, ns.max_sequence_length)
+            print(json.dumps({"out": ns.out, "samples": len(real), "latents": list(real.latents.shape[1:]),
+                              "shapes": {k: list(v.shape) for k, v in real.cond.items()}}))
             return 0
         overrides = {k: v for k, v in vars(ns).items() if k not in ("command", "recipe", "deep", "set_items", "json")}
         overrides.update(parse_set(getattr(ns, "set_items", [])))

@@ -102,3 +102,84 @@ def digits_tensors(split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
     """Images [N, 1, 8, 8] and labels [N] of one split."""
     d = digits_split()
     return torch.from_numpy(d[f"{split}_x"]).unsqueeze(1), torch.from_numpy(d[f"{split}_y"]).long()
+
+
+# ---- real data (the GAN head's real samples) ----------------------------------------------------
+# A real set follows the prompt-set conventions (one safetensors file: the condition tensors of
+# each sample, their negative_ entries, the captions in the metadata) plus ``latents`` [N, ...]:
+# the samples in the model's latent space, row i conditioned on row i.
+REAL_LATENTS = "latents"
+
+
+@dataclass
+class RealSet:
+    latents: torch.Tensor  # [N, ...]
+    cond: dict[str, torch.Tensor]  # key -> [N, ...]
+
+    def __len__(self) -> int:
+        return len(self.latents)
+
+    def batch(self, index: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.latents[index], {k: v[index] for k, v in self.cond.items()}
+
+
+def load_real_set(url: str) -> RealSet:
+    """'digits' (the digits training split, each image conditioned on its label's prompt) or a
+    real-set file at any fsspec URL."""
+    if url == DIGITS:
+        x, y = digits_tensors("train")
+        return RealSet(x, digits_prompt_set().cond(y))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "real.safetensors"
+        path.write_bytes(storage.read_bytes(url))
+        tensors = load_file(str(path))
+    latents = tensors.pop(REAL_LATENTS)
+    return RealSet(latents.float(), {k: v.float() for k, v in tensors.items() if not k.startswith("negative_")})
+
+
+def safetensors_shapes(url: str) -> dict[str, list[int]]:
+    """Tensor name -> shape, from the header alone (one small read, also on S3)."""
+    import struct
+
+    fs, path = storage.filesystem(url)
+    with fs.open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    return {k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def real_set_shapes(url: str) -> dict[str, list[int]]:
+    if url == DIGITS:
+        n = len(digits_split()["train_y"])
+        return {REAL_LATENTS: [n, 1, 8, 8], **{k: [n, *v.shape[1:]] for k, v in digits_prompt_set().embeds.items()}}
+    return {k: v for k, v in safetensors_shapes(url).items() if not k.startswith("negative_")}
+
+
+def prompt_set_shapes(url: str) -> dict[str, list[int]]:
+    if url == DIGITS:
+        return {k: list(v.shape) for k, v in digits_prompt_set().embeds.items()}
+    return {k: v for k, v in safetensors_shapes(url).items() if not k.startswith("negative_")}
+
+
+def check_real_set(url: str, sample_shape: tuple, prompts_url: str, cond_keys) -> None:
+    """Before any actor starts: the real set exists, its latents have the model's sample shape and
+    its conditions the prompt set's keys and per-sample shapes. Raises ValueError naming the path."""
+    if url != DIGITS and not storage.exists(url):
+        raise ValueError(f"real_data: no real set at {url}{storage.nearest_sibling(url)}")
+    try:
+        shapes = real_set_shapes(url)
+    except Exception as exc:  # noqa: BLE001 - unreadable header: one line naming the path
+        raise ValueError(f"real_data: {url} is not a safetensors real set ({type(exc).__name__}: {exc})") from None
+    if REAL_LATENTS not in shapes:
+        raise ValueError(f"real_data: {url} holds no '{REAL_LATENTS}' tensor (keys: {', '.join(shapes)})")
+    n, got = shapes[REAL_LATENTS][0], tuple(shapes[REAL_LATENTS][1:])
+    if got != tuple(sample_shape):
+        raise ValueError(f"real_data: {url} latents are {list(got)} per sample, the model samples {list(sample_shape)}")
+    want = prompt_set_shapes(prompts_url)
+    for key in cond_keys:
+        if key not in shapes:
+            raise ValueError(f"real_data: {url} has no condition '{key}' (the model needs {', '.join(cond_keys)})")
+        if shapes[key][0] != n:
+            raise ValueError(f"real_data: {url} '{key}' has {shapes[key][0]} rows for {n} latents")
+        if key in want and shapes[key][1:] != want[key][1:]:
+            raise ValueError(f"real_data: {url} '{key}' is {shapes[key][1:]} per sample, the prompt set's is {want[key][1:]}")

@@ -7,6 +7,7 @@ between that checkpoint and itself, so the run ends with the same weights as an 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -68,6 +69,8 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
     from dmd2_core.media import eval_prompt_indices, prompt_texts
 
     eval_prompt_indices(args, len(prompt_texts(args.prompts)))
+    if "critic" in trainer_args and args.gan_critic_weight:
+        _check_gan(trainer_args["critic"])
     if memory.device_limit(args) is not None:
         memory.check(memory.plan(trainer_args))
     source = resume_url(args)
@@ -81,6 +84,26 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
     lease.check(args.save, owner, args.lease_timeout_s)  # one run per save URL
     checks.probe_write(args.save)  # last: nothing is written for input that fails earlier
     return trainer_args
+
+
+def _check_gan(critic: Args) -> None:
+    """The GAN head's feature block exists and the real set fits the model and the prompts."""
+    from types import SimpleNamespace
+
+    from dmd2_core import storage
+    from dmd2_core.data import check_real_set
+
+    info = describe_checkpoint(critic.hf_checkpoint)
+    config = json.loads(storage.read_text(storage.join(info["transformer_url"], "config.json")))
+    family = FAMILIES[info["family"]]
+    blocks = int(config.get("num_layers", 0))
+    if critic.gan_feature_block is not None and not -blocks <= critic.gan_feature_block < blocks:
+        raise ArgsError(f"gan_feature_block: {critic.gan_feature_block} out of range for {blocks} blocks of {critic.hf_checkpoint}")
+    shape = family.sample_shape(SimpleNamespace(config=SimpleNamespace(**config)), critic.latent_shape)
+    try:
+        check_real_set(critic.real_data, shape, critic.prompts, family.cond_keys)
+    except ValueError as exc:
+        raise ArgsError(str(exc)) from None
 
 
 def resume_url(args: Args) -> str:

@@ -30,7 +30,7 @@ def prepare_prompts(
     negative_prompt: str = "",
     max_sequence_length: Optional[int] = None,
 ) -> PromptSet:
-    """Encode ``prompts`` (and the empty/negative prompt) and save the prompt set at ``out``."""
+    """Encode ``prompts`` (and the empty/negative prompt) and save the prompt set at ``out`` (when set)."""
     import diffusers
 
     info = describe_checkpoint(hf_checkpoint)
@@ -45,5 +45,6 @@ def prepare_prompts(
             embeds, negative = family.encode_prompts(pipe, prompts, negative_prompt, max_sequence_length)
     prompt_set = PromptSet(list(prompts), {k: v.float().contiguous() for k, v in embeds.items()},
                            {k: v.float().contiguous() for k, v in negative.items()})
-    prompt_set.save(out)
+    if out:
+        prompt_set.save(out)
     return prompt_set

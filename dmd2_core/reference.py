@@ -12,11 +12,11 @@ import time
 
 import torch
 
-from dmd2_core import dmd2
+from dmd2_core import dmd2, gan
 from dmd2_core import flow_matching as fm
 from dmd2_core.args import Args
-from dmd2_core.data import load_prompt_set
-from dmd2_core.losses import dmd2_loss, flow_matching_loss
+from dmd2_core.data import load_prompt_set, load_real_set
+from dmd2_core.losses import dmd2_loss
 from dmd2_core.models import load_checkpoint
 
 
@@ -44,6 +44,11 @@ class ReferenceLoop:
         self.student_opt = _adamw(self.student, args, args.lr)
         self.critic_opt = _adamw(self.critic, args, args.critic_lr or args.lr)
         self.ema = copy.deepcopy(self.student).requires_grad_(False) if args.ema_decay else None
+        self.disc = self.real = None
+        if args.gan_critic_weight:
+            self.real = load_real_set(args.real_data)
+            self.disc = gan.build_head(self.family.feature_dim(self.critic), args.seed)
+            self.disc_opt = _adamw(self.disc, args, args.critic_lr or args.lr)
         self.prompts = load_prompt_set(args.prompts)
         self.shape = self.family.sample_shape(self.student, args.latent_shape)
 
@@ -59,6 +64,9 @@ class ReferenceLoop:
         uncond = self.prompts.uncond(x0.shape[0]) if args.dmd2_guidance_scale != 1.0 else None
         shape = tuple(x0.shape)
 
+        gen_weight = args.gan_weight if self.disc is not None and args.gan_weight else None
+        gan_grad = None
+
         def scores_at(stream, v_fake=None, noisy=None):
             sigma, noise = noisy or dmd2.noisy_inputs(args, iteration, stream, shape, everything)
             x_t = fm.add_noise(x0, noise, sigma)
@@ -69,19 +77,34 @@ class ReferenceLoop:
         last = args.dmd2_update_ratio - 1
         for step in range(args.dmd2_update_ratio):
             if step == last and args.dmd2_critic_scoring == "original":
-                scores = scores_at(dmd2.SCORING_STREAM)
+                noisy = dmd2.noisy_inputs(args, iteration, dmd2.SCORING_STREAM, shape, everything)
+                if gen_weight is not None:  # g_gan at the scoring pass's own sigma and noise
+                    out = gan.critic_forward(family, self.critic, self.disc, args.gan_feature_block, x0, noisy[1],
+                                             noisy[0], cond, gen_weight=gen_weight)
+                    scores, gan_grad = scores_at(None, v_fake=out["v"], noisy=noisy), out["gan_grad"]
+                else:
+                    scores = scores_at(None, noisy=noisy)
             sigma, noise = dmd2.noisy_inputs(args, iteration, dmd2.critic_stream(step), shape, everything)
-            x_t = fm.add_noise(x0, noise, sigma)
-            v = family.predict_velocity(self.critic, x_t, sigma, cond)
-            critic_loss = flow_matching_loss(v, noise, x0)
+            real = None
+            if self.disc is not None:
+                index, noise_real = gan.real_inputs(args, iteration, step, len(self.real), shape, everything)
+                x_real, cond_real = self.real.batch(index)
+                real = (x_real, noise_real, cond_real)
+            fuse = step == last and args.dmd2_critic_scoring == "fused"
+            out = gan.critic_forward(family, self.critic, self.disc, args.gan_feature_block, x0, noise, sigma, cond,
+                                     real, args.gan_critic_weight, gen_weight if fuse else None)
+            critic_loss = out["loss"]
             critic_loss.backward()
-            if step == last and args.dmd2_critic_scoring == "fused":
-                scores = scores_at(None, v_fake=v, noisy=(sigma, noise))
+            if fuse:
+                scores = scores_at(None, v_fake=out["v"], noisy=(sigma, noise))
+                gan_grad = out.get("gan_grad")
             critic_norm = _step(self.critic, self.critic_opt, args.clip_grad)
+            if self.disc is not None:
+                _step(self.disc, self.disc_opt, args.clip_grad)
 
         v = family.predict_velocity(self.student, pairs["x_t"], pairs["sigma"], cond)
         x0_graded = fm.velocity_to_x0(pairs["x_t"], v, pairs["sigma"])
-        loss = dmd2_loss(x0_graded, scores["grad"])
+        loss = dmd2_loss(x0_graded, scores["grad"] if gan_grad is None else scores["grad"] + gan_grad)
         loss.backward()
         student_norm = _step(self.student, self.student_opt, args.clip_grad)
         if self.ema is not None:
@@ -90,6 +113,8 @@ class ReferenceLoop:
                     e.lerp_(p, 1.0 - args.ema_decay)
         return {"iteration": iteration, "stop_step": plan.stop_step, "critic_loss": critic_loss.item(),
                 "critic_grad_norm": critic_norm, "dmd2_loss": loss.item(), "actor_grad_norm": student_norm,
+                "dmd2_grad_norm": scores["grad"].flatten(1).norm(dim=1).mean().item(),
+                **({} if gan_grad is None else {"gan_grad_norm": gan_grad.flatten(1).norm(dim=1).mean().item()}),
                 "iteration_s": time.perf_counter() - start}
 
     def run(self, num_iterations: int, first: int = 1) -> list[dict]:

@@ -16,13 +16,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from dmd2_core import checkpoint, dmd2, parallel
+from dmd2_core import checkpoint, dmd2, gan, parallel
 from dmd2_core import flow_matching as fm
 from dmd2_core.args import Args
-from dmd2_core.data import load_prompt_set
+from dmd2_core.data import load_prompt_set, load_real_set
 from dmd2_core.finite import NonFiniteCounter, is_finite, nonfinite_rows
 from dmd2_core.hooks import batch_size, train_input_hook
-from dmd2_core.losses import dmd2_loss, flow_matching_loss
+from dmd2_core.losses import dmd2_loss
 from dmd2_core.models import describe_checkpoint, load_checkpoint
 
 SCORED = "dmd2_critic"  # the loss type whose train also scores the student's samples
@@ -61,6 +61,12 @@ class Trainer:
         self.teacher = None
         if args.loss_type == SCORED:
             self.teacher = load_checkpoint(args.teacher_checkpoint or args.hf_checkpoint, "cpu", self.dtype).model
+        self.real = self.disc = self.disc_optimizer = None  # the GAN head: critic only, its own optimizer
+        if args.loss_type == SCORED and args.gan_critic_weight:
+            self.real = load_real_set(args.real_data)
+            self.disc = gan.build_head(self.family.feature_dim(self.model), args.seed).to(self.device)
+            self.disc_optimizer = torch.optim.AdamW(self.disc.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+                                                    weight_decay=args.weight_decay)
         self.prompts = load_prompt_set(args.prompts)
         self.shape = self.family.sample_shape(self.model, args.latent_shape)
         self.local_batch = args.global_batch_size // world_size
@@ -164,26 +170,31 @@ class Trainer:
         last = args.num_steps_per_rollout - 1
         scoring = args.loss_type == SCORED
         scores: list[dict] = []
-        losses, grad_norms, sigmas = [], [], []
+        losses, grad_norms, sigmas, parts = [], [], [], []
         for step in range(args.num_steps_per_rollout):
             if scoring and step == last and args.dmd2_critic_scoring == "original":
                 scores = self._score_separately(iteration, x0, cond, global_shape)
             sigma, noise = dmd2.noisy_inputs(args, iteration, dmd2.critic_stream(step), global_shape, self.rows)
             sigma, noise = sigma.to(self.device), noise.to(self.device)
             sigmas.append(sigma)
-            x_t = fm.add_noise(x0, noise, sigma)
             fuse = scoring and step == last and args.dmd2_critic_scoring == "fused"
+            real = self._real_batch(iteration, step, global_shape) if self.disc is not None else None
             total = 0.0
             for mb in micro_batches(B, args.micro_batch_size):
                 mb_cond = {k: v[mb] for k, v in cond.items()}
-                v = self.family.predict_velocity(self.model, x_t[mb], sigma[mb], mb_cond)
-                loss = flow_matching_loss(v, noise[mb], x0[mb]) * ((mb.stop - mb.start) / B)
+                out = gan.critic_forward(self.family, self.model, self.disc, args.gan_feature_block, x0[mb], noise[mb],
+                                         sigma[mb], mb_cond, real and _rows(real, mb), args.gan_critic_weight,
+                                         args.gan_weight if fuse and self.disc is not None and args.gan_weight else None)
+                loss = out["loss"] * ((mb.stop - mb.start) / B)
                 loss.backward()
                 total += loss.item()
+                parts += [{k: out[k] for k in ("logits_real", "logits_fake") if k in out}] if step == last else []
                 if fuse:
-                    scores.append(self._score(x0[mb], x_t[mb], sigma[mb], mb_cond, v_fake=v))
+                    scores.append(self._score(x0[mb], out["x_t"], sigma[mb], mb_cond, v_fake=out["v"], gan_grad=out.get("gan_grad")))
             losses.append(total)
             grad_norms.append(self._optimizer_step(is_finite(total)))
+            if self.disc is not None:
+                self._disc_step()
         metrics = {f"{self.role}_loss": sum(losses) / len(losses), f"{self.role}_loss_last": losses[-1],
                    f"{self.role}_grad_norm": grad_norms[-1], f"{self.role}_lr": self.optimizer.param_groups[0]["lr"],
                    f"{self.role}_sigma_mean": torch.cat(sigmas).mean().item(),
@@ -195,20 +206,51 @@ class Trainer:
         gap = torch.cat([(s["x0_real"] - s["x0_fake"]).abs().flatten(1).mean(1) for s in scores])
         metrics.update({"dmd2_grad_nonfinite": nonfinite_rows(grad),  # counted, never zeroed
                         "dmd2_grad_norm": grad.flatten(1).norm(dim=1).mean().item(),
-                        "dmd2_real_fake_gap": gap.mean().item()})
+                        "dmd2_real_fake_gap": gap.mean().item(), **gan.gan_metrics(parts)})
+        if "gan_grad" in scores[0]:  # handed over summed: the actor's x0 gradient is (g_dmd + g_gan) / numel
+            gan_grad = torch.cat([s["gan_grad"] for s in scores])
+            metrics["gan_grad_norm"] = gan_grad.flatten(1).norm(dim=1).mean().item()
+            metrics["gan_dmd_grad_ratio"] = metrics["gan_grad_norm"] / max(metrics["dmd2_grad_norm"], 1e-12)
+            grad = grad + gan_grad
         return {"dmd2_grad": grad}, metrics
 
-    def _score(self, x0, x_t, sigma, cond, v_fake=None) -> dict:
-        return dmd2.score(self.family, self.teacher, self.model, x0, x_t, sigma, cond,
-                          self._uncond(x0.shape[0]), self.args.dmd2_guidance_scale, v_fake=v_fake)
+    def _score(self, x0, x_t, sigma, cond, v_fake=None, gan_grad=None) -> dict:
+        out = dmd2.score(self.family, self.teacher, self.model, x0, x_t, sigma, cond,
+                         self._uncond(x0.shape[0]), self.args.dmd2_guidance_scale, v_fake=v_fake)
+        return out if gan_grad is None else {**out, "gan_grad": gan_grad}
 
     def _score_separately(self, iteration, x0, cond, global_shape) -> list[dict]:
         """The reference's scoring: its own sigma and noise, before the critic's last step."""
         sigma, noise = dmd2.noisy_inputs(self.args, iteration, dmd2.SCORING_STREAM, global_shape, self.rows)
         sigma, noise = sigma.to(self.device), noise.to(self.device)
-        x_t = fm.add_noise(x0, noise, sigma)
-        return [self._score(x0[mb], x_t[mb], sigma[mb], {k: v[mb] for k, v in cond.items()})
-                for mb in micro_batches(self.local_batch, self.args.micro_batch_size)]
+        scores = []
+        for mb in micro_batches(self.local_batch, self.args.micro_batch_size):
+            mb_cond = {k: v[mb] for k, v in cond.items()}
+            if self.disc is not None and self.args.gan_weight:  # one critic forward for the score and g_gan
+                out = gan.critic_forward(self.family, self.model, self.disc, self.args.gan_feature_block, x0[mb],
+                                         noise[mb], sigma[mb], mb_cond, gen_weight=self.args.gan_weight)
+                scores.append(self._score(x0[mb], out["x_t"], sigma[mb], mb_cond, v_fake=out["v"], gan_grad=out["gan_grad"]))
+            else:
+                scores.append(self._score(x0[mb], fm.add_noise(x0[mb], noise[mb], sigma[mb]), sigma[mb], mb_cond))
+        return scores
+
+    def _real_batch(self, iteration: int, step: int, global_shape) -> tuple:
+        """(real x0, its noise, its conditions) of critic step ``step`` for this rank's rows."""
+        index, noise = gan.real_inputs(self.args, iteration, step, len(self.real), global_shape, self.rows)
+        x, cond = self.real.batch(index)
+        return x.to(self.device), noise.to(self.device), {k: v.to(self.device) for k, v in cond.items()}
+
+    def _disc_step(self) -> float:
+        """The GAN head's own step; replicated on every rank, so its gradient is all-reduced."""
+        params = [p for p in self.disc.parameters() if p.grad is not None]
+        if self.world_size > 1:
+            for p in params:
+                dist.all_reduce(p.grad)
+                p.grad /= self.world_size
+        norm = torch.nn.utils.clip_grad_norm_(params, self.args.clip_grad or float("inf")).item()
+        self.disc_optimizer.step()
+        self.disc_optimizer.zero_grad(set_to_none=True)
+        return norm
 
     def _train_dmd2(self, pairs: dict):
         """The student's graded forward at the stop step; loss 0.5 * mse(x0, sg(x0 - g))."""
@@ -308,15 +350,16 @@ class Trainer:
 
     def _state_tensors(self):
         """This rank's tensors of the training state: weight shards, buffers, EMA, optimizer
-        state and the teacher's shards."""
+        state, the teacher's shards and the GAN head with its optimizer state."""
         self._reshard()
-        for module in (self.model, self.teacher):
+        for module in (self.model, self.teacher, self.disc):
             if module is not None:
                 yield from (parallel.local(t) for t in module.parameters())
                 yield from (parallel.local(t) for t in module.buffers())
         yield from (parallel.local(e) for e in self.ema or ())
-        for state in (self.optimizer.state.values() if self.optimizer is not None else ()):
-            yield from (parallel.local(v) for v in state.values() if isinstance(v, torch.Tensor))
+        for optimizer in (self.optimizer, self.disc_optimizer):
+            for state in (optimizer.state.values() if optimizer is not None else ()):
+                yield from (parallel.local(v) for v in state.values() if isinstance(v, torch.Tensor))
 
     def _device_storages(self) -> list[torch.UntypedStorage]:
         """The distinct storages behind the state on this rank's device (views share one; with
@@ -329,14 +372,18 @@ class Trainer:
                 seen.setdefault(storage.data_ptr(), storage)
         return list(seen.values())
 
-    def _owned_state(self) -> list:
-        """Distributed tensors this trainer alone refers to (EMA, optimizer moments): asleep, their
-        local tensors are swapped out rather than resized (no other view of them exists)."""
+    def _owned_slots(self) -> list[tuple]:
+        """(holder, key) of the tensors this trainer alone refers to (EMA, optimizer moments):
+        asleep, they are swapped out rather than resized (no other view of them exists). A
+        distributed tensor's holder is itself (key ``_local_tensor``), a plain one's its state dict."""
         from torch.distributed.tensor import DTensor
 
-        owned = list(self.ema or ()) + [v for st in self.optimizer.state.values() for v in st.values()
-                                        if isinstance(v, torch.Tensor) and v.dim()]
-        return [v for v in owned if isinstance(v, DTensor) and v._local_tensor.device.type == self.device.type]
+        slots = [(e, "_local_tensor") for e in self.ema or ()]
+        for optimizer in (self.optimizer, self.disc_optimizer):
+            for state in (optimizer.state.values() if optimizer is not None else ()):
+                slots += [(v, "_local_tensor") if isinstance(v, DTensor) else (state, k)
+                          for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim()]
+        return [s for s in slots if _slot(*s).device.type == self.device.type]
 
     def sleep(self) -> dict:
         """Copy the state on the device to host memory and free it: the EMA's and optimizer's
@@ -349,10 +396,10 @@ class Trainer:
         before = self.device_bytes()
         pin = self.device.type == "cuda"
         swapped = []
-        for t in self._owned_state():
-            local = t._local_tensor
-            swapped.append((t, _host_copy(local, pin)))
-            t._local_tensor = local.new_empty(0)
+        for holder, key in self._owned_slots():
+            value = _slot(holder, key)
+            swapped.append((holder, key, _host_copy(value, pin)))
+            _slot(holder, key, value.new_empty(0))
         resized = []
         for storage in self._device_storages():
             host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
@@ -374,8 +421,8 @@ class Trainer:
         for storage, host in resized:
             storage.resize_(host.numel())
             storage.copy_(host.untyped_storage())
-        for t, host in swapped:
-            t._local_tensor = host.to(self.device, copy=True)
+        for holder, key, host in swapped:
+            _slot(holder, key, host.to(self.device, copy=True))
         self._stash = None
         return {"asleep": False, "wake_s": time.perf_counter() - start}
 
@@ -427,7 +474,7 @@ class Trainer:
             self.args.save, self.role, iteration, self.model, self.optimizer, self.shift,
             # a student ships with the scheduler of its own few-step sampler
             scheduler="FlowMatchLCMScheduler" if self.args.loss_type == "dmd2" else "FlowMatchEulerDiscreteScheduler",
-            ema=self.ema, extra={"step": self.step, "iteration": iteration, **self.nonfinite.state()},
+            ema=self.ema, extra={"step": self.step, "iteration": iteration, **self.nonfinite.state(), **self._disc_state()},
             writer=self.rank == 0,
         )
         if was_asleep:
@@ -442,7 +489,15 @@ class Trainer:
                                         self.optimizer, ema=self.ema)
         self.step = int(extra.get("step", 0))
         self.nonfinite.load(extra)
+        if self.disc is not None and "disc" in extra:  # a checkpoint from before the head keeps the fresh head
+            self.disc.load_state_dict(extra["disc"])
+            self.disc_optimizer.load_state_dict(extra["disc_optimizer"])
         return self.step
+
+    def _disc_state(self) -> dict:
+        if self.disc is None:
+            return {}
+        return {"disc": self.disc.state_dict(), "disc_optimizer": self.disc_optimizer.state_dict()}
 
 
 def _wake_metric(role: str, woke: dict) -> dict:
@@ -450,10 +505,27 @@ def _wake_metric(role: str, woke: dict) -> dict:
     return {f"{role}_wake_s": woke["wake_s"]} if woke["wake_s"] else {}
 
 
+def _slot(holder, key: str, value: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Read (or, with ``value``, replace) a state tensor held as an attribute of a tensor or as
+    an entry of a dict."""
+    if value is None:
+        return getattr(holder, key) if isinstance(holder, torch.Tensor) else holder[key]
+    if isinstance(holder, torch.Tensor):
+        setattr(holder, key, value)
+    else:
+        holder[key] = value
+    return value
+
+
 def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
     host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu", pin_memory=pin)
     host.copy_(t)
     return host
+
+
+def _rows(real: tuple, mb: slice) -> tuple:
+    x, noise, cond = real
+    return x[mb], noise[mb], {k: v[mb] for k, v in cond.items()}
 
 
 def _cpu(d: dict) -> dict:

@@ -50,6 +50,15 @@ class ModelFamily:
         raise NotImplementedError
 
     vae_class: str = "AutoencoderKL"
+    blocks_attr: str = "transformer_blocks"  # the transformer's block list (GAN features)
+
+    def feature_block(self, model: torch.nn.Module, index: Optional[int]) -> torch.nn.Module:
+        """The block whose output tokens feed the GAN head; default the middle one."""
+        blocks = getattr(model, self.blocks_attr)
+        return blocks[len(blocks) // 2 if index is None else index]
+
+    def feature_dim(self, model: torch.nn.Module) -> int:
+        return model.config.num_attention_heads * model.config.attention_head_dim
 
     def encode_prompts(self, pipe, prompts: list[str], negative_prompt: str, max_sequence_length: Optional[int]):
         """The pipeline's own text encoding -> ({key: [N, ...]}, {key: [1, ...]} for the negative)."""
@@ -65,6 +74,17 @@ class ModelFamily:
     def unscale_latents(self, vae: torch.nn.Module, latents: torch.Tensor) -> torch.Tensor:
         """The model's normalised latents -> the VAE's own latent scale."""
         raise NotImplementedError
+
+    def scale_latents(self, vae: torch.nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``unscale_latents``: VAE latents -> the model's normalised latents."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def encode(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        """Pixels in [-1, 1] ([B, 3, H, W], or [B, 3, F, H, W] for video) -> the model's latents
+        (the posterior mean, so encoding is deterministic)."""
+        dist = vae.encode(pixels.to(next(vae.parameters()).dtype)).latent_dist
+        return self.scale_latents(vae, dist.mode().float())
 
     @torch.no_grad()
     def decode(self, vae: Optional[torch.nn.Module], latents: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,10 @@ class SD3ImageFamily(ModelFamily):
         cfg = vae.config
         return latents / cfg.scaling_factor + (getattr(cfg, "shift_factor", None) or 0.0)
 
+    def scale_latents(self, vae, latents):
+        cfg = vae.config
+        return (latents - (getattr(cfg, "shift_factor", None) or 0.0)) * cfg.scaling_factor
+
 
 def tiny_digits_config(embed_dim: int = 32, pooled_dim: int = 32) -> dict:
     """An SD3 MMDiT small enough to train on 8x8 digits on two CPU cores in minutes."""

@@ -15,6 +15,7 @@ class WanVideoFamily(ModelFamily):
     cond_keys = ("prompt_embeds",)
     is_video = True
     vae_class = "AutoencoderKLWan"
+    blocks_attr = "blocks"
 
     def forward(self, model, x_t, t, cond):
         return model(hidden_states=x_t, timestep=t, encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
@@ -48,3 +49,9 @@ class WanVideoFamily(ModelFamily):
         mean = torch.tensor(cfg.latents_mean, dtype=torch.float32, device=latents.device).view(1, -1, 1, 1, 1)
         std = torch.tensor(cfg.latents_std, dtype=torch.float32, device=latents.device).view(1, -1, 1, 1, 1)
         return latents * std + mean
+
+    def scale_latents(self, vae, latents):
+        cfg = vae.config
+        mean = torch.tensor(cfg.latents_mean, dtype=torch.float32, device=latents.device).view(1, -1, 1, 1, 1)
+        std = torch.tensor(cfg.latents_std, dtype=torch.float32, device=latents.device).view(1, -1, 1, 1, 1)
+        return (latents - mean) / std

@@ -1,0 +1,159 @@
+"""The GAN head of DMD2 (Yin et al. 2024, sec. 4.3): a small discriminator on the fake score's
+intermediate features, trained in the critic group on real vs the student's samples noised to the
+same sigma; its generator-side gradient w.r.t. the student's x0 is computed there too and handed
+to the actor with the DMD gradient, so the actor holds only the student.
+
+Losses (non-saturating, as in the paper and its code):
+- discriminator, weight ``gan_critic_weight``: ``mean softplus(-D(real_t)) + mean softplus(D(fake_t))``;
+  its gradient trains the head and the fake score's blocks up to the feature block.
+- generator, weight ``gan_weight``: ``mean softplus(-D(fake_t))`` with ``fake_t = (1-s) x0 + s eps``,
+  differentiated w.r.t. x0 (through the noising). It is handed over in the DMD gradient's units,
+  ``g_gan = gan_weight * d * dsoftplus(-D_i)/dx0_i`` (d: elements per sample), so that the actor's
+  ``0.5 * mse(x0, sg(x0 - (g_dmd + g_gan)))`` has the gradient of ``dmd_loss + gan_weight * mean
+  softplus(-D)``, the paper's total, whatever the batch and its split over ranks.
+
+The head is small and replicated on every critic rank; its gradient is all-reduced like any
+replicated module's (see ``Trainer._disc_step``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from dmd2_core import flow_matching as fm
+from dmd2_core import rng
+from dmd2_core.losses import flow_matching_loss
+
+
+class DiscriminatorHead(torch.nn.Module):
+    """Tokens [B, N, D] of one transformer block -> one logit per sample: a per-token MLP
+    (LayerNorm, Linear, SiLU, Linear) averaged over tokens, so any token count fits."""
+
+    def __init__(self, dim: int, hidden: int = 256):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.fc1 = torch.nn.Linear(dim, hidden)
+        self.fc2 = torch.nn.Linear(hidden, 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        h = F.silu(self.fc1(self.norm(features.to(self.fc1.weight.dtype))))
+        return self.fc2(h).squeeze(-1).flatten(1).mean(1)
+
+
+def build_head(dim: int, seed: int, hidden: int = 256) -> DiscriminatorHead:
+    """The same head on every rank and in the reference loop: initialised from ``seed`` alone."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return DiscriminatorHead(dim, hidden)
+
+
+def discriminator_loss(logits_real: torch.Tensor, logits_fake: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean softplus(-D(real)), mean softplus(D(fake))): the head's loss on each side."""
+    return F.softplus(-logits_real.float()).mean(), F.softplus(logits_fake.float()).mean()
+
+
+def generator_gradient(logits_fake: torch.Tensor, x0: torch.Tensor, weight: float,
+                       retain_graph: bool = True) -> torch.Tensor:
+    """``weight * d * d softplus(-D_i) / d x0_i`` per sample, ``x0`` being the leaf the fake
+    logits were computed from (through the noising); ``retain_graph`` keeps the graph for a later
+    backward (plain models only: a sharded model's graph takes one backward)."""
+    (grad,) = torch.autograd.grad(F.softplus(-logits_fake.float()).sum(), x0, retain_graph=retain_graph)
+    return weight * x0[0].numel() * grad.detach().float()
+
+
+class _Stop(Exception):
+    pass
+
+
+class FeatureTap:
+    """A forward hook on one transformer block that keeps its output tokens (``features``);
+    ``stop=True`` ends the forward right there (the blocks after it are not needed)."""
+
+    def __init__(self, family, model: torch.nn.Module, block: Optional[int], stop: bool = False):
+        self.module = family.feature_block(model, block)
+        self.stop, self.features, self._handle = stop, None, None
+
+    def _hook(self, module, inputs, output):
+        self.features = output if torch.is_tensor(output) else output[-1]  # SD3 blocks: (context, image)
+        if self.stop:
+            raise _Stop
+
+    def __enter__(self) -> "FeatureTap":
+        self._handle = self.module.register_forward_hook(self._hook)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self._handle.remove()
+        return exc_type is _Stop
+
+
+def block_features(family, model, block: Optional[int], x_t, sigma, cond) -> torch.Tensor:
+    """The feature block's output at (x_t, sigma | cond) (the forward runs to its end: under FSDP a
+    forward stopped midway would leave the sharding hooks half done)."""
+    with FeatureTap(family, model, block) as tap:  # to the end: a sharded forward must not stop midway
+        family.predict_velocity(model, x_t, sigma, cond)
+    return tap.features
+
+
+def real_inputs(args, iteration: int, step: int, num_real: int, global_shape: tuple, rows: slice):
+    """Real-set rows and noise of critic step ``step`` for this rank's rows (global draws)."""
+    g = rng.generator(args.seed, iteration, f"critic/{step}/real")
+    index = torch.randint(num_real, (global_shape[0],), generator=g)
+    noise = rng.randn(global_shape, args.seed, iteration, f"critic/{step}/real_noise")
+    return index[rows], noise[rows]
+
+
+def critic_forward(family, critic, head: Optional[DiscriminatorHead], block: Optional[int], x0, noise, sigma, cond,
+                   real: Optional[tuple] = None, critic_weight: float = 0.0, gen_weight: Optional[float] = None) -> dict:
+    """One forward of the fake score on the noised student samples, shared by its losses:
+    the flow-matching loss, plus (``real`` = (x0_real, noise_real, cond_real)) the discriminator
+    loss on real and fake at the same sigma, plus (``gen_weight`` not None) the generator gradient
+    w.r.t. x0. Returns {loss (to backward), v, x_t, and the GAN terms}."""
+    gan_grad = None
+    if gen_weight is not None:
+        # its own forward: a sharded (FSDP) model frees what it gathered after one backward, so
+        # the loss's backward cannot run through a graph this gradient already went through
+        x0_in = x0.detach().float().requires_grad_(True)
+        with FeatureTap(family, critic, block) as tap:
+            family.predict_velocity(critic, fm.add_noise(x0_in, noise, sigma), sigma, cond)
+        gan_grad = generator_gradient(head(tap.features), x0_in, gen_weight, retain_graph=False)
+    x_t = fm.add_noise(x0, noise, sigma)
+    with (FeatureTap(family, critic, block) if head is not None else _nothing()) as tap:
+        v = family.predict_velocity(critic, x_t, sigma, cond)
+    out = {"v": v, "x_t": x_t.detach(), "loss": flow_matching_loss(v, noise, x0)}
+    if head is None:
+        return out
+    logits_fake = head(tap.features)
+    out["logits_fake"] = logits_fake.detach()
+    if real is not None:
+        x0_real, noise_real, cond_real = real
+        logits_real = head(block_features(family, critic, block, fm.add_noise(x0_real, noise_real, sigma), sigma, cond_real))
+        d_real, d_fake = discriminator_loss(logits_real, logits_fake)
+        out.update(loss=out["loss"] + critic_weight * (d_real + d_fake), d_loss_real=d_real.detach(),
+                   d_loss_fake=d_fake.detach(), logits_real=logits_real.detach())
+    if gan_grad is not None:
+        out["gan_grad"] = gan_grad
+    return out
+
+
+class _nothing:
+    features = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def gan_metrics(parts: list[dict]) -> dict:
+    """Discriminator loss and accuracy on real and fake over the outputs of ``critic_forward``."""
+    if not parts or "logits_real" not in parts[0]:
+        return {}
+    real = torch.cat([p["logits_real"] for p in parts])
+    fake = torch.cat([p["logits_fake"] for p in parts])
+    return {"gan_d_loss_real": F.softplus(-real).mean().item(), "gan_d_loss_fake": F.softplus(fake).mean().item(),
+            "gan_d_acc_real": (real > 0).float().mean().item(), "gan_d_acc_fake": (fake < 0).float().mean().item()}

@@ -1,0 +1,148 @@
+"""Real sets from images (or video clips) and captions, encoded once with the checkpoint's own VAE
+and text encoder(s): the GAN head's real samples, in the model's latent space.
+
+    python -m dmd2_core prepare-latents --hf-checkpoint URL --images DIR --captions FILE --out URL
+
+DIR (any fsspec URL) holds images (.png .jpg .jpeg .webp .bmp) or, for a video family, clips
+(.mp4 .webm .mov .mkv .avi, read with PyAV; a still image is a one-frame clip). FILE has one
+caption per line, either ``name<TAB>caption`` lines or plain lines in the sorted order of the
+files. Images are resized (shorter side) and centre-cropped to the pixel size of the model's
+latents; a clip gives its first frames. The output follows the prompt-set conventions
+(``prompt_embeds`` ..., their ``negative_`` entries, the captions in the metadata) plus
+``latents`` [N, ...], the VAE posterior means scaled as the model sees them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from dmd2_core import storage
+from dmd2_core.args import ArgsError
+from dmd2_core.data import REAL_LATENTS, RealSet
+from dmd2_core.models import FAMILIES, describe_checkpoint
+
+IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
+VIDEO_EXTS = {".mp4", ".webm", ".mov", ".mkv", ".avi"}
+
+
+def list_media(url: str, video: bool) -> list[str]:
+    """File names under ``url`` the family can read, sorted."""
+    if not storage.exists(url):
+        raise ArgsError(f"images: no such directory {url}{storage.nearest_sibling(url)}")
+    fs, root = storage.filesystem(url)
+    exts = IMAGE_EXTS | (VIDEO_EXTS if video else set())
+    names = sorted(Path(p).name for p in fs.ls(root, detail=False) if Path(p).suffix.lower() in exts)
+    if not names:
+        raise ArgsError(f"images: {url} holds no {'image or clip' if video else 'image'} ({', '.join(sorted(exts))})")
+    return names
+
+
+def read_captions(url: str, names: list[str]) -> list[str]:
+    if not storage.exists(url):
+        raise ArgsError(f"captions: no such file {url}{storage.nearest_sibling(url)}")
+    lines = [line.rstrip("\r") for line in storage.read_text(url).splitlines() if line.strip()]
+    if lines and all("\t" in line for line in lines):
+        table = dict(line.split("\t", 1) for line in lines)
+        missing = [n for n in names if n not in table and Path(n).stem not in table]
+        if missing:
+            raise ArgsError(f"captions: {url} has no caption for '{missing[0]}'")
+        return [table.get(n, table.get(Path(n).stem)).strip() for n in names]
+    if len(lines) != len(names):
+        raise ArgsError(f"captions: {url} has {len(lines)} lines for {len(names)} files (one per file, sorted by name, "
+                        "or name<TAB>caption lines)")
+    return [line.strip() for line in lines]
+
+
+def _fit(image, height: int, width: int) -> np.ndarray:
+    """PIL image -> [H, W, 3] uint8: resize the shorter side, centre-crop."""
+    from PIL import Image
+
+    image = image.convert("RGB")
+    scale = max(height / image.height, width / image.width)
+    size = (max(width, round(image.width * scale)), max(height, round(image.height * scale)))
+    image = image.resize(size, Image.Resampling.BICUBIC)
+    left, top = (image.width - width) // 2, (image.height - height) // 2
+    return np.asarray(image.crop((left, top, left + width, top + height)))
+
+
+def read_media(data: bytes, name: str, frames: Optional[int], height: int, width: int) -> torch.Tensor:
+    """Pixels in [-1, 1]: [3, H, W] for an image family (``frames`` None), else [3, F, H, W]."""
+    from PIL import Image
+
+    if Path(name).suffix.lower() in VIDEO_EXTS:
+        import av
+
+        with av.open(io.BytesIO(data)) as container:
+            got = []
+            for frame in container.decode(video=0):
+                got.append(_fit(frame.to_image(), height, width))
+                if len(got) == frames:
+                    break
+        if len(got) < frames:
+            raise ArgsError(f"images: clip {name} has {len(got)} frames, the model's latents need {frames}")
+        pixels = np.stack(got)  # [F, H, W, 3]
+    else:
+        pixels = _fit(Image.open(io.BytesIO(data)), height, width)[None]
+        if frames is not None and frames != 1:
+            raise ArgsError(f"images: {name} is a still image, the model's latents need {frames}-frame clips")
+    x = torch.from_numpy(pixels.copy()).float().div(127.5).sub(1.0).permute(3, 0, 1, 2)  # [3, F, H, W]
+    return x if frames is not None else x[:, 0]
+
+
+def pixel_size(family, vae, sample_shape: tuple) -> tuple[Optional[int], int, int]:
+    """(frames or None, height, width) of the pixels whose latents have ``sample_shape``."""
+    cfg = vae.config
+    if family.is_video:
+        spatial = 2 ** (len(cfg.dim_mult) - 1)
+        temporal = 2 ** sum(bool(t) for t in cfg.temperal_downsample)
+        _, f, h, w = sample_shape
+        return (f - 1) * temporal + 1, h * spatial, w * spatial
+    spatial = 2 ** (len(cfg.block_out_channels) - 1)
+    return None, sample_shape[-2] * spatial, sample_shape[-1] * spatial
+
+
+def prepare_latents(hf_checkpoint: str, images: str, captions: str, out: str, latent_shape: Optional[list[int]] = None,
+                    negative_prompt: str = "", max_sequence_length: Optional[int] = None, batch_size: int = 8) -> RealSet:
+    """Encode every image/clip of ``images`` with its caption and write the real set to ``out``."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from dmd2_core.prompts import prepare_prompts
+
+    info = describe_checkpoint(hf_checkpoint)
+    family = FAMILIES[info["family"]]
+    if not info["vae_url"]:
+        raise ArgsError(f"{hf_checkpoint}: the checkpoint has no vae/ to encode images with")
+    config = json.loads(storage.read_text(storage.join(info["transformer_url"], "config.json")))
+    try:
+        shape = family.sample_shape(SimpleNamespace(config=SimpleNamespace(**config)), latent_shape)
+    except ValueError as exc:
+        raise ArgsError(str(exc)) from None
+    names = list_media(images, family.is_video)
+    texts = read_captions(captions, names)
+    vae = family.load_vae(info["vae_url"], torch.float32).eval()
+    frames, height, width = pixel_size(family, vae, shape)
+    latents = []
+    for start in range(0, len(names), batch_size):
+        batch = [read_media(storage.read_bytes(storage.join(images, n)), n, frames, height, width)
+                 for n in names[start:start + batch_size]]
+        latents.append(family.encode(vae, torch.stack(batch)))
+    latents = torch.cat(latents)
+    if tuple(latents.shape[1:]) != tuple(shape):
+        raise ArgsError(f"{hf_checkpoint}: its VAE gives latents {list(latents.shape[1:])}, the model samples {list(shape)}")
+    prompt_set = prepare_prompts(hf_checkpoint, texts, None, negative_prompt, max_sequence_length)
+    tensors = {REAL_LATENTS: latents, **prompt_set.embeds, **{f"negative_{k}": v for k, v in prompt_set.negative.items()}}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "real.safetensors"
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path),
+                  metadata={"prompts": json.dumps(texts), "files": json.dumps(names)})
+        storage.write_bytes(out, path.read_bytes())
+    return RealSet(latents, prompt_set.embeds)
