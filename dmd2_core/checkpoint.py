@@ -186,8 +186,9 @@ def _read_marker(d: str) -> dict:
         raise CheckpointLoadError(f"{marker_url}: unreadable checkpoint marker ({one_line(exc)})") from None
 
 
-def _check_files(d: str, marker: dict, hashes: bool = True) -> None:
-    """Every file the marker lists is there with its recorded size and (``hashes``) sha256."""
+def _check_files(d: str, marker: dict, hashes: bool = True, unhashed: tuple[str, ...] = ()) -> None:
+    """Every file the marker lists is there with its recorded size and (``hashes``) sha256;
+    the ``unhashed`` ones are left to a caller that hashes the bytes it reads anyway."""
     try:
         present = _listing(d)
     except storage.StorageUnavailableError:
@@ -203,6 +204,8 @@ def _check_files(d: str, marker: dict, hashes: bool = True) -> None:
     if not hashes:
         return
     for rel, digest in (marker.get("sha256") or {}).items():  # markers before format 1.1 lack them
+        if rel in unhashed:
+            continue
         url = storage.join(d, rel)
         try:
             actual = storage.sha256(url)
@@ -269,7 +272,7 @@ def load_trainer(
     when the directory is missing, incomplete, corrupt or does not fit."""
     d = trainer_dir(load_url, role, iteration)
     marker = _read_marker(d)
-    _check_files(d, marker, hashes=True)
+    _check_files(d, marker, hashes=True, unhashed=(STATE_NAME,))  # the state is hashed as read below
 
     state_url = storage.join(d, STATE_NAME)
     try:
@@ -278,7 +281,7 @@ def load_trainer(
         raise
     except Exception as exc:  # noqa: BLE001
         raise CheckpointLoadError(f"{state_url}: cannot read ({one_line(exc)})") from None
-    digest = marker.get("trainer_state_sha256")
+    digest = (marker.get("sha256") or {}).get(STATE_NAME) or marker.get("trainer_state_sha256")
     if digest and hashlib.sha256(data).hexdigest() != digest:
         raise CheckpointLoadError(f"{state_url}: corrupt (sha256 differs from the one recorded at save)")
     try:
