@@ -36,6 +36,22 @@ class Args(BaseModel):
     save: Optional[str] = _f(None, "run", "Storage URL of the run (path, file:// or s3://); required.")
     load: Optional[str] = _f(None, "run", "Storage URL to resume from; defaults to `save`.")
     save_interval: int = _f(0, "run", "Checkpoint every N iterations (0: only at the end).", ge=0)
+    async_save: bool = _f(
+        False, "run", "Write checkpoints in the background: the state is copied to host memory and training goes on "
+        "while it is written and uploaded; the tracker moves once it is durable."
+    )
+    keep_last_n: int = _f(
+        0, "run", "Keep this many newest checkpoints (the tracked one always); older ones are deleted once a newer "
+        "one is tracked (0: keep all).", ge=0
+    )
+    export_interval: int = _f(
+        0, "run", "Export the student as a diffusers pipeline at every N-th iteration that saves a checkpoint "
+        "(0: at every save).", ge=0
+    )
+    export_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = _f(
+        None, "run", "Dtype of the exported student's weights; default the compute dtype."
+    )
+    keep_exports: int = _f(0, "run", "Keep this many newest student exports (0: keep all).", ge=0)
     ray_address: Optional[str] = _f(None, "run", "Address of an existing Ray cluster; unset starts a local Ray.")
     device: Literal["cpu", "cuda"] = _f("cpu", "run", "Accelerator each trainer rank computes on.")
     num_devices: int = _f(1, "run", "Devices (placement-group bundles, ranks per group).", ge=1)
@@ -154,6 +170,9 @@ class Args(BaseModel):
         if (self.gan_weight or self.gan_critic_weight) and not self.real_data:
             raise ValueError("real_data: the GAN head needs real samples (gan_weight/gan_critic_weight > 0); "
                              "set real_data to a real set from `prepare-latents` or 'digits'")
+        if self.export_interval and self.save_interval and self.export_interval % self.save_interval:
+            raise ValueError(f"export_interval: {self.export_interval} is not a multiple of save_interval "
+                             f"{self.save_interval} (exports are taken at checkpoints)")
         if self.gan_weight and not self.gan_critic_weight:
             raise ValueError("gan_critic_weight: must be > 0 when gan_weight is (the discriminator would never train)")
         return self

@@ -1,32 +1,44 @@
 """Checkpoints of one trainer and the run tracker, at any fsspec URL (path, file://, s3://).
 
-Layout under the run's ``save`` URL::
+Layout under the run's ``save`` URL (format 3)::
 
     {save}/latest_checkpointed_iteration.txt          the run tracker: one integer
     {save}/trainers/{role}/iter_{iteration:07d}/
-        model/             the trained model, diffusers pipeline-style dir (transformer/, scheduler/)
-        ema/               optional EMA weights, same format
-        trainer_state.pt   {'format', 'optimizer': whole state keyed by parameter name, 'extra': {...}}
-        complete.json      written LAST: every file with its size and its sha256
+        dcp/               torch.distributed.checkpoint: every rank writes its own shards
+                           (__{rank}_{n}.distcp) of the model, the EMA and the AdamW moments and
+                           step counts, keyed ``model.<name>``, ``ema.<name>``, ``optim.<name>.<key>``;
+                           .metadata last (rank 0, after every rank's files are written)
+        trainer_state.pt   {'format', 'param_groups' (settings keyed by parameter name), 'extra'}
+        complete.json      written LAST by rank 0: every file with its size and its sha256
+    {save}/exports/iter_{iteration:07d}/    the student as a diffusers pipeline (dmd2_core.export)
+
+No rank ever holds the whole model: a 14B trainer on 8 ranks writes 1/8 of its state per rank.
+DCP records the global shape and offsets of every shard, so a checkpoint loads on any number of
+ranks (DCP reshards on load). Each file's sha256 is computed while it is written (by the rank that
+writes it) and gathered into ``complete.json``; at load the ranks split the files between them and
+check every hash before anything is loaded, so a flipped byte is one line naming the file. The
+pre-flight check (``validate_resume``, before any actor) checks the listing and sizes only.
 
 A trainer directory counts only once ``complete.json`` exists; a save interrupted midway leaves a
-directory without it, which ``load_trainer`` and ``validate_resume`` refuse. The sha256 of every
-file is read back from storage after it was written; ``validate_resume`` (preflight, before any
-actor) and ``load_trainer`` check the listing, the sizes and the hashes, so a flipped byte is one
-line naming the file. The tracker is written
-by the driver alone (``write_tracker``), after every trainer's ``save_trainer`` has returned, so it
-only ever names an iteration that every role finished saving; a crash during a save leaves it at
-the previous checkpoint.
+directory without it, which ``load_trainer`` and ``validate_resume`` refuse. The tracker is
+written by the driver alone (``write_tracker``), after every trainer's save is durable (its marker
+written), so it only ever names an iteration that every role finished saving. Retention
+(``prune``) runs after the tracker moved and never touches the tracked checkpoint or a newer one.
 
-The weights and optimizer state are whole (gathered from every rank's shards), so a checkpoint
-resumes on any number of ranks. Exact resume: the weights are restored from the safetensors
-(bit-exact, fp32 master weights), the optimizer from its own state dict (AdamW moments, per-parameter ``step`` counts and every param-group setting,
-including ``lr``: the saved values win over the ones the optimizer was built with). Anything else
-a trainer needs (iteration, step counters, RNG states, LR-scheduler state) goes in ``extra``, which
-must hold only what ``torch.load(weights_only=True)`` reads back (tensors, numbers, strings, bools,
-None, lists/tuples/dicts of those); ``save_trainer`` checks that before it writes anything.
+Asynchronous saves (``save_trainer(..., asynchronous=True)``): the state is copied to host memory
+before the call returns; the files are written and uploaded in a background thread, which then
+writes the marker; ``PendingSave.result()`` waits for it. The checkpoint collectives (DCP's
+planning, the hash gather) run on a separate gloo process group (``checkpoint_group``), never on
+the training one. Storage outages are retried like every other write (``storage.RETRY_S``), the
+ranks agreeing on each retry.
 
-Only one process per role should call ``save_trainer`` (rank 0 of the trainer group).
+Exact resume: weights (fp32 masters), EMA and AdamW state are the bytes that were saved; every
+param-group setting (``lr`` ...) is the saved one. Anything else a trainer needs (iteration, step
+counters, the GAN head) goes in ``extra``, which must hold only what ``torch.load(weights_only=True)``
+reads back; ``save_trainer`` checks that before it writes anything.
+
+Older checkpoints (formats 1 and 2: whole diffusers weights under ``model/`` and ``ema/`` plus the
+whole optimizer in ``trainer_state.pt``, written by rank 0) still load, on any number of ranks.
 """
 
 from __future__ import annotations
@@ -40,12 +52,13 @@ import torch
 
 from dmd2_core import parallel, storage
 from dmd2_core.finite import NonFiniteError, first_nonfinite
-from dmd2_core.models import CheckpointError, save_checkpoint
+from dmd2_core.models import CheckpointError
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 COMPLETE_NAME = "complete.json"
 STATE_NAME = "trainer_state.pt"
-FORMAT = 2  # 2: optimizer state keyed by parameter name (1: by position; still read)
+FORMAT = 3  # 3: sharded (DCP); 2: whole weights, optimizer keyed by name; 1: by position (both still read)
+DCP_DIR = "dcp"
 
 
 class CheckpointLoadError(CheckpointError):
@@ -96,70 +109,287 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
-# ---- save -------------------------------------------------------------------------------------
+# ---- save (format 3: sharded, DCP) -------------------------------------------------------------
+
+def checkpoint_group():
+    """A gloo process group over the trainer group's ranks for checkpoint collectives (DCP's
+    planning and the hash gather run in a background thread during asynchronous saves, and must
+    never interleave with the training collectives). None without torch.distributed."""
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo") if dist.is_initialized() else None
+
+
+class _HashingStream(io.RawIOBase):
+    """A write-only stream that forwards to ``inner`` and hashes what passes through."""
+
+    def __init__(self, inner, digest):
+        super().__init__()
+        self.inner, self.digest = inner, digest
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.digest.update(view)
+        written = self.inner.write(view)
+        return len(view) if written is None else written
+
+    def tell(self) -> int:
+        return self.inner.tell()
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+    def fileno(self) -> int:
+        return self.inner.fileno()
+
+
+def _hashing_writer(url: str, digests: dict[str, str]):
+    """DCP's fsspec writer, recording the sha256 of every file it writes (by file name)."""
+    import contextlib
+
+    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWriter
+
+    class HashingFileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path, mode):
+            with super().create_stream(path, mode) as stream:
+                if "w" not in mode:
+                    yield stream
+                    return
+                digest = hashlib.sha256()
+                yield _HashingStream(stream, digest)
+                name = str(path).rstrip("/").rsplit("/", 1)[-1]
+                if not name.endswith(".tmp"):  # .metadata goes through a temp name: hashed once renamed
+                    digests[name] = digest.hexdigest()
+
+    writer = FsspecWriter(url, sync_files=storage.is_local(url))
+    fs = HashingFileSystem()
+    writer.path = fs.init_path(url)
+    writer.fs = fs
+    return writer
+
+
+def _sharded_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                   ema: Optional[Sequence[torch.Tensor]], init_optimizer: bool = False) -> dict[str, torch.Tensor]:
+    """This rank's view of the trainer state as one flat dict of (distributed) tensors: DCP saves
+    each rank's shards and loads into them in place. ``init_optimizer`` creates AdamW's state
+    (zeros, step 0) where it does not exist yet, so a fresh trainer has tensors to load into."""
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    names = [n for n, _ in model.named_parameters()]
+    if ema is not None:
+        state.update({f"ema.{n}": e for n, e in zip(names, ema)})
+    if optimizer is not None:
+        by_id = {id(p): n for n, p in model.named_parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p not in optimizer.state and init_optimizer:
+                    optimizer.state[p] = _fresh_adam_state(optimizer, p)
+                for key, value in optimizer.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        state[f"optim.{by_id[id(p)]}.{key}"] = value
+    return state
+
+
+def _fresh_adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        raise TypeError(f"cannot create the state of {type(optimizer).__name__} to load into")
+    state = {"step": torch.tensor(0.0, dtype=torch.float32),
+             "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+             "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+    if optimizer.defaults.get("amsgrad"):
+        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
+
+
+def _param_groups(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> list[dict]:
+    if optimizer is None:
+        return []
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+            for g in optimizer.param_groups]
+
+
+class PendingSave:
+    """One trainer rank's save in flight. ``result()`` waits for it and returns
+    ``{'url', 'iteration', 'save_s', 'bytes'}`` (this rank's bytes), or raises what the write hit."""
+
+    def __init__(self, url: str, iteration: int, future, blocked_s: float):
+        self.url, self.iteration, self.future, self.blocked_s = url, int(iteration), future, blocked_s
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self, timeout: Optional[float] = None) -> dict:
+        return self.future.result(timeout)
+
 
 def save_trainer(
     save_url: str,
     role: str,
     iteration: int,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    shift: float,
-    scheduler: str = "FlowMatchEulerDiscreteScheduler",
+    optimizer: Optional[torch.optim.Optimizer],
     ema: Optional[Sequence[torch.Tensor]] = None,
     extra: Optional[dict] = None,
-    writer: bool = True,
-) -> Optional[str]:
-    """Write one trainer's checkpoint for ``iteration`` and return its directory URL. The whole
-    weights, ``ema`` (tensors in parameter order) and optimizer state are gathered from the
-    shards (a collective: every rank of the group calls it); only the ``writer`` rank writes.
-    A directory already there for this iteration is replaced (its marker goes first, so no
-    reader ever takes a half-replaced directory for a complete one)."""
+    process_group=None,
+    asynchronous: bool = False,
+) -> PendingSave:
+    """Save one trainer's state for ``iteration``: a collective, every rank of the group calls it
+    with its own shards (``process_group``: the group's ``checkpoint_group()``; None for a single
+    process without torch.distributed). Synchronous saves return a finished PendingSave; with
+    ``asynchronous`` the state is staged to host memory and written in the background. A
+    directory already there for this iteration is replaced (its marker goes first, so no reader
+    ever takes a half-replaced directory for a complete one)."""
+    import concurrent.futures
+    import threading
+    import time
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    start = time.perf_counter()
+    distributed = process_group is not None
+    rank = dist.get_rank(process_group) if distributed else 0
     extra = dict(extra or {})
     try:  # fail now, not at resume time, on anything weights_only loading would refuse
         _torch_load(_torch_bytes(extra))
     except Exception as exc:  # noqa: BLE001
         raise ValueError(f"save_trainer({role!r}): extra must hold plain values and tensors ({one_line(exc)})") from None
-    model_state = parallel.full_state_dict(model, keep=writer)
-    ema_state = parallel.full_state_dict(model, ema, keep=writer) if ema is not None else None
-    optimizer_state = parallel.full_optimizer_state(model, optimizer, keep=writer)
-    if not writer:
-        return None
-    _check_finite(role, iteration, model_state, ema_state, optimizer_state)
-    state = _torch_bytes({"format": FORMAT, "optimizer": optimizer_state, "extra": extra})
-
+    state = _sharded_state(model, optimizer, ema)
+    _check_finite_local(role, iteration, state, process_group)
     d = trainer_dir(save_url, role, iteration)
-    storage.remove(storage.join(d, COMPLETE_NAME))
-    storage.remove(d)
-    save_checkpoint(model, storage.join(d, "model"), shift, scheduler=scheduler, state=model_state)
-    if ema_state is not None:
-        save_checkpoint(model, storage.join(d, "ema"), shift, scheduler=scheduler, state=ema_state)
-    storage.write_bytes(storage.join(d, STATE_NAME), state)
+    if rank == 0:
+        storage.remove(storage.join(d, COMPLETE_NAME))
+        storage.remove(d)
+        meta = {"format": FORMAT, "param_groups": _param_groups(model, optimizer), "extra": extra}
+        storage.write_bytes(storage.join(d, STATE_NAME), _torch_bytes(meta))
+    if distributed:
+        dist.barrier(group=process_group)  # nobody writes before the old directory is gone
 
-    files = _listing(d)
-    files.pop(COMPLETE_NAME, None)
-    hashes = {rel: storage.sha256(storage.join(d, rel)) for rel in sorted(files)}
-    marker = {
-        "format": FORMAT,
-        "role": role,
-        "iteration": int(iteration),
-        "has_ema": ema_state is not None,
-        "trainer_state_sha256": hashlib.sha256(state).hexdigest(),
-        "files": dict(sorted(files.items())),
-        "sha256": hashes,
-    }
-    storage.write_text(storage.join(d, COMPLETE_NAME), json.dumps(marker, indent=1))
-    return d
+    digests: dict[str, str] = {}
+    marker_info = {"has_ema": ema is not None}
+
+    def write(staged: dict) -> dict:
+        def attempt():
+            digests.clear()
+            dcp.save(staged, storage_writer=_hashing_writer(storage.join(d, DCP_DIR), digests),
+                     process_group=process_group, no_dist=not distributed)
+        _collective_retrying(attempt, f"save {storage.join(d, DCP_DIR)}", process_group)
+        return _finish_save(d, role, iteration, digests, marker_info, process_group, rank, start)
+
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    if not asynchronous:
+        future.set_result(write(state))
+        return PendingSave(d, iteration, future, time.perf_counter() - start)
+
+    staged = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}  # training may go on now
+
+    def background():
+        try:
+            future.set_result(write(staged))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the save
+            future.set_exception(exc)
+
+    threading.Thread(target=background, name=f"dmd2-save-{role}-{iteration}", daemon=True).start()
+    return PendingSave(d, iteration, future, time.perf_counter() - start)
 
 
-def _check_finite(role, iteration, model_state: dict, ema_state: Optional[dict], optimizer_state: dict) -> None:
-    """No checkpoint with a non-finite weight (or EMA weight, or optimizer moment) is written."""
-    named = [(f"model.{k}", v) for k, v in model_state.items()]
-    if ema_state is not None:
-        named += [(f"ema.{k}", v) for k, v in ema_state.items()]
-    for name, state in optimizer_state["state"].items():
-        named += [(f"optimizer.{name}.{k}", v) for k, v in state.items()]
-    bad = first_nonfinite(named)
+def _collective_retrying(fn, what: str, process_group) -> None:
+    """``fn()`` (a DCP save or load: every rank fails or succeeds together), retried like
+    storage.retrying while it fails with transient errors; the ranks vote, so all of them retry
+    or all of them raise."""
+    import time
+
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + storage.RETRY_S
+    delay = storage.RETRY_FIRST_DELAY_S
+    while True:
+        error = None
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - classified below
+            error = exc
+        vote = (error is None, error is None or _transient(error))
+        if process_group is not None:
+            votes: list = [None] * dist.get_world_size(process_group)
+            dist.all_gather_object(votes, vote, group=process_group)
+        else:
+            votes = [vote]
+        if all(ok for ok, _ in votes):
+            return
+        if all(transient for _, transient in votes) and time.monotonic() + delay <= deadline:
+            storage.log.warning(f"storage: {what}: {one_line(error) if error else 'another rank failed'}; "
+                                f"retry in {delay:.1f} s")
+            time.sleep(delay)
+            delay = min(delay * 2, storage.RETRY_MAX_DELAY_S)
+            continue
+        if error is None:
+            raise CheckpointError(f"{what}: failed on another rank of the group")
+        if all(transient for _, transient in votes):
+            raise storage.StorageUnavailableError(
+                f"{what}: storage unavailable for {storage.RETRY_S:.0f} s ({one_line(error)})") from error
+        raise error
+
+
+def _transient(exc: BaseException) -> bool:
+    """A storage outage, also when DCP wrapped it (CheckpointException: the failure of each rank)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return all(storage.is_transient(getattr(f, "exception", f)) for f in failures.values())
+    return storage.is_transient(exc)
+
+
+def _finish_save(d: str, role: str, iteration: int, digests: dict, info: dict, process_group, rank: int,
+                 start: float) -> dict:
+    """After DCP wrote every rank's files: gather their hashes; rank 0 writes the marker."""
+    import time
+
+    import torch.distributed as dist
+
+    mine = {f"{DCP_DIR}/{name}": digest for name, digest in digests.items()}
+    if process_group is not None:
+        gathered: list = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(gathered, mine, group=process_group)
+        world = len(gathered)
+    else:
+        gathered, world = [mine], 1
+    own_bytes = 0
+    if rank == 0:
+        hashes = {k: v for part in gathered for k, v in part.items()}
+        files = _listing(d)
+        files.pop(COMPLETE_NAME, None)
+        for rel in files:
+            if rel not in hashes:  # .metadata (renamed from its temp name), trainer_state.pt
+                hashes[rel] = storage.sha256(storage.join(d, rel))
+        missing = sorted(set(hashes) - set(files))
+        if missing:
+            raise CheckpointError(f"{storage.join(d, missing[0])}: written but not found in storage after the save")
+        marker = {"format": FORMAT, "role": role, "iteration": int(iteration), "world_size": world,
+                  "has_ema": info["has_ema"], "files": dict(sorted(files.items())),
+                  "sha256": dict(sorted(hashes.items()))}
+        storage.write_text(storage.join(d, COMPLETE_NAME), json.dumps(marker, indent=1))
+        others = {rel for part in gathered[1:] for rel in part}
+        own_bytes = sum(size for rel, size in files.items() if rel not in others)  # and the shared files
+    else:
+        sizes = _listing(storage.join(d, DCP_DIR))
+        own_bytes = sum(sizes.get(name, 0) for name in digests)
+    return {"url": d, "iteration": int(iteration), "save_s": time.perf_counter() - start, "bytes": own_bytes}
+
+
+def _check_finite_local(role, iteration, state: dict[str, torch.Tensor], process_group) -> None:
+    """No checkpoint with a non-finite weight, EMA weight or optimizer moment is written. Each
+    rank checks its own shards and every rank learns the verdict, so all of them refuse."""
+    import torch.distributed as dist
+
+    bad = first_nonfinite((k, parallel.local(v)) for k, v in state.items())
+    if process_group is not None:
+        verdicts: list = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(verdicts, bad, group=process_group)
+        bad = next((v for v in verdicts if v is not None), None)
     if bad is not None:
         raise NonFiniteError(f"{role}: not saving iteration {iteration}: '{bad[0]}' holds {bad[1]} non-finite values")
 
@@ -265,15 +495,51 @@ def load_trainer(
     model: torch.nn.Module,
     optimizer: Optional[torch.optim.Optimizer],
     ema: Optional[Sequence[torch.Tensor]] = None,
+    process_group=None,
 ) -> dict:
     """Load a trainer checkpoint INTO ``model`` (strict), ``optimizer`` (skipped when None) and
     ``ema`` (tensors in parameter order), each rank into its own shards, so any number of ranks
-    loads any checkpoint; returns the saved ``extra``. Raises CheckpointLoadError naming the path
-    when the directory is missing, incomplete, corrupt or does not fit."""
+    loads any checkpoint; returns the saved ``extra``. A collective for a sharded (format 3)
+    checkpoint: every rank of the group calls it (``process_group`` as for save_trainer). Raises
+    CheckpointLoadError naming the path when the directory is missing, incomplete, corrupt or
+    does not fit; nothing under the checkpoint is modified."""
     d = trainer_dir(load_url, role, iteration)
     marker = _read_marker(d)
-    _check_files(d, marker, hashes=True, unhashed=(STATE_NAME,))  # the state is hashed as read below
+    if ema is not None and not marker.get("has_ema"):
+        raise CheckpointLoadError(f"{d}: checkpoint has no ema weights but the trainer keeps an EMA")
+    if int(marker.get("format", 1)) < 3:
+        return _load_whole(d, marker, model, optimizer, ema)
+    if int(marker["format"]) > FORMAT:
+        raise CheckpointLoadError(f"{d}: checkpoint format {marker['format']} is newer than this dmd2 reads "
+                                  f"({FORMAT}); resume it with the version that wrote it")
+    _check_files(d, marker, hashes=False)
+    _check_hashes_shared(d, marker, process_group)
+    meta = _read_state(d, marker)
+    _load_sharded(d, model, optimizer, ema, meta, process_group)
+    return dict(meta.get("extra") or {})
 
+
+def _check_hashes_shared(d: str, marker: dict, process_group) -> None:
+    """Every file's sha256 against the marker, the files split between the group's ranks; every
+    rank raises the first mismatch any of them found."""
+    import torch.distributed as dist
+
+    files = sorted(marker.get("sha256") or {})
+    rank, world = (dist.get_rank(process_group), dist.get_world_size(process_group)) if process_group else (0, 1)
+    error = None
+    try:
+        _check_files(d, {**marker, "sha256": {f: marker["sha256"][f] for f in files[rank::world]}}, hashes=True)
+    except CheckpointLoadError as exc:
+        error = str(exc)
+    if process_group is not None:
+        errors: list = [None] * world
+        dist.all_gather_object(errors, error, group=process_group)
+        error = next((e for e in errors if e), None)
+    if error:
+        raise CheckpointLoadError(error)
+
+
+def _read_state(d: str, marker: dict) -> dict:
     state_url = storage.join(d, STATE_NAME)
     try:
         data = storage.read_bytes(state_url)
@@ -286,15 +552,68 @@ def load_trainer(
         raise CheckpointLoadError(f"{state_url}: corrupt (sha256 differs from the one recorded at save)")
     try:
         state = _torch_load(data)
-        if not isinstance(state, dict) or "optimizer" not in state:
-            raise ValueError("no optimizer entry")
+        if not isinstance(state, dict):
+            raise ValueError("not a dict")
+        return state
     except Exception as exc:  # noqa: BLE001
         raise CheckpointLoadError(f"{state_url}: corrupt trainer state ({one_line(exc)})") from None
 
+
+def _load_sharded(d: str, model, optimizer, ema, meta: dict, process_group) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    dcp_url = storage.join(d, DCP_DIR)
+    state_url = storage.join(d, STATE_NAME)
+    if optimizer is not None:
+        try:
+            _apply_param_groups(model, optimizer, meta.get("param_groups") or [])
+        except ValueError as exc:
+            raise CheckpointLoadError(f"{state_url}: optimizer state does not fit ({one_line(exc)})") from None
+    target = _sharded_state(model, optimizer, ema, init_optimizer=True)
+    try:
+        _collective_retrying(lambda: dcp.load(target, storage_reader=FsspecReader(dcp_url), process_group=process_group,
+                                              no_dist=process_group is None), f"load {dcp_url}", process_group)
+    except (storage.StorageUnavailableError, CheckpointError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - DCP wraps every rank's failure in one exception
+        raise CheckpointLoadError(f"{dcp_url}: does not fit the trainer ({_dcp_reason(exc)})") from None
+    loaded = _sharded_state(model, optimizer, ema)
+    for key, value in target.items():  # DCP loads in place; a tensor it replaced is copied back
+        if loaded[key] is not value and parallel.local(loaded[key]).data_ptr() != parallel.local(value).data_ptr():
+            parallel.local(loaded[key]).copy_(parallel.local(value))
+
+
+def _dcp_reason(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    for needle in ("Missing key in checkpoint state_dict:", "Size mismatch", "size mismatch"):
+        if needle in text:
+            return text[text.index(needle):][:200]
+    return one_line(exc)
+
+
+def _apply_param_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved_groups: list[dict]) -> None:
+    """The saved settings (lr, betas, ...) win over the ones the optimizer was built with."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(f"{len(saved_groups)} parameter groups saved, the optimizer has {len(optimizer.param_groups)}")
+    for saved, group in zip(saved_groups, optimizer.param_groups):
+        current = [names[id(p)] for p in group["params"]]
+        if sorted(saved["params"]) != sorted(current):
+            extra = sorted(set(saved["params"]) ^ set(current))
+            raise ValueError(f"saved parameters do not match the model's (e.g. {extra[:2]})")
+        group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _load_whole(d: str, marker: dict, model, optimizer, ema) -> dict:
+    """Formats 1 and 2: whole weights (diffusers safetensors) and the whole optimizer."""
+    _check_files(d, marker, hashes=True, unhashed=(STATE_NAME,))  # the state is hashed as read
+    state = _read_state(d, marker)
+    state_url = storage.join(d, STATE_NAME)
+    if "optimizer" not in state:
+        raise CheckpointLoadError(f"{state_url}: corrupt trainer state (no optimizer entry)")
     _apply_weights(storage.join(d, "model"), model)
     if ema is not None:
-        if not marker.get("has_ema"):
-            raise CheckpointLoadError(f"{d}: checkpoint has no ema/ weights but the trainer keeps an EMA")
         _apply_weights(storage.join(d, "ema"), model, ema)
     if optimizer is not None:
         names = [n for n, _ in model.named_parameters()]
@@ -352,11 +671,58 @@ def read_tracker(load_url: str) -> Optional[int]:
 
 def validate_resume(load_url: str, roles: Iterable[str]) -> Optional[int]:
     """Cheap pre-flight check before any actor starts: the tracker's iteration (None: fresh start)
-    after checking that every role has a complete checkpoint there."""
+    after checking that every role has a complete checkpoint there: listing and sizes (and, for
+    the small whole-weights formats, hashes; a sharded checkpoint's hashes are checked by its
+    ranks at load, in parallel)."""
     iteration = read_tracker(load_url)
     if iteration is None:
         return None
     for role in roles:
         d = trainer_dir(load_url, role, iteration)
-        _check_files(d, _read_marker(d), hashes=True)
+        marker = _read_marker(d)
+        if int(marker.get("format", 1)) > FORMAT:
+            raise CheckpointLoadError(f"{d}: checkpoint format {marker['format']} is newer than this dmd2 reads "
+                                      f"({FORMAT}); resume it with the version that wrote it")
+        _check_files(d, marker, hashes=int(marker.get("format", 1)) < 3)
     return iteration
+
+
+# ---- retention --------------------------------------------------------------------------------
+
+def saved_iterations(save_url: str, role: str) -> dict[int, bool]:
+    """Iteration -> complete (has its marker) of every checkpoint directory of ``role``."""
+    root = storage.join(save_url, "trainers", role)
+    if not storage.exists(root):
+        return {}
+    fs, path = storage.filesystem(root)
+    out = {}
+    for entry in storage.retrying(lambda: fs.ls(path, detail=False), f"list {root}"):
+        name = str(entry).rstrip("/").rsplit("/", 1)[-1]
+        if name.startswith("iter_") and name[5:].isdigit():
+            out[int(name[5:])] = storage.exists(_complete_url(save_url, role, int(name[5:])))
+    return out
+
+
+def prune(save_url: str, roles: Iterable[str], keep_last_n: int) -> list[str]:
+    """Delete the checkpoints of ``roles`` older than the ``keep_last_n`` newest complete ones up
+    to the tracked one (0: keep all). Run it after the tracker moved: it never deletes the tracked
+    checkpoint or anything newer (a save in flight), and deletes an older one only once a newer
+    one is tracked. Older incomplete directories (saves that failed midway) go too. Returns the
+    deleted directories."""
+    if keep_last_n <= 0:
+        return []
+    tracked = read_tracker(save_url)
+    if tracked is None:
+        return []
+    deleted = []
+    for role in roles:
+        found = saved_iterations(save_url, role)
+        complete = sorted((i for i, ok in found.items() if ok and i <= tracked), reverse=True)
+        keep = set(complete[:keep_last_n]) | {tracked}
+        for i in sorted(found):
+            if i < tracked and i not in keep:
+                d = trainer_dir(save_url, role, i)
+                storage.remove(_complete_url(save_url, role, i))  # no reader takes it for complete meanwhile
+                storage.remove(d)
+                deleted.append(d)
+    return deleted

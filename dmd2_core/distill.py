@@ -14,7 +14,7 @@ import socket
 import time
 import uuid
 from statistics import fmean
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from dmd2_core import checkpoint, checks, lease, memory
 from dmd2_core.args import Args, ArgsError
@@ -127,6 +127,8 @@ class DistillRun:
         self.handoff: dict[str, list] = {}
         self.start_iteration = 0
         self.done: tuple[int, int] = (0, len(PHASES))  # (iteration, phases of it done)
+        self.pending_save: Optional[int] = None  # an asynchronous save not yet tracked
+        self.tracked: Optional[dict] = None  # the latest tracked checkpoint: iteration, trainer dirs
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> int:
@@ -159,6 +161,7 @@ class DistillRun:
         self.done = (self.start_iteration, len(PHASES))
         self.handoff = {}
         self.broken = False
+        self.pending_save = None  # a save in flight when the groups broke is never tracked
         return self.start_iteration
 
     def __enter__(self) -> "DistillRun":
@@ -235,6 +238,7 @@ class DistillRun:
             refs = self.groups["actor"].train_async(iteration, self.handoff["pairs"], self.handoff.get("scores"))
             metrics = _merge(self.groups["actor"].get([m for _, m in refs]))
             self.handoff = {}
+            metrics.update(self._finish_saves(wait=False))  # an asynchronous save written meanwhile
             return metrics
         return self._run_phase(iteration, "student_train", run)
 
@@ -268,18 +272,48 @@ class DistillRun:
         a collective), rank 0 decodes and returns them."""
         return self._call_or_break(lambda: self.groups["actor"].call("sample", prompt_index, seed)[0])
 
-    def checkpoint(self, iteration: int) -> dict:
-        """Every trainer saves; the tracker is written last, only after all of them finished."""
+    def checkpoint(self, iteration: int, wait: bool = False) -> dict:
+        """Every trainer saves (each rank its own shards); the tracker moves only once every
+        role's save is durable: at once for synchronous saves; for asynchronous ones when a
+        later poll (``poll_saves``, after each student train), the next checkpoint or ``wait``
+        finds them written. Returns the blocked time and, once tracked, the save's time."""
         def run():
             start = time.perf_counter()
-            urls = {}
             self.lease.ensure()
-            for role, group in self.groups.items():
-                urls[role] = next(u for u in group.call("save", iteration) if u)
-            self.lease.ensure()  # never move the tracker of a URL another run took over
-            checkpoint.write_tracker(self.args.save, iteration)
-            return {"checkpoint": urls, "checkpoint_s": time.perf_counter() - start}
+            metrics = self._finish_saves(wait=True)  # a later save waits for the earlier one
+            out = {role: group.call("save", iteration) for role, group in self.groups.items()}
+            self.pending_save = iteration
+            metrics["checkpoint_blocked_s"] = time.perf_counter() - start
+            if all("save_s" in o for outs in out.values() for o in outs):
+                metrics.update(self._track(iteration, out))
+            elif wait:
+                metrics.update(self._finish_saves(wait=True))
+            return metrics
         return self._call_or_break(run)
+
+    def poll_saves(self) -> dict:
+        """Move the tracker if the save in flight became durable (no wait); its metrics then."""
+        return self._call_or_break(lambda: self._finish_saves(wait=False))
+
+    def _finish_saves(self, wait: bool) -> dict:
+        if self.pending_save is None:
+            return {}
+        status = {role: group.call("save_status", wait) for role, group in self.groups.items()}
+        if any(s is None or "pending" in s for outs in status.values() for s in outs):
+            return {}
+        return self._track(self.pending_save, status)
+
+    def _track(self, iteration: int, done: dict[str, list[dict]]) -> dict:
+        """Every role's save of ``iteration`` is durable: move the tracker, then apply retention."""
+        self.lease.ensure()  # never move the tracker of a URL another run took over
+        checkpoint.write_tracker(self.args.save, iteration, roles=list(done))
+        self.pending_save = None
+        self.tracked = {"iteration": iteration, "trainers": {role: outs[0]["url"] for role, outs in done.items()}}
+        pruned = checkpoint.prune(self.args.save, list(done), self.args.keep_last_n)
+        return {"checkpoint": self.tracked["trainers"], "checkpoint_iteration": iteration,
+                "checkpoint_save_s": max(o["save_s"] for outs in done.values() for o in outs),
+                "checkpoint_bytes_per_rank": max(o["bytes"] for outs in done.values() for o in outs),
+                "checkpoints_pruned": len(pruned)}
 
     def _call_or_break(self, fn):
         if self.broken:

@@ -78,6 +78,8 @@ class Trainer:
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.ema: Optional[list[torch.Tensor]] = None
         self._stash: Optional[tuple[list, list]] = None
+        self._pending: Optional[checkpoint.PendingSave] = None
+        self.checkpoint_pg = None
         if world_size == 1:
             self.init_process_group()
 
@@ -108,6 +110,7 @@ class Trainer:
         )
         if args.ema_decay:
             self.ema = [p.detach().clone() for p in self.model.parameters()]
+        self.checkpoint_pg = checkpoint.checkpoint_group()
 
     def placement(self) -> dict:
         """Where Ray put this rank: its placement group and its share of the device resource."""
@@ -465,28 +468,46 @@ class Trainer:
         return parallel.full_state_dict(self.model)
 
     # ---- checkpoints --------------------------------------------------------------------------
-    def save(self, iteration: int) -> Optional[str]:
-        """Every rank takes part in gathering the whole state; rank 0 writes the checkpoint."""
+    def save(self, iteration: int) -> dict:
+        """Every rank writes its own shards (DCP); rank 0 the marker. With ``async_save`` the
+        state is staged to host memory and the call returns while it is written; an earlier
+        save still in flight is waited for first. Returns ``{'url', 'iteration', 'blocked_s'}``
+        plus, once durable, ``'save_s'`` and ``'bytes'`` (this rank's)."""
+        start = time.perf_counter()
+        self.save_status(wait=True)  # a later save waits for the earlier one (and raises if it failed)
         was_asleep = self.asleep
         self.wake_up()
         self._reshard()
-        url = checkpoint.save_trainer(
-            self.args.save, self.role, iteration, self.model, self.optimizer, self.shift,
-            # a student ships with the scheduler of its own few-step sampler
-            scheduler="FlowMatchLCMScheduler" if self.args.loss_type == "dmd2" else "FlowMatchEulerDiscreteScheduler",
-            ema=self.ema, extra={"step": self.step, "iteration": iteration, **self.nonfinite.state(), **self._disc_state()},
-            writer=self.rank == 0,
+        pending = checkpoint.save_trainer(
+            self.args.save, self.role, iteration, self.model, self.optimizer, ema=self.ema,
+            extra={"step": self.step, "iteration": iteration, **self.nonfinite.state(), **self._disc_state()},
+            process_group=self.checkpoint_pg, asynchronous=self.args.async_save,
         )
         if was_asleep:
             self.sleep()
-        return url
+        self._pending = pending
+        out = {"url": pending.url, "iteration": iteration, "blocked_s": time.perf_counter() - start}
+        if pending.done():
+            out.update(self.save_status(wait=True))
+        return out
+
+    def save_status(self, wait: bool = False) -> Optional[dict]:
+        """The latest save: None when there is none; ``{'pending': iteration}`` while it is
+        written (``wait``: block until it is durable); once durable, its result (``url``,
+        ``save_s``, ``bytes``), every time it is asked. A save that failed raises its error."""
+        pending = self._pending
+        if pending is None:
+            return None
+        if not wait and not pending.done():
+            return {"pending": pending.iteration}
+        return pending.result()
 
     def load(self, iteration: int, url: Optional[str] = None) -> int:
         """Load this trainer's checkpoint of ``iteration`` from ``url`` (default: its load URL);
         any number of ranks loads any checkpoint (each keeps its own shard)."""
         self.wake_up()
         extra = checkpoint.load_trainer(url or self.args.load_url, self.role, iteration, self.model,
-                                        self.optimizer, ema=self.ema)
+                                        self.optimizer, ema=self.ema, process_group=self.checkpoint_pg)
         self.step = int(extra.get("step", 0))
         self.nonfinite.load(extra)
         if self.disc is not None and "disc" in extra:  # a checkpoint from before the head keeps the fresh head

@@ -130,6 +130,7 @@ class Driver:
         self.evaluating = args.eval_interval > 0
         self.last_eval: Optional[int] = None
         self.last_ckpt: Optional[int] = self.start if (self.start and args.load_url == args.save) else None
+        self.requested_ckpt: Optional[int] = self.last_ckpt
         self.log = MetricsLog(args.save, self.start)
         self.keys = artifacts.artifact_keys(args.run_name)
         self.result: dict[str, Any] = {
@@ -166,12 +167,21 @@ class Driver:
         self.result["checkpoint"] = self.view["checkpoint"] = info
         self.view["student"] = trainers.get("actor") and f"{trainers['actor'].rstrip('/')}/model"
 
-    def checkpoint(self, i: int) -> None:
-        out = checkpoint(self.run_id, i)
+    def _saved(self, metrics: dict) -> None:
+        """A checkpoint became durable and the tracker names it: note it, log it."""
+        trainers = metrics.pop("checkpoint", None)
+        if trainers is None:
+            return
+        i = int(metrics["checkpoint_iteration"])
         self.last_ckpt = i
-        self.log.update(i, {"checkpoint_s": out.get("checkpoint_s")})
-        self._note_checkpoint(i, out.get("checkpoint", {}))
-        self.logger.info(f"checkpoint at iteration {i}: {out.get('checkpoint', {})}")
+        self._note_checkpoint(i, trainers)
+        self.logger.info(f"checkpoint at iteration {i} tracked ({metrics['checkpoint_save_s']:.2f}s to write): {trainers}")
+
+    def checkpoint(self, i: int, wait: bool = False) -> None:
+        out = checkpoint(self.run_id, i, wait)
+        self.requested_ckpt = i
+        self._saved(out)
+        self.log.update(i, {k: v for k, v in out.items() if k.startswith("checkpoint_") and k != "checkpoint_iteration"})
 
     def publish(self, i: int) -> None:
         self.view["iteration"] = i
@@ -189,6 +199,7 @@ class Driver:
             # wait_for: an edge in the run graph, so one iteration's phases read as one chain
             state = phase(self.run_id, *call, return_state=True, wait_for=[state] if state is not None else None)
             metrics.update(state.result())
+        self._saved(metrics)
         metrics["iteration_s"] = time.perf_counter() - t
         row = self.log.update(i, metrics)
         milestone = False
@@ -196,7 +207,7 @@ class Driver:
             self.eval(i)
             milestone = True
         if (self.args.save_interval and i % self.args.save_interval == 0) or i == self.final:
-            self.checkpoint(i)
+            self.checkpoint(i, wait=i == self.final)
             milestone = True
         self.log.update(i, {"wall_time": time.time()})
         if milestone:
@@ -222,8 +233,8 @@ class Driver:
             iterations.with_options(flow_run_name=f"iterations-{first:04d}-{last:04d}")(self.run_id, first, last)
         if self.evaluating and self.last_eval != self.final:
             self.eval(self.final)
-        if self.last_ckpt != self.final:
-            self.checkpoint(self.final)
+        if self.requested_ckpt != self.final:
+            self.checkpoint(self.final, wait=True)
         final_row = dict(self.log.rows.get(self.final, {"iteration": self.final}))
         self.result["final_metrics"] = final_row
         if self.evaluating:

@@ -1,4 +1,6 @@
-"""Checkpoint task: every trainer saves, then the tracker is written."""
+"""Checkpoint task: every trainer saves its shards; the tracker moves once all of them are durable
+(at once, or for asynchronous saves when a later iteration finds them written; ``wait`` at the
+end of a run)."""
 
 from __future__ import annotations
 
@@ -9,5 +11,5 @@ from tasks.registry import get_run
 
 
 @task(name="checkpoint", task_run_name="checkpoint-{iteration}", **TASK_OPTIONS)
-def checkpoint(run_id: str, iteration: int) -> dict:
-    return get_run(run_id).checkpoint(iteration)
+def checkpoint(run_id: str, iteration: int, wait: bool = False) -> dict:
+    return get_run(run_id).checkpoint(iteration, wait)
