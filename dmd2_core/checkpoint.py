@@ -46,11 +46,15 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import warnings
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
 from dmd2_core import parallel, storage
+
+# a single process without torch.distributed (tests, tools) saves and loads with no_dist=True
+warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 from dmd2_core.finite import NonFiniteError, first_nonfinite
 from dmd2_core.models import CheckpointError
 
@@ -519,6 +523,24 @@ def load_trainer(
     return dict(meta.get("extra") or {})
 
 
+def read_weights(load_url: str, role: str, iteration: int, section: str = "model") -> dict[str, torch.Tensor]:
+    """The whole ``section`` ('model', 'ema' or 'optim') of a sharded checkpoint as plain tensors,
+    read in this one process (no process group; any number of ranks wrote it): for tools and
+    tests, not for resuming."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    d = trainer_dir(load_url, role, iteration)
+    _read_marker(d)
+    reader = FsspecReader(storage.join(d, DCP_DIR))
+    saved = reader.read_metadata().state_dict_metadata
+    prefix = f"{section}."
+    target = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in saved.items()
+              if k.startswith(prefix) and hasattr(m, "size")}
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    return {k[len(prefix):]: v for k, v in target.items()}
+
+
 def _check_hashes_shared(d: str, marker: dict, process_group) -> None:
     """Every file's sha256 against the marker, the files split between the group's ranks; every
     rank raises the first mismatch any of them found."""
@@ -571,8 +593,16 @@ def _load_sharded(d: str, model, optimizer, ema, meta: dict, process_group) -> N
         except ValueError as exc:
             raise CheckpointLoadError(f"{state_url}: optimizer state does not fit ({one_line(exc)})") from None
     target = _sharded_state(model, optimizer, ema, init_optimizer=True)
+    reader = FsspecReader(dcp_url)
     try:
-        _collective_retrying(lambda: dcp.load(target, storage_reader=FsspecReader(dcp_url), process_group=process_group,
+        saved = storage.retrying(reader.read_metadata, f"read {dcp_url}/.metadata").state_dict_metadata
+    except storage.StorageUnavailableError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointLoadError(f"{dcp_url}/.metadata: corrupt ({one_line(exc)})") from None
+    _check_fits(dcp_url, saved, target)
+    try:
+        _collective_retrying(lambda: dcp.load(target, storage_reader=reader, process_group=process_group,
                                               no_dist=process_group is None), f"load {dcp_url}", process_group)
     except (storage.StorageUnavailableError, CheckpointError):
         raise
@@ -582,6 +612,21 @@ def _load_sharded(d: str, model, optimizer, ema, meta: dict, process_group) -> N
     for key, value in target.items():  # DCP loads in place; a tensor it replaced is copied back
         if loaded[key] is not value and parallel.local(loaded[key]).data_ptr() != parallel.local(value).data_ptr():
             parallel.local(loaded[key]).copy_(parallel.local(value))
+
+
+def _check_fits(dcp_url: str, saved: dict, target: dict[str, torch.Tensor]) -> None:
+    """Strict loading: DCP would load a subset silently; every saved weight (and EMA weight) must
+    have its place in the model and every tensor to load its saved value, with the same shape."""
+    sections = {k.split(".", 1)[0] for k in target}
+    relevant = {k for k in saved if k.split(".", 1)[0] in sections | {"model"}}
+    missing, unexpected = sorted(set(target) - relevant), sorted(relevant - set(target))
+    what = "weights" if any(k.startswith(("model.", "ema.")) for k in missing + unexpected) else "optimizer state"
+    if missing or unexpected:
+        raise CheckpointLoadError(f"{dcp_url}: {what} do not fit the trainer (missing {missing[:2]}, unexpected {unexpected[:2]})")
+    for key, value in target.items():
+        size = tuple(getattr(saved[key], "size", ()) or ())
+        if size != tuple(value.shape):
+            raise CheckpointLoadError(f"{dcp_url}: '{key}' has shape {size} in the checkpoint, {tuple(value.shape)} here")
 
 
 def _dcp_reason(exc: BaseException) -> str:
@@ -598,6 +643,8 @@ def _apply_param_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(f"{len(saved_groups)} parameter groups saved, the optimizer has {len(optimizer.param_groups)}")
     for saved, group in zip(saved_groups, optimizer.param_groups):
+        if any(id(p) not in names for p in group["params"]):
+            raise ValueError("the optimizer holds parameters that are not the model's")
         current = [names[id(p)] for p in group["params"]]
         if sorted(saved["params"]) != sorted(current):
             extra = sorted(set(saved["params"]) ^ set(current))

@@ -131,7 +131,12 @@ def test_child_process_inherits_s3_endpoint(s3_bucket):
 
 # ---- trainer checkpoints ----------------------------------------------------------------------
 
-def test_trainer_round_trip_is_exact(root):
+def _save(root, role, iteration, model, opt, **kw) -> str:
+    return ckpt.save_trainer(root, role, iteration, model, opt, **kw).result()["url"]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_trainer_round_trip_is_exact(root, asynchronous):
     model, ema = _model(0), _model(0)
     opt = _optimizer(model)
     for i in range(2):
@@ -140,14 +145,19 @@ def test_trainer_round_trip_is_exact(root):
         for pe, p in zip(ema.parameters(), model.parameters()):
             pe.lerp_(p, 0.1)
     extra = {"iteration": 7, "student_steps": 2, "rng": torch.get_rng_state(), "note": "x"}
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
 
-    d = ckpt.save_trainer(root, "student", 7, model, opt, SHIFT, ema=list(ema.parameters()), extra=extra)
+    pending = ckpt.save_trainer(root, "student", 7, model, opt, ema=list(ema.parameters()), extra=extra,
+                                asynchronous=asynchronous)
+    if asynchronous:  # the state was staged: training on while it is written changes nothing saved
+        _step(model, opt, seed=55)
+    d = pending.result()["url"]
     assert d == ckpt.trainer_dir(root, "student", 7)
     assert d.endswith("trainers/student/iter_0000007")
     marker = json.loads(storage.read_text(storage.join(d, "complete.json")))
-    assert "trainer_state.pt" in marker["files"] and marker["has_ema"]
-    assert any(f.startswith("model/transformer/") and f.endswith(".safetensors") for f in marker["files"])
-    assert describe_checkpoint(storage.join(d, "model"))["shift"] == SHIFT
+    assert marker["format"] == 3 and marker["has_ema"] and marker["world_size"] == 1
+    assert {"trainer_state.pt", "dcp/.metadata", "dcp/__0_0.distcp"} <= set(marker["files"]) == set(marker["sha256"])
+    assert all(marker["sha256"][rel] == storage.sha256(storage.join(d, rel)) for rel in marker["files"])
 
     model2, ema2 = _model(123), _model(456)  # different initial weights
     opt2 = _optimizer(model2)
@@ -156,31 +166,31 @@ def test_trainer_round_trip_is_exact(root):
 
     assert got["iteration"] == 7 and got["student_steps"] == 2 and got["note"] == "x"
     assert torch.equal(got["rng"], extra["rng"])
-    _assert_same_state(model.state_dict(), model2.state_dict())
+    _assert_same_state(saved, model2.state_dict())
     _assert_same_state(ema.state_dict(), ema2.state_dict())
-    _assert_same_optimizer(opt, opt2)
     assert opt2.param_groups[0]["lr"] == 1e-3
-
-    _step(model, opt, seed=99)
-    _step(model2, opt2, seed=99)
-    _assert_same_state(model.state_dict(), model2.state_dict())
-    _assert_same_optimizer(opt, opt2)
+    if not asynchronous:
+        _assert_same_optimizer(opt, opt2)
+        _step(model, opt, seed=99)
+        _step(model2, opt2, seed=99)
+        _assert_same_state(model.state_dict(), model2.state_dict())
+        _assert_same_optimizer(opt, opt2)
 
 
 def test_save_over_existing_iteration_replaces_it(tmp_path):
     root = str(tmp_path)
     first = _model(0)
-    d = ckpt.save_trainer(root, "critic", 3, first, _optimizer(first), SHIFT, ema=list(_model(1).parameters()))
-    stale = _local_path(d) / "model" / "transformer" / "stale.bin"
+    d = _save(root, "critic", 3, first, _optimizer(first), ema=list(_model(1).parameters()))
+    stale = _local_path(d) / "dcp" / "stale.bin"
     stale.write_bytes(b"old")
 
     second = _model(5)
     opt = _optimizer(second)
     _step(second, opt, seed=3)
-    ckpt.save_trainer(root, "critic", 3, second, opt, SHIFT, extra={"iteration": 3})
+    _save(root, "critic", 3, second, opt, extra={"iteration": 3})
     assert not stale.exists()
     marker = json.loads((_local_path(d) / "complete.json").read_text())
-    assert not marker["has_ema"] and not any(f.startswith("ema/") for f in marker["files"])
+    assert not marker["has_ema"]
 
     fresh = _model(9)
     fresh_opt = _optimizer(fresh)
@@ -194,8 +204,70 @@ def test_save_over_existing_iteration_replaces_it(tmp_path):
 def test_extra_must_survive_weights_only_load(tmp_path):
     model = _model()
     with pytest.raises(ValueError, match=re.escape("extra")):
-        ckpt.save_trainer(str(tmp_path), "student", 1, model, _optimizer(model), SHIFT, extra={"bad": object()})
+        ckpt.save_trainer(str(tmp_path), "student", 1, model, _optimizer(model), extra={"bad": object()})
     assert not (tmp_path / "trainers").exists()
+
+
+def test_format2_checkpoints_still_load(root):
+    """Checkpoints written before sharded saves (whole weights, format 2) resume exactly."""
+    from tests.legacy_checkpoint import save_format2
+
+    model, ema = _model(0), _model(1)
+    opt = _optimizer(model)
+    _step(model, opt, seed=5)
+    save_format2(root, "student", 4, model, opt, SHIFT, ema=list(ema.parameters()), extra={"iteration": 4})
+    ckpt.write_tracker(root, 4)
+    assert ckpt.validate_resume(root, ["student"]) == 4
+    model2, ema2 = _model(9), _model(9)
+    opt2 = _optimizer(model2)
+    assert ckpt.load_trainer(root, "student", 4, model2, opt2, ema=list(ema2.parameters())) == {"iteration": 4}
+    _assert_same_state(model.state_dict(), model2.state_dict())
+    _assert_same_state(ema.state_dict(), ema2.state_dict())
+    _assert_same_optimizer(opt, opt2)
+    # saved again, the run continues in the current format
+    d = _save(root, "student", 5, model2, opt2, ema=list(ema2.parameters()))
+    assert json.loads(storage.read_text(storage.join(d, "complete.json")))["format"] == ckpt.FORMAT
+
+
+def test_a_checkpoint_from_a_newer_format_fails_in_one_line(tmp_path):
+    root = str(tmp_path)
+    d = _saved(root)
+    marker_url = storage.join(d, "complete.json")
+    marker = json.loads(storage.read_text(marker_url))
+    storage.write_text(marker_url, json.dumps({**marker, "format": ckpt.FORMAT + 1}))
+    before = {p: p.read_bytes() for p in Path(root).rglob("*") if p.is_file()}
+    ckpt.write_tracker(root, 1)
+    for call in (lambda: ckpt.validate_resume(root, ["student"]), lambda: ckpt.load_trainer(root, "student", 1, *_fresh())):
+        with pytest.raises(CheckpointLoadError, match=re.escape(f"{d}: checkpoint format {ckpt.FORMAT + 1} is newer")) as info:
+            call()
+        assert "\n" not in str(info.value)
+    assert {p: p.read_bytes() for p in Path(root).rglob("*") if p.is_file() and p.name != "latest_checkpointed_iteration.txt"} == \
+        {p: b for p, b in before.items()}
+
+
+# ---- retention --------------------------------------------------------------------------------
+
+def test_retention_keeps_the_newest_and_never_the_tracked(tmp_path):
+    root = str(tmp_path)
+    model = _model(0)
+    opt = _optimizer(model)
+    for i in (1, 2, 3):
+        _save(root, "student", i, model, opt)
+        ckpt.write_tracker(root, i)
+        ckpt.prune(root, ["student"], keep_last_n=2)
+    assert sorted(ckpt.saved_iterations(root, "student")) == [2, 3]
+    # a save of 4 that failed midway (no marker): 3 stays tracked, kept, and so is 2
+    (Path(ckpt.trainer_dir(root, "student", 4)) / "dcp").mkdir(parents=True)
+    assert ckpt.prune(root, ["student"], keep_last_n=1) == [ckpt.trainer_dir(root, "student", 2)]
+    assert ckpt.saved_iterations(root, "student") == {3: True, 4: False}  # newer than the tracker: in flight
+    # the tracker names an older checkpoint (a resume from it): nothing of it or newer goes
+    _save(root, "student", 5, model, opt)
+    ckpt.write_tracker(root, 3)
+    assert ckpt.prune(root, ["student"], keep_last_n=1) == []
+    ckpt.write_tracker(root, 5)
+    assert ckpt.prune(root, ["student"], keep_last_n=1) == [ckpt.trainer_dir(root, "student", i) for i in (3, 4)]
+    assert ckpt.prune(root, ["student"], keep_last_n=0) == []
+    assert ckpt.saved_iterations(root, "student") == {5: True}
 
 
 # ---- tracker and resume -----------------------------------------------------------------------
@@ -218,7 +290,7 @@ def test_tracker(root):
 def _save_all(root, iteration, trainers) -> None:
     """The driver's rule: every trainer saves; only then does the tracker move."""
     for role, (model, opt) in trainers.items():
-        ckpt.save_trainer(root, role, iteration, model, opt, SHIFT, extra={"iteration": iteration})
+        _save(root, role, iteration, model, opt, extra={"iteration": iteration})
     ckpt.write_tracker(root, iteration, roles=list(trainers))
 
 
@@ -233,7 +305,7 @@ def test_crash_during_save_keeps_tracker(root, monkeypatch):
     real_write = storage.write_bytes
 
     def crashing_write(url, data):
-        if "/trainers/critic/iter_0000002/" in url and url.endswith("trainer_state.pt"):
+        if "/trainers/critic/iter_0000002/" in url and url.endswith("complete.json"):
             raise OSError("simulated crash while saving the critic")
         real_write(url, data)
 
@@ -245,7 +317,7 @@ def test_crash_during_save_keeps_tracker(root, monkeypatch):
     assert ckpt.read_tracker(root) == 1
     assert ckpt.validate_resume(root, trainers) == 1
     critic_dir = ckpt.trainer_dir(root, "critic", 2)
-    assert storage.exists(storage.join(critic_dir, "model", "transformer", "config.json"))  # half written
+    assert storage.exists(storage.join(critic_dir, "dcp", ".metadata"))  # written, all but the marker
     with pytest.raises(CheckpointLoadError, match=re.escape(f"{critic_dir}: incomplete")):
         ckpt.load_trainer(root, "critic", 2, _model(0), None)
     ckpt.load_trainer(root, "student", 2, _model(0), None)  # the student's save did finish
@@ -267,11 +339,11 @@ def _saved(root, role="student", iteration=1):
     model = _model(0)
     opt = _optimizer(model)
     _step(model, opt, seed=4)
-    return ckpt.save_trainer(root, role, iteration, model, opt, SHIFT)
+    return _save(root, role, iteration, model, opt)
 
 
 def _weights_url(d: str) -> str:
-    return storage.join(d, "model", "transformer", "diffusion_pytorch_model.safetensors")
+    return storage.join(d, "dcp", "__0_0.distcp")
 
 
 def _fresh():
@@ -317,7 +389,7 @@ def test_corrupt_checkpoint_on_s3(s3_bucket):
 def test_unreadable_marker_and_mismatched_model(tmp_path):
     root = str(tmp_path)
     d = _saved(root)
-    with pytest.raises(CheckpointLoadError, match=re.escape(f"{d}/model/transformer: weights do not fit")):
+    with pytest.raises(CheckpointLoadError, match=re.escape(f"{d}/dcp: weights do not fit")):
         ckpt.load_trainer(root, "student", 1, _model(0, num_layers=2), None)
     other = _model(0, num_layers=2)
     with pytest.raises(CheckpointLoadError, match=re.escape("trainer_state.pt: optimizer state does not fit")):

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from dmd2_core import checkpoint as ckpt
 from dmd2_core import storage
@@ -25,11 +24,7 @@ HOOKS = "tests.hooks_fixture"
 
 
 def _weights(save: str, role: str, iteration: int, sub: str = "model") -> dict[str, torch.Tensor]:
-    d = Path(storage.filesystem(ckpt.trainer_dir(save, role, iteration))[1]) / sub / "transformer"
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(d.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
+    return ckpt.read_weights(save, role, iteration, sub)
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -103,7 +98,7 @@ def test_a_nonfinite_weight_is_never_written(tiny_teacher, tmp_path):
     with torch.no_grad():
         next(model.parameters()).view(-1)[3] = float("inf")
     with pytest.raises(NonFiniteError, match=r"critic: not saving iteration 7: 'model\.\S+' holds 1 non-finite"):
-        ckpt.save_trainer(str(tmp_path), "critic", 7, model, opt, 3.0)
+        ckpt.save_trainer(str(tmp_path), "critic", 7, model, opt)
     assert not Path(ckpt.trainer_dir(str(tmp_path), "critic", 7)).exists()
 
 
@@ -197,28 +192,34 @@ def _checkpointed_run(tiny_teacher, save, name):
     return args
 
 
-def test_a_flipped_byte_or_a_wrong_load_url_fails_in_preflight(ray_session, tiny_teacher, tmp_path, monkeypatch):
+def test_a_flipped_byte_fails_the_resume_and_a_wrong_load_url_fails_in_preflight(ray_session, tiny_teacher, tmp_path,
+                                                                                monkeypatch):
+    """Pre-flight checks the listing and sizes (cheap at any size); the hashes of a sharded
+    checkpoint are checked by its ranks, in parallel, before anything is loaded: one line naming
+    the file, and nothing under the checkpoint touched."""
     save = str(tmp_path / "run")
     args = _checkpointed_run(tiny_teacher, save, "dmd2-flip")
-    weights = Path(ckpt.trainer_dir(save, "actor", 1)) / "model" / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights = Path(ckpt.trainer_dir(save, "actor", 1)) / "dcp" / "__0_0.distcp"
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0x01  # same size, one bit
     weights.write_bytes(bytes(data))
-    before = {p: p.read_bytes() for p in Path(save).rglob("*") if p.is_file()}
+    before = {p: p.read_bytes() for p in Path(save).rglob("*") if p.is_file() and p.name != ".lease.lock"}
+    run = DistillRun(args)
+    try:
+        with pytest.raises(ckpt.CheckpointLoadError) as info:
+            run.start()
+    finally:
+        run.shutdown()
+    assert str(info.value) == f"{weights}: corrupt (sha256 differs from the one recorded at save)"
+    assert {p: p.read_bytes() for p in Path(save).rglob("*") if p.is_file() and p.name != ".lease.lock"} == before
+
+    # a truncated file is caught before any actor
+    weights.write_bytes(bytes(data[:100]))
     started = []
     monkeypatch.setattr("dmd2_core.groups.init_ray", lambda *a, **k: started.append(1))
-    with pytest.raises(ckpt.CheckpointLoadError) as info:
+    with pytest.raises(ckpt.CheckpointLoadError, match=re.escape(f"{weights}: corrupt (100 bytes")):
         DistillRun(args)
-    assert str(info.value) == f"{weights}: corrupt (sha256 differs from the one recorded at save)"
     assert not started
-    assert {p: p.read_bytes() for p in Path(save).rglob("*") if p.is_file()} == before  # nothing touched
-
-    # the actors check the hashes too (a retry's reload never goes through preflight)
-    from dmd2_core.trainer import Trainer
-
-    trainer = Trainer(args.model_copy(update={"loss_type": "dmd2"}), "actor")
-    with pytest.raises(ckpt.CheckpointLoadError, match=re.escape(f"{weights}: corrupt (sha256")):
-        trainer.load(1, save)
 
     # an explicit load URL without a checkpoint is an error, not a fresh start
     fresh = tiny_args(tiny_teacher, str(tmp_path / "fresh"), load=str(tmp_path / "rnu"))
