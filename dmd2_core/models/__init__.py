@@ -89,6 +89,15 @@ def describe_checkpoint(url: str) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001
             first = (str(exc).strip().splitlines() or [""])[0]
             raise CheckpointError(f"{sched_url}: unreadable scheduler config ({type(exc).__name__}: {first})") from None
+        export_url = storage.join(url, "export.json")
+        try:  # a student export (dmd2_core.export): its scheduler's shift is solved for
+            # set_timesteps(K), not the training shift, which export.json records
+            if storage.exists(export_url):
+                shift = float(_read_json(export_url)["shift"])
+        except storage.StorageUnavailableError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointError(f"{export_url}: unreadable export marker ({type(exc).__name__}: {exc})") from None
         if storage.exists(storage.join(url, "vae", "config.json")):
             vae_url = storage.join(url, "vae")
     return {"family": class_name, "transformer_url": transformer_url, "shift": shift, "vae_url": vae_url}

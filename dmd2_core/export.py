@@ -1,0 +1,406 @@
+"""Student export: the distilled few-step student as a diffusers directory people can load.
+
+Layout of one export (``{save}/exports/iter_{iteration:07d}/``, any fsspec URL)::
+
+    model_index.json      the teacher's, transformer and scheduler entries updated (a bare
+                          teacher: transformer + scheduler only, as save_checkpoint writes it)
+    transformer/          the weights the project evaluates with: the EMA when there is one,
+                          else the trained weights, cast to the export dtype
+    transformer_online/   with an EMA only: the trained (online) weights; not in model_index.json
+    scheduler/            FlowMatchLCMScheduler, configured so set_timesteps(K) gives the
+                          student's K sigmas (see ``student_scheduler_config``)
+    vae/, text_encoder/, tokenizer/, ...   the teacher's other components, copied file by file
+    export.json           written last, after verification: the marker of a complete export
+
+``DiffusionPipeline.from_pretrained(export)`` then builds the teacher's pipeline class (e.g.
+WanPipeline) with the student inside. What a diffusers pipeline reproduces of the project's own
+samples (``dmd2.eval_samples``), checked in tests/test_export.py on the Wan stand-in:
+
+- the sigmas: WanPipeline (like most) calls ``scheduler.set_timesteps(num_inference_steps)``
+  with no sigmas; with the scheduler config written here that gives the student's K sigmas
+  (to float32 rounding), so ``num_inference_steps=K`` is the student's sampler. Calling
+  ``set_timesteps(sigmas=[1, .75, .5, .25])`` on an exported scheduler is *wrong*: it would
+  warp the given sigmas with the solved shift and terminal stretch.
+- the noise: WanPipeline (diffusers 0.42) draws its initial latents from ``generator`` but
+  calls ``scheduler.step(...)`` without it, so FlowMatchLCMScheduler's re-noising draws come
+  from torch's global RNG. A pipeline call reproduces ``eval_samples(seed)`` (to 1e-5, float32,
+  CPU) when the global RNG is seeded and no generator is passed: ``torch.manual_seed(seed);
+  pipe(..., generator=None)`` draws the latents and then every step's noise from one CPU
+  generator, in the order eval_samples draws them from ``torch.Generator().manual_seed(seed)``.
+  With ``generator=torch.Generator().manual_seed(seed)`` only K=1 matches (its last step's
+  noise is multiplied by sigma 0). On CUDA the global RNG is the device's: the draws differ.
+- guidance: ``guidance_scale=1.0`` (no CFG branch), the student being conditional only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+
+from dmd2_core import flow_matching as fm
+from dmd2_core import parallel, storage
+from dmd2_core.models import CheckpointError, describe_checkpoint, family_of, write_transformer
+
+MARKER_NAME = "export.json"
+EXPORT_FORMAT = 1
+SCHEDULER_CLASS = "FlowMatchLCMScheduler"
+ONLINE_DIR = "transformer_online"
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+
+
+# ---- layout ----------------------------------------------------------------------------------
+def exports_root(save_url: str) -> str:
+    return storage.join(save_url, "exports")
+
+
+def export_url(save_url: str, iteration: int) -> str:
+    return storage.join(exports_root(save_url), f"iter_{int(iteration):07d}")
+
+
+# ---- the scheduler ---------------------------------------------------------------------------
+def student_scheduler_config(shift: float, num_steps: int, num_train_timesteps: int = 1000) -> dict[str, Any]:
+    """FlowMatchLCMScheduler settings whose ``set_timesteps(num_steps)`` gives
+    ``fm.student_sigmas(num_steps, shift)`` (and timesteps 1000 sigma).
+
+    Why not plain ``shift=shift``: set_timesteps(K) takes K points evenly spaced from 1 to the
+    scheduler's smallest *shifted* training sigma s(1/1000) and shifts them again, e.g. shift 5,
+    K=4: [1, .910, .717, .024], while the student samples at s([1, .75, .5, .25]) = [1, .938,
+    .833, .625]. No setting keeps ``shift`` = the training shift and fixes this
+    (num_train_timesteps would fix the grid but also scales the timestep the model is given).
+    What does: the grid, shifted with some S', then ``shift_terminal`` (an affine stretch of
+    1 - sigma that ends at T) is a Moebius map of the grid, as the student's schedule is; with
+    T = the student's last sigma s(1/K) and S' the root of
+    (S-1)(K-1) S'^2 + [(S-1)(K-1) - S K] M S' + S K M = 0 (M = num_train_timesteps - 1)
+    the two agree exactly in real arithmetic (float32 rounding here: <= 2.4e-7 over shifts
+    0.5..20, K 1..50). So the exported ``shift`` is S', not the training shift; export.json
+    records the training shift (and describe_checkpoint reads it from there). K=1 needs no
+    change: set_timesteps(1) is [1] whatever the shift."""
+    S, K, M = float(shift), int(num_steps), num_train_timesteps - 1
+    if not (S > 0 and K >= 1):
+        raise ValueError(f"shift must be positive and num_steps >= 1, got shift={shift}, num_steps={num_steps}")
+    config: dict[str, Any] = {"num_train_timesteps": num_train_timesteps, "shift": S}
+    if K > 1:
+        a, b, c = (S - 1) * (K - 1), ((S - 1) * (K - 1) - S * K) * M, S * K * M
+        if abs(a) < 1e-12:
+            solved = -c / b
+        else:
+            d = math.sqrt(b * b - 4 * a * c)
+            roots = [r for r in ((-b - d) / (2 * a), (-b + d) / (2 * a)) if r > 0]
+            guess = S * K / (S + K - 1)  # the root as M -> infinity: the well-conditioned one
+            solved = min(roots, key=lambda r: abs(r - guess))
+        config.update(shift=float(solved), shift_terminal=float(fm.shift_sigma(1.0 / K, S)))
+    got = scheduler_sigmas(config, K)
+    want = fm.student_sigmas(K, S)
+    err = max(abs(g - w) for g, w in zip(got, want))
+    if len(got) != K or err > 1e-6:
+        raise ValueError(f"no {SCHEDULER_CLASS} config gives the student's sigmas for shift {S}, K {K} "
+                         f"(max error {err:.2e})")
+    return config
+
+
+def scheduler_sigmas(config: dict, num_steps: int) -> list[float]:
+    """The K sigmas a pipeline's ``set_timesteps(num_steps)`` gives with this config."""
+    import diffusers
+
+    scheduler = getattr(diffusers, SCHEDULER_CLASS)(**config)
+    scheduler.set_timesteps(num_steps)
+    return [float(s) for s in scheduler.sigmas[:-1]]
+
+
+# ---- the export ------------------------------------------------------------------------------
+def export_student(
+    url: str,
+    model: torch.nn.Module,
+    *,
+    teacher_url: str,
+    shift: float,
+    num_steps: int,
+    export_dtype: torch.dtype,
+    ema=None,
+    writer: bool = True,
+    verify: bool = True,
+    iteration: Optional[int] = None,
+) -> Optional[dict]:
+    """Export the student ``model`` (possibly FSDP2-sharded; ``ema``: its EMA tensors in
+    parameter order, sharded like it) to ``url`` as a diffusers directory (layout in the module
+    docstring). A collective: every rank of the trainer group calls it; the whole weights are
+    gathered tensor by tensor, only the ``writer`` rank keeps and writes them; the others return
+    None. The writer holds the gathered state (two copies with an EMA) plus, while verifying,
+    one reloaded transformer at a time.
+
+    A directory already at ``url`` is replaced (its export.json goes first). ``verify`` reloads
+    each written transformer with the family's model class and checks every tensor equals the
+    gathered one in ``export_dtype`` (and the safetensors hold ``export_dtype``); a mismatch
+    raises CheckpointError naming the path, and export.json is not written.
+
+    Returns {"url", "bytes" (all files), "export_s" (gather + write), "verify_s", "pipeline"
+    (True when the teacher is a pipeline-style checkpoint whose other components were copied)}.
+    """
+    started = time.perf_counter()
+    family = family_of(model)
+    scheduler_config = student_scheduler_config(shift, num_steps)  # fails alike on every rank
+    online = _persistent(model, parallel.full_state_dict(model, keep=writer))
+    averaged = _persistent(model, parallel.full_state_dict(model, ema, keep=writer)) if ema is not None else None
+    if not writer:
+        return None
+    online = _cast(online, export_dtype)
+    averaged = _cast(averaged, export_dtype) if averaged is not None else None
+    primary = averaged if averaged is not None else online
+
+    teacher = describe_checkpoint(teacher_url)
+    if teacher["family"] != family.class_name:
+        raise CheckpointError(f"{teacher_url}: the teacher is a {teacher['family']}, the student a {family.class_name}")
+    index, components = _pipeline_index(teacher_url, teacher, family)
+
+    storage.remove(storage.join(url, MARKER_NAME))
+    storage.remove(url)
+    transformers = {"transformer": primary}
+    if averaged is not None:
+        transformers[ONLINE_DIR] = online
+    for name, state in transformers.items():
+        with _writable_dir(storage.join(url, name)) as directory:
+            write_transformer(family, model.config, state, directory)
+    import diffusers
+
+    with _writable_dir(storage.join(url, "scheduler")) as directory:
+        getattr(diffusers, SCHEDULER_CLASS)(**scheduler_config).save_pretrained(str(directory))
+    for name in components:
+        _copy_tree(storage.join(teacher_url, name), storage.join(url, name))
+    storage.write_text(storage.join(url, "model_index.json"), json.dumps(index, indent=2) + "\n")
+    export_s = time.perf_counter() - started
+
+    verify_s = 0.0
+    if verify:
+        t0 = time.perf_counter()
+        for name, state in transformers.items():
+            verify_transformer(storage.join(url, name), family, state, export_dtype)
+        got = scheduler_sigmas(json.loads(storage.read_text(storage.join(url, "scheduler", "scheduler_config.json"))),
+                               num_steps)
+        if max(abs(g - w) for g, w in zip(got, fm.student_sigmas(num_steps, shift))) > 1e-6:
+            raise CheckpointError(f"{storage.join(url, 'scheduler')}: the written scheduler does not give the student's sigmas")
+        verify_s = time.perf_counter() - t0
+
+    size = _total_bytes(url)
+    marker = {
+        "format": EXPORT_FORMAT,
+        "iteration": None if iteration is None else int(iteration),
+        "num_steps": int(num_steps),
+        "shift": float(shift),
+        "sigmas": fm.student_sigmas(num_steps, shift),
+        "dtype": str(export_dtype).removeprefix("torch."),
+        "transformer": "ema" if averaged is not None else "online",
+        "transformer_online": ONLINE_DIR if averaged is not None else None,
+        "scheduler": {"class": SCHEDULER_CLASS, **scheduler_config,
+                      "note": "set_timesteps(num_steps) gives the student's sigmas; do not pass sigmas="},
+        "teacher": teacher_url,
+        "pipeline": teacher["transformer_url"] != teacher_url,  # a pipeline-style teacher
+        "components": components,
+        "bytes": size,
+        "export_s": round(export_s, 3),
+        "verified": bool(verify),
+        "verify_s": round(verify_s, 3),
+    }
+    storage.write_text(storage.join(url, MARKER_NAME), json.dumps(marker, indent=2) + "\n")
+    return {"url": url, "bytes": size, "export_s": export_s, "verify_s": verify_s, "pipeline": marker["pipeline"]}
+
+
+def verify_transformer(url: str, family, expected: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """Reload the transformer directory at ``url`` with the family's model class and check it
+    holds ``expected`` exactly, stored in ``dtype``; CheckpointError naming ``url`` if not."""
+    from safetensors import safe_open
+
+    def fail(why: str):
+        raise CheckpointError(f"{url}: the exported transformer does not reload as written ({why})")
+
+    with storage.local_copy(url) as local:
+        stored: dict[str, str] = {}
+        for file in sorted(Path(local).glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    stored[key] = f.get_slice(key).get_dtype()
+        missing = sorted(set(expected) - set(stored))
+        if missing:
+            fail(f"{len(missing)} tensors missing from the safetensors, e.g. '{missing[0]}'")
+        want = _safetensors_dtype(dtype)
+        wrong = sorted(k for k, v in expected.items() if v.is_floating_point() and stored[k] != want)
+        if wrong:
+            fail(f"'{wrong[0]}' is stored as {stored[wrong[0]]}, not {want}")
+        try:
+            reloaded = family.model_class.from_pretrained(str(local), torch_dtype=dtype)
+        except Exception as exc:  # noqa: BLE001 - one line naming the path
+            fail(storage._one_line(exc))
+    tensors = dict(reloaded.named_parameters())
+    tensors.update(reloaded.named_buffers())
+    for key, value in expected.items():
+        got = tensors.get(key)
+        if got is None:
+            fail(f"the model has no '{key}'")
+        if tuple(got.shape) != tuple(value.shape):
+            fail(f"'{key}' has shape {tuple(got.shape)}, written {tuple(value.shape)}")
+        got = got.detach().to(value.dtype)  # modules diffusers keeps in fp32 are upcast: exact
+        same = (got == value) | (got.isnan() & value.isnan()) if value.is_floating_point() else got == value
+        if not bool(same.all()):
+            fail(f"'{key}' differs from the gathered weights")
+    del reloaded
+
+
+# ---- retention -------------------------------------------------------------------------------
+def list_exports(root: str) -> list[dict[str, Any]]:
+    """The export directories named iter_XXXXXXX under ``root``, oldest first:
+    [{"iteration", "url", "complete" (has export.json)}]."""
+    if not storage.exists(root):
+        return []
+
+    def ls():
+        fs, path = storage.filesystem(root)
+        return fs.ls(path, detail=True)
+
+    found = []
+    for entry in storage.retrying(ls, f"list {root}"):
+        if entry.get("type") != "directory":
+            continue
+        name = entry["name"].rstrip("/").rpartition("/")[2]
+        match = _ITER_RE.match(name)
+        if match:
+            url = storage.join(root, name)
+            found.append({"iteration": int(match.group(1)), "url": url,
+                          "complete": storage.exists(storage.join(url, MARKER_NAME))})
+    return sorted(found, key=lambda e: e["iteration"])
+
+
+def latest_exports(save_url: str) -> list[str]:
+    """The complete exports of a run (``{save}/exports/iter_XXXXXXX``), newest first."""
+    return [e["url"] for e in reversed(list_exports(exports_root(save_url))) if e["complete"]]
+
+
+def prune_exports(exports_root: str, keep: int, protect: Iterable[str] = ()) -> list[str]:
+    """Delete all but the newest ``keep`` complete exports under ``exports_root`` (keep=0: keep
+    them all), never one named in ``protect`` (URLs or iter_XXXXXXX names). Incomplete ones
+    (no export.json: a write interrupted midway) older than the newest complete one are
+    removed whatever ``keep`` is; newer ones may be a write under way and are left alone.
+    Each goes marker first, so a half-deleted export never looks complete. Returns the URLs
+    removed."""
+    if keep < 0:
+        raise ValueError(f"keep must be >= 0, got {keep}")
+    protected = {str(p).rstrip("/") for p in protect}
+    protected |= {p.rpartition("/")[2] for p in protected}
+    entries = list_exports(exports_root)
+    complete = [e for e in entries if e["complete"]]
+    newest = complete[-1]["iteration"] if complete else None
+    doomed = []
+    if keep:
+        doomed += complete[:-keep] if len(complete) > keep else []
+    if newest is not None:
+        doomed += [e for e in entries if not e["complete"] and e["iteration"] < newest]
+    removed = []
+    for entry in sorted(doomed, key=lambda e: e["iteration"]):
+        url = entry["url"]
+        if url.rstrip("/") in protected or url.rpartition("/")[2] in protected:
+            continue
+        storage.remove(storage.join(url, MARKER_NAME))
+        storage.remove(url)
+        removed.append(url)
+    return removed
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+def _persistent(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop non-persistent buffers (e.g. Wan's rope tables): not in a diffusers state dict."""
+    skip = {f"{prefix}.{name}" if prefix else name
+            for prefix, module in model.named_modules() for name in module._non_persistent_buffers_set}
+    return {k: v for k, v in state.items() if k not in skip}
+
+
+def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+
+
+def _safetensors_dtype(dtype: torch.dtype) -> str:
+    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+    if dtype not in names:
+        raise ValueError(f"export_dtype {dtype} is not a floating dtype safetensors stores")
+    return names[dtype]
+
+
+def _pipeline_index(teacher_url: str, teacher: dict, family) -> tuple[dict, list[str]]:
+    """The export's model_index.json and the teacher components to copy along."""
+    import diffusers
+
+    student = {"transformer": ["diffusers", family.class_name], "scheduler": ["diffusers", SCHEDULER_CLASS]}
+    if teacher["transformer_url"] == teacher_url:  # a bare transformer directory
+        return {"_class_name": family.pipeline_class, "_diffusers_version": diffusers.__version__, **student}, []
+    index_url = storage.join(teacher_url, "model_index.json")
+    try:
+        index = json.loads(storage.read_text(index_url))
+        if not isinstance(index, dict):
+            raise ValueError("not a JSON object")
+    except storage.StorageUnavailableError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"{index_url}: unreadable ({storage._one_line(exc)})") from None
+    components = []
+    for key, value in list(index.items()):
+        if key.startswith("_") or key in student or not _is_component(value):
+            continue
+        if re.fullmatch(r"transformer_\d+", key):  # a second expert (Wan 2.2): the student is one model
+            index[key] = [None, None]
+            if "boundary_ratio" in index:
+                index["boundary_ratio"] = None
+            continue
+        if not storage.exists(storage.join(teacher_url, key)):
+            raise CheckpointError(f"{storage.join(teacher_url, key)}: listed in model_index.json but missing")
+        components.append(key)
+    index.update(student)
+    return index, components
+
+
+def _is_component(value) -> bool:
+    return isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value)
+
+
+@contextmanager
+def _writable_dir(url: str) -> Iterator[Path]:
+    """A directory to write into: ``url`` itself when local, else staged and uploaded."""
+    if storage.is_local(url):
+        _, path = storage.filesystem(url)
+        Path(path).mkdir(parents=True, exist_ok=True)
+        yield Path(path)
+        return
+    with storage.staged_dir(url) as tmp:
+        yield tmp
+
+
+def _copy_tree(src: str, dst: str) -> None:
+    """Copy a directory file by file: locally, server-side within one object store, else
+    through a local copy."""
+    src_fs, src_path = storage.filesystem(src)
+    dst_fs, dst_path = storage.filesystem(dst)
+    if storage.is_local(src) and storage.is_local(dst):
+        shutil.copytree(src_path, dst_path, dirs_exist_ok=True)
+    elif storage.is_local(dst):
+        storage.download_dir(src, dst_path)
+    elif storage.is_local(src):
+        storage.upload_dir(src_path, dst)
+    elif type(src_fs) is type(dst_fs):
+        root = src_path.rstrip("/")
+        for file in storage.retrying(lambda: storage.filesystem(src)[0].find(root), f"list {src}"):
+            target = f"{dst_path.rstrip('/')}/{file[len(root):].lstrip('/')}"
+            storage.retrying(lambda: storage.filesystem(src)[0].copy(file, target), f"copy {src}")
+    else:
+        with storage.local_copy(src) as local:
+            storage.upload_dir(local, dst)
+
+
+def _total_bytes(url: str) -> int:
+    def run():
+        fs, path = storage.filesystem(url)
+        return sum(int(info.get("size") or 0) for info in fs.find(path, detail=True).values())
+    return storage.retrying(run, f"list {url}")
