@@ -265,18 +265,18 @@ def save_trainer(
     state = _sharded_state(model, optimizer, ema)
     _check_finite_local(role, iteration, state, process_group)
     d = trainer_dir(save_url, role, iteration)
-    if rank == 0:
-        storage.remove(storage.join(d, COMPLETE_NAME))
-        storage.remove(d)
-        meta = {"format": FORMAT, "param_groups": _param_groups(model, optimizer), "extra": extra}
-        storage.write_bytes(storage.join(d, STATE_NAME), _torch_bytes(meta))
-    if distributed:
-        dist.barrier(group=process_group)  # nobody writes before the old directory is gone
-
+    meta = _torch_bytes({"format": FORMAT, "param_groups": _param_groups(model, optimizer), "extra": extra})
     digests: dict[str, str] = {}
     marker_info = {"has_ema": ema is not None}
 
     def write(staged: dict) -> dict:
+        if rank == 0:
+            storage.remove(storage.join(d, COMPLETE_NAME))
+            storage.remove(d)
+            storage.write_bytes(storage.join(d, STATE_NAME), meta)
+        if distributed:
+            dist.barrier(group=process_group)  # nobody writes before the old directory is gone
+
         def attempt():
             digests.clear()
             dcp.save(staged, storage_writer=_hashing_writer(storage.join(d, DCP_DIR), digests),

@@ -17,6 +17,7 @@ from statistics import fmean
 from typing import Any, Callable, Optional
 
 from dmd2_core import checkpoint, checks, lease, memory
+from dmd2_core import export as exporting
 from dmd2_core.args import Args, ArgsError
 from dmd2_core.finite import NonFiniteError
 from dmd2_core.hooks import load_hook
@@ -272,16 +273,21 @@ class DistillRun:
         a collective), rank 0 decodes and returns them."""
         return self._call_or_break(lambda: self.groups["actor"].call("sample", prompt_index, seed)[0])
 
-    def checkpoint(self, iteration: int, wait: bool = False) -> dict:
+    def checkpoint(self, iteration: int, wait: bool = False, export: Optional[bool] = None) -> dict:
         """Every trainer saves (each rank its own shards); the tracker moves only once every
         role's save is durable: at once for synchronous saves; for asynchronous ones when a
         later poll (``poll_saves``, after each student train), the next checkpoint or ``wait``
-        finds them written. Returns the blocked time and, once tracked, the save's time."""
+        finds them written. ``export`` (default: every ``export_interval``-th iteration, and
+        at the end, ``wait``) also writes the student as a diffusers pipeline. Returns the blocked
+        time and, once tracked, the save's time."""
+        interval = self.args.export_interval
+        if export is None:
+            export = wait or not interval or iteration % interval == 0
         def run():
             start = time.perf_counter()
             self.lease.ensure()
             metrics = self._finish_saves(wait=True)  # a later save waits for the earlier one
-            out = {role: group.call("save", iteration) for role, group in self.groups.items()}
+            out = {role: group.call("save", iteration, export and role == "actor") for role, group in self.groups.items()}
             self.pending_save = iteration
             metrics["checkpoint_blocked_s"] = time.perf_counter() - start
             if all("save_s" in o for outs in out.values() for o in outs):
@@ -310,7 +316,12 @@ class DistillRun:
         self.pending_save = None
         self.tracked = {"iteration": iteration, "trainers": {role: outs[0]["url"] for role, outs in done.items()}}
         pruned = checkpoint.prune(self.args.save, list(done), self.args.keep_last_n)
-        return {"checkpoint": self.tracked["trainers"], "checkpoint_iteration": iteration,
+        exported = {k: v for k, v in done.get("actor", [{}])[0].items() if k.startswith("export_")}
+        if exported:
+            self.tracked["export"] = exported["export_url"]
+            exporting.prune_exports(exporting.exports_root(self.args.save), self.args.keep_exports,
+                                    protect=[exported["export_url"]])
+        return {"checkpoint": self.tracked, "checkpoint_iteration": iteration, **exported,
                 "checkpoint_save_s": max(o["save_s"] for outs in done.values() for o in outs),
                 "checkpoint_bytes_per_rank": max(o["bytes"] for outs in done.values() for o in outs),
                 "checkpoints_pruned": len(pruned)}

@@ -145,14 +145,35 @@ def export_student(
     (True when the teacher is a pipeline-style checkpoint whose other components were copied)}.
     """
     started = time.perf_counter()
-    family = family_of(model)
-    scheduler_config = student_scheduler_config(shift, num_steps)  # fails alike on every rank
-    online = _persistent(model, parallel.full_state_dict(model, keep=writer))
-    averaged = _persistent(model, parallel.full_state_dict(model, ema, keep=writer)) if ema is not None else None
-    if not writer:
+    student_scheduler_config(shift, num_steps)  # fails alike on every rank, before the gather
+    gathered = gather_student(model, export_dtype, ema=ema, writer=writer)
+    if gathered is None:
         return None
-    online = _cast(online, export_dtype)
-    averaged = _cast(averaged, export_dtype) if averaged is not None else None
+    return write_export(url, model, gathered, teacher_url=teacher_url, shift=shift, num_steps=num_steps,
+                        export_dtype=export_dtype, verify=verify, iteration=iteration, started=started)
+
+
+def gather_student(model: torch.nn.Module, export_dtype: torch.dtype, ema=None,
+                   writer: bool = True) -> Optional[dict]:
+    """The collective half of an export: the whole weights (and EMA), cast to ``export_dtype``
+    tensor by tensor, kept on the ``writer`` rank's host ({'online', 'ema'}); None elsewhere.
+    Every rank of the group calls it, on the training process group, in the training thread."""
+    online = _persistent(model, parallel.full_state_dict(model, keep=writer, dtype=export_dtype))
+    averaged = _persistent(model, parallel.full_state_dict(model, ema, keep=writer, dtype=export_dtype)) \
+        if ema is not None else None
+    return {"online": online, "ema": averaged} if writer else None
+
+
+def write_export(url: str, model: torch.nn.Module, gathered: dict, *, teacher_url: str, shift: float,
+                 num_steps: int, export_dtype: torch.dtype, verify: bool = True, iteration: Optional[int] = None,
+                 started: Optional[float] = None) -> dict:
+    """The writer's half of an export (no collective: it may run in a background thread): write
+    ``gathered`` (from gather_student) at ``url``, verify, write export.json last."""
+    started = time.perf_counter() if started is None else started
+    family = family_of(model)
+    scheduler_config = student_scheduler_config(shift, num_steps)
+    online = _cast(gathered["online"], export_dtype)
+    averaged = _cast(gathered["ema"], export_dtype) if gathered.get("ema") is not None else None
     primary = averaged if averaged is not None else online
 
     teacher = describe_checkpoint(teacher_url)

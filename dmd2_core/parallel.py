@@ -125,10 +125,11 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def full_state_dict(model: torch.nn.Module, shards: Optional[Iterable[torch.Tensor]] = None,
-                    keep: bool = True) -> dict[str, torch.Tensor]:
+                    keep: bool = True, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
     """The model's (or, with ``shards``, a same-layout copy's) whole state on the host: a
     collective, tensor by tensor; a rank with ``keep=False`` takes part and keeps nothing, so it
-    never holds more than one whole tensor."""
+    never holds more than one whole tensor. ``dtype`` casts floating tensors as they arrive (the
+    host never holds the whole state in the master dtype)."""
     params = dict(model.named_parameters())
     values = dict(zip(params, shards)) if shards is not None else params
     values.update(model.named_buffers())
@@ -136,7 +137,8 @@ def full_state_dict(model: torch.nn.Module, shards: Optional[Iterable[torch.Tens
     for name, value in values.items():
         whole = full(value).detach()
         if keep:
-            out[name] = whole.to("cpu", copy=True)
+            cast = dtype if dtype is not None and whole.is_floating_point() else whole.dtype
+            out[name] = whole.to("cpu", dtype=cast, copy=True)
     return out
 
 

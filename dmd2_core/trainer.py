@@ -7,7 +7,9 @@ the actor (student) and the critic (fake score + frozen teacher) are the same cl
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import socket
 import time
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dmd2_core import checkpoint, dmd2, gan, parallel
+from dmd2_core import export as exporting
 from dmd2_core import flow_matching as fm
 from dmd2_core.args import Args
 from dmd2_core.data import load_prompt_set, load_real_set
@@ -79,6 +82,8 @@ class Trainer:
         self.ema: Optional[list[torch.Tensor]] = None
         self._stash: Optional[tuple[list, list]] = None
         self._pending: Optional[checkpoint.PendingSave] = None
+        self._pending_export: Optional[concurrent.futures.Future] = None
+        self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"dmd2-export-{role}")
         self.checkpoint_pg = None
         if world_size == 1:
             self.init_process_group()
@@ -468,11 +473,13 @@ class Trainer:
         return parallel.full_state_dict(self.model)
 
     # ---- checkpoints --------------------------------------------------------------------------
-    def save(self, iteration: int) -> dict:
+    def save(self, iteration: int, export: bool = False) -> dict:
         """Every rank writes its own shards (DCP); rank 0 the marker. With ``async_save`` the
         state is staged to host memory and the call returns while it is written; an earlier
-        save still in flight is waited for first. Returns ``{'url', 'iteration', 'blocked_s'}``
-        plus, once durable, ``'save_s'`` and ``'bytes'`` (this rank's)."""
+        save still in flight is waited for first. ``export``: the student (and its EMA) is also
+        gathered to rank 0 and written as a diffusers pipeline (dmd2_core.export), in the
+        background too. Returns ``{'url', 'iteration', 'blocked_s'}`` plus, once durable,
+        ``'save_s'``, ``'bytes'`` (this rank's) and the export's ``'export_url'``, ``'export_s'``."""
         start = time.perf_counter()
         self.save_status(wait=True)  # a later save waits for the earlier one (and raises if it failed)
         was_asleep = self.asleep
@@ -483,24 +490,37 @@ class Trainer:
             extra={"step": self.step, "iteration": iteration, **self.nonfinite.state(), **self._disc_state()},
             process_group=self.checkpoint_pg, asynchronous=self.args.async_save,
         )
+        dtype = getattr(torch, self.args.export_dtype or self.args.dtype)
+        gathered = exporting.gather_student(self.model, dtype, ema=self.ema, writer=self.rank == 0) if export else None
         if was_asleep:
             self.sleep()
-        self._pending = pending
+        self._pending, self._pending_export = pending, None
+        if gathered is not None:
+            write = functools.partial(
+                exporting.write_export, exporting.export_url(self.args.save, iteration), self.model, gathered,
+                teacher_url=self.args.hf_checkpoint, shift=self.shift, num_steps=self.args.dmd2_student_steps,
+                export_dtype=dtype, iteration=iteration, started=time.perf_counter())
+            self._pending_export = self._io.submit(write) if self.args.async_save else _done(write)
         out = {"url": pending.url, "iteration": iteration, "blocked_s": time.perf_counter() - start}
-        if pending.done():
+        if pending.done() and (self._pending_export is None or self._pending_export.done()):
             out.update(self.save_status(wait=True))
         return out
 
     def save_status(self, wait: bool = False) -> Optional[dict]:
-        """The latest save: None when there is none; ``{'pending': iteration}`` while it is
-        written (``wait``: block until it is durable); once durable, its result (``url``,
-        ``save_s``, ``bytes``), every time it is asked. A save that failed raises its error."""
-        pending = self._pending
+        """The latest save: None when there is none; ``{'pending': iteration}`` while it (or its
+        export) is written (``wait``: block until it is durable); once durable, its result
+        (``url``, ``save_s``, ``bytes``, ``export_url``, ``export_s``), every time it is asked. A
+        save or export that failed raises its error."""
+        pending, export = self._pending, self._pending_export
         if pending is None:
             return None
-        if not wait and not pending.done():
+        if not wait and not (pending.done() and (export is None or export.done())):
             return {"pending": pending.iteration}
-        return pending.result()
+        out = dict(pending.result())
+        if export is not None:
+            done = export.result()
+            out.update(export_url=done["url"], export_s=done["export_s"] + done["verify_s"], export_bytes=done["bytes"])
+        return out
 
     def load(self, iteration: int, url: Optional[str] = None) -> int:
         """Load this trainer's checkpoint of ``iteration`` from ``url`` (default: its load URL);
@@ -519,6 +539,16 @@ class Trainer:
         if self.disc is None:
             return {}
         return {"disc": self.disc.state_dict(), "disc_optimizer": self.disc_optimizer.state_dict()}
+
+
+def _done(fn) -> concurrent.futures.Future:
+    """``fn()`` run now, as a finished future (its exception kept for whoever asks)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    try:
+        future.set_result(fn())
+    except Exception as exc:  # noqa: BLE001 - raised by save_status, like a background failure
+        future.set_exception(exc)
+    return future
 
 
 def _wake_metric(role: str, woke: dict) -> dict:

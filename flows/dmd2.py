@@ -45,6 +45,7 @@ import torch  # noqa: E402
 from prefect import flow, get_run_logger  # noqa: E402
 
 from dmd2_core import checkpoint as ckpt  # noqa: E402
+from dmd2_core import export as exporting  # noqa: E402
 from dmd2_core import report  # noqa: E402
 from dmd2_core.args import Args, ArgsError, load_args, parse_set  # noqa: E402
 from dmd2_core.distill import DistillRun  # noqa: E402
@@ -145,7 +146,7 @@ class Driver:
             "media": [], "metrics_url": self.log.url, "checkpoint": None, "student": None,
         }
         if self.last_ckpt:
-            self._note_checkpoint(self.last_ckpt, {})
+            self._note_checkpoint(self.last_ckpt, {}, next(iter(exporting.latest_exports(args.save)), None))
         self.artifacts = artifacts.RunArtifacts(self.keys, self.view, total=self.final, done=self.start)
 
     # ---- evals and checkpoints ----
@@ -162,20 +163,23 @@ class Driver:
             self.logger.info(f"eval at iteration {i}: " + _fmt(quality))
         return quality
 
-    def _note_checkpoint(self, i: int, trainers: dict) -> None:
+    def _note_checkpoint(self, i: int, trainers: dict, export: Optional[str] = None) -> None:
         info = {"iteration": i, "trainers": trainers, "tracker": ckpt.tracker_url(self.args.save)}
         self.result["checkpoint"] = self.view["checkpoint"] = info
-        self.view["student"] = trainers.get("actor") and f"{trainers['actor'].rstrip('/')}/model"
+        if export:
+            self.view["student"] = self.result["student"] = export
 
     def _saved(self, metrics: dict) -> None:
         """A checkpoint became durable and the tracker names it: note it, log it."""
-        trainers = metrics.pop("checkpoint", None)
-        if trainers is None:
+        tracked = metrics.pop("checkpoint", None)
+        export = metrics.pop("export_url", None)
+        if tracked is None:
             return
         i = int(metrics["checkpoint_iteration"])
         self.last_ckpt = i
-        self._note_checkpoint(i, trainers)
-        self.logger.info(f"checkpoint at iteration {i} tracked ({metrics['checkpoint_save_s']:.2f}s to write): {trainers}")
+        self._note_checkpoint(i, tracked["trainers"], export)
+        self.logger.info(f"checkpoint at iteration {i} tracked ({metrics['checkpoint_save_s']:.2f}s to write)"
+                         + (f"; student exported to {export}" if export else ""))
 
     def checkpoint(self, i: int, wait: bool = False) -> None:
         out = checkpoint(self.run_id, i, wait)

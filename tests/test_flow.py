@@ -226,7 +226,7 @@ def test_flow_end_to_end(reference):
     text = read_artifacts(run_id, keys["summary"])[0].data
     assert "**completed**: iteration 2 of 2" in text and "Quality before -> after: fd" in text
     assert text.count("data:image/png;base64,") == 2  # the latest grid and the plot
-    assert "iter_0000002.png" in text and "trainers/actor/iter_0000002/model" in text
+    assert "iter_0000002.png" in text and "exports/iter_0000002" in text
     assert "| dmd2_guidance_scale | 1.5 | 1.5 |" in text and "| loss_type | `dmd2_critic` | `dmd2` |" in text
     assert read_flow_run(run_id).name == f"dmd2-tiny-{datetime.datetime.now(datetime.timezone.utc).date()}"
     names = {t.name: t for t in read_task_runs(run_id)}
@@ -431,7 +431,7 @@ def test_served_deployment_run(served, tiny_teacher, tmp_path):
     assert "## Configuration" in text and "| loss_type | `dmd2_critic` | `dmd2` |" in text
     assert "![metrics plot](data:image/png;base64," in text
     assert "## Samples, iteration 3" in text and "iter_0000003.png" in text
-    assert f"`{save}/trainers/actor/iter_0000003/model`" in text
+    assert f"`{save}/exports/iter_0000003`" in text
     table = json.loads(next(a["data"] for a in artifacts if a["key"] == "dmd2-tiny-metrics"))
     assert [r["iteration"] for r in table] == [3, 2, 1, 0]
 

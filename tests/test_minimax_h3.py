@@ -106,7 +106,7 @@ def test_minimax_h3_two_iterations_on_a_stand_in(prefect_harness, ray_session, s
 
 
 def _readme_sampler():
-    code = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
+    code = [c for c in re.findall(r"```python\n(.*?)```", README.read_text(), re.S) if "def sample" in c][0]
     return code
 
 
@@ -119,8 +119,7 @@ def test_exported_student_loads_with_diffusers_and_reproduces_the_sampler(ray_se
         run.iterate(1)
         run.checkpoint(1)
         ours = run.sample([0, 1, 2], seed=11)
-    code = _readme_sampler().replace('"runs/tiny/trainers/actor/iter_0000300/model"',
-                                     repr(f"{save}/trainers/actor/iter_0000001/model"))
+    code = _readme_sampler().replace('"runs/tiny/exports/iter_0000200"', repr(f"{save}/exports/iter_0000001"))
     namespace: dict = {}
     exec(compile(code, "README.md", "exec"), namespace)
     from dmd2_core.data import digits_prompt_set
