@@ -112,12 +112,13 @@ class StandIn:
     def sleep_actor(self, i):
         return {"actor_sleep_s": 0.0}
 
-    def checkpoint(self, i):
+    def checkpoint(self, i, wait=False, export=None):
         from dmd2_core import checkpoint
 
         checkpoint.write_tracker(self.args.save, i)
-        return {"checkpoint": {r: f"{self.args.save}/trainers/{r}/iter_{i:07d}" for r in self.trainer_args},
-                "checkpoint_s": 0.0}
+        trainers = {r: f"{self.args.save}/trainers/{r}/iter_{i:07d}" for r in self.trainer_args}
+        return {"checkpoint": {"iteration": i, "trainers": trainers}, "checkpoint_iteration": i,
+                "checkpoint_blocked_s": 0.0, "checkpoint_save_s": 0.0}
 
     def shutdown(self):
         pass

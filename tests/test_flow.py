@@ -208,7 +208,7 @@ def test_flow_end_to_end(reference):
     assert [r["iteration"] for r in lines] == [0, 1, 2]
     assert "fd" in lines[0] and "dmd2_loss" not in lines[0]
     for row in lines[1:]:
-        assert {"dmd2_loss", "critic_loss", "dmd2_grad_norm", "fd", "checkpoint_s"} <= set(row)
+        assert {"dmd2_loss", "critic_loss", "dmd2_grad_norm", "fd", "checkpoint_blocked_s", "checkpoint_save_s"} <= set(row)
     assert summary["final_metrics"]["dmd2_loss"] == lines[-1]["dmd2_loss"]
     for i in range(3):
         assert (save / "media" / f"iter_{i:07d}.png").is_file()
