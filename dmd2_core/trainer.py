@@ -12,6 +12,7 @@ import contextlib
 import functools
 import hashlib
 import socket
+import threading
 import time
 from typing import Optional
 
@@ -83,7 +84,6 @@ class Trainer:
         self._stash: Optional[tuple[list, list]] = None
         self._pending: Optional[checkpoint.PendingSave] = None
         self._pending_export: Optional[concurrent.futures.Future] = None
-        self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"dmd2-export-{role}")
         self.checkpoint_pg = None
         if world_size == 1:
             self.init_process_group()
@@ -500,7 +500,7 @@ class Trainer:
                 exporting.write_export, exporting.export_url(self.args.save, iteration), self.model, gathered,
                 teacher_url=self.args.hf_checkpoint, shift=self.shift, num_steps=self.args.dmd2_student_steps,
                 export_dtype=dtype, iteration=iteration, started=time.perf_counter())
-            self._pending_export = self._io.submit(write) if self.args.async_save else _done(write)
+            self._pending_export = _in_background(write, f"dmd2-export-{iteration}") if self.args.async_save else _done(write)
         out = {"url": pending.url, "iteration": iteration, "blocked_s": time.perf_counter() - start}
         if pending.done() and (self._pending_export is None or self._pending_export.done()):
             out.update(self.save_status(wait=True))
@@ -539,6 +539,20 @@ class Trainer:
         if self.disc is None:
             return {}
         return {"disc": self.disc.state_dict(), "disc_optimizer": self.disc_optimizer.state_dict()}
+
+
+def _in_background(fn, name: str) -> concurrent.futures.Future:
+    """``fn()`` on a daemon thread of its own (an actor killed meanwhile leaves nothing to join)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run():
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - raised by save_status
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
 
 
 def _done(fn) -> concurrent.futures.Future:
