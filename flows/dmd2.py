@@ -185,7 +185,8 @@ class Driver:
         out = checkpoint(self.run_id, i, wait)
         self.requested_ckpt = i
         self._saved(out)
-        self.log.update(i, {k: v for k, v in out.items() if k.startswith("checkpoint_") and k != "checkpoint_iteration"})
+        self.log.update(i, {k: v for k, v in out.items()
+                            if k.startswith(("checkpoint_", "export_")) and k != "checkpoint_iteration"})
 
     def publish(self, i: int) -> None:
         self.view["iteration"] = i

@@ -117,9 +117,9 @@ def test_two_sharded_ranks_equal_one_rank(ray_session, tiny_teacher, tmp_path, s
     assert moved > 1e-4  # and training did move them, well beyond the tolerance
 
 
-def test_sharded_sleep_resume_and_resharding(ray_session, tiny_teacher, tmp_path):
-    """2 ranks: every shard survives sleep/wake bitwise; a save resumes bitwise on 2 ranks and
-    loads the same whole weights on 1 rank (and 1 -> 2), which then trains on."""
+def test_sharded_sleep_and_resume(ray_session, tiny_teacher, tmp_path):
+    """2 ranks: every shard survives sleep/wake bitwise, a save taken asleep resumes bitwise on 2
+    ranks (other rank counts: tests/test_checkpoints_at_scale.py)."""
     save = str(tmp_path / "two")
     args = tiny_args(tiny_teacher, save, num_devices=2, ema_decay=0.9, run_name="shard-resume")
     with DistillRun(args) as run:
@@ -131,7 +131,6 @@ def test_sharded_sleep_resume_and_resharding(ray_session, tiny_teacher, tmp_path
         assert all(f["bytes_freed"] > 0 for f in freed)
         assert run.group_call("actor", "state_digest") == digests["actor"]  # woke bitwise
         run.checkpoint(2)
-        whole = {role: run.group_call(role, "weights")[0] for role in run.groups}
         run.iterate(3)
         straight = {role: run.group_call(role, "state_digest") for role in run.groups}
     with DistillRun(args) as again:
@@ -139,19 +138,6 @@ def test_sharded_sleep_resume_and_resharding(ray_session, tiny_teacher, tmp_path
         assert {role: again.group_call(role, "state_digest") for role in again.groups} == digests
         again.iterate(3)
         assert {role: again.group_call(role, "state_digest") for role in again.groups} == straight
-    on_one = tiny_args(tiny_teacher, str(tmp_path / "one"), load=save, ema_decay=0.9, run_name="shard-to-one")
-    with DistillRun(on_one) as one:
-        assert one.start_iteration == 2
-        for role in one.groups:
-            got = one.group_call(role, "weights")[0]
-            assert all(torch.equal(got[k], whole[role][k]) for k in got)
-        one.iterate(3)
-        one.checkpoint(3)
-    back = tiny_args(tiny_teacher, str(tmp_path / "one"), num_devices=2, ema_decay=0.9, run_name="shard-back")
-    with DistillRun(back) as two:
-        assert two.start_iteration == 3
-        metrics = two.iterate(4)
-        assert metrics["dmd2_loss"] > 0 and metrics["critic_loss"] > 0
 
 
 # ---- the memory plan ---------------------------------------------------------------------------
