@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dmd2_core import checkpoint as ckpt
 from dmd2_core import memory, parallel
 from dmd2_core.args import ArgsError, load_args
 from dmd2_core.distill import DistillRun, preflight
@@ -214,8 +215,10 @@ def _free_port() -> int:
 
 
 def test_a_group_across_two_ray_nodes(tiny_teacher, tmp_path):
-    """A real two-node Ray cluster on this machine (a head and a worker node, one device each):
-    the 2-rank group spans both nodes, ordered by node, and trains as 2 ranks should."""
+    """A real two-node Ray cluster on this machine that the run did not start (a head and a worker
+    node started with the CLI, one device each, token auth; joined through ray_address): the
+    2-rank group spans both nodes, ordered by node, trains as 2 ranks should, and each node's rank
+    writes its own shards of the checkpoint."""
     ray_bin = Path(sys.executable).parent / "ray"
     port = _free_port()
     dirs = [tempfile.mkdtemp(prefix="ray-", dir="/tmp") for _ in range(2)]  # short socket paths
@@ -233,11 +236,13 @@ args = tiny_args({tiny_teacher!r}, {str(tmp_path / 'run')!r}, ray_address="127.0
                  run_name="two-nodes")
 with DistillRun(args) as run:
     m = run.iterate(1)
+    saved = run.checkpoint(1)
     group = run.groups["actor"]
     nodes = ray.util.placement_group_table(run.pg)["bundles_to_node_id"]
     print(json.dumps({{"nodes": [nodes[b] for b in group.bundle_indices], "alive": len(ray.nodes()),
                       "where": group.get([r.placement.remote() for r in group.ranks]),
-                      "dmd2_loss": m["dmd2_loss"]}}))
+                      "dmd2_loss": m["dmd2_loss"], "gcs": ray.get_runtime_context().gcs_address,
+                      "tracked": saved["checkpoint_iteration"]}}))
 """
     try:
         time.sleep(5)
@@ -252,6 +257,9 @@ with DistillRun(args) as run:
         out = json.loads(done.stdout.strip().splitlines()[-1])
         assert out["alive"] == 2 and len(set(out["nodes"])) == 2  # one rank on each node
         assert all(w["share"] == 0.5 for w in out["where"]) and out["dmd2_loss"] > 0
+        assert out["gcs"].endswith(f":{port}") and out["tracked"] == 1
+        marker = json.loads((Path(ckpt.trainer_dir(str(tmp_path / "run"), "actor", 1)) / "complete.json").read_text())
+        assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(marker["sha256"])
     finally:
         for proc in reversed(procs):
             os.killpg(proc.pid, signal.SIGTERM)
