@@ -143,7 +143,9 @@ class Args(BaseModel):
     )
     dmd2_backward_simulation: bool = _f(True, "dmd2", "Stop the rollout at a random step k ~ U{0..K-1}.")
     dmd2_shift: Optional[float] = _f(None, "dmd2", "Sigma shift S; defaults to the teacher scheduler's shift.", gt=0)
-    sleep_after_train: bool = _f(True, "dmd2", "Sleep each trainer group right after its train (frees its device memory).")
+    sleep_after_train: Optional[bool] = _f(
+        None, "dmd2", "Sleep each trainer group right after its train (frees its device memory); default on for cuda, "
+        "off for cpu (there the device memory is host memory: sleeping frees nothing and costs a copy).")
     dmd2_min_sigma: float = _f(0.02, "dmd2", "Lower clamp of DMD/critic sigmas.", ge=0, lt=1)
     dmd2_max_sigma: float = _f(0.98, "dmd2", "Upper clamp of DMD/critic sigmas.", gt=0, le=1)
     gan_weight: float = _f(0.0, "dmd2", "GAN generator loss weight (softplus(-D(fake_t)), added to the DMD gradient; 0: off).", ge=0)
@@ -160,6 +162,8 @@ class Args(BaseModel):
 
     @model_validator(mode="after")
     def _check_relations(self) -> "Args":
+        if self.sleep_after_train is None:
+            self.sleep_after_train = self.device == "cuda"
         if self.dmd2_min_sigma >= self.dmd2_max_sigma:
             raise ValueError("dmd2_min_sigma: must be below dmd2_max_sigma")
         if self.fsdp_shard_size is not None and self.num_devices % self.fsdp_shard_size:

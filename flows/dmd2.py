@@ -10,7 +10,7 @@ Structure (what the UI's run graph shows): the flow run ``{run_name}-{date}`` ho
 and one subflow run per window of ``iterations_per_window`` iterations, named by its range
 (``iterations-0001-0100``); a window holds its iterations' phases as tasks, chained by edges so
 one iteration reads as one row (rollout -> critic train and score -> sleep critic -> student train
--> sleep actor), plus its evals and checkpoints. No graph grows with the run's length: the parent
+-> sleep actor; no sleep tasks where the groups do not sleep), plus its evals and checkpoints. No graph grows with the run's length: the parent
 has one node per window, a window about 5 per iteration.
 
 Logs: one INFO line per iteration (losses and time) on the flow run; task runs log at WARNING.
@@ -195,12 +195,17 @@ class Driver:
         self.artifacts.progress(i, force=True)
 
     # ---- one iteration ----
+    def phases(self, i: int) -> list[tuple[Any, tuple]]:
+        """The iteration's tasks; the sleep tasks only where the groups sleep (on cuda by default)."""
+        sleeps = self.args.sleep_after_train
+        return [(rollout, (i,)), (critic_train_and_score, (i,)), *([(sleep_groups, (i, "critic"))] if sleeps else []),
+                (student_train, (i,)), *([(sleep_groups, (i, "actor"))] if sleeps else [])]
+
     def iteration(self, i: int) -> dict:
         t = time.perf_counter()
         metrics: dict[str, Any] = {}
         state = None
-        for phase, call in ((rollout, (i,)), (critic_train_and_score, (i,)), (sleep_groups, (i, "critic")),
-                            (student_train, (i,)), (sleep_groups, (i, "actor"))):
+        for phase, call in self.phases(i):
             # wait_for: an edge in the run graph, so one iteration's phases read as one chain
             state = phase(self.run_id, *call, return_state=True, wait_for=[state] if state is not None else None)
             metrics.update(state.result())

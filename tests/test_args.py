@@ -47,6 +47,13 @@ def test_trainer_args_are_a_deep_copy():
     assert args.lr == 1e-4 and args.eval_prompts == [1, 2]
 
 
+def test_groups_sleep_by_default_only_where_sleeping_frees_device_memory():
+    assert load_args("tiny").sleep_after_train is False  # cpu: device memory is host memory
+    assert load_args("tiny", {"device": "cuda"}).sleep_after_train is True
+    assert load_args("tiny", {"sleep_after_train": True}).sleep_after_train is True
+    assert load_args("tiny", {"device": "cuda", "sleep_after_train": False}).sleep_after_train is False
+
+
 def test_unknown_override_is_rejected_with_the_nearest_name():
     with pytest.raises(ArgsError, match=r"unknown key 'lrr' in overrides of trainer 'critic'; did you mean 'lr'\?"):
         compute_trainer_args(load_args(None), TrainerConfig("critic", {"lrr": 1.0}))

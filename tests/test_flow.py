@@ -37,6 +37,7 @@ FAST = {
     "eval_samples_per_prompt": 2,
     "save_interval": 1,
     "dmd2_guidance_scale": 1.5,
+    "sleep_after_train": True,  # the sleep tasks and their recovery (off by default on cpu)
 }
 
 
@@ -403,11 +404,13 @@ def test_deployment_missing_inputs_is_served_paused(served):
 
 @pytest.mark.server
 def test_served_deployment_run(served, tiny_teacher, tmp_path):
-    """A run of dmd2/tiny: named {run_name}-{date}, a window subflow per 2 iterations, and one run
-    summary with the configuration, the plot, the latest grid and the checkpoint path."""
+    """A run of dmd2/tiny: named {run_name}-{date}, a window subflow per 2 iterations (its phases
+    chained, no sleep tasks when the groups do not sleep), and one run summary with the
+    configuration, the plot, the latest grid and the checkpoint path."""
     api, env, _, log = served
     save = tmp_path / "run"
-    params = {"recipe": "tiny", "overrides": {**FAST, "eval_interval": 2, "iterations_per_window": 2},
+    params = {"recipe": "tiny", "overrides": {**FAST, "eval_interval": 2, "iterations_per_window": 2,
+                                              "sleep_after_train": False},
               "num_iterations": 3, "hf_checkpoint": tiny_teacher, "save": str(save)}
     run = _run_deployment(api, env, params)
     run = _wait_final(api, run["id"], 240, log)
@@ -424,7 +427,8 @@ def test_served_deployment_run(served, tiny_teacher, tmp_path):
         edges = {names[n["id"]]: {names[p["id"]] for p in n["parents"]} for _, n in graph["nodes"]}
         first = int(window["name"].split("-")[1])
         assert edges[f"critic-train-and-score-{first}"] == {f"rollout-{first}"}
-        assert edges[f"sleep-actor-{first}"] == {f"student-train-{first}"}
+        assert edges[f"student-train-{first}"] == {f"critic-train-and-score-{first}"}
+        assert not any(label.startswith("sleep-") for label in edges)  # groups that do not sleep: no sleep tasks
     artifacts = _api(api, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}})
     assert sorted(a["key"] for a in artifacts) == ["dmd2-tiny-metrics", "dmd2-tiny-progress", "dmd2-tiny-summary"]
     text = next(a["data"] for a in artifacts if a["key"] == "dmd2-tiny-summary")
