@@ -10,8 +10,9 @@ Structure (what the UI's run graph shows): the flow run ``{run_name}-{date}`` ho
 and one subflow run per window of ``iterations_per_window`` iterations, named by its range
 (``iterations-0001-0100``); a window holds its iterations' phases as tasks, chained by edges so
 one iteration reads as one row (rollout -> critic train and score -> sleep critic -> student train
--> sleep actor; no sleep tasks where the groups do not sleep), plus its evals and checkpoints. No graph grows with the run's length: the parent
-has one node per window, a window about 5 per iteration.
+-> sleep actor; no sleep tasks where the groups do not sleep), plus its evals and checkpoints. No
+graph grows with the run's length: the parent has one node per window, a window about 5 per
+iteration.
 
 Logs: one INFO line per iteration (losses and time) on the flow run; task runs log at WARNING.
 Artifacts (tasks/artifacts.py): a run summary, a short metrics table and a progress bar, updated in
