@@ -59,8 +59,10 @@ def prefect_server(home: Path):
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    from flows.dmd2 import LOCAL_SERVER_ENV  # the server settings README recommends
+
     env.update(PREFECT_HOME=str(home), PREFECT_API_URL=api, PREFECT_UI_API_URL=api, PREFECT_SERVER_UI_ENABLED="false",
-               PREFECT_SERVER_ANALYTICS_ENABLED="false")
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", **LOCAL_SERVER_ENV)
     log = open(home / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

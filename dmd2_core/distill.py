@@ -126,6 +126,10 @@ class DistillRun:
         self.pg = None
         self.broken = False
         self.handoff: dict[str, list] = {}
+        self.started: dict[str, tuple[int, Callable[[], dict]]] = {}  # phase -> (iteration, collector)
+        # whether iteration i+1's rollout may start as soon as iteration i's last phase is
+        # collected: the orchestrator sets it where nothing (an eval, a checkpoint) runs between
+        self.rollout_ahead: Callable[[int], bool] = lambda iteration: False
         self.start_iteration = 0
         self.done: tuple[int, int] = (0, len(PHASES))  # (iteration, phases of it done)
         self.pending_save: Optional[int] = None  # an asynchronous save not yet tracked
@@ -160,7 +164,7 @@ class DistillRun:
             raise _as_ray_error(exc) from exc
         self.start_iteration = resumed or 0
         self.done = (self.start_iteration, len(PHASES))
-        self.handoff = {}
+        self.handoff, self.started = {}, {}
         self.broken = False
         self.pending_save = None  # a save in flight when the groups broke is never tracked
         return self.start_iteration
@@ -193,19 +197,97 @@ class DistillRun:
         return "critic" in self.trainer_args
 
     # ---- phase bookkeeping --------------------------------------------------------------------
-    def _run_phase(self, iteration: int, phase: str, fn: Callable[[], dict]) -> dict:
+    # A phase is started (its Ray calls submitted, outputs handed on as ObjectRefs) and then
+    # collected (its metrics fetched). A phase starts, before collecting its own metrics, every
+    # phase after it that Ray orders by itself (same actor, or an ObjectRef argument), and the last
+    # phase of an iteration starts the next iteration where nothing runs between the two: the
+    # trainers run back to back while the orchestrator (Prefect's task boundaries, the metrics
+    # log) does its bookkeeping, instead of waiting for it. The order of work on each actor, the
+    # metrics and so the weights are the same as one phase at a time.
+    def _run_phase(self, iteration: int, phase: str) -> dict:
         index = PHASES.index(phase)
         if self.broken:
             self.recover(iteration, index)
         if self.done >= (iteration, index + 1):  # already done (replayed during a recovery)
             return {"skipped": True}
         try:
-            metrics = fn()
+            pending = self._take_started(iteration, phase)
+            self._start_ahead(iteration, self._follower(phase))
+            metrics = pending() if pending is not None else {}
+            if phase == self._last_phase() and self.rollout_ahead(iteration):
+                self._start_ahead(iteration + 1, "rollout")
         except Exception as exc:
             self.broken = True
+            self.started = {}
             raise _as_ray_error(exc) from exc
         self.done = (iteration, index + 1)
         return metrics
+
+    def _take_started(self, iteration: int, phase: str) -> Optional[Callable[[], dict]]:
+        """The phase's collector: started ahead by the phase before it, or started now."""
+        ahead = self.started.pop(phase, None)
+        if ahead is not None and ahead[0] == iteration:
+            return ahead[1]
+        return self._start(phase, iteration)
+
+    def _start_ahead(self, iteration: int, phase: Optional[str]) -> None:
+        """Start ``phase`` and, after it, every phase Ray can order behind it."""
+        while phase is not None:
+            if phase not in self.started:
+                self.started[phase] = (iteration, self._start(phase, iteration))
+            phase = self._follower(phase)
+
+    def _follower(self, phase: str) -> Optional[str]:
+        """The phase that may start before ``phase`` is collected (Ray orders the two)."""
+        sleeping = self.args.sleep_after_train
+        if phase == "rollout":
+            return "critic_train_and_score" if self.has_critic else "student_train"
+        if phase == "critic_train_and_score":
+            return "sleep_critic" if sleeping else "student_train"
+        if phase == "student_train" and sleeping:
+            return "sleep_actor"
+        # sleep_critic -> student_train: the two run on different actors and the student must wake
+        # only once the critic has freed the device, so it starts after the sleep is collected
+        return None
+
+    def _last_phase(self) -> str:
+        return "sleep_actor" if self.args.sleep_after_train else "student_train"
+
+    def _start(self, phase: str, iteration: int) -> Optional[Callable[[], dict]]:
+        """Submit the phase's Ray calls; returns what collects its metrics (None: nothing to run)."""
+        if phase == "rollout":
+            group = self.groups["actor"]
+            refs = group.call_per_rank("rollout", [(iteration,)] * self.args.num_devices, num_returns=2)
+            self.handoff["pairs"] = [p for p, _ in refs]
+            return lambda: _merge(group.get([m for _, m in refs]))
+        if phase == "critic_train_and_score":
+            if not self.has_critic:
+                return None
+            group = self.groups["critic"]
+            refs = group.train_async(iteration, self.handoff["pairs"])
+            self.handoff["scores"] = [o for o, _ in refs]
+            return lambda: _merge(group.get([m for _, m in refs]))
+        if phase == "student_train":
+            group = self.groups["actor"]
+            refs = group.train_async(iteration, self.handoff.pop("pairs"), self.handoff.pop("scores", None))
+
+            def collect() -> dict:
+                metrics = _merge(group.get([m for _, m in refs]))
+                metrics.update(self._finish_saves(wait=False))  # an asynchronous save written meanwhile
+                return metrics
+            return collect
+        role = phase.removeprefix("sleep_")
+        if not self.args.sleep_after_train or role not in self.groups:
+            return None
+        group = self.groups[role]
+        refs = group.call_async("sleep")
+
+        def collect_sleep() -> dict:
+            out = group.get(refs)
+            return {f"{role}_sleep_s": fmean(o["sleep_s"] for o in out),
+                    f"{role}_device_bytes_awake": fmean(o["device_bytes_awake"] for o in out),
+                    f"{role}_bytes_freed": fmean(o["bytes_freed"] for o in out)}
+        return collect_sleep
 
     def recover(self, iteration: int, phase_index: int) -> None:
         """Rebuild the groups from the latest checkpoint and replay up to (iteration, phase)."""
@@ -219,45 +301,19 @@ class DistillRun:
 
     # ---- phases -------------------------------------------------------------------------------
     def rollout(self, iteration: int) -> dict:
-        def run():
-            refs = self.groups["actor"].call_per_rank("rollout", [(iteration,)] * self.args.num_devices, num_returns=2)
-            self.handoff["pairs"] = [p for p, _ in refs]
-            return _merge(self.groups["actor"].get([m for _, m in refs]))
-        return self._run_phase(iteration, "rollout", run)
+        return self._run_phase(iteration, "rollout")
 
     def critic_train_and_score(self, iteration: int) -> dict:
-        def run():
-            if not self.has_critic:
-                return {}
-            refs = self.groups["critic"].train_async(iteration, self.handoff["pairs"])
-            self.handoff["scores"] = [o for o, _ in refs]
-            return _merge(self.groups["critic"].get([m for _, m in refs]))
-        return self._run_phase(iteration, "critic_train_and_score", run)
+        return self._run_phase(iteration, "critic_train_and_score")
 
     def student_train(self, iteration: int) -> dict:
-        def run():
-            refs = self.groups["actor"].train_async(iteration, self.handoff["pairs"], self.handoff.get("scores"))
-            metrics = _merge(self.groups["actor"].get([m for _, m in refs]))
-            self.handoff = {}
-            metrics.update(self._finish_saves(wait=False))  # an asynchronous save written meanwhile
-            return metrics
-        return self._run_phase(iteration, "student_train", run)
-
-    def _sleep(self, iteration: int, role: str) -> dict:
-        def run():
-            if not self.args.sleep_after_train or role not in self.groups:
-                return {}
-            out = self.groups[role].call("sleep")
-            return {f"{role}_sleep_s": fmean(o["sleep_s"] for o in out),
-                    f"{role}_device_bytes_awake": fmean(o["device_bytes_awake"] for o in out),
-                    f"{role}_bytes_freed": fmean(o["bytes_freed"] for o in out)}
-        return self._run_phase(iteration, f"sleep_{role}", run)
+        return self._run_phase(iteration, "student_train")
 
     def sleep_critic(self, iteration: int) -> dict:
-        return self._sleep(iteration, "critic")
+        return self._run_phase(iteration, "sleep_critic")
 
     def sleep_actor(self, iteration: int) -> dict:
-        return self._sleep(iteration, "actor")
+        return self._run_phase(iteration, "sleep_actor")
 
     def iterate(self, iteration: int) -> dict:
         """All phases of one iteration (the plain sequence the flow spreads over tasks)."""

@@ -12,7 +12,9 @@ and one subflow run per window of ``iterations_per_window`` iterations, named by
 one iteration reads as one row (rollout -> critic train and score -> sleep critic -> student train
 -> sleep actor; no sleep tasks where the groups do not sleep), plus its evals and checkpoints. No
 graph grows with the run's length: the parent has one node per window, a window about 5 per
-iteration.
+iteration. A task waits for and reports its phase; the phase's Ray work may already have been
+queued by the task before it (DistillRun starts every phase Ray can order ahead), so the trainers
+never wait for Prefect between tasks.
 
 Logs: one INFO line per iteration (losses and time) on the flow run; task runs log at WARNING.
 Artifacts (tasks/artifacts.py): a run summary, a short metrics table and a progress bar, updated in
@@ -23,10 +25,20 @@ from __future__ import annotations
 
 import os
 
+# A Prefect server on the trainers' own machine (the one a CLI run starts, or serve's
+# --local-server) records task runs from their events in batches: one database write per event
+# (Prefect's default) took ~60% of its CPU, ~70 ms per iteration taken from the trainers
+# (README, orchestration cost). Task states then reach the UI up to a second later.
+LOCAL_SERVER_ENV = {
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
+}
+
 for _key, _value in {
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+    **LOCAL_SERVER_ENV,
 }.items():
     os.environ.setdefault(_key, _value)
 
@@ -149,6 +161,7 @@ class Driver:
         if self.last_ckpt:
             self._note_checkpoint(self.last_ckpt, {}, next(iter(exporting.latest_exports(args.save)), None))
         self.artifacts = artifacts.RunArtifacts(self.keys, self.view, total=self.final, done=self.start)
+        run.rollout_ahead = self.follows_directly
 
     # ---- evals and checkpoints ----
     def eval(self, i: int) -> dict:
@@ -196,6 +209,17 @@ class Driver:
         self.artifacts.progress(i, force=True)
 
     # ---- one iteration ----
+    def evals_at(self, i: int) -> bool:
+        return self.evaluating and (i % self.args.eval_interval == 0 or i == self.final)
+
+    def saves_at(self, i: int) -> bool:
+        return bool(self.args.save_interval and i % self.args.save_interval == 0) or i == self.final
+
+    def follows_directly(self, i: int) -> bool:
+        """Iteration i+1 comes right after i, with no eval or checkpoint between them: its rollout
+        may start while iteration i's last task is still finishing."""
+        return i < self.final and not (self.evals_at(i) or self.saves_at(i))
+
     def phases(self, i: int) -> list[tuple[Any, tuple]]:
         """The iteration's tasks; the sleep tasks only where the groups sleep (on cuda by default)."""
         sleeps = self.args.sleep_after_train
@@ -213,13 +237,11 @@ class Driver:
         self._saved(metrics)
         metrics["iteration_s"] = time.perf_counter() - t
         row = self.log.update(i, metrics)
-        milestone = False
-        if self.evaluating and (i % self.args.eval_interval == 0 or i == self.final):
+        milestone = self.evals_at(i) or self.saves_at(i)
+        if self.evals_at(i):
             self.eval(i)
-            milestone = True
-        if (self.args.save_interval and i % self.args.save_interval == 0) or i == self.final:
+        if self.saves_at(i):
             self.checkpoint(i, wait=i == self.final)
-            milestone = True
         self.log.update(i, {"wall_time": time.time()})
         if milestone:
             self.publish(i)

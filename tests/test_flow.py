@@ -93,16 +93,33 @@ def read_flow_run(flow_run_id):
         return client.read_flow_run(flow_run_id)
 
 
-def read_task_runs(flow_run_id) -> list:
-    """The task runs of a flow run and of its window subflows."""
+def read_task_runs(flow_run_id, settle_s: float = 1.5, timeout_s: float = 30.0) -> list:
+    """The task runs of a flow run and of its window subflows, once the server has recorded them
+    all: the server writes task runs from events in batches (flows.dmd2.LOCAL_SERVER_ENV), so read
+    until every run is final and nothing changed for ``settle_s``."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
 
-    with get_client(sync_client=True) as client:
+    def read(client) -> list:
         children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))
         ids = [flow_run_id] + [c.id for c in children]
         return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)))
+
+    def fingerprint(runs: list) -> set:
+        return {(t.id, t.state_type, t.run_count) for t in runs}
+
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        runs = read(client)
+        while True:
+            time.sleep(settle_s)
+            again = read(client)
+            if fingerprint(again) == fingerprint(runs) and all(t.state and t.state.is_final() for t in again):
+                return again
+            if time.monotonic() > deadline:
+                return again
+            runs = again
 
 
 def weights_sha(save: Path, role: str, iteration: int) -> str:

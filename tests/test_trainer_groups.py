@@ -183,3 +183,95 @@ def test_trainer_args_stay_role_agnostic(tiny_teacher, tmp_path):
     critic = compute_trainer_args(args, TrainerConfig("critic", {"lr": 3e-4, "loss_type": "dmd2_critic"}))
     trainer = Trainer(critic, "critic")
     assert trainer.optimizer.param_groups[0]["lr"] == 3e-4 and trainer.teacher is not None
+
+
+class _RecordingGroup:
+    """A trainer group without Ray: records what is submitted, in order, into a shared log; a
+    'ref' is the value itself, and ``fail`` makes the named method's metrics raise when fetched."""
+
+    def __init__(self, role: str, log: list, fail: str = ""):
+        self.role, self.log, self.fail = role, log, fail
+
+    def _submit(self, method: str, iteration, *inputs) -> list:
+        self.log.append((self.role, method, iteration, inputs))
+        metrics = RuntimeError(f"{self.role}.{method} died") if method == self.fail else {f"{self.role}_{method}_s": 0.1}
+        return [((self.role, method, iteration), metrics)]
+
+    def call_per_rank(self, method, per_rank, num_returns=1):
+        return self._submit(method, per_rank[0][0])
+
+    def train_async(self, iteration, pairs, external_data=None):
+        return self._submit("train", iteration, *pairs, *([external_data] if external_data else []))
+
+    def call_async(self, method):
+        self.log.append((self.role, method, None, ()))
+        return [{"sleep_s": 0.0, "device_bytes_awake": 0, "bytes_freed": 1}]
+
+    def get(self, refs):
+        self.log.append((self.role, "get", None, ()))
+        for value in refs:
+            if isinstance(value, Exception):
+                raise value
+        return refs
+
+
+def _recording_run(sleeping: bool, fail: str = "") -> tuple[DistillRun, list]:
+    log: list = []
+    run = DistillRun.__new__(DistillRun)  # no preflight, no Ray: the phase scheduling alone
+    run.args = tiny_args("unused", "unused").model_copy(update={"sleep_after_train": sleeping})
+    run.trainer_args = {"actor": run.args, "critic": run.args}
+    run.groups = {"actor": _RecordingGroup("actor", log), "critic": _RecordingGroup("critic", log, fail)}
+    run.handoff, run.started, run.broken, run.pending_save = {}, {}, False, None
+    run.done = (0, 5)
+    run.rollout_ahead = lambda iteration: iteration < 2
+    return run, log
+
+
+def _submitted(log: list) -> list:
+    return [(role, method, it) for role, method, it, _ in log if method != "get"]
+
+
+def test_phases_start_ahead_only_where_ray_orders_them():
+    """Each phase submits the phases after it that Ray orders by itself (the critic's train takes
+    the rollout's outputs, the student's train the critic's scores), so the trainers never wait
+    for the orchestrator between tasks; the next iteration starts only where the orchestrator
+    says nothing runs between them; inputs are handed on unchanged."""
+    run, log = _recording_run(sleeping=False)
+    run.rollout(1)
+    assert _submitted(log) == [("actor", "rollout", 1), ("critic", "train", 1), ("actor", "train", 1)]
+    critic_inputs = next(inputs for role, method, _, inputs in log if (role, method) == ("critic", "train"))
+    actor_inputs = next(inputs for role, method, _, inputs in log if (role, method) == ("actor", "train"))
+    assert critic_inputs == (("actor", "rollout", 1),)
+    assert actor_inputs == (("actor", "rollout", 1), [("critic", "train", 1)])
+    run.critic_train_and_score(1)
+    assert len(_submitted(log)) == 3
+    run.student_train(1)  # rollout_ahead(1): iteration 2 starts at once
+    assert _submitted(log)[3:] == [("actor", "rollout", 2), ("critic", "train", 2), ("actor", "train", 2)]
+    for phase in ("rollout", "critic_train_and_score", "student_train"):
+        getattr(run, phase)(2)
+    assert len(_submitted(log)) == 6 and run.started == {} and run.done == (2, 4)  # rollout_ahead(2) is False
+
+
+def test_a_sleeping_critic_is_asleep_before_the_student_is_submitted():
+    run, log = _recording_run(sleeping=True)
+    run.rollout(1)
+    assert _submitted(log) == [("actor", "rollout", 1), ("critic", "train", 1), ("critic", "sleep", None)]
+    run.critic_train_and_score(1)
+    run.sleep_critic(1)
+    assert ("actor", "train", 1) not in _submitted(log)
+    slept = len(log)
+    run.student_train(1)
+    assert _submitted(log[slept:]) == [("actor", "train", 1), ("actor", "sleep", None)]
+    run.sleep_actor(1)
+    assert _submitted(log)[-3:] == [("actor", "rollout", 2), ("critic", "train", 2), ("critic", "sleep", None)]
+
+
+def test_a_phase_failing_after_others_started_ahead_breaks_the_run():
+    """The critic's train dies after the student's was submitted behind it: the critic's task
+    fails, the run is marked for recovery and nothing started ahead is collected later."""
+    run, log = _recording_run(sleeping=False, fail="train")
+    run.rollout(1)
+    assert run.started and not run.broken
+    with pytest.raises(RuntimeError, match="critic.train died"):
+        run.critic_train_and_score(1)
+    assert run.broken and run.started == {} and run.done == (1, 1)
