@@ -1,17 +1,15 @@
 """What does the orchestration cost? The same N DMD2 iterations of the same model, through the
-Prefect flow (tasks -> Ray trainer groups, sleep after each train), through the same driver
-without Prefect (the Ray groups alone) and through the plain single-process reference loop, in one
-run. Prints one JSON line:
+Prefect flow (tasks -> Ray trainer groups), through the same driver without Prefect (the Ray groups
+alone) and through the plain single-process reference loop, in one run. Prints one JSON line:
 
   {"iterations", "global_batch_size", "plain_median_s", "groups_median_s", "flow_median_s",
    "throughput_ratio", "groups_throughput_ratio", ...}
 
 ``throughput_ratio`` = plain median / flow median seconds per iteration (1.0: no overhead), the
 flow's iteration measured end to end (from one iteration's end to the next: its tasks and all
-the flow's per-iteration bookkeeping); ``phases_throughput_ratio`` counts its five tasks only. The
-plain loop runs in blocks interleaved with the flow's windows, so both see the same machine; the
-start of a window subflow (once per 100 iterations in a real run) is reported apart, as
-``window_start_median_s``.
+the flow's per-iteration bookkeeping). The three run in blocks interleaved window by window, so
+all see the same machine; the start of a window subflow (once per 100 iterations in a real run) is
+reported apart, as ``window_start_median_s``.
 
     python bench/overhead.py [--iterations 40] [--batch 384] [--window 5]
 """
@@ -41,6 +39,7 @@ def main() -> None:
 
     from flows.dmd2 import dmd2
     from dmd2_core.args import load_args
+    from dmd2_core.distill import DistillRun
     from dmd2_core.models import save_checkpoint
     from dmd2_core.models.sd3 import SD3ImageFamily, tiny_digits_config
     from dmd2_core.reference import ReferenceLoop
@@ -51,62 +50,70 @@ def main() -> None:
     save_checkpoint(SD3ImageFamily().build(tiny_digits_config()), teacher, shift=3.0)
     overrides = {"hf_checkpoint": teacher, "global_batch_size": ns.batch, "micro_batch_size": ns.batch,
                  "eval_interval": 0, "save_interval": 0, "num_iterations": ns.iterations}
+    args = load_args("tiny", overrides)
+    # room for two runs' groups at once: the Ray groups alone and the flow's
+    import ray
 
-    def groups() -> list[float]:
-        """The same driver the flow uses, without Prefect: what the Ray groups cost alone."""
-        from dmd2_core.distill import DistillRun
+    ray.init(namespace="overhead", resources={args.resource_name: 2.0 * args.num_devices}, include_dashboard=False)
 
-        times = []
-        with DistillRun(load_args("tiny", {**overrides, "save": f"{tmp}/groups", "run_name": "overhead-groups"})) as run:
-            run.iterate(1)  # warm-up (iteration 0 is the start point, nothing to run)
-            for i in range(2, ns.iterations + 2):
-                t = time.perf_counter()
-                run.iterate(i)
-                times.append(time.perf_counter() - t)
-        return times
-
-    # The plain loop runs in blocks interleaved with the flow's windows (a block of `window` plain
-    # iterations before each window of the flow, in the flow's own process while its groups sleep),
-    # so both see the same machine: on a shared 2-core machine the load drifts within minutes.
+    # The three paths run in blocks interleaved window by window (`window` plain iterations, as
+    # many of the Ray groups alone, then a window of the flow), all in this process, so that all
+    # three see the same machine: on a shared 2-core machine the load drifts within minutes.
+    # Between blocks nothing runs ahead: a window's last iteration does not start the next one.
     loop = ReferenceLoop(load_args("tiny", {**overrides, "save": f"{tmp}/plain"}))
-    loop.iterate(0)  # warm-up, as the flow's first iteration warms its actors
+    loop.iterate(0)  # warm-up, as the first iteration of the groups warms their actors
+    groups_run = DistillRun(load_args("tiny", {**overrides, "save": f"{tmp}/groups", "run_name": "overhead-groups"}))
+    groups_run.start()
+    groups_run.rollout_ahead = lambda i: i % ns.window != 0
+    groups_run.iterate(1)
+    groups_done = [1]
     plain_times: list[float] = []
+    groups_times: list[float] = []
     window_starts: list[float] = []
 
-    def plain_block(n: int) -> None:
+    def blocks(n: int) -> None:
         for _ in range(n):
             plain_times.append(loop.iterate(len(plain_times) + 1)["iteration_s"])
+        t = time.perf_counter()
+        for k in range(n):
+            groups_done[0] += 1
+            groups_run.iterate(groups_done[0])
+            now = time.perf_counter()
+            if k:  # the block's first iteration starts from idle actors, as a window's does
+                groups_times.append(now - t)
+            t = now
 
     import flows.dmd2 as flow_module
 
-    real_iterations = flow_module.iterations
+    real_iterations, real_follows = flow_module.iterations, flow_module.Driver.follows_directly
 
     class Interleaved:
         def with_options(self, **options):
             subflow = real_iterations.with_options(**options)
 
             def call(run_id, first, last):
-                plain_block(last - first + 1)
+                blocks(last - first + 1)
                 window_starts.append(time.time())
                 return subflow(run_id, first, last)
             return call
 
     load_before = os.getloadavg()[0]
-    groups_times = groups()
     flow_module.iterations = Interleaved()
+    flow_module.Driver.follows_directly = lambda driver, i: real_follows(driver, i) and i % ns.window != 0
     start = time.perf_counter()
-    summary = dmd2(recipe="tiny", overrides={**overrides, "save": f"{tmp}/flow", "iterations_per_window": ns.window})
+    try:
+        summary = dmd2(recipe="tiny", overrides={**overrides, "save": f"{tmp}/flow", "iterations_per_window": ns.window})
+    finally:
+        flow_module.iterations, flow_module.Driver.follows_directly = real_iterations, real_follows
+        groups_run.shutdown()
     flow_total = time.perf_counter() - start
-    flow_module.iterations = real_iterations
 
     with open(f"{tmp}/flow/metrics.jsonl") as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    flow_times = [r["iteration_s"] for r in rows if r.get("iteration", 0) >= 1]
-    flow_steady = flow_times[1:]  # the first iteration pays for the actors' first calls
     # Wall clock from one iteration's end to the next: the phases plus everything the flow does per
     # iteration (metrics log, progress, log line); the first iteration of a window also holds the
-    # plain block before it and the window's start, so it is left out (the window start is
-    # reported apart: once per `iterations_per_window` iterations in a real run).
+    # blocks before it and the window's start, so it is left out (the window start is reported
+    # apart: once per `iterations_per_window` iterations in a real run).
     trained = [r for r in rows if r.get("iteration", 0) >= 1]
     flow_wall = [b["wall_time"] - a["wall_time"] for a, b in zip(trained, trained[1:])
                  if (b["iteration"] - 1) % ns.window != 0][1:]
@@ -122,8 +129,6 @@ def main() -> None:
         "groups_throughput_ratio": round(plain_median / statistics.median(groups_times), 3),
         "flow_median_s": round(flow_median, 4),
         "throughput_ratio": round(plain_median / flow_median, 3),
-        "flow_phases_median_s": round(statistics.median(flow_steady), 4),
-        "phases_throughput_ratio": round(plain_median / statistics.median(flow_steady), 3),
         "window_start_median_s": round(statistics.median(window_start_s), 3),
         "flow_wall_s": round(flow_total, 2),
         "final_iteration": summary["final_iteration"],
