@@ -78,8 +78,9 @@ def s3_server():
 @pytest.fixture
 def s3_outage(s3_server):
     """``outage(seconds)``: stop the session's moto server now (connections are refused) and start
-    it again on the same port after ``seconds``, in a background thread; returns the thread. The
-    buckets and objects survive (moto keeps them in this process)."""
+    it again on the same port after ``seconds`` or when the returned thread's ``end()`` is called,
+    in a background thread; returns the thread. The buckets and objects survive (moto keeps them
+    in this process)."""
     import threading
     import time
 
@@ -93,13 +94,16 @@ def s3_outage(s3_server):
         host, port = _MOTO["server"].get_host_and_port()
         _MOTO["server"].stop()
 
+        ended = threading.Event()
+
         def restart():
-            time.sleep(seconds)
+            ended.wait(seconds)
             server = ThreadedMotoServer(ip_address=host, port=port, verbose=False)
             server.start()
             _MOTO["server"] = server
 
         thread = threading.Thread(target=restart, daemon=True)
+        thread.end = ended.set
         thread.start()
         threads.append(thread)
         return thread

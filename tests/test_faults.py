@@ -279,9 +279,14 @@ def test_transient_and_permanent_storage_errors(s3_bucket, s3_outage, monkeypatc
     assert storage.read_text(url) == "1" and time.monotonic() - t >= 3.0
 
     monkeypatch.setattr(storage, "RETRY_S", 1.0)  # an outage longer than the retry budget
-    s3_outage(OUTAGE_S + 2)  # (one refused attempt alone takes ~8 s inside botocore)
-    with pytest.raises(StorageUnavailableError) as info:  # never a CheckpointLoadError (exit code 2)
-        ckpt.read_tracker(s3_bucket)
+    # it lasts until the read has failed: one refused attempt takes ~8 s inside botocore, longer
+    # on a loaded machine, so a timed outage could end inside it and the read would succeed
+    outage = s3_outage(600)
+    try:
+        with pytest.raises(StorageUnavailableError) as info:  # never a CheckpointLoadError (exit code 2)
+            ckpt.read_tracker(s3_bucket)
+    finally:
+        outage.end()
     assert not isinstance(info.value, ValueError) and "storage unavailable for 1 s" in str(info.value)
     assert "\n" not in str(info.value)
     from tasks.common import retry_runtime_failures
