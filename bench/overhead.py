@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -27,6 +28,21 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+
+
+def plain_loop(args, conn) -> None:
+    """The plain reference loop, in its own process: run as many iterations as asked, reply with
+    their times; 0 ends it."""
+    from dmd2_core.reference import ReferenceLoop
+
+    loop = ReferenceLoop(args)
+    done = 0
+    while n := conn.recv():
+        times = []
+        for _ in range(n):
+            times.append(loop.iterate(done)["iteration_s"])
+            done += 1
+        conn.send(times)
 
 
 def main() -> None:
@@ -42,7 +58,6 @@ def main() -> None:
     from dmd2_core.distill import DistillRun
     from dmd2_core.models import save_checkpoint
     from dmd2_core.models.sd3 import SD3ImageFamily, tiny_digits_config
-    from dmd2_core.reference import ReferenceLoop
 
     tmp = tempfile.mkdtemp(prefix="dmd2-overhead-")
     torch.manual_seed(0)
@@ -57,11 +72,18 @@ def main() -> None:
     ray.init(namespace="overhead", resources={args.resource_name: 2.0 * args.num_devices}, include_dashboard=False)
 
     # The three paths run in blocks interleaved window by window (`window` plain iterations, as
-    # many of the Ray groups alone, then a window of the flow), all in this process, so that all
+    # many of the Ray groups alone, then a window of the flow), driven from this process, so that all
     # three see the same machine: on a shared 2-core machine the load drifts within minutes.
     # Between blocks nothing runs ahead: a window's last iteration does not start the next one.
-    loop = ReferenceLoop(load_args("tiny", {**overrides, "save": f"{tmp}/plain"}))
-    loop.iterate(0)  # warm-up, as the first iteration of the groups warms their actors
+    # The plain loop runs in a process of its own, as the trainers do in their actors: in this
+    # one it would share the interpreter lock with the Prefect engine's and Ray driver's threads.
+    plain = mp.get_context("spawn")
+    to_plain, plain_end = plain.Pipe()
+    plain_process = plain.Process(target=plain_loop, args=(load_args("tiny", {**overrides, "save": f"{tmp}/plain"}), plain_end),
+                                  daemon=True)
+    plain_process.start()
+    to_plain.send(1)
+    to_plain.recv()  # warm-up, as the first iteration of the groups warms their actors
     groups_run = DistillRun(load_args("tiny", {**overrides, "save": f"{tmp}/groups", "run_name": "overhead-groups"}))
     groups_run.start()
     groups_run.rollout_ahead = lambda i: i % ns.window != 0
@@ -72,8 +94,8 @@ def main() -> None:
     window_starts: list[float] = []
 
     def blocks(n: int) -> None:
-        for _ in range(n):
-            plain_times.append(loop.iterate(len(plain_times) + 1)["iteration_s"])
+        to_plain.send(n)
+        plain_times.extend(to_plain.recv())
         t = time.perf_counter()
         for k in range(n):
             groups_done[0] += 1
@@ -106,6 +128,8 @@ def main() -> None:
     finally:
         flow_module.iterations, flow_module.Driver.follows_directly = real_iterations, real_follows
         groups_run.shutdown()
+        to_plain.send(0)
+        plain_process.join(timeout=30)
     flow_total = time.perf_counter() - start
 
     with open(f"{tmp}/flow/metrics.jsonl") as f:

@@ -15,8 +15,11 @@ named by diffusers' ``_no_split_modules``, then on the root) over the group's ra
 - ``fsdp_cpu_offload`` keeps the sharded parameters, gradients and optimizer state in host memory
   (FSDP2's ``CPUOffloadPolicy``; CUDA only).
 
-One rank runs the same code on a mesh of one, so 1 rank and N ranks differ only by the order of
-floating-point reductions. Within one process, every single-rank trainer shares one gloo process
+A group of one rank whose models need neither a cast nor offloading (compute dtype fp32, the
+frozen teacher at any dtype) keeps plain modules: FSDP would only copy each block's parameters
+into an all-gather buffer of one and back, and its per-block hooks and DTensor dispatch cost 7-9%
+of a small model's iteration (`bench/overhead.py`). Otherwise one rank runs the same code on a
+mesh of one. Either way 1 rank and N ranks differ only by the order of floating-point reductions. Within one process, every single-rank trainer shares one gloo process
 group of size one (``ensure_process_group``).
 """
 
@@ -77,9 +80,16 @@ def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if names & {c.__name__ for c in type(m).__mro__}]
 
 
+def needs_fsdp(mesh: DeviceMesh, compute_dtype: torch.dtype, trainable: bool, cpu_offload: bool) -> bool:
+    """Whether FSDP has anything to do: shard over more than one rank, offload to the host, or
+    cast trainable fp32 master weights to a lower compute dtype."""
+    return mesh.size() > 1 or cpu_offload or (trainable and compute_dtype != MASTER_DTYPE)
+
+
 def shard_model(model: torch.nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype, trainable: bool,
                 gradient_checkpointing: bool = False, cpu_offload: bool = False) -> torch.nn.Module:
-    """Cast, checkpoint and shard ``model`` in place (blocks first, then the root)."""
+    """Cast, checkpoint and shard ``model`` in place (blocks first, then the root), or leave it a
+    plain module where ``needs_fsdp`` finds nothing to do."""
     dtype = MASTER_DTYPE if trainable else compute_dtype
     if any(p.dtype != dtype for p in model.parameters()):
         model.to(dtype)
@@ -89,6 +99,13 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, compute_dtype: torch.d
                 module._buffers[name] = buf.clone()
     if gradient_checkpointing and trainable:
         model.enable_gradient_checkpointing()
+    if not needs_fsdp(mesh, compute_dtype, trainable, cpu_offload):
+        with torch.no_grad():  # own every parameter too, as FSDP's shards do (sleep resizes them)
+            for param in model.parameters():
+                param.data = param.data.clone()
+        if not trainable:
+            model.requires_grad_(False).eval()
+        return model
     policy = dict(
         mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=MASTER_DTYPE),
         offload_policy=CPUOffloadPolicy(pin_memory=True) if cpu_offload else None,

@@ -383,10 +383,11 @@ class Trainer:
     def _owned_slots(self) -> list[tuple]:
         """(holder, key) of the tensors this trainer alone refers to (EMA, optimizer moments):
         asleep, they are swapped out rather than resized (no other view of them exists). A
-        distributed tensor's holder is itself (key ``_local_tensor``), a plain one's its state dict."""
+        distributed tensor's holder is itself (key ``_local_tensor``), a plain one's its state dict
+        or the EMA list."""
         from torch.distributed.tensor import DTensor
 
-        slots = [(e, "_local_tensor") for e in self.ema or ()]
+        slots = [(e, "_local_tensor") if isinstance(e, DTensor) else (self.ema, i) for i, e in enumerate(self.ema or ())]
         for optimizer in (self.optimizer, self.disc_optimizer):
             for state in (optimizer.state.values() if optimizer is not None else ()):
                 slots += [(v, "_local_tensor") if isinstance(v, DTensor) else (state, k)
@@ -570,9 +571,9 @@ def _wake_metric(role: str, woke: dict) -> dict:
     return {f"{role}_wake_s": woke["wake_s"]} if woke["wake_s"] else {}
 
 
-def _slot(holder, key: str, value: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _slot(holder, key, value: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Read (or, with ``value``, replace) a state tensor held as an attribute of a tensor or as
-    an entry of a dict."""
+    an entry of a dict or list."""
     if value is None:
         return getattr(holder, key) if isinstance(holder, torch.Tensor) else holder[key]
     if isinstance(holder, torch.Tensor):

@@ -151,7 +151,8 @@ def test_sharded_student_exports_its_gathered_ema(wan_teacher, tmp_path):
     plain = perturbed_student(wan_teacher, seed=3).model
     sharded = copy.deepcopy(plain)
     parallel.ensure_process_group(0, 1, torch.device("cpu"))
-    parallel.shard_model(sharded, parallel.build_mesh(torch.device("cpu"), 1, None), torch.float32, trainable=True)
+    parallel.shard_model(sharded, parallel.build_mesh(torch.device("cpu"), 1, None), torch.bfloat16,
+                         trainable=True)  # bf16 compute: FSDP shards even one rank (fp32 would stay plain)
     ema = [p.detach().clone() * 0.5 for p in sharded.parameters()]
     assert type(ema[0]).__name__ == "DTensor"
     url = str(tmp_path / "sharded")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dmd2_core import checkpoint
+from dmd2_core import checkpoint, parallel
 from dmd2_core.args import ArgsError
 from dmd2_core.distill import DistillRun, preflight
 from dmd2_core.trainer import Trainer
@@ -51,7 +51,7 @@ def test_sleep_and_wake_restore_state_bitwise(tiny_teacher, tmp_path):
         assert trainer.sleep()["sleep_s"] == 0.0  # idempotent
         assert trainer.asleep and trainer.device_bytes() == 0
         assert out["bytes_freed"] > 0
-        assert all(p._local_tensor.untyped_storage().nbytes() == 0 for p in trainer.model.parameters())
+        assert all(parallel.local(p).untyped_storage().nbytes() == 0 for p in trainer.model.parameters())
         trainer.wake_up()
         trainer.wake_up()
         assert trainer.state_digest() == digest
