@@ -17,10 +17,11 @@ named by diffusers' ``_no_split_modules``, then on the root) over the group's ra
 
 A group of one rank whose models need neither a cast nor offloading (compute dtype fp32, the
 frozen teacher at any dtype) keeps plain modules: FSDP would only copy each block's parameters
-into an all-gather buffer of one and back, and its per-block hooks and DTensor dispatch cost 7-9%
-of a small model's iteration (`bench/overhead.py`). Otherwise one rank runs the same code on a
-mesh of one. Either way 1 rank and N ranks differ only by the order of floating-point reductions. Within one process, every single-rank trainer shares one gloo process
-group of size one (``ensure_process_group``).
+into an all-gather buffer of one and back, and with its per-block hooks and DTensor dispatch that
+cost 2-8% of the tiny recipe's iteration (``bench/one_rank.py``). Otherwise one rank runs the same
+code on a mesh of one. Either way 1 rank and N ranks differ only by the order of floating-point
+reductions. Within one process, every single-rank trainer shares one gloo process group of size
+one (``ensure_process_group``).
 """
 
 from __future__ import annotations

@@ -96,7 +96,8 @@ def test_gradient_checkpointing_gives_the_same_update(tiny_teacher, tmp_path):
 
 def test_fsdp_only_where_it_has_work(tiny_teacher, tmp_path):
     """One fp32 rank has nothing to shard, gather or cast: plain modules (FSDP's per-block copies
-    and hooks cost 7-9% of a small model's iteration); a bf16 rank keeps FSDP for the cast."""
+    and hooks cost 2-8% of the tiny iteration: bench/one_rank.py); a bf16 rank keeps FSDP for the
+    cast."""
     from torch.distributed.fsdp import FSDPModule
 
     for dtype, sharded in (("float32", False), ("bfloat16", True)):
