@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,19 +43,12 @@ def main() -> None:
     from dmd2_core import parallel
     from dmd2_core.args import load_args
     from dmd2_core.distill import preflight
-    from dmd2_core.models import save_checkpoint
-    from dmd2_core.models.sd3 import SD3ImageFamily, tiny_digits_config
     from dmd2_core.reference import ReferenceLoop
     from dmd2_core.trainer import Trainer
+    from bench.workload import random_digits_teacher, timed_tiny_overrides
 
-    tmp = tempfile.mkdtemp(prefix="dmd2-one-rank-")
-    torch.manual_seed(0)
-    teacher = f"{tmp}/teacher"
-    save_checkpoint(SD3ImageFamily().build(tiny_digits_config()), teacher, shift=3.0)
-    # the GAN head off: the workload the README figures were measured on before tiny turned it on
-    overrides = {"hf_checkpoint": teacher, "global_batch_size": ns.batch, "micro_batch_size": ns.batch,
-                 "eval_interval": 0, "save_interval": 0, "gan_weight": 0.0, "gan_critic_weight": 0.0,
-                 "num_iterations": 1000, "save": f"{tmp}/run"}
+    tmp, teacher = random_digits_teacher("dmd2-one-rank-")
+    overrides = {**timed_tiny_overrides(teacher, ns.batch, 1000), "save": f"{tmp}/run"}
     roles = preflight(load_args("tiny", overrides))
     loop = ReferenceLoop(load_args("tiny", {**overrides, "save": f"{tmp}/plain"}))
 

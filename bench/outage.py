@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import threading
 import time
 
@@ -45,14 +44,11 @@ def main() -> None:
     from dmd2_core import checkpoint as ckpt
     from dmd2_core.args import load_args
     from dmd2_core.distill import DistillRun
-    from dmd2_core.models import save_checkpoint
-    from dmd2_core.models.sd3 import SD3ImageFamily, tiny_digits_config
+    from bench.workload import random_digits_teacher
 
     torch.set_num_threads(1)
     boto3.client("s3").create_bucket(Bucket="outage")
-    tmp = tempfile.mkdtemp(prefix="dmd2-outage-")
-    torch.manual_seed(0)
-    save_checkpoint(SD3ImageFamily().build(tiny_digits_config()), f"{tmp}/teacher", shift=3.0)
+    tmp, teacher = random_digits_teacher("dmd2-outage-")
     ray.init(address="local", namespace="dmd2-bench-outage", resources={"dmd2_device": 2.0},
              include_dashboard=False, log_to_driver=False)
 
@@ -70,7 +66,7 @@ def main() -> None:
         return thread
 
     def run(save: str, name: str, with_outage: bool):
-        args = load_args(None, dict(hf_checkpoint=f"{tmp}/teacher", prompts="digits", save=save, run_name=name,
+        args = load_args(None, dict(hf_checkpoint=teacher, prompts="digits", save=save, run_name=name,
                                     global_batch_size=8, micro_batch_size=8, dmd2_update_ratio=2, seed=3,
                                     num_iterations=3))
         took = None

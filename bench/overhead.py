@@ -22,7 +22,6 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -56,17 +55,11 @@ def main() -> None:
     from flows.dmd2 import dmd2
     from dmd2_core.args import load_args
     from dmd2_core.distill import DistillRun
-    from dmd2_core.models import save_checkpoint
-    from dmd2_core.models.sd3 import SD3ImageFamily, tiny_digits_config
+    from dmd2_core.groups import CPU_ALLOCATOR_ENV
+    from bench.workload import random_digits_teacher, timed_tiny_overrides
 
-    tmp = tempfile.mkdtemp(prefix="dmd2-overhead-")
-    torch.manual_seed(0)
-    teacher = f"{tmp}/teacher"
-    save_checkpoint(SD3ImageFamily().build(tiny_digits_config()), teacher, shift=3.0)
-    # the GAN head off: the workload the README figures were measured on before tiny turned it on
-    overrides = {"hf_checkpoint": teacher, "global_batch_size": ns.batch, "micro_batch_size": ns.batch,
-                 "eval_interval": 0, "save_interval": 0, "gan_weight": 0.0, "gan_critic_weight": 0.0,
-                 "num_iterations": ns.iterations}
+    tmp, teacher = random_digits_teacher("dmd2-overhead-")
+    overrides = timed_tiny_overrides(teacher, ns.batch, ns.iterations)
     args = load_args("tiny", overrides)
     # room for two runs' groups at once: the Ray groups alone and the flow's
     import ray
@@ -84,8 +77,6 @@ def main() -> None:
     to_plain, plain_end = plain.Pipe()
     plain_process = plain.Process(target=plain_loop, args=(load_args("tiny", {**overrides, "save": f"{tmp}/plain"}), plain_end),
                                   daemon=True)
-    from dmd2_core.groups import CPU_ALLOCATOR_ENV
-
     saved_env = dict(os.environ)
     os.environ.update(CPU_ALLOCATOR_ENV)  # the trainers' allocator settings, read at the process's start
     try:
