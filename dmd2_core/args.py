@@ -93,6 +93,11 @@ class Args(BaseModel):
     latent_shape: Optional[list[int]] = _f(
         None, "model", "Sample shape [C, H, W] or [C, F, H, W]; default from the model config (required for video)."
     )
+    num_frames: Optional[int] = _f(
+        None, "model", "Clip length in frames of a joint video + audio model (MiniMax-H3: 17n + 5 at 24 fps, 5-15 s); "
+        "with height and width it sets latent_shape.", ge=1)
+    height: Optional[int] = _f(None, "model", "Clip height in pixels (MiniMax-H3: a multiple of 32).", ge=1)
+    width: Optional[int] = _f(None, "model", "Clip width in pixels (MiniMax-H3: a multiple of 32, aspect 1:4 to 4:1).", ge=1)
     real_data: Optional[str] = _f(
         None, "model", "Real samples in the model's latent space with their conditions (a real set URL from "
         "`prepare-latents`, or 'digits'); the GAN head's real side."
@@ -146,6 +151,9 @@ class Args(BaseModel):
     sleep_after_train: Optional[bool] = _f(
         None, "dmd2", "Sleep each trainer group right after its train (frees its device memory); default on for cuda, "
         "off for cpu (there the device memory is host memory: sleeping frees nothing and costs a copy).")
+    dmd2_modality_weights: Optional[dict[str, float]] = _f(
+        None, "dmd2", "Weight of each modality of a joint model (MiniMax-H3: video, audio) in the DMD gradient and the "
+        "critic's loss; each modality has its own normaliser either way. Default 1 each.")
     dmd2_min_sigma: float = _f(0.02, "dmd2", "Lower clamp of DMD/critic sigmas.", ge=0, lt=1)
     dmd2_max_sigma: float = _f(0.98, "dmd2", "Upper clamp of DMD/critic sigmas.", gt=0, le=1)
     gan_weight: float = _f(0.0, "dmd2", "GAN generator loss weight (softplus(-D(fake_t)), added to the DMD gradient; 0: off).", ge=0)

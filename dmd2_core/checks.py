@@ -48,9 +48,10 @@ def probe_write(save_url: str) -> None:
 
 # ---- prompts ----------------------------------------------------------------------------------
 
-def check_prompt_set(url: str) -> None:
+def check_prompt_set(url: str, needs_negative: bool = True, cond_keys: tuple[str, ...] = ("prompt_embeds",)) -> None:
     """The safetensors header of a prompt set, read with bounded memory: an 8-byte length, a JSON
-    header within the file, ``prompt_embeds`` and a ``negative_`` entry for every key."""
+    header within the file, the model's condition keys and (for classifier-free guidance) a
+    ``negative_`` entry for every key."""
     def bad(reason: str) -> ArgsError:
         return ArgsError(f"prompts: {url} is not a safetensors prompt set ({reason})")
 
@@ -90,16 +91,96 @@ def check_prompt_set(url: str) -> None:
             raise bad(f"tensor '{key}' lies outside the file")
     embeds = {k for k in tensors if not k.startswith("negative_")}
     negative = {k.removeprefix("negative_") for k in tensors if k.startswith("negative_")}
-    if "prompt_embeds" not in embeds:
-        raise bad(f"no 'prompt_embeds' tensor (has: {', '.join(sorted(tensors)) or 'none'})")
-    if negative != embeds:
-        raise bad("needs a negative_ entry for each embedding key")
+    for key in ("prompt_embeds", *cond_keys):
+        if key not in embeds:
+            raise bad(f"no '{key}' tensor (has: {', '.join(sorted(tensors)) or 'none'})")
+    if (needs_negative or negative) and negative != embeds:
+        raise bad("needs a negative_ entry for each embedding key" + (
+            " (classifier-free guidance: dmd2_guidance_scale != 1)" if needs_negative else ""))
     metadata = entries.get("__metadata__") or {}
     if "prompts" in metadata:
         try:
             json.loads(metadata["prompts"])
         except (TypeError, ValueError):
             raise bad("its 'prompts' metadata is not a JSON list") from None
+
+
+# ---- the family's own rules ---------------------------------------------------------------------
+
+def check_family_args(args: Args, teacher: dict[str, Any]) -> Args:
+    """What the teacher's family fixes or needs: a guidance-distilled teacher takes no guidance
+    scale, a family that maps sigma itself takes no ``dmd2_shift``, a joint model's clip geometry
+    (num_frames, height, width) becomes its ``latent_shape``, modality weights name its modalities.
+    Returns ``args`` with the derived values."""
+    from dmd2_core.models import FAMILIES
+
+    family = FAMILIES[teacher["family"]]
+    name = teacher["family"]
+    if family.guidance_distilled and args.dmd2_guidance_scale != 1.0:
+        raise ArgsError(f"dmd2_guidance_scale: {args.hf_checkpoint} ({name}) is guidance-distilled (one forward per "
+                        f"step, no negative prompt); set dmd2_guidance_scale to 1 (got {args.dmd2_guidance_scale:g})")
+    if family.fixed_shift is not None and args.dmd2_shift not in (None, family.fixed_shift):
+        raise ArgsError(f"dmd2_shift: {name} shifts each modality by its own scheduler {teacher.get('modality_shifts')}; "
+                        f"leave dmd2_shift unset (got {args.dmd2_shift:g})")
+    geometry = [args.num_frames, args.height, args.width]
+    if any(v is not None for v in geometry):
+        if not family.has_audio:
+            raise ArgsError(f"num_frames: clip geometry is for joint video + audio models; {name} takes latent_shape")
+        missing = [k for k, v in zip(("num_frames", "height", "width"), geometry) if v is None]
+        if missing:
+            raise ArgsError(f"{missing[0]}: set num_frames, height and width together")
+        latent_shape = _clip_latent_shape(args, teacher)
+        if args.latent_shape and list(args.latent_shape) != latent_shape:
+            raise ArgsError(f"latent_shape: {list(args.latent_shape)} disagrees with num_frames/height/width "
+                            f"({latent_shape}); set one of them")
+        args = args.model_copy(update={"latent_shape": latent_shape})
+    elif family.has_audio and args.latent_shape:
+        from dmd2_core.models.minimax_h3 import pixel_frames
+
+        channels, frames, height, width = (list(args.latent_shape) + [0] * 4)[:4]
+        ratio = _spatial_ratio(teacher)
+        problem = minimax_geometry(pixel_frames(frames), height * ratio, width * ratio, ratio)
+        if (frames - 2) % 5 or problem:
+            raise ArgsError(f"latent_shape: {list(args.latent_shape)} is no MiniMax-H3 clip "
+                            f"({problem or 'latent frames must be 5n + 2'}); set num_frames, height and width instead")
+    if args.dmd2_modality_weights:
+        known = ("video", "audio") if family.has_audio else ()
+        for key, value in args.dmd2_modality_weights.items():
+            if key not in known:
+                from dmd2_core.args import nearest
+
+                raise ArgsError(f"dmd2_modality_weights: unknown modality '{key}' for {name}{nearest(key, known)} "
+                                f"(modalities: {', '.join(known) or 'none: one modality'})")
+            if not value >= 0:
+                raise ArgsError(f"dmd2_modality_weights: {key} weight must be >= 0 (got {value})")
+    return args
+
+
+def minimax_geometry(num_frames: int, height: int, width: int, ratio: int) -> Optional[str]:
+    from dmd2_core.models.minimax_h3 import geometry_problem
+
+    return geometry_problem(num_frames, height, width, ratio)
+
+
+def _spatial_ratio(teacher: dict[str, Any]) -> int:
+    """The video VAE's spatial compression (16 for MiniMax-H3's), from its config."""
+    import math
+
+    if not teacher.get("vae_url"):
+        return 16
+    config = json.loads(storage.read_text(storage.join(teacher["vae_url"], "config.json")))
+    return int(math.prod(config.get("spatial_downsample_factors") or [16]))
+
+
+def _clip_latent_shape(args: Args, teacher: dict[str, Any]) -> list[int]:
+    from dmd2_core.models.minimax_h3 import latent_frames
+
+    ratio = _spatial_ratio(teacher)
+    problem = minimax_geometry(args.num_frames, args.height, args.width, ratio)
+    if problem:
+        raise ArgsError(problem)
+    config = json.loads(storage.read_text(storage.join(teacher["transformer_url"], "config.json")))
+    return [int(config.get("in_channels", 24)), latent_frames(args.num_frames), args.height // ratio, args.width // ratio]
 
 
 # ---- latent shape -----------------------------------------------------------------------------

@@ -77,8 +77,9 @@ def load_prompt_set(url: str) -> PromptSet:
     prompts = json.loads(meta.get("prompts", "[]"))
     embeds = {k: v for k, v in tensors.items() if not k.startswith("negative_")}
     negative = {k.removeprefix("negative_"): v for k, v in tensors.items() if k.startswith("negative_")}
-    if "prompt_embeds" not in embeds or set(negative) != set(embeds):
-        raise ValueError(f"{url}: a prompt set needs prompt_embeds and a negative_ entry for each key")
+    if "prompt_embeds" not in embeds or (negative and set(negative) != set(embeds)):
+        raise ValueError(f"{url}: a prompt set needs prompt_embeds and a negative_ entry for each key (or none: "
+                         "a guidance-distilled model's set)")
     if not prompts:
         prompts = [f"prompt {i}" for i in range(len(embeds["prompt_embeds"]))]
     return PromptSet(prompts, embeds, negative)

@@ -43,6 +43,7 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
             raise ArgsError(f"{key} is not set: point it at {what}")
     checks.check_ray_address(args.ray_address)
     teacher = describe_checkpoint(args.hf_checkpoint)
+    args = checks.check_family_args(args, teacher)
     if FAMILIES[teacher["family"]].is_video and not args.latent_shape:
         raise ArgsError(f"latent_shape: {args.hf_checkpoint} is a video model ({teacher['family']}); "
                         "set latent_shape to its latents' [C, F, H, W]")
@@ -66,7 +67,8 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
 
         if not storage.exists(args.prompts):
             raise ArgsError(f"prompts: no prompt set at {args.prompts}{storage.nearest_sibling(args.prompts)}")
-        checks.check_prompt_set(args.prompts)
+        checks.check_prompt_set(args.prompts, needs_negative=args.dmd2_guidance_scale != 1.0,
+                                cond_keys=FAMILIES[teacher["family"]].cond_keys)
     from dmd2_core.media import eval_prompt_indices, prompt_texts
 
     eval_prompt_indices(args, len(prompt_texts(args.prompts)))

@@ -37,12 +37,13 @@ class RolloutPlan:
     renoise: list[torch.Tensor]  # stop_step tensors [G, ...]
 
 
-def plan_rollout(args: Args, iteration: int, num_prompts: int, shape: tuple[int, ...]) -> RolloutPlan:
+def plan_rollout(args: Args, iteration: int, num_prompts: int, shape: tuple[int, ...],
+                 deterministic: bool = False) -> RolloutPlan:
     G = args.global_batch_size
     k = draw_stop_step(args, iteration)
     prompt_index = torch.randint(num_prompts, (G,), generator=rng.generator(args.seed, iteration, "prompts"))
     noise = rng.randn((G, *shape), args.seed, iteration, "noise")
-    renoise = [rng.randn((G, *shape), args.seed, iteration, f"renoise/{j}") for j in range(k)]
+    renoise = [] if deterministic else [rng.randn((G, *shape), args.seed, iteration, f"renoise/{j}") for j in range(k)]
     return RolloutPlan(k, fm.student_sigmas(args.dmd2_student_steps, args.dmd2_shift), prompt_index, noise, renoise)
 
 
@@ -96,15 +97,17 @@ def score(
     uncond: Optional[dict],
     guidance_scale: float,
     v_fake: Optional[torch.Tensor] = None,
+    weights: Optional[dict[str, float]] = None,
 ) -> dict:
     """Teacher (real score, CFG) and critic (fake score, conditional) x0 predictions at x_t, and
     the DMD gradient for the student's x0. ``v_fake`` reuses a critic forward already made."""
     if v_fake is None:
         v_fake = family.predict_velocity(critic, x_t, sigma, cond)
     v_real = guided_velocity(family, teacher, x_t, sigma, cond, uncond, guidance_scale)
-    x0_fake = fm.velocity_to_x0(x_t, v_fake.detach(), sigma)
-    x0_real = fm.velocity_to_x0(x_t, v_real, sigma)
-    return {"grad": dmd2_gradient(x0, x0_real, x0_fake), "x0_real": x0_real, "x0_fake": x0_fake}
+    x0_fake = family.velocity_to_x0(x_t, v_fake.detach(), sigma)
+    x0_real = family.velocity_to_x0(x_t, v_real, sigma)
+    grad = dmd2_gradient(x0, x0_real, x0_fake, family.segments, weights)
+    return {"grad": grad, "x0_real": x0_real, "x0_fake": x0_fake}
 
 
 @torch.no_grad()
@@ -113,7 +116,12 @@ def eval_samples(family: ModelFamily, model, cond: dict, shape: tuple[int, ...],
     """Full K-step student samples for eval. The noise is drawn as a diffusers pipeline with
     FlowMatchLCMScheduler and ``torch.Generator().manual_seed(seed)`` draws it (the latents, then
     one draw per step), so an exported student reproduces these samples with diffusers alone."""
-    g = torch.Generator().manual_seed(seed)
-    noise = torch.randn(shape, generator=g).to(device)
-    renoise = [torch.randn(shape, generator=g).to(device) for _ in range(num_steps)]
+    noise = family.eval_noise(shape[0], seed)
+    if noise is not None:  # the family's pipeline draws it per sample (sample j: seed + j)
+        renoise = []
+        noise = noise.to(device)
+    else:
+        g = torch.Generator().manual_seed(seed)
+        noise = torch.randn(shape, generator=g).to(device)
+        renoise = [] if family.deterministic_student else [torch.randn(shape, generator=g).to(device) for _ in range(num_steps)]
     return student_sample(family, model, noise, cond, fm.student_sigmas(num_steps, shift), renoise)[1]

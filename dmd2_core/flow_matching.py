@@ -8,8 +8,10 @@ import torch
 NUM_TRAIN_TIMESTEPS = 1000
 
 
-def _bcast(sigma: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
+def broadcast_sigma(sigma: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
     sigma = torch.as_tensor(sigma, dtype=torch.float32, device=like.device)
+    if sigma.dim() == like.dim():  # already per element (a family's sigma field)
+        return sigma
     return sigma.reshape(-1, *([1] * (like.dim() - 1))) if sigma.dim() else sigma
 
 
@@ -19,7 +21,7 @@ def shift_sigma(u, shift: float):
 
 
 def add_noise(x0: torch.Tensor, noise: torch.Tensor, sigma) -> torch.Tensor:
-    s = _bcast(sigma, x0)
+    s = broadcast_sigma(sigma, x0)
     return ((1 - s) * x0.float() + s * noise.float()).to(x0.dtype)
 
 
@@ -29,11 +31,11 @@ def velocity_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 def velocity_to_x0(x_t: torch.Tensor, v: torch.Tensor, sigma) -> torch.Tensor:
     """x0 = x_t - s v, computed in fp32."""
-    return x_t.float() - _bcast(sigma, x_t) * v.float()
+    return x_t.float() - broadcast_sigma(sigma, x_t) * v.float()
 
 
 def x0_to_velocity(x_t: torch.Tensor, x0: torch.Tensor, sigma) -> torch.Tensor:
-    s = _bcast(sigma, x_t).clamp_min(1e-8)
+    s = broadcast_sigma(sigma, x_t).clamp_min(1e-8)
     return (x_t.float() - x0.float()) / s
 
 

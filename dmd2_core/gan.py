@@ -23,9 +23,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from dmd2_core import flow_matching as fm
 from dmd2_core import rng
-from dmd2_core.losses import flow_matching_loss
+from dmd2_core.losses import flow_matching_loss, modality_mse
 
 
 class DiscriminatorHead(torch.nn.Module):
@@ -107,7 +106,8 @@ def real_inputs(args, iteration: int, step: int, num_real: int, global_shape: tu
 
 
 def critic_forward(family, critic, head: Optional[DiscriminatorHead], block: Optional[int], x0, noise, sigma, cond,
-                   real: Optional[tuple] = None, critic_weight: float = 0.0, gen_weight: Optional[float] = None) -> dict:
+                   real: Optional[tuple] = None, critic_weight: float = 0.0, gen_weight: Optional[float] = None,
+                   modality_weights: Optional[dict] = None) -> dict:
     """One forward of the fake score on the noised student samples, shared by its losses:
     the flow-matching loss, plus (``real`` = (x0_real, noise_real, cond_real)) the discriminator
     loss on real and fake at the same sigma, plus (``gen_weight`` not None) the generator gradient
@@ -118,19 +118,21 @@ def critic_forward(family, critic, head: Optional[DiscriminatorHead], block: Opt
         # the loss's backward cannot run through a graph this gradient already went through
         x0_in = x0.detach().float().requires_grad_(True)
         with FeatureTap(family, critic, block) as tap:
-            family.predict_velocity(critic, fm.add_noise(x0_in, noise, sigma), sigma, cond)
+            family.predict_velocity(critic, family.add_noise(x0_in, noise, sigma), sigma, cond)
         gan_grad = generator_gradient(head(tap.features), x0_in, gen_weight, retain_graph=False)
-    x_t = fm.add_noise(x0, noise, sigma)
+    x_t = family.add_noise(x0, noise, sigma)
     with (FeatureTap(family, critic, block) if head is not None else _nothing()) as tap:
         v = family.predict_velocity(critic, x_t, sigma, cond)
-    out = {"v": v, "x_t": x_t.detach(), "loss": flow_matching_loss(v, noise, x0)}
+    out = {"v": v, "x_t": x_t.detach(), "loss": flow_matching_loss(v, noise, x0, family.segments, modality_weights)}
+    if family.segments is not None:
+        out["modality_loss"] = {k: t.detach() for k, t in modality_mse(v, noise, x0, family.segments).items()}
     if head is None:
         return out
     logits_fake = head(tap.features)
     out["logits_fake"] = logits_fake.detach()
     if real is not None:
         x0_real, noise_real, cond_real = real
-        logits_real = head(block_features(family, critic, block, fm.add_noise(x0_real, noise_real, sigma), sigma, cond_real))
+        logits_real = head(block_features(family, critic, block, family.add_noise(x0_real, noise_real, sigma), sigma, cond_real))
         d_real, d_fake = discriminator_loss(logits_real, logits_fake)
         out.update(loss=out["loss"] + critic_weight * (d_real + d_fake), d_loss_real=d_real.detach(),
                    d_loss_fake=d_fake.detach(), logits_real=logits_real.detach())

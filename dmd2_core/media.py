@@ -187,7 +187,11 @@ def run_eval(run, iteration: int, embed_limit: int = 512 * 1024) -> dict[str, An
     samples = run.sample(order, args.eval_seed)
     stem = media_stem(args.save, iteration)
     media = []
-    if samples.dim() == 5:  # video [N, C, F, H, W]: one GIF per prompt
+    if isinstance(samples, dict):  # video + sound: per prompt an MP4, a frame strip and a spectrogram
+        for p in indices:
+            j = order.index(p)
+            media += av_media_of(samples, j, f"{stem}_p{p}", texts[p], embed_limit)
+    elif samples.dim() == 5:  # video [N, C, F, H, W]: one GIF per prompt
         for p in indices:
             rows = [j for j, q in enumerate(order) if q == p]
             data = video_media(samples[rows], fps=args.eval_fps)
@@ -206,6 +210,29 @@ def run_eval(run, iteration: int, embed_limit: int = 512 * 1024) -> dict[str, An
         metrics.update(evaluation.evaluate_digits(images, labels))
         metrics["eval_quality_s"] = time.perf_counter() - t
     return {"iteration": int(iteration), "metrics": metrics, "media": media}
+
+
+FPS_OF_SOUNDING_VIDEO = 24  # MiniMax-H3's frame rate; its clips play at it
+
+
+def av_media_of(samples: dict, j: int, stem: str, caption: str, embed_limit: int) -> list[dict[str, Any]]:
+    """Sample ``j`` of decoded video + sound ({'video' [N, 3, F, H, W], 'audio' [N, C, S],
+    'sample_rate'}): the MP4 with its soundtrack (linked), a frame strip and the spectrogram (shown)."""
+    from dmd2_core import av_media
+
+    frames = samples["video"][j].permute(1, 0, 2, 3)  # [F, 3, H, W]
+    audio, rate = samples["audio"][j], int(samples["sample_rate"])
+    buf = io.BytesIO()
+    av_media.write_mp4(buf, frames, audio, fps=FPS_OF_SOUNDING_VIDEO, sample_rate=rate)
+    mp4_url = f"{stem}.mp4"
+    storage.write_bytes(mp4_url, buf.getvalue())
+    play = media_url(mp4_url) or mp4_url
+    strip = _publish(f"{stem}_frames.png", av_media.frame_strip_png(frames), f"{caption}: frames", embed_limit)
+    spectrum = _publish(f"{stem}_spectrogram.png", av_media.spectrogram_png(audio, rate),
+                        f"{caption}: soundtrack (left above right, balance {av_media.stereo_balance(audio):+.2f})",
+                        embed_limit)
+    strip.update(video_url=mp4_url, play=play)
+    return [strip, spectrum]
 
 
 def _publish(url: str, data: bytes, caption: str, embed_limit: int) -> dict[str, Any]:

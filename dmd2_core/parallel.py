@@ -87,13 +87,26 @@ def needs_fsdp(mesh: DeviceMesh, compute_dtype: torch.dtype, trainable: bool, cp
     return mesh.size() > 1 or cpu_offload or (trainable and compute_dtype != MASTER_DTYPE)
 
 
+def fp32_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The submodules diffusers keeps in fp32 whatever the model's dtype (``_keep_in_fp32_modules``:
+    input and output projections, time embedder, rotary tables of mixed-precision checkpoints)."""
+    names = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    return [m for name, m in model.named_modules() if name and name.split(".")[-1] in names]
+
+
 def shard_model(model: torch.nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype, trainable: bool,
-                gradient_checkpointing: bool = False, cpu_offload: bool = False) -> torch.nn.Module:
+                gradient_checkpointing: bool = False, cpu_offload: bool = False,
+                keep_fp32: bool = False) -> torch.nn.Module:
     """Cast, checkpoint and shard ``model`` in place (blocks first, then the root), or leave it a
-    plain module where ``needs_fsdp`` finds nothing to do."""
+    plain module where ``needs_fsdp`` finds nothing to do. ``keep_fp32``: the model's
+    ``_keep_in_fp32_modules`` are stored and computed in fp32 (their own FSDP units), and the root
+    leaves its inputs' dtypes alone (such a model casts them itself; position tables stay fp64)."""
     dtype = MASTER_DTYPE if trainable else compute_dtype
+    fp32 = fp32_modules(model) if keep_fp32 else []
     if any(p.dtype != dtype for p in model.parameters()):
         model.to(dtype)
+        for module in fp32:
+            module.to(MASTER_DTYPE)
     for module in model.modules():  # own every buffer (loading may leave them on fixed-size mmaps)
         for name, buf in module._buffers.items():
             if buf is not None:
@@ -114,7 +127,14 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, compute_dtype: torch.d
     policy = {k: v for k, v in policy.items() if v is not None}
     for block in blocks(model):
         fully_shard(block, mesh=mesh, **policy)
-    fully_shard(model, mesh=mesh, **policy)
+    for module in fp32:
+        fully_shard(module, mesh=mesh, **{**policy, "mp_policy": MixedPrecisionPolicy(
+            param_dtype=MASTER_DTYPE, reduce_dtype=MASTER_DTYPE)})
+    root = policy
+    if fp32:
+        root = {**policy, "mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=MASTER_DTYPE,
+                                                            cast_forward_inputs=False)}
+    fully_shard(model, mesh=mesh, **root)
     if not trainable:
         model.requires_grad_(False).eval()
     return model

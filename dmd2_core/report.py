@@ -302,6 +302,8 @@ def summary_markdown(s: dict) -> str:
             out.append(f"[{img}]({m['link']})" if m.get("link") else img)
             note = "full size" if m.get("full") else ("thumbnail; click for full size (link expires)" if m.get("link") else "thumbnail")
             out += ["", f"{m.get('caption', '')} ({note}; stored at `{m['url']}`)", ""]
+            if m.get("video_url"):
+                out += [f"[MP4 with sound]({m['play']}) (stored at `{m['video_url']}`)", ""]
     if s.get("plot"):
         out += ["## Losses, grad norms and quality", "", f"![metrics plot]({data_uri(s['plot'], 'image/png')})", ""]
     if evals:

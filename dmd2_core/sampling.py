@@ -7,7 +7,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from dmd2_core import flow_matching as fm
 from dmd2_core.models.base import ModelFamily
 
 
@@ -54,7 +53,7 @@ def student_step_x0(
     family: ModelFamily, model: torch.nn.Module, x_t: torch.Tensor, sigma: float, cond: dict
 ) -> torch.Tensor:
     v = family.predict_velocity(model, x_t, torch.tensor(sigma), cond)
-    return fm.velocity_to_x0(x_t, v, sigma)
+    return family.velocity_to_x0(x_t, v, torch.tensor(sigma))
 
 
 @torch.no_grad()
@@ -68,7 +67,8 @@ def student_sample(
     stop_step: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The student's few-step generation. ``sigmas`` are the K step sigmas (no terminal 0);
-    ``renoise[j]`` is the fresh noise that re-noises step j's x0 to sigmas[j + 1].
+    ``renoise[j]`` is the fresh noise that re-noises step j's x0 to sigmas[j + 1] (a family with
+    deterministic student steps moves x along its Euler line instead and takes no renoise).
 
     With ``stop_step=k`` (backward simulation) the steps < k run and the function returns
     (x at sigmas[k], the x0 predicted there); without, it returns (x at the last step, final x0)."""
@@ -76,6 +76,9 @@ def student_sample(
     x = noise.float()
     for j in range(k):
         x0 = student_step_x0(family, model, x, sigmas[j], cond)
-        x = fm.add_noise(x0, renoise[j], sigmas[j + 1])
+        if family.deterministic_student:
+            x = family.euler_step(x, x0, torch.tensor(sigmas[j]), torch.tensor(sigmas[j + 1]))
+        else:
+            x = family.add_noise(x0, renoise[j], torch.tensor(sigmas[j + 1]))
     x0 = student_step_x0(family, model, x, sigmas[k], cond)
     return x, x0

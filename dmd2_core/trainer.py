@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 from dmd2_core import checkpoint, dmd2, gan, parallel
 from dmd2_core import export as exporting
-from dmd2_core import flow_matching as fm
 from dmd2_core.args import Args
 from dmd2_core.data import load_prompt_set, load_real_set
 from dmd2_core.finite import NonFiniteCounter, is_finite, nonfinite_rows
@@ -59,7 +58,8 @@ class Trainer:
         self.hook = train_input_hook(args.train_input_hook_path)
         # models load on the host; sharding moves each rank's shards to the device
         loaded = load_checkpoint(args.hf_checkpoint, "cpu", parallel.MASTER_DTYPE)
-        self.family, self.model = loaded.family, loaded.model
+        self.model = loaded.model
+        self.family = loaded.family.bind(args.latent_shape, loaded.model, loaded.modality_shifts)
         self.shift = args.dmd2_shift or loaded.shift
         self.args = args.model_copy(update={"dmd2_shift": self.shift})
         self.teacher = None
@@ -73,6 +73,7 @@ class Trainer:
                                                     weight_decay=args.weight_decay)
         self.prompts = load_prompt_set(args.prompts)
         self.shape = self.family.sample_shape(self.model, args.latent_shape)
+        self.modality_weights = args.dmd2_modality_weights
         self.local_batch = args.global_batch_size // world_size
         self.rows = slice(rank * self.local_batch, (rank + 1) * self.local_batch)
         self.step = 0
@@ -104,10 +105,11 @@ class Trainer:
                                       self.args.ray_timeout_s)
         args = self.args
         self.mesh = parallel.build_mesh(self.device, self.world_size, args.fsdp_shard_size)
-        parallel.shard_model(self.model, self.mesh, self.dtype, trainable=True,
+        keep_fp32 = self.family.keep_fp32_modules
+        parallel.shard_model(self.model, self.mesh, self.dtype, trainable=True, keep_fp32=keep_fp32,
                              gradient_checkpointing=args.gradient_checkpointing, cpu_offload=args.fsdp_cpu_offload)
         if self.teacher is not None:
-            parallel.shard_model(self.teacher, self.mesh, self.dtype, trainable=False,
+            parallel.shard_model(self.teacher, self.mesh, self.dtype, trainable=False, keep_fp32=keep_fp32,
                                  cpu_offload=args.fsdp_cpu_offload)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
@@ -140,7 +142,7 @@ class Trainer:
         DMD2 step strategy drew. Returns (train pairs, metrics)."""
         woke = self.wake_up()
         start = time.perf_counter()
-        plan = dmd2.plan_rollout(self.args, iteration, len(self.prompts), self.shape)
+        plan = dmd2.plan_rollout(self.args, iteration, len(self.prompts), self.shape, self.family.deterministic_student)
         pairs = dmd2.rollout_pairs(self.family, self.model, self._cond, _on(plan, self.device), self.rows)
         self._reshard()
         metrics = {"stop_step": plan.stop_step, "rollout_sigma": plan.sigmas[plan.stop_step],
@@ -187,16 +189,19 @@ class Trainer:
             sigmas.append(sigma)
             fuse = scoring and step == last and args.dmd2_critic_scoring == "fused"
             real = self._real_batch(iteration, step, global_shape) if self.disc is not None else None
-            total = 0.0
+            total, modality_losses = 0.0, {}
             for mb in micro_batches(B, args.micro_batch_size):
                 mb_cond = {k: v[mb] for k, v in cond.items()}
                 out = gan.critic_forward(self.family, self.model, self.disc, args.gan_feature_block, x0[mb], noise[mb],
                                          sigma[mb], mb_cond, real and _rows(real, mb), args.gan_critic_weight,
-                                         args.gan_weight if fuse and self.disc is not None and args.gan_weight else None)
+                                         args.gan_weight if fuse and self.disc is not None and args.gan_weight else None,
+                                         self.modality_weights)
                 loss = out["loss"] * ((mb.stop - mb.start) / B)
                 loss.backward()
                 total += loss.item()
                 parts += [{k: out[k] for k in ("logits_real", "logits_fake") if k in out}] if step == last else []
+                for name, value in out.get("modality_loss", {}).items():
+                    modality_losses[name] = modality_losses.get(name, 0.0) + value.item() * ((mb.stop - mb.start) / B)
                 if fuse:
                     scores.append(self._score(x0[mb], out["x_t"], sigma[mb], mb_cond, v_fake=out["v"], gan_grad=out.get("gan_grad")))
             losses.append(total)
@@ -207,7 +212,8 @@ class Trainer:
                    f"{self.role}_grad_norm": grad_norms[-1], f"{self.role}_lr": self.optimizer.param_groups[0]["lr"],
                    f"{self.role}_sigma_mean": torch.cat(sigmas).mean().item(),
                    f"{self.role}_sigma_min": torch.cat(sigmas).min().item(),
-                   f"{self.role}_sigma_max": torch.cat(sigmas).max().item()}
+                   f"{self.role}_sigma_max": torch.cat(sigmas).max().item(),
+                   **{f"{self.role}_loss_{name}": value for name, value in modality_losses.items()}}
         if not scoring:
             return {}, metrics
         grad = torch.cat([s["grad"] for s in scores])
@@ -215,6 +221,10 @@ class Trainer:
         metrics.update({"dmd2_grad_nonfinite": nonfinite_rows(grad),  # counted, never zeroed
                         "dmd2_grad_norm": grad.flatten(1).norm(dim=1).mean().item(),
                         "dmd2_real_fake_gap": gap.mean().item(), **gan.gan_metrics(parts)})
+        for name, seg in (self.family.segments or {}).items():  # per modality of a joint model
+            real_fake = torch.cat([(s["x0_real"][:, seg] - s["x0_fake"][:, seg]).abs().mean(1) for s in scores])
+            metrics[f"dmd2_grad_norm_{name}"] = grad[:, seg].norm(dim=1).mean().item()
+            metrics[f"dmd2_real_fake_gap_{name}"] = real_fake.mean().item()
         if "gan_grad" in scores[0]:  # handed over summed: the actor's x0 gradient is (g_dmd + g_gan) / numel
             gan_grad = torch.cat([s["gan_grad"] for s in scores])
             metrics["gan_grad_norm"] = gan_grad.flatten(1).norm(dim=1).mean().item()
@@ -224,7 +234,8 @@ class Trainer:
 
     def _score(self, x0, x_t, sigma, cond, v_fake=None, gan_grad=None) -> dict:
         out = dmd2.score(self.family, self.teacher, self.model, x0, x_t, sigma, cond,
-                         self._uncond(x0.shape[0]), self.args.dmd2_guidance_scale, v_fake=v_fake)
+                         self._uncond(x0.shape[0]), self.args.dmd2_guidance_scale, v_fake=v_fake,
+                         weights=self.modality_weights)
         return out if gan_grad is None else {**out, "gan_grad": gan_grad}
 
     def _score_separately(self, iteration, x0, cond, global_shape) -> list[dict]:
@@ -236,10 +247,11 @@ class Trainer:
             mb_cond = {k: v[mb] for k, v in cond.items()}
             if self.disc is not None and self.args.gan_weight:  # one critic forward for the score and g_gan
                 out = gan.critic_forward(self.family, self.model, self.disc, self.args.gan_feature_block, x0[mb],
-                                         noise[mb], sigma[mb], mb_cond, gen_weight=self.args.gan_weight)
+                                         noise[mb], sigma[mb], mb_cond, gen_weight=self.args.gan_weight,
+                                         modality_weights=self.modality_weights)
                 scores.append(self._score(x0[mb], out["x_t"], sigma[mb], mb_cond, v_fake=out["v"], gan_grad=out["gan_grad"]))
             else:
-                scores.append(self._score(x0[mb], fm.add_noise(x0[mb], noise[mb], sigma[mb]), sigma[mb], mb_cond))
+                scores.append(self._score(x0[mb], self.family.add_noise(x0[mb], noise[mb], sigma[mb]), sigma[mb], mb_cond))
         return scores
 
     def _real_batch(self, iteration: int, step: int, global_shape) -> tuple:
@@ -271,7 +283,7 @@ class Trainer:
         for mb in micro_batches(B, self.args.micro_batch_size):
             mb_cond = {k: v[mb] for k, v in cond.items()}
             v = self.family.predict_velocity(self.model, pairs["x_t"][mb], pairs["sigma"][mb], mb_cond)
-            x0 = fm.velocity_to_x0(pairs["x_t"][mb], v, pairs["sigma"][mb])
+            x0 = self.family.velocity_to_x0(pairs["x_t"][mb], v, pairs["sigma"][mb])
             loss = dmd2_loss(x0, pairs["dmd2_grad"][mb]) * ((mb.stop - mb.start) / B)
             loss.backward()
             total += loss.item()
@@ -348,6 +360,8 @@ class Trainer:
             if self.vae is None and vae_url:
                 self.vae = self.family.load_vae(vae_url, self.dtype).to(self.device)
             x0 = self.family.decode(self.vae, x0)
+        if isinstance(x0, dict):  # a joint model: {'video', 'audio', 'sample_rate'}
+            return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in x0.items()}
         return x0.cpu()
 
     # ---- sleep / wake -------------------------------------------------------------------------

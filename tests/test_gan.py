@@ -233,7 +233,7 @@ def test_prepare_latents_encodes_clips_and_captions_into_a_real_set_the_critic_t
     from dmd2_core.latents import read_media
     from dmd2_core.models import FAMILIES
     from dmd2_core.models.standins import build_standin
-    from tests.test_minimax_h3 import CPU_OVERRIDES
+    from tests.test_wan_video import CPU_OVERRIDES
 
     url = build_standin(str(tmp_path / "wan"), "wan", with_text_encoder=True)
     clips = tmp_path / "clips"
@@ -259,7 +259,7 @@ def test_prepare_latents_encodes_clips_and_captions_into_a_real_set_the_critic_t
     # the critic trains on it with the GAN head (a hook on a Wan block)
     prompts = tmp_path / "prompts.safetensors"
     PromptSet(["a red cat", "a dog running"], {"prompt_embeds": expected}, {"prompt_embeds": expected[:1] * 0}).save(str(prompts))
-    args = load_args("minimax-h3", dict(CPU_OVERRIDES, hf_checkpoint=url, prompts=str(prompts), save=str(tmp_path / "run"),
+    args = load_args("wan-video", dict(CPU_OVERRIDES, hf_checkpoint=url, prompts=str(prompts), save=str(tmp_path / "run"),
                                         latent_shape=[4, 3, 8, 8], real_data=str(out), gan_weight=0.01, gan_critic_weight=0.01))
     roles = preflight(args)
     pairs, _ = Trainer(roles["actor"], "actor").rollout(1)

@@ -58,7 +58,7 @@ def test_bf16_recipe_moves_the_fp32_master_weights(sd3, tmp_path):
     """minimax-h3 as shipped (bf16, lr 2e-6), CPU-sized: the student's fp32 master weights move;
     the teacher is stored in bf16 and the blocks compute in bf16."""
     url, prompts = sd3
-    args = load_args("minimax-h3", dict(H3_CPU, hf_checkpoint=url, prompts=prompts, save=str(tmp_path)))
+    args = load_args("wan-video", dict(H3_CPU, hf_checkpoint=url, prompts=prompts, save=str(tmp_path)))
     assert args.dtype == "bfloat16" and args.lr == 2e-6 and args.gradient_checkpointing
     trainers = _in_process(args)
     actor, critic = trainers["actor"], trainers["critic"]
@@ -166,7 +166,7 @@ def _planned(args):
 @pytest.mark.parametrize("n", [1, 2])
 def test_plan_matches_the_bytes_ranks_hold(ray_session, sd3, tmp_path, n):
     url, prompts = sd3
-    args = load_args("minimax-h3", dict(H3_CPU, hf_checkpoint=url, prompts=prompts, save=str(tmp_path),
+    args = load_args("wan-video", dict(H3_CPU, hf_checkpoint=url, prompts=prompts, save=str(tmp_path),
                                         num_devices=n, run_name=f"plan-{n}"))
     planned = _planned(args)
     with DistillRun(args) as run:
@@ -182,7 +182,7 @@ def test_plan_matches_the_bytes_ranks_hold(ray_session, sd3, tmp_path, n):
 
 def test_plan_refuses_a_model_that_does_not_fit_before_any_actor(tmp_path):
     save = tmp_path / "run"
-    cmd = [sys.executable, "-m", "flows.dmd2", "--recipe", "minimax-h3", "--hf-checkpoint",
+    cmd = [sys.executable, "-m", "flows.dmd2", "--recipe", "wan-video", "--hf-checkpoint",
            str(CONFIGS / "wan2.1-t2v-14b"), "--prompts", "digits", "--save", str(save),
            "--set", "num_devices=1", "--set", "device_memory_gib=80", "--set", "latent_shape=[16,21,60,104]"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -192,7 +192,7 @@ def test_plan_refuses_a_model_that_does_not_fit_before_any_actor(tmp_path):
     assert "fsdp_cpu_offload" in line and "num_devices" in line
     assert not save.exists() and "Ray" not in done.stderr
     # the same configuration on 8 devices with the plan's own advice fits
-    plan = subprocess.run([sys.executable, "-m", "dmd2_core", "plan", "--recipe", "minimax-h3", "--set",
+    plan = subprocess.run([sys.executable, "-m", "dmd2_core", "plan", "--recipe", "wan-video", "--set",
                            f"hf_checkpoint={CONFIGS / 'wan2.1-t2v-14b'}", "--set", "latent_shape=[16,21,60,104]",
                            "--set", "device_memory_gib=80", "--set", "micro_batch_size=1", "--json"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)

@@ -15,10 +15,12 @@ import torch
 
 from dmd2_core import storage
 from dmd2_core.models.base import ModelFamily
+from dmd2_core.models.minimax_h3 import MiniMaxH3Family
 from dmd2_core.models.sd3 import SD3ImageFamily
 from dmd2_core.models.wan import WanVideoFamily
 
-FAMILIES: dict[str, ModelFamily] = {f.class_name: f for f in (SD3ImageFamily(), WanVideoFamily())}
+FAMILIES: dict[str, ModelFamily] = {f.class_name: f for f in (SD3ImageFamily(), WanVideoFamily(), MiniMaxH3Family())}
+PIPELINE_INDEXES = ("model_index.json", "modular_model_index.json")  # diffusers pipelines; modular ones
 DEFAULT_SHIFT = 3.0
 
 
@@ -32,6 +34,7 @@ class LoadedModel:
     family: ModelFamily
     shift: float
     vae: Optional[torch.nn.Module] = None
+    modality_shifts: Optional[tuple[float, ...]] = None
 
 
 def family_of(model: torch.nn.Module) -> ModelFamily:
@@ -52,7 +55,7 @@ def describe_checkpoint(url: str) -> dict[str, Any]:
     if not url:
         raise CheckpointError("hf_checkpoint is not set: point it at a diffusers model directory")
     try:
-        root_has_index = storage.exists(storage.join(url, "model_index.json"))
+        root_has_index = any(storage.exists(storage.join(url, name)) for name in PIPELINE_INDEXES)
         if root_has_index:
             transformer_url = storage.join(url, "transformer")
         elif storage.exists(storage.join(url, "config.json")):
@@ -61,7 +64,7 @@ def describe_checkpoint(url: str) -> dict[str, Any]:
             raise CheckpointError(f"{url}: no such checkpoint{storage.nearest_sibling(url)}")
         else:
             raise CheckpointError(
-                f"{url}: not a diffusers model directory (no model_index.json or config.json)"
+                f"{url}: not a diffusers model directory (no model_index.json, modular_model_index.json or config.json)"
             )
         config = _read_json(storage.join(transformer_url, "config.json"))
         if not isinstance(config, dict):
@@ -75,20 +78,14 @@ def describe_checkpoint(url: str) -> dict[str, Any]:
         raise CheckpointError(
             f"{transformer_url}: unsupported transformer class '{class_name}' (supported: {', '.join(FAMILIES)})"
         )
+    family = FAMILIES[class_name]
     shift = DEFAULT_SHIFT
     vae_url = None
+    modality_shifts = None
     if root_has_index:
-        sched_url = storage.join(url, "scheduler", "scheduler_config.json")
-        try:  # parsed inside the error handling: a broken file is one line naming it
-            if storage.exists(sched_url):
-                shift = float(_read_json(sched_url).get("shift", DEFAULT_SHIFT))
-                if not shift > 0:
-                    raise ValueError(f"shift must be positive, got {shift}")
-        except storage.StorageUnavailableError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            first = (str(exc).strip().splitlines() or [""])[0]
-            raise CheckpointError(f"{sched_url}: unreadable scheduler config ({type(exc).__name__}: {first})") from None
+        shift = _scheduler_shift(url, "scheduler", DEFAULT_SHIFT)
+        if family.has_audio:  # a schedule per modality: video's scheduler/, audio's audio_scheduler/
+            modality_shifts = (shift, _scheduler_shift(url, "audio_scheduler", 3.0))
         export_url = storage.join(url, "export.json")
         try:  # a student export (dmd2_core.export): its scheduler's shift is solved for
             # set_timesteps(K), not the training shift, which export.json records
@@ -100,7 +97,29 @@ def describe_checkpoint(url: str) -> dict[str, Any]:
             raise CheckpointError(f"{export_url}: unreadable export marker ({type(exc).__name__}: {exc})") from None
         if storage.exists(storage.join(url, "vae", "config.json")):
             vae_url = storage.join(url, "vae")
-    return {"family": class_name, "transformer_url": transformer_url, "shift": shift, "vae_url": vae_url}
+        if family.has_audio and vae_url and not storage.exists(storage.join(url, "audio_vae", "config.json")):
+            raise CheckpointError(f"{storage.join(url, 'audio_vae')}: missing: {class_name} generates sound, its "
+                                  f"checkpoint needs the audio VAE beside vae/")
+    if family.fixed_shift is not None:  # the family maps the project's sigma itself (per modality)
+        shift = family.fixed_shift
+    return {"family": class_name, "transformer_url": transformer_url, "shift": shift, "vae_url": vae_url,
+            "modality_shifts": modality_shifts}
+
+
+def _scheduler_shift(url: str, folder: str, default: float) -> float:
+    sched_url = storage.join(url, folder, "scheduler_config.json")
+    try:  # parsed inside the error handling: a broken file is one line naming it
+        if not storage.exists(sched_url):
+            return default
+        shift = float(_read_json(sched_url).get("shift", default))
+        if not shift > 0:
+            raise ValueError(f"shift must be positive, got {shift}")
+        return shift
+    except storage.StorageUnavailableError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{sched_url}: unreadable scheduler config ({type(exc).__name__}: {first})") from None
 
 
 def load_checkpoint(url: str, device: str = "cpu", dtype: torch.dtype = torch.float32, with_vae: bool = False) -> LoadedModel:
@@ -112,7 +131,7 @@ def load_checkpoint(url: str, device: str = "cpu", dtype: torch.dtype = torch.fl
     if with_vae and info["vae_url"]:
         vae = family.load_vae(info["vae_url"], dtype)
         vae.to(device)
-    return LoadedModel(model.to(device), family, info["shift"], vae)
+    return LoadedModel(model.to(device), family, info["shift"], vae, info["modality_shifts"])
 
 
 def save_checkpoint(

@@ -14,6 +14,38 @@ class ModelFamily:
     pipeline_class: str = ""  # written to model_index.json of saved checkpoints
     cond_keys: tuple[str, ...] = ("prompt_embeds",)
     is_video: bool = False
+    has_audio: bool = False
+    guidance_distilled: bool = False  # guidance baked into the weights: one forward, no CFG
+    deterministic_student: bool = False  # the student steps by Euler (eta 0) instead of fresh noise
+    fixed_shift: Optional[float] = None  # the project's sigma shift, where the family fixes it
+    keep_fp32_modules: bool = False  # shard the model's _keep_in_fp32_modules in fp32
+    segments: Optional[dict[str, slice]] = None  # modalities of a flat sample; None: one
+
+    def bind(self, latent_shape, model=None, shifts=None) -> "ModelFamily":
+        """This family for one sample geometry (families whose forward needs it return a copy)."""
+        return self
+
+    # ---- sigma, elementwise: one place for the families that map it per element ----------------
+    def sigma_field(self, sigma, like: torch.Tensor):
+        return sigma
+
+    def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, sigma) -> torch.Tensor:
+        return fm.add_noise(x0, noise, self.sigma_field(sigma, x0))
+
+    def velocity_to_x0(self, x_t: torch.Tensor, v: torch.Tensor, sigma) -> torch.Tensor:
+        return fm.velocity_to_x0(x_t, v, self.sigma_field(sigma, x_t))
+
+    def euler_step(self, x_t: torch.Tensor, x0: torch.Tensor, sigma, sigma_next) -> torch.Tensor:
+        """x at sigma_next on the line through x_t and x0 (an Euler step, no fresh noise)."""
+        s = fm.broadcast_sigma(self.sigma_field(sigma, x_t), x_t)
+        s_next = fm.broadcast_sigma(self.sigma_field(sigma_next, x_t), x_t)
+        ratio = s_next / s
+        return ratio * x_t.float() + (1 - ratio) * x0.float()
+
+    def eval_noise(self, n: int, seed: int) -> Optional[torch.Tensor]:
+        """Initial eval noise drawn as the family's own pipeline draws it; None: the project's
+        default (one generator for the batch, see dmd2.eval_samples)."""
+        return None
 
     @property
     def model_class(self):

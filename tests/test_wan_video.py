@@ -1,5 +1,6 @@
-"""The minimax-h3 recipe end to end on small stand-ins of the real model classes (SD3 MMDiT image,
-Wan video), with VAE-decoded eval media, DMD2 metrics and a diffusers-loadable exported student."""
+"""The 4-step video recipe (wan-video, minimax-h3's setup for CFG teachers) end to end on small
+stand-ins of the real model classes (SD3 MMDiT image, Wan video), with VAE-decoded eval media, DMD2
+metrics and a diffusers-loadable exported student."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 CPU_OVERRIDES = dict(device="cpu", num_devices=1, dtype="float32", global_batch_size=4, micro_batch_size=2,
                      num_iterations=2, eval_interval=1, save_interval=2, eval_prompts=[0, 1],
                      eval_samples_per_prompt=2, torch_threads=1)
+
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +54,11 @@ def test_recipe_requires_checkpoint_prompts_and_save(tmp_path):
 def test_a_video_model_needs_its_latent_shape_before_any_actor(standins, tmp_path):
     url, prompts = standins["wan"]
     with pytest.raises(ArgsError, match=r"latent_shape: .* is a video model \(WanTransformer3DModel\)"):
-        DistillRun(load_args("minimax-h3", dict(CPU_OVERRIDES, hf_checkpoint=url, prompts=prompts, save=str(tmp_path))))
+        DistillRun(load_args("wan-video", dict(CPU_OVERRIDES, hf_checkpoint=url, prompts=prompts, save=str(tmp_path))))
 
 
 @pytest.mark.parametrize("kind", ["sd3", "wan"])
-def test_minimax_h3_two_iterations_on_a_stand_in(prefect_harness, ray_session, standins, tmp_path, kind):
+def test_wan_video_recipe_two_iterations_on_a_stand_in(prefect_harness, ray_session, standins, tmp_path, kind):
     from prefect.client.orchestration import get_client
 
     from flows.dmd2 import dmd2
@@ -66,7 +68,7 @@ def test_minimax_h3_two_iterations_on_a_stand_in(prefect_harness, ray_session, s
     overrides = dict(CPU_OVERRIDES, run_name=f"h3-{kind}")
     if kind == "wan":
         overrides["latent_shape"] = [4, 3, 8, 8]
-    summary = dmd2(recipe="minimax-h3", overrides=overrides, hf_checkpoint=url, prompts=prompts, save=str(save))
+    summary = dmd2(recipe="wan-video", overrides=overrides, hf_checkpoint=url, prompts=prompts, save=str(save))
     assert summary["final_iteration"] == 2
 
     rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
@@ -155,7 +157,7 @@ def test_prepare_prompts_uses_the_pipelines_own_text_encoder(tmp_path):
     torch.testing.assert_close(prompts.embeds["prompt_embeds"], expected)
     torch.testing.assert_close(prompts.negative["prompt_embeds"], negative[:1])
     # the set trains as it is: a rollout on the Wan stand-in with these conditions
-    args = load_args("minimax-h3", dict(CPU_OVERRIDES, hf_checkpoint=url, prompts=str(out), save=str(tmp_path / "run"),
+    args = load_args("wan-video", dict(CPU_OVERRIDES, hf_checkpoint=url, prompts=str(out), save=str(tmp_path / "run"),
                                         latent_shape=[4, 3, 8, 8]))
     pairs, _ = Trainer(preflight(args)["actor"], "actor").rollout(1)
     assert pairs["x_t"].shape == (4, 4, 3, 8, 8)

@@ -1,0 +1,338 @@
+"""MiniMax-H3 (MiniMaxH3Transformer3DModel): joint video + audio in one packed sequence.
+
+What differs from the project's flow-matching math, mapped here and nowhere else:
+
+- **One sample is a video and its soundtrack.** The project's DMD2 code sees one flat latent per
+  sample: the video latents [24, F, H, W] then the audio latents [2 (stereo), 32, L], both in the
+  model's normalised latent space. ``segments`` names the two parts (per-modality normalisers,
+  loss weights and metrics).
+- **Two schedules.** The project's per-sample ``sigma`` is the schedule position ``u`` shared by
+  both modalities (the grid ``linspace(1, 0, n)`` of ``MiniMaxH3Scheduler``); video sits at
+  ``shift(u, 12)`` and audio at ``shift(u, 3)`` (the two schedulers' shifts), so every elementwise
+  use of sigma goes through ``sigma_field``.
+- **Velocity sign and time.** The transformer's velocity points to the data, ``x0 = x_t + s v``,
+  and it takes ``t = 1 - s``; ``predict_velocity`` returns the project's ``eps - x0`` convention.
+- **One layout per forward.** The batch axis of a forward is pure replication: its rows share one
+  timestep set and one text length. A batch is split into groups of equal (u, text length), one
+  forward each; rollouts (one u for the whole batch) stay batched, the critic's per-sample u runs
+  item by item. Padding is not an option: the model has no attention mask.
+- **Guidance-distilled.** One forward per step; no negative prompt, no guidance scale.
+- **Deterministic student steps.** The student steps like ``MiniMaxH3Scheduler`` (Euler, eta 0:
+  ``x_next = x0 + s_next / s * (x_t - x0)``), so diffusers' own modular pipeline with the student
+  inside, ``num_inference_steps = K + 1``, reproduces the student's samples.
+
+The packed layout and the per-row timesteps are built by diffusers' own blocks
+(``MiniMaxH3PrepareLayoutStep.build_packed_sequence``, ``MiniMaxH3SetTimestepsStep
+.build_row_timesteps``, ``patchify_video_latents``).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cached_property
+from typing import Optional
+
+import torch
+
+from dmd2_core.models.base import ModelFamily
+
+FPS = 24
+FRAMES_PER_CHUNK, LATENTS_PER_CHUNK = 17, 5  # the video VAE's clip_length and tokens per chunk
+AUDIO_LATENTS_PER_SECOND = 40
+AUDIO_CHANNELS = 2
+AUDIO_LATENT_CHANNELS = 32
+MIN_SECONDS, MAX_SECONDS = 5.0, 15.0
+MIN_ASPECT, MAX_ASPECT = 1 / 4, 4.0
+VIDEO_SHIFT, AUDIO_SHIFT = 12.0, 3.0
+TEXT_TAG = 1
+VIDEO_TAG, AUDIO_TAG = 0, 2
+PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def latent_frames(num_frames: int) -> int:
+    """Latent frames of a ``17 n + 5`` frame clip: ``5 n + 2`` (diffusers' video_latent_num_frames)."""
+    return (num_frames - LATENTS_PER_CHUNK) // FRAMES_PER_CHUNK * LATENTS_PER_CHUNK + 2
+
+
+def pixel_frames(num_latent_frames: int) -> int:
+    """The inverse: ``5 n + 2`` latent frames come from ``17 n + 5`` frames."""
+    return (num_latent_frames - 2) // LATENTS_PER_CHUNK * FRAMES_PER_CHUNK + LATENTS_PER_CHUNK
+
+
+def audio_latents(num_frames: int) -> int:
+    """Audio latents per channel covering ``num_frames`` at 24 fps (diffusers' audio_latent_num_frames)."""
+    return int(round(num_frames / FPS * AUDIO_LATENTS_PER_SECOND))
+
+
+def geometry_problem(num_frames: int, height: int, width: int, spatial_ratio: int = 16,
+                     patch: tuple[int, int, int] = (1, 2, 2)) -> Optional[str]:
+    """Why a (frames, height, width) request is not one MiniMax-H3 generates, or None."""
+    if num_frames % FRAMES_PER_CHUNK != LATENTS_PER_CHUNK:
+        up = num_frames + (LATENTS_PER_CHUNK - num_frames) % FRAMES_PER_CHUNK
+        return f"num_frames: {num_frames} is not of the form 17n + 5 (the video VAE's chunks); nearest above: {up}"
+    seconds = num_frames / FPS
+    if not MIN_SECONDS <= seconds <= MAX_SECONDS:
+        return (f"num_frames: {num_frames} frames are {seconds:.2f} s at {FPS} fps; MiniMax-H3 generates "
+                f"{MIN_SECONDS:g}-{MAX_SECONDS:g} s ({int(MIN_SECONDS * FPS)}-{int(MAX_SECONDS * FPS)} frames)")
+    multiple = spatial_ratio * patch[2]
+    for name, value in (("height", height), ("width", width)):
+        if value <= 0 or value % multiple:
+            return f"{name}: {value} is not a positive multiple of {multiple} (VAE x{spatial_ratio} times patch {patch[2]})"
+    aspect = width / height
+    if not MIN_ASPECT <= aspect <= MAX_ASPECT:
+        return f"width: {width}x{height} has aspect ratio {aspect:g}; MiniMax-H3 supports 1:4 to 4:1"
+    return None
+
+
+def shifted(u: torch.Tensor, shift: float) -> torch.Tensor:
+    """``MiniMaxH3Scheduler``'s shift, in float32 as it computes it."""
+    u = u.float()
+    return shift * u / (1 + (shift - 1) * u)
+
+
+class MiniMaxH3Family(ModelFamily):
+    class_name = "MiniMaxH3Transformer3DModel"
+    pipeline_class = "MiniMaxH3ModularPipeline"
+    cond_keys = ("prompt_embeds", "prompt_lengths")
+    is_video = True
+    has_audio = True
+    guidance_distilled = True
+    deterministic_student = True
+    fixed_shift = 1.0  # the project's sigma is the shared schedule position u
+    vae_class = "AutoencoderKLMiniMaxH3"
+    audio_vae_class = "AutoencoderKLMiniMaxH3Audio"
+    blocks_attr = "transformer_blocks"
+    default_text_tokens = 256
+    keep_fp32_modules = True  # proj_in/out, time embedder and rope stay fp32 (the checkpoint's own precision)
+
+    def __init__(self, latent_shape: Optional[list[int]] = None, patch_size=(1, 2, 2),
+                 shifts: tuple[float, float] = (VIDEO_SHIFT, AUDIO_SHIFT)):
+        self.latent_shape = tuple(int(d) for d in latent_shape) if latent_shape else None
+        self.patch_size = tuple(int(p) for p in patch_size)
+        self.shifts = tuple(float(s) for s in shifts)
+        self._layouts: dict[int, tuple] = {}
+
+    # ---- geometry -------------------------------------------------------------------------------
+    def bind(self, latent_shape, model=None, shifts=None) -> "MiniMaxH3Family":
+        """This family for one clip geometry (video latents [24, F, H, W]; the audio follows)."""
+        if not latent_shape:
+            raise ValueError("latent_shape: MiniMax-H3 needs the clip geometry (num_frames, height, width or "
+                             "latent_shape [24, F, H, W])")
+        patch = tuple(model.config.patch_size) if model is not None else self.patch_size
+        return MiniMaxH3Family(latent_shape, patch, shifts or self.shifts)
+
+    @property
+    def video_shape(self) -> tuple[int, int, int, int]:
+        if self.latent_shape is None:
+            raise ValueError("MiniMaxH3Family is not bound to a clip geometry (family.bind(latent_shape))")
+        return self.latent_shape  # type: ignore[return-value]
+
+    @property
+    def num_frames(self) -> int:
+        return pixel_frames(self.video_shape[1])
+
+    @property
+    def audio_shape(self) -> tuple[int, int, int]:
+        return (AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS, audio_latents(self.num_frames))
+
+    @cached_property
+    def segments(self) -> dict[str, slice]:
+        video = math.prod(self.video_shape)
+        return {"video": slice(0, video), "audio": slice(video, video + math.prod(self.audio_shape))}
+
+    def sample_shape(self, model, latent_shape=None):
+        family = self.bind(latent_shape or self.latent_shape, model)
+        return (family.segments["audio"].stop,)
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat samples [B, D] -> video latents [B, 24, F, H, W], audio latents [B, 2, 32, L]."""
+        seg = self.segments
+        return (x[:, seg["video"]].reshape(-1, *self.video_shape), x[:, seg["audio"]].reshape(-1, *self.audio_shape))
+
+    def join(self, video: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
+        return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
+
+    # ---- the two schedules ------------------------------------------------------------------------
+    def sigma_field(self, sigma, like: torch.Tensor) -> torch.Tensor:
+        """Per-element sigma [B, D]: video at shift(u, 12), audio at shift(u, 3)."""
+        u = torch.as_tensor(sigma, dtype=torch.float32, device=like.device).reshape(-1, 1)
+        seg = self.segments
+        video = shifted(u, self.shifts[0]).expand(-1, seg["video"].stop)
+        audio = shifted(u, self.shifts[1]).expand(-1, seg["audio"].stop - seg["audio"].start)
+        return torch.cat([video, audio], dim=1).expand(like.shape[0], -1)
+
+    def modality_sigmas(self, u: float) -> tuple[float, float]:
+        t = torch.tensor([u], dtype=torch.float32)
+        return float(shifted(t, self.shifts[0])), float(shifted(t, self.shifts[1]))
+
+    # ---- the forward ------------------------------------------------------------------------------
+    def _layout(self, text_tokens: int) -> tuple:
+        """diffusers' t2va layout for this geometry and text length (cached)."""
+        if text_tokens not in self._layouts:
+            from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep
+
+            _, frames, height, width = self.video_shape
+            position_ids, tags, video_idx, audio_idx, text_idx, _, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+                torch.full((text_tokens,), TEXT_TAG, dtype=torch.long), frames, height, width,
+                self.audio_shape[2], self.patch_size, AUDIO_CHANNELS, AUDIO_TAG, VIDEO_TAG)
+            self._layouts[text_tokens] = (position_ids, tags, video_idx, audio_idx, text_idx)
+        return self._layouts[text_tokens]
+
+    def _rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
+
+        video, audio = self.split(x)
+        n = x.shape[0]
+        video_rows = patchify_video_latents(video, self.patch_size).reshape(n, -1, video.shape[1] * math.prod(self.patch_size))
+        audio_rows = audio.permute(0, 1, 3, 2).reshape(n, -1, AUDIO_LATENT_CHANNELS)  # channel-major rows
+        return video_rows, audio_rows
+
+    def _unrows(self, video_rows: torch.Tensor, audio_rows: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``_rows`` (diffusers' MiniMaxH3AfterDenoiseStep)."""
+        channels, frames, height, width = self.video_shape
+        pt, ph, pw = self.patch_size
+        n = video_rows.shape[0]
+        video = video_rows.reshape(n, frames // pt, height // ph, width // pw, channels, pt, ph, pw)
+        video = video.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(n, channels, frames, height, width)
+        audio = audio_rows.reshape(n, AUDIO_CHANNELS, -1, AUDIO_LATENT_CHANNELS).permute(0, 1, 3, 2)
+        return self.join(video, audio)
+
+    def _forward_group(self, model, x_t: torch.Tensor, u: float, text: torch.Tensor) -> torch.Tensor:
+        """One forward of rows sharing (u, text length): the model's data-ward velocity, flat."""
+        from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
+
+        device = x_t.device
+        position_ids, tags, video_idx, audio_idx, text_idx = self._layout(text.shape[1])
+        s_video, s_audio = self.modality_sigmas(u)
+        t_video = float(1.0 - torch.tensor(s_video, dtype=torch.float32))
+        t_audio = float(1.0 - torch.tensor(s_audio, dtype=torch.float32))
+        timestep, timestep_idx = MiniMaxH3SetTimestepsStep.build_row_timesteps(
+            video_idx, audio_idx, 0, 0, text.shape[1], t_video, t_audio, t_video, 1.0)
+        video_rows, audio_rows = self._rows(x_t.float())
+        v_video, v_audio = model(
+            hidden_states=video_rows, audio_hidden_states=audio_rows, encoder_hidden_states=text,
+            timestep=timestep.to(device), timestep_indices=timestep_idx.to(device), token_tags=tags.to(device),
+            position_ids=position_ids.to(device), video_indices=video_idx.to(device),
+            audio_indices=audio_idx.to(device), text_indices=text_idx.to(device), return_dict=False)
+        return self._unrows(v_video.float(), v_audio.float())
+
+    def predict_velocity(self, model, x_t, sigma, cond):
+        """The project's velocity ``eps - x0`` (fp32): minus H3's data-ward velocity."""
+        n = x_t.shape[0]
+        u = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1).expand(n).tolist()
+        lengths = cond["prompt_lengths"].reshape(-1).long().tolist()
+        text = cond["prompt_embeds"].to(x_t.device)
+        groups: dict[tuple[float, int], list[int]] = {}
+        for i, key in enumerate(zip(u, lengths)):
+            groups.setdefault(key, []).append(i)
+        order, parts = [], []
+        for (u_i, length), rows in groups.items():
+            index = torch.tensor(rows, device=x_t.device)
+            parts.append(self._forward_group(model, x_t.index_select(0, index), u_i,
+                                             text.index_select(0, index)[:, :length]))
+            order += rows
+        v = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if order != sorted(order):
+            v = v[torch.argsort(torch.tensor(order, device=x_t.device))]
+        return -v
+
+    # ---- decoding ---------------------------------------------------------------------------------
+    def load_vae(self, url: str, dtype: torch.dtype) -> torch.nn.Module:
+        """The video VAE and, beside it, the audio VAE (``audio_vae/``), as one module."""
+        import diffusers
+
+        from dmd2_core import storage
+
+        with storage.local_copy(url) as local:
+            video = diffusers.AutoencoderKLMiniMaxH3.from_pretrained(str(local), torch_dtype=dtype)
+        audio_url = storage.join(url.rstrip("/").rsplit("/", 1)[0], "audio_vae")
+        with storage.local_copy(audio_url) as local:
+            audio = diffusers.AutoencoderKLMiniMaxH3Audio.from_pretrained(str(local), torch_dtype=dtype)
+        return torch.nn.ModuleDict({"video": video.eval(), "audio": audio.eval()})
+
+    @torch.no_grad()
+    def decode(self, vae, latents):
+        """Flat samples -> {'video': [B, 3, F, H, W] in [-1, 1], 'audio': [B, 2, S] in [-1, 1],
+        'sample_rate'} as diffusers' decode steps produce them; without VAEs, the latents."""
+        video_latents, audio_lat = self.split(latents.float())
+        if vae is None:
+            return {"video": video_latents, "audio": audio_lat.flatten(2), "sample_rate": AUDIO_LATENTS_PER_SECOND}
+        videos, sounds = [], []
+        for v, a in zip(video_latents, audio_lat):  # one clip at a time, as the pipeline decodes
+            videos.append(self._decode_video(vae["video"], v[None]))
+            sounds.append(self._decode_audio(vae["audio"], a))
+        return {"video": torch.cat(videos), "audio": torch.stack(sounds),
+                "sample_rate": int(vae["audio"].config.sampling_rate)}
+
+    @staticmethod
+    def _decode_video(vae, latents):
+        dtype = next(vae.parameters()).dtype
+        cfg = vae.config
+        mean = torch.tensor(cfg.latents_mean, device=latents.device).view(1, -1, 1, 1, 1)
+        std = torch.tensor(cfg.latents_std, device=latents.device).view(1, -1, 1, 1, 1)
+        video = vae.decode((latents * std + mean).to(dtype), return_dict=False)[0].float()
+        pixel_mean = torch.tensor(PIXEL_MEAN, device=video.device).view(1, -1, 1, 1, 1)
+        pixel_std = torch.tensor(PIXEL_STD, device=video.device).view(1, -1, 1, 1, 1)
+        return ((video * pixel_std + pixel_mean).clamp(0, 1) * 2 - 1)
+
+    @staticmethod
+    def _decode_audio(vae, latents):
+        """[2, 32, L] normalised latents -> [2, S] waveform (the mono VAE takes the channels as items)."""
+        dtype = next(vae.parameters()).dtype
+        cfg = vae.config
+        mean = torch.tensor(cfg.latents_mean, device=latents.device).view(1, -1, 1)
+        std = torch.tensor(cfg.latents_std, device=latents.device).view(1, -1, 1)
+        audio = vae.decode((latents * std + mean).to(dtype), return_dict=False)[0].float()
+        return audio[:, 0].clamp(-1, 1)
+
+    @torch.no_grad()
+    def encode_clip(self, vae, pixels: torch.Tensor, waveform: torch.Tensor) -> torch.Tensor:
+        """A real clip -> its flat normalised latents [1, D] (posterior means): pixels [3, F, H, W] in
+        [-1, 1] and a stereo waveform [2, S] at the audio VAE's rate."""
+        video_vae, audio_vae = vae["video"], vae["audio"]
+        dtype = next(video_vae.parameters()).dtype
+        pixel_mean = torch.tensor(PIXEL_MEAN, device=pixels.device).view(-1, 1, 1, 1)
+        pixel_std = torch.tensor(PIXEL_STD, device=pixels.device).view(-1, 1, 1, 1)
+        normalised = ((pixels.float() + 1) / 2 - pixel_mean) / pixel_std
+        z = video_vae.encode(normalised[None].to(dtype)).latent_dist.mode().float()
+        cfg = video_vae.config
+        z = (z - torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1)) / torch.tensor(cfg.latents_std).view(1, -1, 1, 1, 1)
+        a = audio_vae.encode(waveform.float()[:, None].to(next(audio_vae.parameters()).dtype)).latent_dist.mode().float()
+        acfg = audio_vae.config
+        a = (a - torch.tensor(acfg.latents_mean).view(1, -1, 1)) / torch.tensor(acfg.latents_std).view(1, -1, 1)
+        length = self.audio_shape[2]
+        a = torch.nn.functional.pad(a, (0, max(0, length - a.shape[-1])))[..., :length]
+        return self.join(z, a[None])
+
+    # ---- eval noise, as the modular pipeline draws it --------------------------------------------
+    def eval_noise(self, n: int, seed: int) -> torch.Tensor:
+        """Sample j's initial noise is what ``MiniMaxH3PrepareLatentsStep`` draws from
+        ``torch.Generator().manual_seed(seed + j)``: the video latents, then the audio rows."""
+        rows = []
+        for j in range(n):
+            g = torch.Generator().manual_seed(seed + j)
+            video = torch.randn((1, *self.video_shape), generator=g)
+            audio_rows = torch.randn((self.audio_shape[2] * AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS), generator=g)
+            audio = audio_rows.reshape(AUDIO_CHANNELS, -1, AUDIO_LATENT_CHANNELS).permute(0, 2, 1)
+            rows.append(self.join(video, audio[None]))
+        return torch.cat(rows)
+
+    # ---- for the memory plan ----------------------------------------------------------------------
+    def tokens(self, config, sample_shape):
+        family = self if self.latent_shape else None
+        if family is None:
+            raise ValueError("MiniMax-H3 tokens need the clip geometry")
+        _, frames, height, width = self.video_shape
+        pt, ph, pw = config.get("patch_size", self.patch_size)
+        return (frames // pt) * (height // ph) * (width // pw) + AUDIO_CHANNELS * self.audio_shape[2]
+
+    def activation_elements(self, config, image_tokens, text_tokens):
+        d = config["hidden_size"]
+        inner = config["num_attention_heads"] * config["attention_head_dim"]
+        # per row: norm1 and its modulation, q/k/v and their norms and rotations (inner wide),
+        # attention out, norm2 and its modulation, SwiGLU input, gate and up projections and
+        # their product, residual adds
+        return (image_tokens + text_tokens) * (6 * d + 7 * inner + 3 * config["ffn_dim"])
+
+    def feature_dim(self, model):
+        return model.config.hidden_size
