@@ -179,6 +179,10 @@ def write_export(url: str, model: torch.nn.Module, gathered: dict, *, teacher_ur
     teacher = describe_checkpoint(teacher_url)
     if teacher["family"] != family.class_name:
         raise CheckpointError(f"{teacher_url}: the teacher is a {teacher['family']}, the student a {family.class_name}")
+    if family.deterministic_student:  # the teacher's own (modular) pipeline steps the student: its schedulers stay
+        return _write_modular_export(url, model, family, online, averaged, teacher_url=teacher_url,
+                                     num_steps=num_steps, export_dtype=export_dtype, verify=verify,
+                                     iteration=iteration, started=started)
     index, components = _pipeline_index(teacher_url, teacher, family)
 
     storage.remove(storage.join(url, MARKER_NAME))
@@ -231,6 +235,71 @@ def write_export(url: str, model: torch.nn.Module, gathered: dict, *, teacher_ur
     }
     storage.write_text(storage.join(url, MARKER_NAME), json.dumps(marker, indent=2) + "\n")
     return {"url": url, "bytes": size, "export_s": export_s, "verify_s": verify_s, "pipeline": marker["pipeline"]}
+
+
+MODULAR_INDEX = "modular_model_index.json"
+
+
+def _write_modular_export(url: str, model, family, online: dict, averaged: Optional[dict], *, teacher_url: str,
+                          num_steps: int, export_dtype: torch.dtype, verify: bool, iteration: Optional[int],
+                          started: float) -> dict:
+    """A student of a model whose sampler is its modular pipeline's (MiniMax-H3): the teacher's
+    repository with the student's transformer. Its schedulers stay the teacher's: the pipeline run
+    with ``num_inference_steps = K + 1`` steps exactly the student's K sigmas of both modalities
+    (the grid ``linspace(1, 0, K + 1)`` through each scheduler's shift), with the student's
+    deterministic steps; ``ModularPipeline.from_pretrained(url)`` loads it."""
+    index_url = storage.join(teacher_url, MODULAR_INDEX)
+    try:
+        index = json.loads(storage.read_text(index_url))
+    except storage.StorageUnavailableError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"{index_url}: unreadable ({storage._one_line(exc)})") from None
+    components = []
+    for key, value in index.items():
+        spec = value[2] if isinstance(value, list) and len(value) == 3 and isinstance(value[2], dict) else None
+        if key.startswith("_") or spec is None or key in ("transformer", "transformer_ref"):
+            continue  # the student replaces the t2va transformer; the ref2va partition is not distilled
+        folder = spec.get("subfolder") or key
+        if value[0] is not None and storage.exists(storage.join(teacher_url, folder)):
+            components.append(folder)
+    index.pop("transformer_ref", None)
+    storage.remove(storage.join(url, MARKER_NAME))
+    storage.remove(url)
+    primary = averaged if averaged is not None else online
+    transformers = {"transformer": primary, **({ONLINE_DIR: online} if averaged is not None else {})}
+    for name, state in transformers.items():
+        with _writable_dir(storage.join(url, name)) as directory:
+            write_transformer(family, model.config, state, directory)
+    for name in components:
+        _copy_tree(storage.join(teacher_url, name), storage.join(url, name))
+    storage.write_text(storage.join(url, MODULAR_INDEX), json.dumps(index, indent=2) + "\n")
+    export_s = time.perf_counter() - started
+    verify_s = 0.0
+    sigmas = {}
+    for name in ("scheduler", "audio_scheduler"):
+        config = json.loads(storage.read_text(storage.join(url, name, "scheduler_config.json")))
+        base = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float32)
+        sigmas[name] = [float(s) for s in config["shift"] * base / (1 + (config["shift"] - 1) * base)][:-1]
+    if verify:
+        t0 = time.perf_counter()
+        for name, state in transformers.items():
+            verify_transformer(storage.join(url, name), family, state, export_dtype)
+        verify_s = time.perf_counter() - t0
+    size = _total_bytes(url)
+    marker = {
+        "format": EXPORT_FORMAT, "iteration": None if iteration is None else int(iteration),
+        "num_steps": int(num_steps), "num_inference_steps": int(num_steps) + 1, "shift": float(family.fixed_shift or 1.0),
+        "sigmas": fm.student_sigmas(num_steps, 1.0), "modality_sigmas": sigmas,
+        "dtype": str(export_dtype).removeprefix("torch."),
+        "transformer": "ema" if averaged is not None else "online",
+        "transformer_online": ONLINE_DIR if averaged is not None else None,
+        "scheduler": {"note": f"the teacher's schedulers; run the pipeline with num_inference_steps={num_steps + 1}"},
+        "teacher": teacher_url, "pipeline": True, "components": components, "bytes": size,
+        "export_s": round(export_s, 3), "verified": bool(verify), "verify_s": round(verify_s, 3),
+    }
+    storage.write_text(storage.join(url, MARKER_NAME), json.dumps(marker, indent=2) + "\n")
+    return {"url": url, "bytes": size, "export_s": export_s, "verify_s": verify_s, "pipeline": True}
 
 
 def verify_transformer(url: str, family, expected: dict[str, torch.Tensor], dtype: torch.dtype) -> None:

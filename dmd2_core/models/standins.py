@@ -52,57 +52,14 @@ def _wan_vae():
     )
 
 
-def h3_transformer():
-    return FAMILIES["MiniMaxH3Transformer3DModel"].build(dict(
-        num_attention_heads=2, attention_head_dim=16, hidden_size=32, num_layers=2, num_refiner_layers=1, ffn_dim=64,
-        in_channels=24, audio_in_channels=32, patch_size=(1, 2, 2), text_dim=TEXT_DIM, freq_dim=32,
-        time_embed_hidden_dim=32, time_embed_dim=16, rope_freq_dim=2,
-    ))
+def build_h3_standin(url: str, seed: int = 0, with_conditioner: bool = False) -> str:
+    """A MiniMax-H3 repository of tiny random components (dmd2_core.models.h3_repository):
+    transformer/, vae/, audio_vae/, scheduler/ (shift 12, video), audio_scheduler/ (shift 3) and
+    modular_model_index.json (plus the Qwen3-VL conditioner with ``with_conditioner``). Clips: 124
+    frames (5.2 s) of 32 x 32 pixels -> latents [24, 37, 2, 2] and audio latents [2, 32, 207]."""
+    from dmd2_core.models.h3_repository import build_tiny_h3_repository
 
-
-def h3_vaes(seed: int = 0) -> tuple:
-    """The video VAE (x16 spatial, 17 frames -> 5 latents per chunk) and the audio VAE (32 kHz, 40
-    latents per second), tiny, with seeded non-trivial latent statistics (normalisation bugs show)."""
-    from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
-
-    g = torch.Generator().manual_seed(seed + 1)
-    stats = lambda n: ([round(float(v), 4) for v in torch.randn(n, generator=g) * 0.3],  # noqa: E731
-                       [round(float(v), 4) for v in 0.5 + torch.rand(n, generator=g)])
-    video_mean, video_std = stats(24)
-    audio_mean, audio_std = stats(32)
-    video = AutoencoderKLMiniMaxH3(
-        latent_channels=24, block_out_channels=(8,) * 6, layers_per_block=1, norm_num_groups=4, decoder_num_layers=1,
-        decoder_num_attention_heads=2, decoder_attention_head_dim=8, decoder_num_register_tokens=1, decoder_ffn_mult=1,
-        latents_mean=video_mean, latents_std=video_std)
-    audio = AutoencoderKLMiniMaxH3Audio(
-        encoder_dim=4, latent_dim=32, latent_channels=32, num_attention_heads=2, decoder_dim=128,
-        resblock_kernel_sizes=(3,), resblock_dilation_sizes=((1,),), latents_mean=audio_mean, latents_std=audio_std)
-    return video, audio
-
-
-def build_h3_standin(url: str, seed: int = 0) -> str:
-    """A MiniMax-H3 checkpoint directory of tiny random components in the repository's layout:
-    transformer/, vae/, audio_vae/, scheduler/ (shift 12, video), audio_scheduler/ (shift 3),
-    model_index.json. Clips: 124 frames (5.2 s) of 32 x 32 pixels -> latents [24, 37, 2, 2] and
-    audio latents [2, 32, 207]."""
-    import diffusers
-    from diffusers import MiniMaxH3Scheduler
-
-    torch.manual_seed(seed)
-    transformer = h3_transformer()
-    video_vae, audio_vae = h3_vaes(seed)
-    with storage.staged_dir(url) as tmp:
-        transformer.save_pretrained(str(tmp / "transformer"), safe_serialization=True)
-        video_vae.save_pretrained(str(tmp / "vae"), safe_serialization=True)
-        audio_vae.save_pretrained(str(tmp / "audio_vae"), safe_serialization=True)
-        MiniMaxH3Scheduler(shift=12.0).save_pretrained(str(tmp / "scheduler"))
-        MiniMaxH3Scheduler(shift=3.0).save_pretrained(str(tmp / "audio_scheduler"))
-        index = {"_class_name": "MiniMaxH3ModularPipeline", "_diffusers_version": diffusers.__version__,
-                 "transformer": ["diffusers", "MiniMaxH3Transformer3DModel"],
-                 "vae": ["diffusers", "AutoencoderKLMiniMaxH3"], "audio_vae": ["diffusers", "AutoencoderKLMiniMaxH3Audio"],
-                 "scheduler": ["diffusers", "MiniMaxH3Scheduler"], "audio_scheduler": ["diffusers", "MiniMaxH3Scheduler"]}
-        (tmp / "model_index.json").write_text(json.dumps(index, indent=2))
-    return url
+    return build_tiny_h3_repository(url, seed=seed, with_conditioner=with_conditioner)
 
 
 H3_GEOMETRY = {"num_frames": 124, "height": 32, "width": 32}

@@ -1,0 +1,242 @@
+"""MiniMax-H3, the flagship: the family's conventions against diffusers' own scheduler and layout
+code, joint DMD2 on both modalities, the clip checks before any actor, and the minimax-h3 recipe
+through the Prefect flow on a tiny stand-in of every H3 component (media with sound)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dmd2_core.args import ArgsError, load_args
+from dmd2_core.distill import preflight
+from dmd2_core.models import describe_checkpoint, load_checkpoint
+from dmd2_core.models.standins import H3_GEOMETRY, build_h3_standin, h3_prompt_set
+
+CPU = dict(device="cpu", num_devices=1, dtype="float32", global_batch_size=4, micro_batch_size=2, torch_threads=1,
+           **H3_GEOMETRY)
+
+
+@pytest.fixture(scope="module")
+def h3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("h3")
+    url = build_h3_standin(str(root / "h3"))
+    prompts = str(root / "prompts.safetensors")
+    h3_prompt_set().save(prompts)
+    loaded = load_checkpoint(url)
+    family = loaded.family.bind([24, 37, 2, 2], loaded.model, loaded.modality_shifts)
+    return {"url": url, "prompts": prompts, "model": loaded.model, "family": family}
+
+
+def _known(family, n=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    width = family.segments["audio"].stop
+    return torch.randn(n, width, generator=g), torch.randn(n, width, generator=g)
+
+
+def test_both_schedules_are_the_schedulers_own(h3):
+    """The student's K steps at u = linspace(1, 0, K + 1)[:-1] sit, per modality, on exactly the
+    sigmas MiniMaxH3Scheduler(shift).set_timesteps(K + 1) gives (what the modular pipeline steps)."""
+    from diffusers import MiniMaxH3Scheduler
+
+    from dmd2_core import flow_matching as fm
+
+    family = h3["family"]
+    assert describe_checkpoint(h3["url"])["modality_shifts"] == (12.0, 3.0)
+    for k in (1, 2, 4):
+        u = torch.tensor(fm.student_sigmas(k, 1.0))
+        x = torch.zeros(len(u), family.segments["audio"].stop)
+        field = family.sigma_field(u, x)
+        for name, shift in (("video", 12.0), ("audio", 3.0)):
+            scheduler = MiniMaxH3Scheduler(shift=shift)
+            scheduler.set_timesteps(k + 1)
+            seg = family.segments[name]
+            assert torch.equal(field[:, seg.start], scheduler.sigmas[:-1]), (k, name)
+            assert (field[:, seg] == field[:, seg.start:seg.start + 1]).all()
+
+
+def test_velocity_convention_gives_the_known_x0(h3):
+    """Noising is H3's x_t = t x0 + (1 - t) eps per modality; with the data-ward velocity
+    v = x0 - eps the family's x0 is exact, and its Euler step is MiniMaxH3Scheduler.step's."""
+    from diffusers import MiniMaxH3Scheduler
+
+    family = h3["family"]
+    x0, eps = _known(family)
+    u = torch.tensor([0.75, 0.75])
+    x_t = family.add_noise(x0, eps, u)
+    for name, shift in (("video", 12.0), ("audio", 3.0)):
+        seg = family.segments[name]
+        scheduler = MiniMaxH3Scheduler(shift=shift)
+        scheduler.set_timesteps(5)  # grid 1, .75, .5, .25, 0: step 1 is u = 0.75
+        t = scheduler.timesteps[1]
+        torch.testing.assert_close(x_t[:, seg], scheduler.scale_noise(x0[:, seg], t, eps[:, seg]))
+        v_h3 = x0[:, seg] - eps[:, seg]  # H3's velocity points to the data
+        scheduler._step_index = 1
+        stepped = scheduler.step(v_h3, t, x_t[:, seg], return_dict=False)[0]
+        ours = family.euler_step(x_t, x0, u, torch.tensor([0.5, 0.5]))[:, seg]
+        torch.testing.assert_close(ours, stepped, atol=1e-5, rtol=1e-5)
+    # the project's velocity is eps - x0, minus H3's: its x0 is exact
+    torch.testing.assert_close(family.velocity_to_x0(x_t, eps - x0, u), x0, atol=1e-5, rtol=0)
+
+
+def test_pack_unpack_round_trip_uses_diffusers_patchify(h3):
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
+
+    family = h3["family"]
+    x, _ = _known(family, n=3)
+    video_rows, audio_rows = family._rows(x)
+    video, audio = family.split(x)
+    assert torch.equal(video_rows.reshape(-1, video_rows.shape[-1]), patchify_video_latents(video, (1, 2, 2)))
+    assert torch.equal(audio_rows[1], audio[1].permute(0, 2, 1).reshape(-1, 32))  # channel-major, as the pipeline packs
+    assert torch.equal(family._unrows(video_rows, audio_rows), x)
+
+
+def test_a_batch_of_mixed_noise_levels_and_prompt_lengths_equals_one_forward_per_item(h3):
+    """One forward holds one layout: items of other (u, text length) run in their own forward,
+    and the batch gives exactly what each item alone gives."""
+    family, model = h3["family"], h3["model"]
+    prompts = h3_prompt_set()
+    x, _ = _known(family, n=4, seed=1)
+    cond = prompts.cond(torch.tensor([0, 0, 0, 1]))  # text lengths 6, 6, 6, 5
+    u = torch.tensor([0.5, 0.5, 0.3, 0.5])
+    assert len(set(zip(u.tolist(), cond["prompt_lengths"].tolist()))) == 3
+    with torch.no_grad():
+        batched = family.predict_velocity(model, x, u, cond)
+        alone = torch.cat([family.predict_velocity(model, x[i:i + 1], u[i:i + 1], {k: v[i:i + 1] for k, v in cond.items()})
+                           for i in range(4)])
+    torch.testing.assert_close(batched, alone, atol=1e-6, rtol=1e-6)
+    # padding the text would change the forward: the lengths are honoured
+    longer = dict(cond, prompt_lengths=cond["prompt_lengths"] + 0)
+    longer["prompt_lengths"][3] = 6
+    with torch.no_grad():
+        assert not torch.allclose(family.predict_velocity(model, x, u, longer)[3], batched[3])
+
+
+def test_joint_dmd2_gradient_has_a_normaliser_per_modality():
+    from dmd2_core.losses import dmd2_gradient
+
+    segments = {"video": slice(0, 3), "audio": slice(3, 5)}
+    x0 = torch.tensor([[1.0, 1.0, 1.0, 10.0, 10.0]])
+    real = torch.zeros_like(x0)
+    fake = torch.tensor([[2.0, 2.0, 2.0, 20.0, 20.0]])
+    g = dmd2_gradient(x0, real, fake, segments, {"audio": 0.5})
+    # video: (2 - 0) / mean|1 - 0| = 2; audio: 0.5 * (20 - 0) / mean|10 - 0| = 1
+    torch.testing.assert_close(g, torch.tensor([[2.0, 2.0, 2.0, 1.0, 1.0]]), atol=1e-5, rtol=0)
+
+
+def test_one_iteration_trains_both_modalities(h3, tmp_path):
+    """Rollout, critic train and score, student train on the stand-in: per-modality losses,
+    gradients and gaps, the student moves, and the eval decodes to video and stereo sound."""
+    from dmd2_core.trainer import Trainer
+
+    args = load_args("minimax-h3", dict(CPU, hf_checkpoint=h3["url"], prompts=h3["prompts"], save=str(tmp_path / "run")))
+    roles = preflight(args)
+    assert roles["actor"].latent_shape == [24, 37, 2, 2] and roles["actor"].dmd2_shift == 1.0
+    actor, critic = Trainer(roles["actor"], "actor"), Trainer(roles["critic"], "critic")
+    pairs, rollout = actor.rollout(1)
+    assert pairs["x0"].shape == (4, 3552 + 13248)
+    outputs, metrics = critic.train(1, pairs)
+    for key in ("critic_loss_video", "critic_loss_audio", "dmd2_grad_norm_video", "dmd2_grad_norm_audio",
+                "dmd2_real_fake_gap_video", "dmd2_real_fake_gap_audio"):
+        assert metrics[key] > 0, key
+    before = actor.weights()
+    _, trained = actor.train(1, pairs, outputs)
+    after = actor.weights()
+    assert trained["graded_x0_drift"] < 1e-4  # the graded forward redoes the rollout's last step
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    media = actor.sample([0, 1], seed=3)
+    assert media["video"].shape == (2, 3, 124, 32, 32) and media["audio"].shape[:2] == (2, 2)
+    assert media["sample_rate"] == 32000 and media["video"].min() >= -1 and media["video"].max() <= 1
+
+
+@pytest.mark.parametrize("override, message", [
+    (dict(num_frames=120), r"num_frames: 120 is not of the form 17n \+ 5 .* nearest above: 124"),
+    (dict(num_frames=107), r"num_frames: 107 frames are 4.46 s .* 5-15 s"),
+    (dict(width=160), r"width: 160x32 has aspect ratio 5; MiniMax-H3 supports 1:4 to 4:1"),
+    (dict(height=40), r"height: 40 is not a positive multiple of 32"),
+    (dict(dmd2_guidance_scale=5.0), r"dmd2_guidance_scale: .* is guidance-distilled .* set dmd2_guidance_scale to 1"),
+    (dict(dmd2_shift=3.0), r"dmd2_shift: MiniMaxH3Transformer3DModel shifts each modality by its own scheduler"),
+    (dict(dmd2_modality_weights={"vidoe": 1.0}), r"unknown modality 'vidoe' .* did you mean 'video'"),
+])
+def test_bad_clip_input_fails_before_any_actor_in_one_line(h3, tmp_path, override, message):
+    args = load_args("minimax-h3", dict(CPU, hf_checkpoint=h3["url"], prompts=h3["prompts"],
+                                        save=str(tmp_path / "run"), **override))
+    with pytest.raises(ArgsError, match=message) as err:
+        preflight(args)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_without_its_audio_vae_is_named(h3, tmp_path):
+    import shutil
+
+    from dmd2_core.models import CheckpointError
+
+    broken = tmp_path / "h3"
+    shutil.copytree(h3["url"], broken)
+    shutil.rmtree(broken / "audio_vae")
+    with pytest.raises(CheckpointError, match=r"audio_vae: missing: MiniMaxH3Transformer3DModel generates sound"):
+        describe_checkpoint(str(broken))
+
+
+def test_minimax_h3_recipe_through_the_flow_with_media_with_sound(prefect_harness, ray_session, h3, tmp_path):
+    """The served recipe's flow on the H3 stand-in: both modalities' metrics every iteration, an
+    MP4 per eval prompt that plays with stereo sound, a frame strip and a spectrogram, a checkpoint."""
+    from dmd2_core import av_media
+    from flows.dmd2 import dmd2
+
+    save = tmp_path / "run"
+    overrides = dict(CPU, run_name="h3-standin", num_iterations=2, eval_interval=2, save_interval=2,
+                     eval_prompts=[0, 1], eval_samples_per_prompt=1)
+    summary = dmd2(recipe="minimax-h3", overrides=overrides, hf_checkpoint=h3["url"], prompts=h3["prompts"],
+                   save=str(save))
+    assert summary["final_iteration"] == 2
+    rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if r["iteration"] >= 1]
+    assert len(trained) == 2
+    for key in ("dmd2_loss", "dmd2_grad_norm_video", "dmd2_grad_norm_audio", "critic_loss_video", "critic_loss_audio"):
+        assert all(key in r for r in trained), key
+    clips = sorted((save / "media").glob("iter_0000002_*.mp4"))
+    assert [c.name for c in clips] == ["iter_0000002_p0.mp4", "iter_0000002_p1.mp4"]  # one per eval prompt
+    clip = av_media.read_mp4(str(clips[0]))
+    assert clip["audio_channels"] == 2 and clip["sample_rate"] == 32000
+    assert abs(clip["duration_s"] - 124 / 24) < 0.15 and abs(clip["fps"] - 24) < 1e-6
+    assert len(clip["frames"]) == 124 and clip["audio"].shape[1] > 5 * 32000
+    assert (save / "media" / "iter_0000002_p0_spectrogram.png").stat().st_size > 0
+    assert (save / "media" / "iter_0000002_p0_frames.png").stat().st_size > 0
+    from dmd2_core import checkpoint
+
+    assert checkpoint.read_tracker(str(save)) == 2
+
+
+def test_export_loads_in_diffusers_modular_pipeline_and_reproduces_eval_samples(h3, tmp_path):
+    """The exported student is a MiniMax-H3 repository: ModularPipeline.from_pretrained loads it
+    (t2va), and with num_inference_steps = K + 1 and seed s + j it reproduces the project's eval
+    sample j, video and audio latents both."""
+    from dmd2_core import export as exporting
+    from dmd2_core.models.h3_repository import run_t2va
+    from dmd2_core.trainer import Trainer
+
+    save = tmp_path / "run"
+    args = load_args("minimax-h3", dict(CPU, hf_checkpoint=h3["url"], prompts=h3["prompts"], save=str(save),
+                                        async_save=False))
+    roles = preflight(args)
+    actor, critic = Trainer(roles["actor"], "actor"), Trainer(roles["critic"], "critic")
+    pairs, _ = actor.rollout(1)
+    outputs, _ = critic.train(1, pairs)
+    actor.train(1, pairs, outputs)
+    saved = actor.save(1, export=True)
+    url = saved["export_url"]
+    assert url == exporting.export_url(str(save), 1)
+    marker = json.loads((save / "exports" / "iter_0000001" / "export.json").read_text())
+    assert marker["num_inference_steps"] == 5 and marker["transformer"] == "ema"
+    ours = actor.sample([1, 2], seed=7, decode=False)  # rows j use seed 7 + j
+    prompts = h3_prompt_set()
+    family = h3["family"]
+    for j, p in enumerate([1, 2]):
+        length = int(prompts.embeds["prompt_lengths"][p])
+        theirs = run_t2va(url, prompts.embeds["prompt_embeds"][p:p + 1, :length], num_inference_steps=5,
+                          num_frames=124, height=32, width=32, seed=7 + j)
+        joined = family.join(theirs["latents"][None], theirs["audio_latents"][None])
+        torch.testing.assert_close(joined, ours[j:j + 1], atol=2e-4, rtol=2e-4)
