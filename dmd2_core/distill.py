@@ -75,12 +75,19 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
     if memory.device_limit(args) is not None:
         memory.check(memory.plan(trainer_args))
     source = resume_url(args)
-    if checkpoint.validate_resume(source, list(trainer_args)) is None and args.load and args.load != args.save:
+    resumed = checkpoint.validate_resume(source, list(trainer_args))
+    if resumed is None and args.load and args.load != args.save:
         from dmd2_core import storage
 
         raise checkpoint.CheckpointLoadError(
             f"load: no checkpoint at {args.load} (no {checkpoint.TRACKER_NAME})"
             f"{storage.nearest_sibling(args.load)}")
+    # a finished run rerun (its own save at num_iterations) completes at once; anything else that
+    # starts at or past num_iterations would train nothing and report Completed
+    if resumed is not None and (resumed > args.num_iterations or (resumed == args.num_iterations and source != args.save)):
+        raise ArgsError(f"num_iterations: {args.num_iterations} does not go beyond iteration {resumed} of the checkpoint "
+                        f"at {source}, where this run starts; iterations count on from it (set num_iterations to "
+                        f"{resumed + max(args.num_iterations, 1)} for {max(args.num_iterations, 1)} more)")
     checks.check_local_devices(args, len(trainer_args))
     lease.check(args.save, owner, args.lease_timeout_s)  # one run per save URL
     checks.probe_write(args.save)  # last: nothing is written for input that fails earlier
