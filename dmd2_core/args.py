@@ -125,7 +125,6 @@ class Args(BaseModel):
     fsdp_cpu_offload: bool = _f(
         False, "train", "Keep this trainer's sharded weights, gradients and optimizer state in host memory (cuda only)."
     )
-    label_dropout: float = _f(0.1, "train", "Flow-matching training: fraction of conditions replaced by the empty prompt.", ge=0, le=1)
     max_nonfinite_steps: int = _f(
         10, "train", "Fail the run after this many non-finite (skipped) optimizer steps in a row of one trainer (0: never).", ge=0
     )
@@ -185,6 +184,9 @@ class Args(BaseModel):
         if self.export_interval and self.save_interval and self.export_interval % self.save_interval:
             raise ValueError(f"export_interval: {self.export_interval} is not a multiple of save_interval "
                              f"{self.save_interval} (exports are taken at checkpoints)")
+        if self.loss_type == "dmd2" and self.num_steps_per_rollout != 1:
+            raise ValueError(f"num_steps_per_rollout: the dmd2 actor takes one step per rollout (got "
+                             f"{self.num_steps_per_rollout}); the critic's steps per rollout are dmd2_update_ratio")
         if self.gan_weight and not self.gan_critic_weight:
             raise ValueError("gan_critic_weight: must be > 0 when gan_weight is (the discriminator would never train)")
         return self

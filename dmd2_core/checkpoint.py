@@ -244,9 +244,11 @@ def save_trainer(
     """Save one trainer's state for ``iteration``: a collective, every rank of the group calls it
     with its own shards (``process_group``: the group's ``checkpoint_group()``; None for a single
     process without torch.distributed). Synchronous saves return a finished PendingSave; with
-    ``asynchronous`` the state is staged to host memory and written in the background. A
-    directory already there for this iteration is replaced (its marker goes first, so no reader
-    ever takes a half-replaced directory for a complete one)."""
+    ``asynchronous`` the state is staged to host memory and written in the background. The
+    tracked iteration, complete, is never rewritten: its save is a no-op (a replay reaches the
+    same bytes, and deleting it first would leave the tracker naming nothing durable while the
+    new copy is written). Any other directory already there for this iteration is replaced (its
+    marker goes first, so no reader ever takes a half-replaced directory for a complete one)."""
     import concurrent.futures
     import threading
     import time
@@ -263,19 +265,27 @@ def save_trainer(
     except Exception as exc:  # noqa: BLE001
         raise ValueError(f"save_trainer({role!r}): extra must hold plain values and tensors ({one_line(exc)})") from None
     state = _sharded_state(model, optimizer, ema)
-    _check_finite_local(role, iteration, state, process_group)
+    _check_finite_local(role, iteration, {**state, **dict(_nested_tensors(extra, "extra"))}, process_group)
     d = trainer_dir(save_url, role, iteration)
+    tracked = _all_or_none(lambda: _tracked_and_complete(save_url, role, iteration) if rank == 0 else None,
+                           f"save {d}", process_group, gather=True)[0]
+    if tracked is not None:
+        kept: concurrent.futures.Future = concurrent.futures.Future()
+        kept.set_result({"url": d, "iteration": int(iteration), "save_s": time.perf_counter() - start,
+                         "bytes": _rank_bytes(tracked, rank), "kept": True})
+        return PendingSave(d, iteration, kept, time.perf_counter() - start)
     meta = _torch_bytes({"format": FORMAT, "param_groups": _param_groups(model, optimizer), "extra": extra})
     digests: dict[str, str] = {}
     marker_info = {"has_ema": ema is not None}
 
     def write(staged: dict) -> dict:
-        if rank == 0:
-            storage.remove(storage.join(d, COMPLETE_NAME))
-            storage.remove(d)
-            storage.write_bytes(storage.join(d, STATE_NAME), meta)
-        if distributed:
-            dist.barrier(group=process_group)  # nobody writes before the old directory is gone
+        def replace_directory():
+            if rank == 0:
+                storage.remove(storage.join(d, COMPLETE_NAME))
+                storage.remove(d)
+                storage.write_bytes(storage.join(d, STATE_NAME), meta)
+        # nobody writes before the old directory is gone; a failure there reaches every rank
+        _all_or_none(replace_directory, f"save {d}", process_group)
 
         def attempt():
             digests.clear()
@@ -347,6 +357,66 @@ def _transient(exc: BaseException) -> bool:
     return storage.is_transient(exc)
 
 
+def _all_or_none(fn, what: str, process_group, gather: bool = False):
+    """``fn()`` on every rank of the group (a collective; ``fn`` itself must not be one). When
+    any rank fails, every rank raises: the failing one its error, the others a CheckpointError (a
+    CheckpointLoadError for a checkpoint that cannot be resumed from) naming that rank, so no
+    rank is left waiting in a later collective for one that gave up. Returns this rank's result,
+    or with ``gather`` every rank's (a list by rank)."""
+    import torch.distributed as dist
+
+    error, result = None, None
+    try:
+        result = fn()
+    except Exception as exc:  # noqa: BLE001 - shared with the group, then raised
+        error = exc
+    mine = (result if gather else None,
+            None if error is None else (isinstance(error, CheckpointLoadError), one_line(error)))
+    if process_group is None:
+        gathered = [mine]
+    else:
+        gathered = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(gathered, mine, group=process_group)
+    if error is not None:
+        raise error
+    failed = next(((r, f) for r, (_, f) in enumerate(gathered) if f is not None), None)
+    if failed is not None:
+        rank, (load_error, line) = failed
+        if load_error:
+            raise CheckpointLoadError(line.split(": ", 1)[-1])
+        raise CheckpointError(f"{what}: failed on rank {rank} of the group ({line})")
+    return [r for r, _ in gathered] if gather else result
+
+
+def _tracked_and_complete(save_url: str, role: str, iteration: int) -> Optional[dict]:
+    """The marker of ``iteration`` when the run's tracker names it and it is complete."""
+    if read_tracker(save_url) != int(iteration):
+        return None
+    try:
+        return _read_marker(trainer_dir(save_url, role, iteration))
+    except CheckpointLoadError:
+        return None
+
+
+def _rank_bytes(marker: dict, rank: int) -> int:
+    """The bytes of a complete checkpoint that ``rank`` wrote (rank 0 also the shared files)."""
+    own = f"{DCP_DIR}/__{rank}_"
+    return sum(int(size) for rel, size in marker["files"].items()
+               if rel.startswith(own) or (rank == 0 and not rel.startswith(f"{DCP_DIR}/__")))
+
+
+def _nested_tensors(obj, prefix: str):
+    """(dotted key, tensor) of every tensor in nested dicts and lists."""
+    if torch.is_tensor(obj):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _nested_tensors(v, f"{prefix}.{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _nested_tensors(v, f"{prefix}.{i}")
+
+
 def _finish_save(d: str, role: str, iteration: int, digests: dict, info: dict, process_group, rank: int,
                  start: float) -> dict:
     """After DCP wrote every rank's files: gather their hashes; rank 0 writes the marker."""
@@ -361,8 +431,10 @@ def _finish_save(d: str, role: str, iteration: int, digests: dict, info: dict, p
         world = len(gathered)
     else:
         gathered, world = [mine], 1
-    own_bytes = 0
-    if rank == 0:
+
+    def write_marker() -> int:
+        if rank != 0:
+            return sum(_listing(storage.join(d, DCP_DIR)).get(name, 0) for name in digests)
         hashes = {k: v for part in gathered for k, v in part.items()}
         files = _listing(d)
         files.pop(COMPLETE_NAME, None)
@@ -377,10 +449,8 @@ def _finish_save(d: str, role: str, iteration: int, digests: dict, info: dict, p
                   "sha256": dict(sorted(hashes.items()))}
         storage.write_text(storage.join(d, COMPLETE_NAME), json.dumps(marker, indent=1))
         others = {rel for part in gathered[1:] for rel in part}
-        own_bytes = sum(size for rel, size in files.items() if rel not in others)  # and the shared files
-    else:
-        sizes = _listing(storage.join(d, DCP_DIR))
-        own_bytes = sum(sizes.get(name, 0) for name in digests)
+        return sum(size for rel, size in files.items() if rel not in others)  # and the shared files
+    own_bytes = _all_or_none(write_marker, f"save {d}", process_group)
     return {"url": d, "iteration": int(iteration), "save_s": time.perf_counter() - start, "bytes": own_bytes}
 
 
@@ -516,9 +586,9 @@ def load_trainer(
     if int(marker["format"]) > FORMAT:
         raise CheckpointLoadError(f"{d}: checkpoint format {marker['format']} is newer than this dmd2 reads "
                                   f"({FORMAT}); resume it with the version that wrote it")
-    _check_files(d, marker, hashes=False)
+    _all_or_none(lambda: _check_files(d, marker, hashes=False), f"load {d}", process_group)
     _check_hashes_shared(d, marker, process_group)
-    meta = _read_state(d, marker)
+    meta = _all_or_none(lambda: _read_state(d, marker), f"load {d}", process_group)
     _load_sharded(d, model, optimizer, ema, meta, process_group)
     return dict(meta.get("extra") or {})
 
@@ -542,23 +612,14 @@ def read_weights(load_url: str, role: str, iteration: int, section: str = "model
 
 
 def _check_hashes_shared(d: str, marker: dict, process_group) -> None:
-    """Every file's sha256 against the marker, the files split between the group's ranks; every
-    rank raises the first mismatch any of them found."""
+    """Every file's sha256 against the marker, the files split between the group's ranks; when
+    any rank fails (a mismatch, storage), every rank raises (``_all_or_none``)."""
     import torch.distributed as dist
 
     files = sorted(marker.get("sha256") or {})
     rank, world = (dist.get_rank(process_group), dist.get_world_size(process_group)) if process_group else (0, 1)
-    error = None
-    try:
-        _check_files(d, {**marker, "sha256": {f: marker["sha256"][f] for f in files[rank::world]}}, hashes=True)
-    except CheckpointLoadError as exc:
-        error = str(exc)
-    if process_group is not None:
-        errors: list = [None] * world
-        dist.all_gather_object(errors, error, group=process_group)
-        error = next((e for e in errors if e), None)
-    if error:
-        raise CheckpointLoadError(error)
+    _all_or_none(lambda: _check_files(d, {**marker, "sha256": {f: marker["sha256"][f] for f in files[rank::world]}},
+                                      hashes=True), f"check {d}", process_group)
 
 
 def _read_state(d: str, marker: dict) -> dict:
@@ -587,20 +648,24 @@ def _load_sharded(d: str, model, optimizer, ema, meta: dict, process_group) -> N
 
     dcp_url = storage.join(d, DCP_DIR)
     state_url = storage.join(d, STATE_NAME)
-    if optimizer is not None:
+
+    def prepare():
+        if optimizer is not None:
+            try:
+                _apply_param_groups(model, optimizer, meta.get("param_groups") or [])
+            except ValueError as exc:
+                raise CheckpointLoadError(f"{state_url}: optimizer state does not fit ({one_line(exc)})") from None
+        target = _sharded_state(model, optimizer, ema, init_optimizer=True)
+        reader = FsspecReader(dcp_url)
         try:
-            _apply_param_groups(model, optimizer, meta.get("param_groups") or [])
-        except ValueError as exc:
-            raise CheckpointLoadError(f"{state_url}: optimizer state does not fit ({one_line(exc)})") from None
-    target = _sharded_state(model, optimizer, ema, init_optimizer=True)
-    reader = FsspecReader(dcp_url)
-    try:
-        saved = storage.retrying(reader.read_metadata, f"read {dcp_url}/.metadata").state_dict_metadata
-    except storage.StorageUnavailableError:
-        raise
-    except Exception as exc:  # noqa: BLE001
-        raise CheckpointLoadError(f"{dcp_url}/.metadata: corrupt ({one_line(exc)})") from None
-    _check_fits(dcp_url, saved, target)
+            saved = storage.retrying(reader.read_metadata, f"read {dcp_url}/.metadata").state_dict_metadata
+        except storage.StorageUnavailableError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointLoadError(f"{dcp_url}/.metadata: corrupt ({one_line(exc)})") from None
+        _check_fits(dcp_url, saved, target)
+        return target, reader
+    target, reader = _all_or_none(prepare, f"load {d}", process_group)
     try:
         _collective_retrying(lambda: dcp.load(target, storage_reader=reader, process_group=process_group,
                                               no_dist=process_group is None), f"load {dcp_url}", process_group)

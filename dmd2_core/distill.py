@@ -77,12 +77,19 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
     if memory.device_limit(args) is not None:
         memory.check(memory.plan(trainer_args))
     source = resume_url(args)
-    if checkpoint.validate_resume(source, list(trainer_args)) is None and args.load and args.load != args.save:
+    resumed = checkpoint.validate_resume(source, list(trainer_args))
+    if resumed is None and args.load and args.load != args.save:
         from dmd2_core import storage
 
         raise checkpoint.CheckpointLoadError(
             f"load: no checkpoint at {args.load} (no {checkpoint.TRACKER_NAME})"
             f"{storage.nearest_sibling(args.load)}")
+    # a finished run rerun (its own save at num_iterations) completes at once; anything else that
+    # starts at or past num_iterations would train nothing and report Completed
+    if resumed is not None and (resumed > args.num_iterations or (resumed == args.num_iterations and source != args.save)):
+        raise ArgsError(f"num_iterations: {args.num_iterations} does not go beyond iteration {resumed} of the checkpoint "
+                        f"at {source}, where this run starts; iterations count on from it (set num_iterations to "
+                        f"{resumed + max(args.num_iterations, 1)} for {max(args.num_iterations, 1)} more)")
     checks.check_local_devices(args, len(trainer_args))
     lease.check(args.save, owner, args.lease_timeout_s)  # one run per save URL
     checks.probe_write(args.save)  # last: nothing is written for input that fails earlier
@@ -285,10 +292,8 @@ class DistillRun:
         refs = group.call_async("sleep")
 
         def collect_sleep() -> dict:
-            out = group.get(refs)
-            return {f"{role}_sleep_s": fmean(o["sleep_s"] for o in out),
-                    f"{role}_device_bytes_awake": fmean(o["device_bytes_awake"] for o in out),
-                    f"{role}_bytes_freed": fmean(o["bytes_freed"] for o in out)}
+            return _merge([{f"{role}_sleep_s": o["sleep_s"], f"{role}_device_bytes_awake": o["device_bytes_awake"],
+                            f"{role}_bytes_freed": o["bytes_freed"]} for o in group.get(refs)])
         return collect_sleep
 
     def recover(self, iteration: int, phase_index: int) -> None:
@@ -417,9 +422,24 @@ def _as_ray_error(exc: Exception) -> Exception:
 
 
 def _merge(per_rank: list[dict]) -> dict:
-    """Per-rank metrics -> one dict: numbers averaged over ranks."""
+    """Per-rank metrics -> one dict, each number reduced over ranks as its meaning asks
+    (``_reduction``)."""
     out: dict = {}
     for key in per_rank[0]:
         values = [m[key] for m in per_rank]
-        out[key] = fmean(values) if all(isinstance(v, (int, float)) for v in values) else values[0]
+        out[key] = _reduction(key)(values) if all(isinstance(v, (int, float)) for v in values) else values[0]
     return out
+
+
+def _reduction(key: str) -> Callable[[list], float]:
+    """Counts of bad rows (``*_nonfinite``: each rank counts its own rows) add up; times (``*_s``:
+    the group waits for its slowest rank), maxima (``*_max``, ``*_drift``) and skipped steps (every
+    rank skips the same ones) take the largest; minima the smallest; the rest (losses, norms,
+    means over equal local batches) the mean."""
+    if key.endswith("_nonfinite"):
+        return sum
+    if key.endswith(("_s", "_max", "_drift", "_nonfinite_steps")):
+        return max
+    if key.endswith("_min"):
+        return min
+    return fmean

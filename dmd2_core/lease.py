@@ -6,7 +6,9 @@
   so two runs racing for one URL cannot both win.
 - Held while the run lives: a daemon thread renews the heartbeat every ``timeout_s / 4``. A renewal
   that finds another owner marks the lease lost; ``ensure()`` then raises before the run writes a
-  checkpoint or moves the tracker.
+  checkpoint or moves the tracker. The lease also fences itself: once its last successful renewal
+  is older than ``timeout_s`` (renewals failing through a storage outage), another run may take it
+  over, so ``ensure()`` raises as well until a renewal succeeds again.
 - Taken over by the same owner (the same flow run's retries), or once stale: its heartbeat is older
   than ``timeout_s``, or its process is gone (same host, pid no longer alive or reused).
 - Released (deleted) when the run ends, only by its owner.
@@ -278,13 +280,16 @@ class Lease:
         self.save_url, self.owner, self.timeout_s = save_url, owner, float(timeout_s)
         self.backend = _Local(save_url) if storage.is_local(save_url) else _ObjectStore(save_url)
         self.lost: Optional[str] = None
+        self.renewed = time.monotonic()  # the last successful write of the heartbeat
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     @classmethod
     def acquire(cls, save_url: str, owner: str, timeout_s: float) -> "Lease":
         lease = cls(save_url, owner, timeout_s)
+        started = time.monotonic()
         lease.backend.acquire(save_url, owner, lease.timeout_s)
+        lease.renewed = started
         lease._thread = threading.Thread(target=lease._beat, name="dmd2-lease", daemon=True)
         lease._thread.start()
         return lease
@@ -293,7 +298,10 @@ class Lease:
         interval = max(0.5, self.timeout_s / 4)
         while not self._stop.wait(interval):
             try:
-                if self.backend.renew(self.owner) is None:
+                started = time.monotonic()
+                if self.backend.renew(self.owner) is not None:
+                    self.renewed = started
+                else:
                     record = read(self.save_url) or {}
                     self.lost = f"save: {self.save_url}: this run's lease was taken over by {describe(record)}"
                     log.error(self.lost)
@@ -302,10 +310,15 @@ class Lease:
                 log.warning(f"lease: heartbeat of {self.save_url} failed ({storage._one_line(exc)})")
 
     def ensure(self) -> None:
-        """Raise LeaseLostError when another run took the URL over (checked before every write
-        that matters: a checkpoint and the tracker)."""
+        """Raise LeaseLostError when another run took the URL over, or may have: no renewal
+        succeeded for ``timeout_s`` (checked before every write that matters: a checkpoint and the
+        tracker)."""
         if self.lost:
             raise LeaseLostError(self.lost)
+        age = time.monotonic() - self.renewed
+        if age > self.timeout_s:
+            raise LeaseLostError(f"save: {self.save_url}: this run's lease was last renewed {age:.0f} s ago (timeout "
+                                 f"{self.timeout_s:.0f} s): another run may hold it now, so this run writes nothing more")
 
     def release(self) -> None:
         self._stop.set()

@@ -205,9 +205,10 @@ class Trainer:
                 if fuse:
                     scores.append(self._score(x0[mb], out["x_t"], sigma[mb], mb_cond, v_fake=out["v"], gan_grad=out.get("gan_grad")))
             losses.append(total)
-            grad_norms.append(self._optimizer_step(is_finite(total)))
+            grad_norm, stepped = self._optimizer_step(is_finite(total))
+            grad_norms.append(grad_norm)
             if self.disc is not None:
-                self._disc_step()
+                self._disc_step(stepped)
         metrics = {f"{self.role}_loss": sum(losses) / len(losses), f"{self.role}_loss_last": losses[-1],
                    f"{self.role}_grad_norm": grad_norms[-1], f"{self.role}_lr": self.optimizer.param_groups[0]["lr"],
                    f"{self.role}_sigma_mean": torch.cat(sigmas).mean().item(),
@@ -260,15 +261,20 @@ class Trainer:
         x, cond = self.real.batch(index)
         return x.to(self.device), noise.to(self.device), {k: v.to(self.device) for k, v in cond.items()}
 
-    def _disc_step(self) -> float:
-        """The GAN head's own step; replicated on every rank, so its gradient is all-reduced."""
+    def _disc_step(self, critic_stepped: bool) -> float:
+        """The GAN head's own step; replicated on every rank, so its gradient is all-reduced.
+        Skipped with a skipped critic step (the ranks voted on that one) and on a non-finite
+        gradient norm (the same on every rank once all-reduced)."""
         params = [p for p in self.disc.parameters() if p.grad is not None]
-        if self.world_size > 1:
-            for p in params:
-                dist.all_reduce(p.grad)
-                p.grad /= self.world_size
-        norm = torch.nn.utils.clip_grad_norm_(params, self.args.clip_grad or float("inf")).item()
-        self.disc_optimizer.step()
+        norm = float("nan")
+        if critic_stepped:
+            if self.world_size > 1:
+                for p in params:
+                    dist.all_reduce(p.grad)
+                    p.grad /= self.world_size
+            norm = torch.nn.utils.clip_grad_norm_(params, self.args.clip_grad or float("inf")).item()
+            if is_finite(norm):
+                self.disc_optimizer.step()
         self.disc_optimizer.zero_grad(set_to_none=True)
         return norm
 
@@ -288,13 +294,14 @@ class Trainer:
             loss.backward()
             total += loss.item()
             drift = max(drift, (x0.detach() - pairs["x0"][mb]).abs().max().item())
-        grad_norm = self._optimizer_step(is_finite(total))
+        grad_norm, _ = self._optimizer_step(is_finite(total))
         return {}, {"dmd2_loss": total, "actor_grad_norm": grad_norm, "actor_lr": self.optimizer.param_groups[0]["lr"],
                     "graded_x0_drift": drift, "actor_dmd2_grad_nonfinite": nonfinite_rows(pairs["dmd2_grad"])}
 
-    def _optimizer_step(self, loss_finite: bool = True) -> float:
+    def _optimizer_step(self, loss_finite: bool = True) -> tuple[float, bool]:
         """Gradients are already averaged over the group's ranks (FSDP reduce-scatters them in
-        fp32 during backward); clip on the global norm, step the fp32 master weights, EMA."""
+        fp32 during backward); clip on the global norm, step the fp32 master weights, EMA.
+        Returns (the gradient norm, whether the step was taken: every rank agrees)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.args.clip_grad if self.args.clip_grad > 0 else float("inf")
         grad_norm = parallel.clip_grad_norm(params, max_norm)  # the global norm: every rank agrees
@@ -308,7 +315,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         self.nonfinite.record(finite, self.iteration, f"loss finite: {loss_finite}, grad norm {grad_norm}")
         if not finite:
-            return grad_norm
+            return grad_norm, False
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
@@ -316,7 +323,7 @@ class Trainer:
                 for e, p in zip(self.ema, self.model.parameters()):
                     parallel.local(e).lerp_(parallel.local(p), 1.0 - self.args.ema_decay)
         self.step += 1
-        return grad_norm
+        return grad_norm, True
 
     @contextlib.contextmanager
     def _ema_weights(self):

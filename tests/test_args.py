@@ -104,3 +104,30 @@ def test_cli_check_prints_each_trainers_args_and_fails_cleanly(tmp_path):
     assert "Traceback" not in bad.stderr
     helptext = _cli("check", "--help").stdout
     assert "dmd2 flags" in helptext and "--dmd2-critic-scoring" in helptext and "train flags" in helptext
+
+
+def test_settings_that_would_do_nothing_are_refused_before_any_actor(tiny_teacher, tmp_path, capsys):
+    """A fine-tune from a checkpoint at iteration 4000 with num_iterations 200 (nothing to train),
+    steps per rollout on the dmd2 actor (it takes one) and label_dropout (nothing trains with it):
+    each is refused in one line naming the key, exit 2, before anything is written."""
+    from dmd2_core import checkpoint, cli
+    from dmd2_core.models import load_checkpoint
+
+    load = str(tmp_path / "pretrained")
+    model = load_checkpoint(tiny_teacher).model
+    for role in ("actor", "critic"):
+        checkpoint.save_trainer(load, role, 4000, model, None).result()
+    checkpoint.write_tracker(load, 4000)
+    save = tmp_path / "run"
+    recipe = tmp_path / "dropout.yaml"
+    recipe.write_text("label_dropout: 0.2\n")
+    base = ["check", "--deep", "--hf-checkpoint", tiny_teacher, "--prompts", "digits", "--save", str(save), "--load", load]
+    for argv, key in ((["--recipe", "tiny", "--num-iterations", "200"], "num_iterations: 200 does not go beyond iteration 4000"),
+                      (["--recipe", "tiny", "--num-iterations", "4200", "--num-steps-per-rollout", "3"], "'num_steps_per_rollout'"),
+                      (["--recipe", str(recipe), "--num-iterations", "4200"], "unknown key 'label_dropout'")):
+        assert cli.main(base + argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and key in err, err
+    assert not save.exists()
+    assert cli.main(base + ["--recipe", "tiny", "--num-iterations", "4200"]) == 0
+    assert "--label-dropout" not in cli.build_parser().format_help()

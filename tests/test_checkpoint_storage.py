@@ -401,3 +401,92 @@ def test_unreadable_marker_and_mismatched_model(tmp_path):
     ckpt.write_tracker(root, 1)
     with pytest.raises(CheckpointLoadError, match=re.escape(f"{d}/complete.json: unreadable")):
         ckpt.validate_resume(root, ["student"])
+
+
+# ---- saving again, and a failure on one rank of a group -----------------------------------------
+
+def test_saving_the_tracked_iteration_again_never_destroys_it(tmp_path, monkeypatch):
+    """A retried checkpoint task, or a finished run rerun, saves the tracked iteration again: a
+    crash while doing so must leave the tracked checkpoint whole (the save keeps it: replay is
+    bitwise)."""
+    root = str(tmp_path)
+    model, opt = _fresh()
+    _step(model, opt, seed=4)
+    d = _save(root, "student", 3, model, opt, extra={"iteration": 3})
+    ckpt.write_tracker(root, 3)
+    before = {p: p.read_bytes() for p in Path(root).rglob("*") if p.is_file()}
+
+    def crash(*args, **kwargs):
+        raise OSError("simulated crash while saving")
+
+    for name in ("write_bytes", "write_text", "remove"):
+        monkeypatch.setattr(storage, name, crash)
+    assert ckpt.save_trainer(root, "student", 3, model, opt, extra={"iteration": 3}).result()["url"] == d
+    monkeypatch.undo()
+    assert {p: p.read_bytes() for p in Path(root).rglob("*") if p.is_file()} == before
+    assert ckpt.validate_resume(root, ["student"]) == 3
+    again, again_opt = _model(9), _optimizer(_model(9))
+    again_opt = _optimizer(again)
+    assert ckpt.load_trainer(root, "student", 3, again, again_opt) == {"iteration": 3}
+    _assert_same_state(model.state_dict(), again.state_dict())
+    _assert_same_optimizer(opt, again_opt)
+
+
+def _rank_main(rank: int, store: str, scenario: str, root: str, outcome: Path) -> None:
+    """One rank of a 2-rank gloo group (a forked process) running ``scenario``; reports its outcome."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    model, opt = _fresh()
+    try:
+        if scenario == "save" and rank == 0:  # rank 0 cannot write its part before the barrier
+            storage.write_bytes = lambda url, data: (_ for _ in ()).throw(OSError("disk gone on rank 0"))
+        if scenario == "load" and rank == 1:  # rank 1 cannot read the files it hashes
+            storage.sha256 = lambda url: (_ for _ in ()).throw(storage.StorageUnavailableError(f"{url}: down"))
+        if scenario == "save":
+            ckpt.save_trainer(root, "student", 2, model, opt, process_group=dist.group.WORLD).result()
+        else:
+            ckpt.load_trainer(root, "student", 1, model, opt, process_group=dist.group.WORLD)
+        outcome.write_text("ok")
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        outcome.write_text(ckpt.one_line(exc))
+    other = outcome.with_name(f"rank{1 - rank}.txt")
+    for _ in range(600):  # alive, as a trainer actor stays after its call failed
+        if other.exists():
+            break
+        time.sleep(0.1)
+    os._exit(0)  # no process-group teardown: the other rank may have left already
+
+
+@pytest.mark.parametrize("scenario", ["save", "load"])
+def test_a_failure_on_one_rank_reaches_every_rank_of_the_group(tmp_path, scenario):
+    """Rank 0 fails before the save's first collective, or rank 1 while hashing at load: both
+    ranks raise at once (none waits for the group's timeout), the other one naming the failure."""
+    import multiprocessing
+    import time
+
+    root = str(tmp_path / "run")
+    _saved(root)
+    files = [tmp_path / f"rank{r}.txt" for r in (0, 1)]
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_rank_main, args=(r, str(tmp_path / "store"), scenario, root, files[r])) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 30
+    try:
+        while not all(f.exists() for f in files) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+    outcomes = {r: f.read_text() for r, f in enumerate(files) if f.exists()}
+    assert len(outcomes) == 2, f"a rank hung in a collective: {outcomes}"
+    failing, other = (0, 1) if scenario == "save" else (1, 0)
+    assert outcomes[failing].startswith("OSError: disk gone" if scenario == "save" else "StorageUnavailableError")
+    assert outcomes[other].startswith("CheckpointError") and f"rank {failing}" in outcomes[other], outcomes[other]

@@ -161,6 +161,34 @@ def test_lease_one_owner_at_a_time(root):
     assert lease.read(root)["owner"] == "run-e"  # the new owner's lease is left alone
 
 
+def test_a_lease_that_cannot_renew_stops_writing_once_another_run_may_take_it(tmp_path, monkeypatch):
+    """Storage retries outlast the lease timeout: a run whose heartbeats fail for longer than the
+    timeout must refuse to write (another run may have taken the URL over meanwhile), in one line,
+    and write again once a renewal succeeds while it still holds the lease."""
+    import time
+
+    from dmd2_core import lease
+
+    root = str(tmp_path)
+    held = lease.Lease.acquire(root, "run-a", timeout_s=1.0)
+    renew = held.backend.renew
+
+    def outage(owner):
+        raise OSError("storage unreachable")
+
+    monkeypatch.setattr(held.backend, "renew", outage)
+    held.ensure()
+    time.sleep(1.3)
+    assert lease.stale_reason(lease.read(root), 1.0) is not None  # another run would take it over now
+    with pytest.raises(lease.LeaseLostError, match=r"last renewed \d+ s ago \(timeout 1 s\)") as info:
+        held.ensure()
+    assert "\n" not in str(info.value)
+    monkeypatch.setattr(held.backend, "renew", renew)  # storage is back, nobody took the lease
+    time.sleep(0.8)
+    held.ensure()
+    held.release()
+
+
 def test_second_run_on_one_url_refuses_before_any_actor(ray_session, tiny_teacher, tmp_path, capsys):
     save = str(tmp_path / "run")
     args = tiny_args(tiny_teacher, save, run_name="dmd2-lease-a", num_iterations=1)

@@ -168,6 +168,33 @@ def test_sleep_save_and_resume_with_the_head_are_bitwise(tiny_teacher, tmp_path)
     assert {r: t.state_digest() for r, t in resumed.items()} == {r: t.state_digest() for r, t in trainers.items()}
 
 
+def test_a_nonfinite_critic_step_leaves_the_head_alone_and_a_nonfinite_head_is_never_saved(tiny_teacher, tmp_path):
+    """NaN in the samples the critic trains on: the critic's steps are skipped, and so are the
+    head's (weights and AdamW moments untouched). A head that holds NaN is refused at save."""
+    from dmd2_core.finite import NonFiniteError
+
+    roles = preflight(tiny_args(tiny_teacher, str(tmp_path), **GAN))
+    actor, critic = Trainer(roles["actor"], "actor"), Trainer(roles["critic"], "critic")
+    pairs, _ = actor.rollout(1)
+    critic.train(1, pairs)  # a normal step: the head has moved and has AdamW state
+    head = {k: v.clone() for k, v in critic.disc.state_dict().items()}
+    moments = {i: {k: v.clone() for k, v in st.items()} for i, st in critic.disc_optimizer.state_dict()["state"].items()}
+    assert moments
+    bad = {**pairs, "x0": pairs["x0"].clone()}
+    bad["x0"][0].view(-1)[0] = float("nan")
+    metrics = critic.train(2, bad)[1]
+    assert metrics["critic_nonfinite_steps"] == roles["critic"].num_steps_per_rollout
+    assert all(torch.equal(v, head[k]) for k, v in critic.disc.state_dict().items())
+    after = critic.disc_optimizer.state_dict()["state"]
+    assert all(torch.equal(v, moments[i][k]) for i, st in after.items() for k, v in st.items())
+
+    with torch.no_grad():
+        critic.disc.fc2.weight.view(-1)[0] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"critic: not saving iteration 2: 'extra\.disc\.fc2\.weight' holds 1 non-finite"):
+        critic.save(2)
+    assert not (tmp_path / "trainers").exists()
+
+
 def _real_file(path, n=6, shape=(1, 8, 8), tokens=4, dim=32, pooled=True):
     tensors = {"latents": torch.randn(n, *shape), "prompt_embeds": torch.randn(n, tokens, dim),
                "negative_prompt_embeds": torch.randn(1, tokens, dim)}

@@ -275,3 +275,19 @@ def test_a_phase_failing_after_others_started_ahead_breaks_the_run():
     with pytest.raises(RuntimeError, match="critic.train died"):
         run.critic_train_and_score(1)
     assert run.broken and run.started == {} and run.done == (1, 1)
+
+
+def test_metrics_merged_over_ranks_keep_their_meaning():
+    """Two ranks' metrics as a group reports them: bad rows add up, times and maxima are the
+    slowest / largest rank's, minima the smallest's, losses the mean."""
+    from dmd2_core.distill import _merge
+
+    ranks = [{"dmd2_grad_nonfinite": 1, "actor_dmd2_grad_nonfinite": 0, "critic_nonfinite_steps": 1,
+              "graded_x0_drift": 0.5, "critic_train_s": 2.0, "critic_sigma_max": 0.9, "critic_sigma_min": 0.2,
+              "dmd2_loss": 1.0, "stop_step": 2},
+             {"dmd2_grad_nonfinite": 2, "actor_dmd2_grad_nonfinite": 3, "critic_nonfinite_steps": 1,
+              "graded_x0_drift": 0.1, "critic_train_s": 5.0, "critic_sigma_max": 0.7, "critic_sigma_min": 0.1,
+              "dmd2_loss": 3.0, "stop_step": 2}]
+    assert _merge(ranks) == {"dmd2_grad_nonfinite": 3, "actor_dmd2_grad_nonfinite": 3, "critic_nonfinite_steps": 1,
+                             "graded_x0_drift": 0.5, "critic_train_s": 5.0, "critic_sigma_max": 0.9,
+                             "critic_sigma_min": 0.1, "dmd2_loss": 2.0, "stop_step": 2}
