@@ -34,6 +34,11 @@ def prepare_prompts(
     import diffusers
 
     info = describe_checkpoint(hf_checkpoint)
+    if FAMILIES[info["family"]].has_audio:  # MiniMax-H3: its modular pipeline's Qwen3-VL conditioner
+        prompt_set = encode_conditioner_prompts(hf_checkpoint, prompts)
+        if out:
+            prompt_set.save(out)
+        return prompt_set
     index = json.loads(storage.read_text(storage.join(hf_checkpoint, "model_index.json")))
     if "text_encoder" not in index:
         raise ArgsError(f"{hf_checkpoint}: the checkpoint has no text_encoder to encode prompts with")
@@ -48,3 +53,21 @@ def prepare_prompts(
     if out:
         prompt_set.save(out)
     return prompt_set
+
+
+def encode_conditioner_prompts(hf_checkpoint: str, prompts: list[str]) -> PromptSet:
+    """MiniMax-H3's conditions: each prompt's Qwen3-VL ``hidden_states[50]`` as diffusers' t2va text
+    step computes it (no chat template, no special tokens), zero-padded to the longest into
+    ``prompt_embeds`` [N, T, 5120] with the true ``prompt_lengths`` [N] (one forward holds one text
+    length: the trainer groups by it); no negative entry (the checkpoint is guidance-distilled)."""
+    from dmd2_core.models.h3_repository import encode_prompts_h3
+
+    try:
+        embeds = encode_prompts_h3(hf_checkpoint, prompts)
+    except ValueError as exc:
+        raise ArgsError(f"hf_checkpoint: {storage._one_line(exc)}") from None
+    lengths = torch.tensor([e.shape[0] for e in embeds])
+    packed = torch.zeros(len(embeds), int(lengths.max()), embeds[0].shape[-1])
+    for i, e in enumerate(embeds):
+        packed[i, :e.shape[0]] = e
+    return PromptSet(list(prompts), {"prompt_embeds": packed, "prompt_lengths": lengths}, {})

@@ -240,3 +240,45 @@ def test_export_loads_in_diffusers_modular_pipeline_and_reproduces_eval_samples(
                           num_frames=124, height=32, width=32, seed=7 + j)
         joined = family.join(theirs["latents"][None], theirs["audio_latents"][None])
         torch.testing.assert_close(joined, ours[j:j + 1], atol=2e-4, rtol=2e-4)
+
+
+def test_two_sharded_ranks_equal_one_rank_on_the_stand_in(ray_session, h3, tmp_path):
+    """FSDP2 over 2 ranks (the fp32 modules as their own units, the root leaving its inputs' dtypes
+    alone) trains the H3 stand-in to the weights 1 rank gets, student and fake score."""
+    import secrets
+
+    from dmd2_core.distill import DistillRun
+
+    weights = {}
+    for n in (1, 2):
+        args = load_args("minimax-h3", dict(CPU, hf_checkpoint=h3["url"], prompts=h3["prompts"], num_devices=n,
+                                            save=str(tmp_path / str(n)), run_name=f"h3-{n}-{secrets.token_hex(3)}",
+                                            eval_interval=0, save_interval=0, lr=1e-4, critic_lr=1e-4))
+        with DistillRun(args) as run:
+            for i in (1, 2):
+                run.iterate(i)
+            weights[n] = {role: run.group_call(role, "weights")[0] for role in run.groups}
+    for role in ("actor", "critic"):
+        one, two = weights[1][role], weights[2][role]
+        diff = max((one[k] - two[k]).abs().max().item() for k in one)
+        assert diff < 2e-6, (role, diff)
+    fresh = load_checkpoint(h3["url"]).model.state_dict()
+    assert max((fresh[k] - weights[1]["actor"][k]).abs().max().item() for k in fresh) > 1e-5
+
+
+def test_prepare_prompts_encodes_with_the_qwen3_vl_conditioner(tmp_path):
+    """prepare-prompts on a MiniMax-H3 repository: layer 50 of its conditioner per prompt, padded
+    to the longest with the true lengths, and the same embeddings diffusers' own text step gives."""
+    from dmd2_core.data import load_prompt_set
+    from dmd2_core.models.h3_repository import run_t2va_with_prompt
+    from dmd2_core.prompts import prepare_prompts
+
+    url = build_h3_standin(str(tmp_path / "h3"), with_conditioner=True)
+    out = str(tmp_path / "prompts.safetensors")
+    prepare_prompts(url, ["a red cat", "a dog moving left"], out)
+    got = load_prompt_set(out)
+    assert got.embeds["prompt_lengths"].tolist() == [3, 4] and got.negative == {}
+    assert got.embeds["prompt_embeds"].shape == (2, 4, 32)
+    assert (got.embeds["prompt_embeds"][0, 3:] == 0).all()
+    theirs = run_t2va_with_prompt(url, "a dog moving left", 2, 124, 32, 32, seed=0)["prompt_embeds"]
+    torch.testing.assert_close(got.embeds["prompt_embeds"][1:2], theirs.float())
