@@ -316,22 +316,18 @@ class Trainer:
     @contextlib.contextmanager
     def _ema_weights(self):
         """The model's parameters hold the EMA inside the block (this rank's shards, exactly
-        restored after); without an EMA, the model as it is."""
+        restored after); without an EMA, the model as it is. Parameters and EMA are swapped
+        tensor by tensor, so the eval holds one tensor's copy at a time, not a second model."""
         if self.ema is None:
             yield
             return
         self._reshard()
-        params = [parallel.local(p) for p in self.model.parameters()]
-        saved = [p.detach().clone() for p in params]
-        with torch.no_grad():
-            for p, e in zip(params, self.ema):
-                p.copy_(parallel.local(e))
+        pairs = [(parallel.local(p), parallel.local(e)) for p, e in zip(self.model.parameters(), self.ema)]
+        _swap(pairs)
         try:
             yield
         finally:
-            with torch.no_grad():
-                for p, v in zip(params, saved):
-                    p.copy_(v)
+            _swap(pairs)
 
     # ---- eval ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -346,16 +342,16 @@ class Trainer:
                                    (len(prompt_index), *self.shape), seed, self.args.dmd2_student_steps,
                                    self.shift, self.device)
         self._reshard()
-        if was_asleep:
-            self.sleep()
-        if self.rank != 0:
-            return None
-        if decode:
+        if self.rank == 0 and decode:
             vae_url = describe_checkpoint(self.args.hf_checkpoint)["vae_url"]
             if self.vae is None and vae_url:
-                self.vae = self.family.load_vae(vae_url, self.dtype).to(self.device)
+                self.vae = self.family.load_vae(vae_url, self.dtype)
+            if self.vae is not None:
+                self.vae.to(self.device)
             x0 = self.family.decode(self.vae, x0)
-        return x0.cpu()
+        if was_asleep:
+            self.sleep()
+        return x0.cpu() if self.rank == 0 else None
 
     # ---- sleep / wake -------------------------------------------------------------------------
     def _reshard(self) -> None:
@@ -423,6 +419,8 @@ class Trainer:
             storage.resize_(0)
             resized.append((storage, host))
         self._stash = (swapped, resized)
+        if self.vae is not None:  # the eval decoder (rank 0) goes to the host too; sample() brings it back
+            self.vae.to("cpu")
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -588,6 +586,15 @@ def _slot(holder, key, value: Optional[torch.Tensor] = None) -> torch.Tensor:
     else:
         holder[key] = value
     return value
+
+
+def _swap(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Exchange the values of each pair of same-shaped tensors in place."""
+    with torch.no_grad():
+        for a, b in pairs:
+            held = a.clone()
+            a.copy_(b)
+            b.copy_(held)
 
 
 def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
