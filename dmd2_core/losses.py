@@ -6,11 +6,6 @@ import torch
 import torch.nn.functional as F
 
 
-def cfg_combine(pred_uncond: torch.Tensor, pred_cond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
-    """Standard classifier-free guidance: u + w (c - u)."""
-    return pred_uncond + guidance_scale * (pred_cond - pred_uncond)
-
-
 def dmd2_gradient(x0: torch.Tensor, x0_real: torch.Tensor, x0_fake: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """The distribution-matching gradient g = (x0_fake - x0_real) / n with the per-sample
     normaliser n = mean over non-batch dims of |x0 - x0_real|. NaN/inf are NOT zeroed: zeroing

@@ -496,17 +496,16 @@ class Trainer:
             extra={"step": self.step, "iteration": iteration, **self.nonfinite.state(), **self._disc_state()},
             process_group=self.checkpoint_pg, asynchronous=self.args.async_save,
         )
-        dtype = getattr(torch, self.args.export_dtype or self.args.dtype)
-        gathered = exporting.gather_student(self.model, dtype, ema=self.ema, writer=self.rank == 0) if export else None
+        self._pending, self._pending_export = pending, None
+        if export:
+            run_write = functools.partial(_in_background, name=f"dmd2-export-{iteration}") if self.args.async_save else _done
+            self._pending_export = exporting.export_student(
+                exporting.export_url(self.args.save, iteration), self.model, teacher_url=self.args.hf_checkpoint,
+                shift=self.shift, num_steps=self.args.dmd2_student_steps,
+                export_dtype=getattr(torch, self.args.export_dtype or self.args.dtype), ema=self.ema,
+                writer=self.rank == 0, iteration=iteration, run_write=run_write)
         if was_asleep:
             self.sleep()
-        self._pending, self._pending_export = pending, None
-        if gathered is not None:
-            write = functools.partial(
-                exporting.write_export, exporting.export_url(self.args.save, iteration), self.model, gathered,
-                teacher_url=self.args.hf_checkpoint, shift=self.shift, num_steps=self.args.dmd2_student_steps,
-                export_dtype=dtype, iteration=iteration, started=time.perf_counter())
-            self._pending_export = _in_background(write, f"dmd2-export-{iteration}") if self.args.async_save else _done(write)
         out = {"url": pending.url, "iteration": iteration, "blocked_s": time.perf_counter() - start}
         if pending.done() and (self._pending_export is None or self._pending_export.done()):
             out.update(self.save_status(wait=True))
