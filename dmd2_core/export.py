@@ -34,6 +34,7 @@ samples (``dmd2.eval_samples``), checked in tests/test_export.py on the Wan stan
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -128,7 +129,8 @@ def export_student(
     writer: bool = True,
     verify: bool = True,
     iteration: Optional[int] = None,
-) -> Optional[dict]:
+    run_write=None,
+):
     """Export the student ``model`` (possibly FSDP2-sharded; ``ema``: its EMA tensors in
     parameter order, sharded like it) to ``url`` as a diffusers directory (layout in the module
     docstring). A collective: every rank of the trainer group calls it; the whole weights are
@@ -143,14 +145,19 @@ def export_student(
 
     Returns {"url", "bytes" (all files), "export_s" (gather + write), "verify_s", "pipeline"
     (True when the teacher is a pipeline-style checkpoint whose other components were copied)}.
+    ``run_write``: how the writer's half (no collective) runs, given it as a function of no
+    arguments; its return value is returned instead (the trainer runs it in a background thread
+    and gets a future).
     """
     started = time.perf_counter()
     student_scheduler_config(shift, num_steps)  # fails alike on every rank, before the gather
     gathered = gather_student(model, export_dtype, ema=ema, writer=writer)
     if gathered is None:
         return None
-    return write_export(url, model, gathered, teacher_url=teacher_url, shift=shift, num_steps=num_steps,
-                        export_dtype=export_dtype, verify=verify, iteration=iteration, started=started)
+    write = functools.partial(write_export, url, model, gathered, teacher_url=teacher_url, shift=shift,
+                              num_steps=num_steps, export_dtype=export_dtype, verify=verify, iteration=iteration,
+                              started=started)
+    return write() if run_write is None else run_write(write)
 
 
 def gather_student(model: torch.nn.Module, export_dtype: torch.dtype, ema=None,

@@ -8,11 +8,6 @@ import torch
 import torch.nn.functional as F
 
 
-def cfg_combine(pred_uncond: torch.Tensor, pred_cond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
-    """Standard classifier-free guidance: u + w (c - u)."""
-    return pred_uncond + guidance_scale * (pred_cond - pred_uncond)
-
-
 def dmd2_gradient(x0: torch.Tensor, x0_real: torch.Tensor, x0_fake: torch.Tensor,
                   segments: Optional[dict[str, slice]] = None, weights: Optional[dict[str, float]] = None,
                   eps: float = 1e-6) -> torch.Tensor:

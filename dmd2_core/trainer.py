@@ -328,22 +328,18 @@ class Trainer:
     @contextlib.contextmanager
     def _ema_weights(self):
         """The model's parameters hold the EMA inside the block (this rank's shards, exactly
-        restored after); without an EMA, the model as it is."""
+        restored after); without an EMA, the model as it is. Parameters and EMA are swapped
+        tensor by tensor, so the eval holds one tensor's copy at a time, not a second model."""
         if self.ema is None:
             yield
             return
         self._reshard()
-        params = [parallel.local(p) for p in self.model.parameters()]
-        saved = [p.detach().clone() for p in params]
-        with torch.no_grad():
-            for p, e in zip(params, self.ema):
-                p.copy_(parallel.local(e))
+        pairs = [(parallel.local(p), parallel.local(e)) for p, e in zip(self.model.parameters(), self.ema)]
+        _swap(pairs)
         try:
             yield
         finally:
-            with torch.no_grad():
-                for p, v in zip(params, saved):
-                    p.copy_(v)
+            _swap(pairs)
 
     # ---- eval ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -358,15 +354,17 @@ class Trainer:
                                    (len(prompt_index), *self.shape), seed, self.args.dmd2_student_steps,
                                    self.shift, self.device)
         self._reshard()
+        if self.rank == 0 and decode:
+            vae_url = describe_checkpoint(self.args.hf_checkpoint)["vae_url"]
+            if self.vae is None and vae_url:
+                self.vae = self.family.load_vae(vae_url, self.dtype)
+            if self.vae is not None:
+                self.vae.to(self.device)
+            x0 = self.family.decode(self.vae, x0)
         if was_asleep:
             self.sleep()
         if self.rank != 0:
             return None
-        if decode:
-            vae_url = describe_checkpoint(self.args.hf_checkpoint)["vae_url"]
-            if self.vae is None and vae_url:
-                self.vae = self.family.load_vae(vae_url, self.dtype).to(self.device)
-            x0 = self.family.decode(self.vae, x0)
         if isinstance(x0, dict):  # a joint model: {'video', 'audio', 'sample_rate'}
             return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in x0.items()}
         return x0.cpu()
@@ -437,6 +435,8 @@ class Trainer:
             storage.resize_(0)
             resized.append((storage, host))
         self._stash = (swapped, resized)
+        if self.vae is not None:  # the eval decoder (rank 0) goes to the host too; sample() brings it back
+            self.vae.to("cpu")
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -512,17 +512,16 @@ class Trainer:
             extra={"step": self.step, "iteration": iteration, **self.nonfinite.state(), **self._disc_state()},
             process_group=self.checkpoint_pg, asynchronous=self.args.async_save,
         )
-        dtype = getattr(torch, self.args.export_dtype or self.args.dtype)
-        gathered = exporting.gather_student(self.model, dtype, ema=self.ema, writer=self.rank == 0) if export else None
+        self._pending, self._pending_export = pending, None
+        if export:
+            run_write = functools.partial(_in_background, name=f"dmd2-export-{iteration}") if self.args.async_save else _done
+            self._pending_export = exporting.export_student(
+                exporting.export_url(self.args.save, iteration), self.model, teacher_url=self.args.hf_checkpoint,
+                shift=self.shift, num_steps=self.args.dmd2_student_steps,
+                export_dtype=getattr(torch, self.args.export_dtype or self.args.dtype), ema=self.ema,
+                writer=self.rank == 0, iteration=iteration, run_write=run_write)
         if was_asleep:
             self.sleep()
-        self._pending, self._pending_export = pending, None
-        if gathered is not None:
-            write = functools.partial(
-                exporting.write_export, exporting.export_url(self.args.save, iteration), self.model, gathered,
-                teacher_url=self.args.hf_checkpoint, shift=self.shift, num_steps=self.args.dmd2_student_steps,
-                export_dtype=dtype, iteration=iteration, started=time.perf_counter())
-            self._pending_export = _in_background(write, f"dmd2-export-{iteration}") if self.args.async_save else _done(write)
         out = {"url": pending.url, "iteration": iteration, "blocked_s": time.perf_counter() - start}
         if pending.done() and (self._pending_export is None or self._pending_export.done()):
             out.update(self.save_status(wait=True))
@@ -602,6 +601,15 @@ def _slot(holder, key, value: Optional[torch.Tensor] = None) -> torch.Tensor:
     else:
         holder[key] = value
     return value
+
+
+def _swap(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Exchange the values of each pair of same-shaped tensors in place."""
+    with torch.no_grad():
+        for a, b in pairs:
+            held = a.clone()
+            a.copy_(b)
+            b.copy_(held)
 
 
 def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:

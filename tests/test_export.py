@@ -265,3 +265,23 @@ def test_export_to_s3_from_an_s3_teacher_reloads(wan_teacher, s3_bucket, tmp_pat
         assert (local / "text_encoder" / "model.safetensors").read_bytes() == \
             (Path(wan_teacher) / "text_encoder" / "model.safetensors").read_bytes()
     assert prune_exports(exports_root(f"{s3_bucket}/run"), keep=1) == []
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_trainer_save_exports_its_ema_student(tiny_teacher, tmp_path, async_save):
+    """What a run ships: Trainer.save(export=True) writes, through export_student, a pipeline whose
+    transformer holds the EMA weights (and transformer_online the trained ones)."""
+    from dmd2_core.distill import preflight
+    from dmd2_core.trainer import Trainer
+    from tests.conftest import tiny_args
+
+    args = tiny_args(tiny_teacher, str(tmp_path), loss_type="flow_matching", ema_decay=0.5, async_save=async_save)
+    actor = Trainer(preflight(args)["actor"], "actor")
+    actor.train(1, actor.rollout(1)[0])
+    actor.save(1, export=True)
+    url = actor.save_status(wait=True)["export_url"]
+    names = [n for n, _ in actor.model.named_parameters()]
+    exported = load_checkpoint(url).model.state_dict()
+    assert all(torch.equal(exported[n], e) for n, e in zip(names, actor.ema))
+    assert not all(torch.equal(exported[n], p) for n, p in actor.model.named_parameters())
+    assert (Path(url) / "export.json").is_file() and (Path(url) / "transformer_online").is_dir()

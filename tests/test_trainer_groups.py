@@ -291,3 +291,48 @@ def test_metrics_merged_over_ranks_keep_their_meaning():
     assert _merge(ranks) == {"dmd2_grad_nonfinite": 3, "actor_dmd2_grad_nonfinite": 3, "critic_nonfinite_steps": 1,
                              "graded_x0_drift": 0.5, "critic_train_s": 5.0, "critic_sigma_max": 0.9,
                              "critic_sigma_min": 0.1, "dmd2_loss": 2.0, "stop_step": 2}
+
+
+def test_eval_holds_no_second_copy_of_the_model_and_its_decoder_sleeps(tiny_teacher, tmp_path, monkeypatch):
+    """Sampling with the EMA swaps it in tensor by tensor (never a whole second copy of the
+    model on the device) and restores the trained weights bit for bit; the eval decoder goes to
+    the host when the trainer sleeps, and back there after an eval that woke it."""
+    import weakref
+
+    args = tiny_args(tiny_teacher, str(tmp_path), loss_type="flow_matching", ema_decay=0.5)
+    actor = Trainer(preflight(args)["actor"], "actor")
+    pairs, _ = actor.rollout(1)
+    actor.train(1, pairs)
+    digest = actor.state_digest()
+    params = [p.detach() for p in actor.model.parameters()]
+    assert any(not torch.equal(p, e) for p, e in zip(params, actor.ema))  # the EMA differs: the swap has teeth
+
+    clones, peak = [], [0]
+    clone = torch.Tensor.clone
+
+    def tracked_clone(self, *a, **kw):
+        out = clone(self, *a, **kw)
+        clones.append(weakref.ref(out))
+        peak[0] = max(peak[0], sum(t.untyped_storage().nbytes() for t in (r() for r in clones) if t is not None))
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "clone", tracked_clone)
+    first = actor.sample([0, 1, 2], seed=5)
+    monkeypatch.setattr(torch.Tensor, "clone", clone)
+    model_bytes = sum(p.untyped_storage().nbytes() for p in params)
+    assert peak[0] < model_bytes / 4, (peak[0], model_bytes)  # a tensor at a time (and the sampler's own)
+    assert actor.state_digest() == digest
+
+    class Decoder(torch.nn.Module):
+        moves: list = []
+
+        def to(self, device, *a, **kw):
+            self.moves.append(torch.device(device).type)
+            return self
+
+    actor.vae = Decoder()
+    monkeypatch.setattr(actor.family, "decode", lambda vae, latents: latents.float().clamp(-1, 1))
+    actor.sleep()
+    assert Decoder.moves == ["cpu"]
+    assert torch.equal(actor.sample([0, 1, 2], seed=5), first)
+    assert Decoder.moves == ["cpu", actor.device.type, "cpu"] and actor.asleep
