@@ -222,11 +222,14 @@ class MiniMaxH3Family(ModelFamily):
         u = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1).expand(n).tolist()
         lengths = cond["prompt_lengths"].reshape(-1).long().tolist()
         text = cond["prompt_embeds"].to(x_t.device)
-        groups: dict[tuple[float, int], list[int]] = {}
+        groups: dict[tuple, list[int]] = {}
+        # a sharded model's forward is a collective: every rank must run as many as the others,
+        # so across ranks each item runs alone (micro-batches are equal on every rank)
+        sharded = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         for i, key in enumerate(zip(u, lengths)):
-            groups.setdefault(key, []).append(i)
+            groups.setdefault((i, *key) if sharded else key, []).append(i)
         order, parts = [], []
-        for (u_i, length), rows in groups.items():
+        for (*_, u_i, length), rows in groups.items():
             index = torch.tensor(rows, device=x_t.device)
             parts.append(self._forward_group(model, x_t.index_select(0, index), u_i,
                                              text.index_select(0, index)[:, :length]))
