@@ -267,18 +267,18 @@ def save_trainer(
     state = _sharded_state(model, optimizer, ema)
     _check_finite_local(role, iteration, {**state, **dict(_nested_tensors(extra, "extra"))}, process_group)
     d = trainer_dir(save_url, role, iteration)
-    tracked = _all_or_none(lambda: _tracked_and_complete(save_url, role, iteration) if rank == 0 else None,
-                           f"save {d}", process_group, gather=True)[0]
-    if tracked is not None:
-        kept: concurrent.futures.Future = concurrent.futures.Future()
-        kept.set_result({"url": d, "iteration": int(iteration), "save_s": time.perf_counter() - start,
-                         "bytes": _rank_bytes(tracked, rank), "kept": True})
-        return PendingSave(d, iteration, kept, time.perf_counter() - start)
     meta = _torch_bytes({"format": FORMAT, "param_groups": _param_groups(model, optimizer), "extra": extra})
     digests: dict[str, str] = {}
     marker_info = {"has_ema": ema is not None}
 
     def write(staged: dict) -> dict:
+        # read here, not before staging: an asynchronous save never waits on storage in the caller
+        tracked = _all_or_none(lambda: _tracked_and_complete(save_url, role, iteration) if rank == 0 else None,
+                               f"save {d}", process_group, gather=True)[0]
+        if tracked is not None:
+            return {"url": d, "iteration": int(iteration), "save_s": time.perf_counter() - start,
+                    "bytes": _rank_bytes(tracked, rank), "kept": True}
+
         def replace_directory():
             if rank == 0:
                 storage.remove(storage.join(d, COMPLETE_NAME))

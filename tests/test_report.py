@@ -119,7 +119,7 @@ def test_summary_markdown_reads_top_down():
     assert "[![iteration 200](data:image/png;base64,AAAA)](https://x/y.png)" in text
     assert text.index("| 200 | 0.4") < text.index("| 100 | 0.3")  # newest first
     assert "| loss_type | `dmd2_critic` | `dmd2` |" in text  # the differing keys, side by side
-    assert "| dmd2_guidance_scale | 5 | 5 |" in text and "| num_devices | 8 | 8 |" in text and "| ema_decay |" in text
+    assert "| dmd2_guidance_scale | 1 | 1 |" in text and "| num_devices | 8 | 8 |" in text and "| ema_decay |" in text
     assert "`s3://r/h3/trainers/actor/iter_0000200/model`" in text
 
 
