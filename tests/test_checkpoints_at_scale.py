@@ -30,7 +30,8 @@ def test_async_save_at_2_kill_resume_to_4_equals_4_straight(ray_session, tiny_te
         run.iterate(1)
         run.iterate(2)
         out = run.checkpoint(2)
-        assert out["checkpoint_blocked_s"] >= 0
+        if "checkpoint_save_s" not in out:  # returned before the save was durable: not tracked yet
+            assert run.pending_save == 2 and ckpt.read_tracker(save) is None
         rows = [run.iterate(3), run.iterate(4)]
         deadline = time.monotonic() + 120
         while run.pending_save is not None and time.monotonic() < deadline:  # written meanwhile, or soon
@@ -69,17 +70,23 @@ def test_resume_on_another_number_of_ranks_continues_smoothly(ray_session, tiny_
         assert run.start_iteration == 2
         for role in run.groups:
             got = run.group_call(role, "weights")[0]
-            assert all(got[k].equal(whole[role][k]) for k in got)
+            assert got.keys() == whole[role].keys() and all(got[k].equal(whole[role][k]) for k in got)
         resumed = [run.iterate(i) for i in (3, 4)]
         run.checkpoint(4)
+        whole = {role: run.group_call(role, "weights")[0] for role in run.groups}
+        fifth = run.iterate(5)
     for a, b in zip(straight, resumed):
         for key in ("dmd2_loss", "critic_loss"):
             assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (key, a[key], b[key])
     back = tiny_args(tiny_teacher, str(tmp_path / "one"), num_devices=2, ema_decay=0.9, run_name="reshard-back")
     with DistillRun(back) as run:
         assert run.start_iteration == 4
+        for role in run.groups:
+            got = run.group_call(role, "weights")[0]
+            assert got.keys() == whole[role].keys() and all(got[k].equal(whole[role][k]) for k in got)
         metrics = run.iterate(5)
-        assert metrics["dmd2_loss"] > 0 and metrics["critic_loss"] > 0
+    for key in ("dmd2_loss", "critic_loss"):
+        assert abs(metrics[key] - fifth[key]) <= 1e-4 * max(1.0, abs(fifth[key])), (key, metrics[key], fifth[key])
 
 
 def test_retention_in_a_run_keeps_the_newest_and_the_tracked(ray_session, tiny_teacher, tmp_path):

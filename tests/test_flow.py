@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import hashlib
 import json
 import os
 import re
@@ -122,12 +121,23 @@ def read_task_runs(flow_run_id, settle_s: float = 1.5, timeout_s: float = 30.0) 
             runs = again
 
 
-def weights_sha(save: Path, role: str, iteration: int) -> str:
-    d = save / "trainers" / role / f"iter_{iteration:07d}" / "model" / "transformer"
-    h = hashlib.sha256()
-    for f in sorted(d.glob("*.safetensors")):
-        h.update(f.read_bytes())
-    return h.hexdigest()
+def saved_state(save: Path, role: str, iteration: int) -> dict[str, torch.Tensor]:
+    """The trained state a checkpoint holds, read back: weights, EMA (when kept) and optimizer
+    state, keyed '<section>.<name>'. Fails when it finds no weights or no optimizer state."""
+    from dmd2_core import checkpoint as ckpt
+
+    state = {f"{section}.{k}": v for section in ("model", "ema", "optim")
+             for k, v in ckpt.read_weights(str(save), role, iteration, section).items()}
+    assert any(k.startswith("model.") for k in state) and any(k.startswith("optim.") for k in state), \
+        f"{save}: no weights or optimizer state in the {role} checkpoint of iteration {iteration}"
+    return state
+
+
+def assert_same_saved_state(save: Path, reference: Path, iteration: int) -> None:
+    for role in ("actor", "critic"):
+        got, want = saved_state(save, role, iteration), saved_state(reference, role, iteration)
+        assert got.keys() == want.keys(), role
+        assert all(torch.equal(got[k], want[k]) for k in got), (role, [k for k in got if not torch.equal(got[k], want[k])][:3])
 
 
 @pytest.fixture(scope="module")
@@ -284,8 +294,7 @@ def test_actor_killed_mid_run_recovers_to_same_weights(reference, tiny_teacher, 
     summary = state.result()
     assert summary["final_iteration"] == 2
     assert digests[-1] == ref_digests
-    for role in ("actor", "critic"):
-        assert weights_sha(save, role, 2) == weights_sha(ref_save, role, 2)
+    assert_same_saved_state(save, ref_save, 2)
     assert summary["final_metrics"]["dmd2_loss"] == ref_summary["final_metrics"]["dmd2_loss"]
     retried = {t.name: t for t in read_task_runs(state.state_details.flow_run_id)}["critic-train-and-score-2"]
     assert retried.run_count == 2 and retried.state.is_completed()
@@ -498,8 +507,7 @@ def test_killed_flow_run_process_reruns_itself_to_the_same_weights(served, harne
     assert run["run_count"] == 2
     states = _api(api, f"/flow_run_states/?flow_run_id={run['id']}")
     assert [s["type"] for s in states].count("CRASHED") == 1
-    for role in ("actor", "critic"):
-        assert weights_sha(save, role, 5) == weights_sha(reference, role, 5)
+    assert_same_saved_state(save, reference, 5)
 
 
 @pytest.mark.server

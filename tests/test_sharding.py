@@ -244,7 +244,7 @@ def test_a_group_across_two_ray_nodes(tiny_teacher, tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
     procs = [head]
     script = f"""
-import json, ray
+import json, ray, torch
 from tests.conftest import tiny_args
 from dmd2_core.distill import DistillRun
 args = tiny_args({tiny_teacher!r}, {str(tmp_path / 'run')!r}, ray_address="127.0.0.1:{port}", num_devices=2,
@@ -252,6 +252,7 @@ args = tiny_args({tiny_teacher!r}, {str(tmp_path / 'run')!r}, ray_address="127.0
 with DistillRun(args) as run:
     m = run.iterate(1)
     saved = run.checkpoint(1)
+    torch.save({{role: run.group_call(role, "weights")[0] for role in run.groups}}, {str(tmp_path / 'weights.pt')!r})
     group = run.groups["actor"]
     nodes = ray.util.placement_group_table(run.pg)["bundles_to_node_id"]
     print(json.dumps({{"nodes": [nodes[b] for b in group.bundle_indices], "alive": len(ray.nodes()),
@@ -271,7 +272,13 @@ with DistillRun(args) as run:
         assert done.returncode == 0, done.stderr[-3000:]
         out = json.loads(done.stdout.strip().splitlines()[-1])
         assert out["alive"] == 2 and len(set(out["nodes"])) == 2  # one rank on each node
-        assert all(w["share"] == 0.5 for w in out["where"]) and out["dmd2_loss"] > 0
+        assert all(w["share"] == 0.5 for w in out["where"])
+        one = _in_process(tiny_args(tiny_teacher, str(tmp_path / "one")))  # the same iteration on one rank
+        _iterate(one, 1)
+        two = torch.load(tmp_path / "weights.pt", weights_only=True)
+        for role in ("actor", "critic"):
+            want = one[role].weights()
+            assert max((two[role][k] - want[k]).abs().max().item() for k in want) < 2e-6, role
         assert out["gcs"].endswith(f":{port}") and out["tracked"] == 1
         marker = json.loads((Path(ckpt.trainer_dir(str(tmp_path / "run"), "actor", 1)) / "complete.json").read_text())
         assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(marker["sha256"])
