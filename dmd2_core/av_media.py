@@ -163,11 +163,12 @@ def write_mp4(
             container.mux(sound.encode(None))
 
 
-def read_mp4(path_or_file: PathOrFile) -> dict:
+def read_mp4(path_or_file: PathOrFile, sample_rate: Optional[int] = None) -> dict:
     """Decode an MP4 (first video and first audio stream). Returns ``frames`` uint8
     ``[F, H, W, 3]``, ``audio`` float32 ``[C, S]`` whose sample 0 plays with frame 0 (``[0, 0]``
-    without an audio stream), ``fps``, ``sample_rate`` and ``audio_channels`` (0 without audio),
-    and ``duration_s`` (the container's)."""
+    without an audio stream), ``fps``, ``sample_rate`` (the stream's, or ``sample_rate`` when
+    given: the audio is resampled to it) and ``audio_channels`` (0 without audio), and
+    ``duration_s`` (the container's)."""
     if hasattr(path_or_file, "__fspath__"):
         path_or_file = str(path_or_file)
     with av.open(path_or_file, mode="r") as container:
@@ -179,8 +180,9 @@ def read_mp4(path_or_file: PathOrFile) -> dict:
         chunks: list[np.ndarray] = []
         video_start = audio_start = None
         resampler = None
+        rate_out = int(sample_rate or (sound.rate if sound is not None else 0))
         if sound is not None:
-            resampler = av.AudioResampler(format="fltp", layout=sound.layout, rate=sound.rate)
+            resampler = av.AudioResampler(format="fltp", layout=sound.layout, rate=rate_out)
         streams = [video] + ([sound] if sound is not None else [])
         for packet in container.demux(streams):
             for frame in packet.decode():
@@ -200,9 +202,9 @@ def read_mp4(path_or_file: PathOrFile) -> dict:
             if sound.duration is not None:
                 # The last AAC frame is zero-padded to 1024 samples; the stream duration trims it
                 # (FFmpeg may keep up to 31 padding samples, under 1 ms).
-                waveform = waveform[:, :round(float(sound.duration * sound.time_base) * sound.rate)]
+                waveform = waveform[:, :round(float(sound.duration * sound.time_base) * rate_out)]
             # Align sample 0 with the first video frame, as a player does.
-            offset = round(((audio_start or 0.0) - (video_start or 0.0)) * sound.rate)
+            offset = round(((audio_start or 0.0) - (video_start or 0.0)) * rate_out)
             if offset > 0:
                 waveform = np.concatenate([np.zeros((channels, offset), np.float32), waveform], axis=1)
             elif offset < 0:
@@ -216,7 +218,7 @@ def read_mp4(path_or_file: PathOrFile) -> dict:
             "frames": np.stack(frames) if frames else np.zeros((0, video.height, video.width, 3), np.uint8),
             "audio": waveform,
             "fps": float(rate) if rate else 0.0,
-            "sample_rate": int(sound.rate) if sound is not None else 0,
+            "sample_rate": rate_out,
             "audio_channels": channels,
             "duration_s": float(duration),
         }

@@ -129,7 +129,7 @@ def check_family_args(args: Args, teacher: dict[str, Any]) -> Args:
         missing = [k for k, v in zip(("num_frames", "height", "width"), geometry) if v is None]
         if missing:
             raise ArgsError(f"{missing[0]}: set num_frames, height and width together")
-        latent_shape = _clip_latent_shape(args, teacher)
+        latent_shape = clip_latent_shape(args.num_frames, args.height, args.width, teacher)
         if args.latent_shape and list(args.latent_shape) != latent_shape:
             raise ArgsError(f"latent_shape: {list(args.latent_shape)} disagrees with num_frames/height/width "
                             f"({latent_shape}); set one of them")
@@ -138,7 +138,7 @@ def check_family_args(args: Args, teacher: dict[str, Any]) -> Args:
         from dmd2_core.models.minimax_h3 import pixel_frames
 
         channels, frames, height, width = (list(args.latent_shape) + [0] * 4)[:4]
-        ratio = _spatial_ratio(teacher)
+        ratio = spatial_ratio(teacher)
         problem = minimax_geometry(pixel_frames(frames), height * ratio, width * ratio, ratio)
         if (frames - 2) % 5 or problem:
             raise ArgsError(f"latent_shape: {list(args.latent_shape)} is no MiniMax-H3 clip "
@@ -162,7 +162,7 @@ def minimax_geometry(num_frames: int, height: int, width: int, ratio: int) -> Op
     return geometry_problem(num_frames, height, width, ratio)
 
 
-def _spatial_ratio(teacher: dict[str, Any]) -> int:
+def spatial_ratio(teacher: dict[str, Any]) -> int:
     """The video VAE's spatial compression (16 for MiniMax-H3's), from its config."""
     import math
 
@@ -172,15 +172,18 @@ def _spatial_ratio(teacher: dict[str, Any]) -> int:
     return int(math.prod(config.get("spatial_downsample_factors") or [16]))
 
 
-def _clip_latent_shape(args: Args, teacher: dict[str, Any]) -> list[int]:
+def clip_latent_shape(num_frames: int, height: int, width: int, teacher: dict[str, Any]) -> list[int]:
+    """The video latents [C, F, H, W] of a MiniMax-H3 clip of ``num_frames`` frames of
+    ``height`` x ``width`` (``teacher``: ``describe_checkpoint``'s answer); ArgsError naming the
+    key when the model does not generate that clip."""
     from dmd2_core.models.minimax_h3 import latent_frames
 
-    ratio = _spatial_ratio(teacher)
-    problem = minimax_geometry(args.num_frames, args.height, args.width, ratio)
+    ratio = spatial_ratio(teacher)
+    problem = minimax_geometry(num_frames, height, width, ratio)
     if problem:
         raise ArgsError(problem)
     config = json.loads(storage.read_text(storage.join(teacher["transformer_url"], "config.json")))
-    return [int(config.get("in_channels", 24)), latent_frames(args.num_frames), args.height // ratio, args.width // ratio]
+    return [int(config.get("in_channels", 24)), latent_frames(num_frames), height // ratio, width // ratio]
 
 
 # ---- latent shape -----------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Optional
 
-from dmd2_core.args import ArgParser, add_arg_flags, load_args, parse_set, recipe_names
+from dmd2_core.args import ArgParser, ArgsError, add_arg_flags, load_args, parse_set, recipe_names
 from dmd2_core.trainer_config import compute_trainer_args, compute_trainer_configs
 
 
@@ -42,6 +42,9 @@ def build_parser() -> ArgParser:
     lat.add_argument("--captions", required=True, help="text file: name<TAB>caption lines, or one caption per file in name order")
     lat.add_argument("--out", required=True, help="where to write the real set (.safetensors, path or URL)")
     lat.add_argument("--latent-shape", type=int, nargs="+", default=None, help="[C, H, W] or [C, F, H, W]; default the model's")
+    lat.add_argument("--num-frames", type=int, default=None, help="video + audio models: frames per clip (as the recipe's)")
+    lat.add_argument("--height", type=int, default=None, help="video + audio models: clip height in pixels")
+    lat.add_argument("--width", type=int, default=None, help="video + audio models: clip width in pixels")
     lat.add_argument("--negative-prompt", default="", help="the unconditional prompt for guidance (default empty)")
     lat.add_argument("--max-sequence-length", type=int, default=None, help="default: the pipeline's")
     return parser
@@ -64,8 +67,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         if ns.command == "prepare-latents":
             from dmd2_core.latents import prepare_latents
 
+            geometry = (ns.num_frames, ns.height, ns.width)
+            if any(v is not None for v in geometry) and None in geometry:
+                raise ArgsError(f"--{('num-frames', 'height', 'width')[geometry.index(None)]}: set --num-frames, "
+                                "--height and --width together")
             real = prepare_latents(ns.hf_checkpoint, ns.images, ns.captions, ns.out, ns.latent_shape,
-                                   ns.negative_prompt, ns.max_sequence_length)
+                                   ns.negative_prompt, ns.max_sequence_length,
+                                   clip=None if None in geometry else geometry)
             print(json.dumps({"out": ns.out, "samples": len(real), "latents": list(real.latents.shape[1:]),
                               "shapes": {k: list(v.shape) for k, v in real.cond.items()}}))
             return 0
@@ -73,8 +81,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         overrides.update(parse_set(getattr(ns, "set_items", [])))
         args = load_args(ns.recipe, overrides)
         if ns.command == "plan":
-            from dmd2_core import memory
+            from dmd2_core import checks, memory
+            from dmd2_core.models import describe_checkpoint
 
+            if args.hf_checkpoint:  # a clip's geometry becomes its latents, as in preflight
+                args = checks.check_family_args(args, describe_checkpoint(args.hf_checkpoint))
             trainers = {cfg.role: compute_trainer_args(args, cfg) for cfg in compute_trainer_configs(args)}
             memory_plan = memory.plan(trainers)
             print(json.dumps(memory_plan.as_dict(), indent=1) if ns.json else memory.table(memory_plan))

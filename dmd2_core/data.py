@@ -177,10 +177,14 @@ def check_real_set(url: str, sample_shape: tuple, prompts_url: str, cond_keys) -
     if got != tuple(sample_shape):
         raise ValueError(f"real_data: {url} latents are {list(got)} per sample, the model samples {list(sample_shape)}")
     want = prompt_set_shapes(prompts_url)
+    padded = "prompt_lengths" in cond_keys  # token sequences padded per set: only the width per token must agree
     for key in cond_keys:
         if key not in shapes:
             raise ValueError(f"real_data: {url} has no condition '{key}' (the model needs {', '.join(cond_keys)})")
         if shapes[key][0] != n:
             raise ValueError(f"real_data: {url} '{key}' has {shapes[key][0]} rows for {n} latents")
-        if key in want and shapes[key][1:] != want[key][1:]:
-            raise ValueError(f"real_data: {url} '{key}' is {shapes[key][1:]} per sample, the prompt set's is {want[key][1:]}")
+        first = 2 if padded and len(shapes[key]) > 2 else 1
+        if key in want and shapes[key][first:] != want[key][first:]:
+            what = "per token" if first == 2 else "per sample"
+            raise ValueError(f"real_data: {url} '{key}' is {shapes[key][first:]} {what}, the prompt set's is "
+                             f"{want[key][first:]}")

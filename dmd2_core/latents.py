@@ -96,6 +96,40 @@ def read_media(data: bytes, name: str, frames: Optional[int], height: int, width
     return x if frames is not None else x[:, 0]
 
 
+def read_clip_with_sound(data: bytes, name: str, num_frames: int, height: int, width: int, fps: float,
+                         sample_rate: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A clip and its soundtrack for a joint video + audio model: pixels [3, F, H, W] in [-1, 1],
+    the first ``num_frames`` frames at ``fps`` (a clip at another rate is sampled in time, the
+    frame showing at each instant), and a stereo waveform [2, S] of the same seconds at
+    ``sample_rate`` (a mono track on both channels)."""
+    from PIL import Image
+
+    from dmd2_core.av_media import read_mp4
+
+    try:
+        clip = read_mp4(io.BytesIO(data), sample_rate=sample_rate)
+    except Exception as exc:  # noqa: BLE001 - any decoding failure is this file's problem
+        raise ArgsError(f"images: clip {name} cannot be decoded ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+    if not clip["audio_channels"]:
+        raise ArgsError(f"images: clip {name} has no soundtrack; the model learns video and audio together")
+    seconds = num_frames / fps
+    source_fps = clip["fps"] or fps
+    index = [int(k * source_fps / fps + 1e-6) for k in range(num_frames)]
+    if index[-1] >= len(clip["frames"]):
+        raise ArgsError(f"images: clip {name} has {len(clip['frames'])} frames at {source_fps:g} fps "
+                        f"({len(clip['frames']) / source_fps:.2f} s), the model's clips are {seconds:.2f} s")
+    samples = round(seconds * sample_rate)
+    audio = torch.from_numpy(clip["audio"])
+    if audio.shape[1] < samples - round(sample_rate / fps):  # a frame's worth short is padding, more is missing sound
+        raise ArgsError(f"images: clip {name}'s soundtrack lasts {audio.shape[1] / sample_rate:.2f} s, the model's "
+                        f"clips are {seconds:.2f} s")
+    audio = torch.nn.functional.pad(audio, (0, max(0, samples - audio.shape[1])))[:, :samples]
+    audio = audio.expand(2, -1) if audio.shape[0] == 1 else audio[:2]
+    frames = np.stack([_fit(Image.fromarray(clip["frames"][i]), height, width) for i in index])
+    pixels = torch.from_numpy(frames).float().div(127.5).sub(1.0).permute(3, 0, 1, 2)
+    return pixels, audio.float().contiguous()
+
+
 def pixel_size(family, vae, sample_shape: tuple) -> tuple[Optional[int], int, int]:
     """(frames or None, height, width) of the pixels whose latents have ``sample_shape``."""
     cfg = vae.config
@@ -109,8 +143,11 @@ def pixel_size(family, vae, sample_shape: tuple) -> tuple[Optional[int], int, in
 
 
 def prepare_latents(hf_checkpoint: str, images: str, captions: str, out: str, latent_shape: Optional[list[int]] = None,
-                    negative_prompt: str = "", max_sequence_length: Optional[int] = None, batch_size: int = 8) -> RealSet:
-    """Encode every image/clip of ``images`` with its caption and write the real set to ``out``."""
+                    negative_prompt: str = "", max_sequence_length: Optional[int] = None, batch_size: int = 8,
+                    clip: Optional[tuple[int, int, int]] = None) -> RealSet:
+    """Encode every image/clip of ``images`` with its caption and write the real set to ``out``.
+    ``clip``: (num_frames, height, width) of a joint video + audio model's clips (or its
+    ``latent_shape``)."""
     from types import SimpleNamespace
 
     from safetensors.torch import save_file
@@ -122,19 +159,35 @@ def prepare_latents(hf_checkpoint: str, images: str, captions: str, out: str, la
     if not info["vae_url"]:
         raise ArgsError(f"{hf_checkpoint}: the checkpoint has no vae/ to encode images with")
     config = json.loads(storage.read_text(storage.join(info["transformer_url"], "config.json")))
+    if family.has_audio:
+        latent_shape = _clip_latent_shape(info, clip, latent_shape)
     try:
-        shape = family.sample_shape(SimpleNamespace(config=SimpleNamespace(**config)), latent_shape)
+        model = SimpleNamespace(config=SimpleNamespace(**config))
+        family = family.bind(latent_shape, model)
+        shape = family.sample_shape(model, latent_shape)
     except ValueError as exc:
         raise ArgsError(str(exc)) from None
     names = list_media(images, family.is_video)
     texts = read_captions(captions, names)
     vae = family.load_vae(info["vae_url"], torch.float32).eval()
-    frames, height, width = pixel_size(family, vae, shape)
     latents = []
-    for start in range(0, len(names), batch_size):
-        batch = [read_media(storage.read_bytes(storage.join(images, n)), n, frames, height, width)
-                 for n in names[start:start + batch_size]]
-        latents.append(family.encode(vae, torch.stack(batch)))
+    if family.has_audio:
+        from dmd2_core.checks import spatial_ratio
+        from dmd2_core.models.minimax_h3 import FPS
+
+        ratio = spatial_ratio(info)
+        height, width = latent_shape[2] * ratio, latent_shape[3] * ratio
+        rate = int(vae["audio"].config.sampling_rate)
+        for n in names:
+            pixels, sound = read_clip_with_sound(storage.read_bytes(storage.join(images, n)), n, family.num_frames,
+                                                 height, width, FPS, rate)
+            latents.append(family.encode_clip(vae, pixels, sound))
+    else:
+        frames, height, width = pixel_size(family, vae, shape)
+        for start in range(0, len(names), batch_size):
+            batch = [read_media(storage.read_bytes(storage.join(images, n)), n, frames, height, width)
+                     for n in names[start:start + batch_size]]
+            latents.append(family.encode(vae, torch.stack(batch)))
     latents = torch.cat(latents)
     if tuple(latents.shape[1:]) != tuple(shape):
         raise ArgsError(f"{hf_checkpoint}: its VAE gives latents {list(latents.shape[1:])}, the model samples {list(shape)}")
@@ -146,3 +199,18 @@ def prepare_latents(hf_checkpoint: str, images: str, captions: str, out: str, la
                   metadata={"prompts": json.dumps(texts), "files": json.dumps(names)})
         storage.write_bytes(out, path.read_bytes())
     return RealSet(latents, prompt_set.embeds)
+
+
+def _clip_latent_shape(info: dict, clip: Optional[tuple[int, int, int]], latent_shape: Optional[list[int]]) -> list[int]:
+    """A joint video + audio model's video latents [C, F, H, W], from the clip's geometry."""
+    from dmd2_core.checks import clip_latent_shape
+
+    if clip is None:
+        if latent_shape:
+            return list(latent_shape)
+        raise ArgsError("num_frames: a video + audio model's real set needs the clips' --num-frames, --height and "
+                        "--width (as the recipe's)")
+    shape = clip_latent_shape(*clip, info)
+    if latent_shape and list(latent_shape) != shape:
+        raise ArgsError(f"latent_shape: {list(latent_shape)} disagrees with num_frames/height/width ({shape}); set one of them")
+    return shape

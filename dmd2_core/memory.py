@@ -4,7 +4,8 @@ configs alone (each transformer is built on the meta device: no weights, no GPU)
 Per rank, after sharding over ``S`` ranks (``fsdp_shard_size``, default the group):
 
 - trainable weights, gradients, AdamW's two moments and the EMA: fp32, ``4 * P / S`` bytes each;
-- the critic's frozen teacher: ``P_teacher * bytes(dtype) / S``;
+- the critic's frozen teacher: ``P_teacher * bytes(dtype) / S`` (its ``_keep_in_fp32_modules``, for
+  the families that keep them, at 4 bytes);
 - buffers (e.g. SD3's positional table): replicated, whole on every rank;
 - the gather working set: two blocks unsharded in the compute dtype (the block running and the
   one FSDP prefetches) plus one block's fp32 gradients before their reduce-scatter, and the root's
@@ -45,6 +46,7 @@ class ModelSize:
     root_params: int
     num_blocks: int
     config: dict = field(repr=False)
+    fp32_params: int = 0  # kept in fp32 whatever the compute dtype (the family's keep_fp32_modules)
 
 
 def model_size(url: str) -> ModelSize:
@@ -56,7 +58,10 @@ def model_size(url: str) -> ModelSize:
         model = family.model_class.from_config(config)
     blocks = parallel.blocks(model)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    fp32 = {id(p): p.numel() for m in (parallel.fp32_modules(model) if family.keep_fp32_modules else [])
+            for p in m.parameters()}
     return ModelSize(
+        fp32_params=sum(fp32.values()),
         params=sum(p.numel() for p in model.parameters()),
         buffers_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         largest_block=max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
@@ -100,6 +105,8 @@ class MemoryPlan:
     device_limit: Optional[int]
     notes: list[str]
     peak_during: str = ""
+    micro_batch_size: int = 1
+    reserve: int = 0  # bytes the CUDA context and allocator take besides the plan's
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -117,7 +124,7 @@ def _dtype_bytes(name: str) -> int:
 
 
 def group_plan(role: str, args: Args, size: ModelSize, teacher: Optional[ModelSize], shard_size: int) -> GroupPlan:
-    family = FAMILIES[describe_checkpoint(args.hf_checkpoint)["family"]]
+    family = FAMILIES[describe_checkpoint(args.hf_checkpoint)["family"]].bind(args.latent_shape)
     compute = _dtype_bytes(args.dtype)
     fp32 = 4
     shard = lambda n: -(-n // shard_size)  # noqa: E731 - ceil division, as FSDP pads shards
@@ -125,7 +132,7 @@ def group_plan(role: str, args: Args, size: ModelSize, teacher: Optional[ModelSi
     grads = params
     optimizer = 2 * params
     ema = params if args.ema_decay else 0
-    teacher_bytes = shard(teacher.params) * compute if teacher else 0
+    teacher_bytes = (shard(teacher.params) * compute + shard(teacher.fp32_params) * (fp32 - compute)) if teacher else 0
     buffers = size.buffers_bytes + (teacher.buffers_bytes * compute // fp32 if teacher else 0)
     largest = max(size.largest_block, teacher.largest_block if teacher else 0)
     root = max(size.root_params, teacher.root_params if teacher else 0)
@@ -150,7 +157,8 @@ def group_plan(role: str, args: Args, size: ModelSize, teacher: Optional[ModelSi
 
 
 def hidden_size(config: dict) -> int:
-    return int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+    """The residual stream's width (MiniMax-H3's 5376 is narrower than its 56 x 128 attention)."""
+    return int(config.get("hidden_size") or int(config["num_attention_heads"]) * int(config["attention_head_dim"]))
 
 
 def family_shape(family, config: dict, latent_shape: Optional[list[int]]) -> tuple[int, ...]:
@@ -203,10 +211,11 @@ def plan(trainer_args: dict[str, Args]) -> MemoryPlan:
         notes.append("colocated, awake: every group's resident state + the largest transient")
     when = max(candidates, key=candidates.get)
     peak = candidates[when]
-    if args.device == "cuda":
-        peak += CUDA_RESERVE
+    reserve = CUDA_RESERVE if args.device == "cuda" else 0
+    if reserve:
+        peak += reserve
         notes.append(f"+ {CUDA_RESERVE / GIB:.0f} GiB reserve for the CUDA context and allocator")
-    return MemoryPlan(groups, args.num_devices, shard_size, peak, device_limit(args), notes, when)
+    return MemoryPlan(groups, args.num_devices, shard_size, peak, device_limit(args), notes, when, args.micro_batch_size, reserve)
 
 
 def check(memory_plan: MemoryPlan) -> None:
@@ -215,12 +224,19 @@ def check(memory_plan: MemoryPlan) -> None:
         return
     worst = next((g for g in memory_plan.groups if f"the {g.role} group" in memory_plan.peak_during),
                  max(memory_plan.groups, key=lambda g: g.peak))
-    knobs = ["more devices (num_devices)"]
-    if not worst.offloaded:
-        knobs.append("fsdp_cpu_offload")
+    unsharded = worst.activations + worst.gather + worst.buffers + memory_plan.reserve  # no number of devices divides these
+    knobs = []
+    if unsharded <= memory_plan.device_limit:
+        knobs.append("more devices (num_devices)")
+        if not worst.offloaded:
+            knobs.append("fsdp_cpu_offload")
     if worst.activations == worst.activations_without_checkpointing:
         knobs.append("gradient_checkpointing")
-    knobs.append("a smaller micro_batch_size")
+    if memory_plan.micro_batch_size > 1:
+        knobs.append("a smaller micro_batch_size")
+    if unsharded > memory_plan.device_limit:
+        knobs.append(f"shorter or smaller samples (one sample's activations and gathered blocks alone take "
+                     f"{_gib(unsharded)}, whatever the number of devices)")
     raise ArgsError(
         f"memory plan: {memory_plan.peak_during} needs {_gib(memory_plan.device_peak)} per device "
         f"(the {worst.role} group's largest part: {_largest_part(worst)}), more than the "

@@ -393,9 +393,9 @@ def served(prefect_server, tmp_path_factory):
         _stop(proc)
 
 
-def _run_deployment(api: str, env: dict, params: dict, timeout: float = 240) -> dict:
-    """Create a run of dmd2/tiny and wait for a final state; returns the flow run."""
-    dep = _api(api, "/deployments/name/dmd2/tiny")
+def _run_deployment(api: str, env: dict, params: dict, deployment: str = "tiny") -> dict:
+    """Create a run of dmd2/{deployment}; returns the flow run."""
+    dep = _api(api, f"/deployments/name/dmd2/{deployment}")
     run = _api(api, f"/deployments/{dep['id']}/create_flow_run", {"parameters": params})
     return run
 
@@ -464,6 +464,48 @@ def test_served_deployment_run(served, tiny_teacher, tmp_path):
     assert f"`{save}/exports/iter_0000003`" in text
     table = json.loads(next(a["data"] for a in artifacts if a["key"] == "dmd2-tiny-metrics"))
     assert [r["iteration"] for r in table] == [3, 2, 1, 0]
+
+
+@pytest.mark.server
+def test_served_minimax_h3_run_on_the_stand_in(served, tmp_path):
+    """A run of the nightly dmd2/minimax-h3 deployment, its inputs given as parameters, on the
+    MiniMax-H3 stand-in: it completes; both modalities' metrics every iteration; per eval prompt an
+    MP4 that plays with stereo sound, a frame strip and a spectrogram; a checkpoint and an export
+    laid out as a MiniMax-H3 repository (that diffusers loads it: tests/test_minimax_h3.py)."""
+    from dmd2_core import av_media, checkpoint
+    from dmd2_core.models.standins import H3_GEOMETRY, build_h3_standin, h3_prompt_set
+
+    api, env, _, log = served
+    url = build_h3_standin(str(tmp_path / "h3"))
+    h3_prompt_set().save(str(tmp_path / "prompts.safetensors"))
+    save = tmp_path / "run"
+    overrides = dict(device="cpu", num_devices=1, dtype="float32", global_batch_size=4, micro_batch_size=2,
+                     torch_threads=1, **H3_GEOMETRY, run_name="h3-standin", eval_interval=2, save_interval=2,
+                     eval_prompts=[0, 1], eval_samples_per_prompt=1)
+    params = {"recipe": "minimax-h3", "overrides": overrides, "num_iterations": 2, "hf_checkpoint": url,
+              "prompts": str(tmp_path / "prompts.safetensors"), "save": str(save)}
+    run = _wait_final(api, _run_deployment(api, env, params, "minimax-h3")["id"], 300, log)
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if r["iteration"] >= 1]
+    assert len(trained) == 2
+    for key in ("dmd2_loss", "dmd2_grad_norm_video", "dmd2_grad_norm_audio", "critic_loss_video", "critic_loss_audio"):
+        assert all(key in r for r in trained), key
+    clips = sorted((save / "media").glob("iter_0000002_*.mp4"))
+    assert [c.name for c in clips] == ["iter_0000002_p0.mp4", "iter_0000002_p1.mp4"]  # one per eval prompt
+    clip = av_media.read_mp4(str(clips[0]))
+    assert clip["audio_channels"] == 2 and clip["sample_rate"] == 32000
+    assert abs(clip["duration_s"] - 124 / 24) < 0.15 and abs(clip["fps"] - 24) < 1e-6
+    assert len(clip["frames"]) == 124 and clip["audio"].shape[1] > 5 * 32000
+    assert (save / "media" / "iter_0000002_p0_spectrogram.png").stat().st_size > 0
+    assert (save / "media" / "iter_0000002_p0_frames.png").stat().st_size > 0
+    assert checkpoint.read_tracker(str(save)) == 2
+    export = save / "exports" / "iter_0000002"
+    assert json.loads((export / "modular_model_index.json").read_text())["_class_name"] == "MiniMaxH3ModularPipeline"
+    assert (export / "audio_vae" / "config.json").exists() and (export / "transformer" / "config.json").exists()
+    artifacts = _api(api, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}})
+    summary = next(a["data"] for a in artifacts if a["key"].endswith("-summary"))
+    assert "[MP4 with sound](" in summary
 
 
 @pytest.mark.server

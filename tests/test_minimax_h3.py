@@ -180,36 +180,6 @@ def test_a_checkpoint_without_its_audio_vae_is_named(h3, tmp_path):
         describe_checkpoint(str(broken))
 
 
-def test_minimax_h3_recipe_through_the_flow_with_media_with_sound(prefect_harness, ray_session, h3, tmp_path):
-    """The served recipe's flow on the H3 stand-in: both modalities' metrics every iteration, an
-    MP4 per eval prompt that plays with stereo sound, a frame strip and a spectrogram, a checkpoint."""
-    from dmd2_core import av_media
-    from flows.dmd2 import dmd2
-
-    save = tmp_path / "run"
-    overrides = dict(CPU, run_name="h3-standin", num_iterations=2, eval_interval=2, save_interval=2,
-                     eval_prompts=[0, 1], eval_samples_per_prompt=1)
-    summary = dmd2(recipe="minimax-h3", overrides=overrides, hf_checkpoint=h3["url"], prompts=h3["prompts"],
-                   save=str(save))
-    assert summary["final_iteration"] == 2
-    rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
-    trained = [r for r in rows if r["iteration"] >= 1]
-    assert len(trained) == 2
-    for key in ("dmd2_loss", "dmd2_grad_norm_video", "dmd2_grad_norm_audio", "critic_loss_video", "critic_loss_audio"):
-        assert all(key in r for r in trained), key
-    clips = sorted((save / "media").glob("iter_0000002_*.mp4"))
-    assert [c.name for c in clips] == ["iter_0000002_p0.mp4", "iter_0000002_p1.mp4"]  # one per eval prompt
-    clip = av_media.read_mp4(str(clips[0]))
-    assert clip["audio_channels"] == 2 and clip["sample_rate"] == 32000
-    assert abs(clip["duration_s"] - 124 / 24) < 0.15 and abs(clip["fps"] - 24) < 1e-6
-    assert len(clip["frames"]) == 124 and clip["audio"].shape[1] > 5 * 32000
-    assert (save / "media" / "iter_0000002_p0_spectrogram.png").stat().st_size > 0
-    assert (save / "media" / "iter_0000002_p0_frames.png").stat().st_size > 0
-    from dmd2_core import checkpoint
-
-    assert checkpoint.read_tracker(str(save)) == 2
-
-
 def test_export_loads_in_diffusers_modular_pipeline_and_reproduces_eval_samples(h3, tmp_path):
     """The exported student is a MiniMax-H3 repository: ModularPipeline.from_pretrained loads it
     (t2va), and with num_inference_steps = K + 1 and seed s + j it reproduces the project's eval
@@ -282,3 +252,130 @@ def test_prepare_prompts_encodes_with_the_qwen3_vl_conditioner(tmp_path):
     assert (got.embeds["prompt_embeds"][0, 3:] == 0).all()
     theirs = run_t2va_with_prompt(url, "a dog moving left", 2, 124, 32, 32, seed=0)["prompt_embeds"]
     torch.testing.assert_close(got.embeds["prompt_embeds"][1:2], theirs.float())
+
+
+def _clip(path, fps, seconds, sample_rate, channels):
+    """A clip whose frame i has brightness 8 * (i % 30) and a 440 Hz tone on the left channel only
+    (mono: on its one channel)."""
+    import numpy as np
+
+    from dmd2_core.av_media import write_mp4
+
+    n = int(round(fps * seconds))
+    frames = np.stack([np.full((32, 32, 3), 8 * (i % 30), np.uint8) for i in range(n)])
+    t = np.arange(int(sample_rate * seconds)) / sample_rate
+    tone = (0.5 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+    audio = tone[None] if channels == 1 else np.stack([tone, np.zeros_like(tone)])
+    write_mp4(str(path), frames, audio, fps=fps, sample_rate=sample_rate, min_side=32)
+
+
+def test_prepare_latents_encodes_clips_with_their_soundtrack_for_the_gan_head(h3, tmp_path):
+    """Real clips (24 and 30 fps, stereo and mono sound at other rates) -> the clip's own seconds
+    of video at 24 fps and stereo audio at the audio VAE's rate, encoded by both VAEs into the
+    flat latents the model samples; the set passes preflight as the GAN head's real_data and a
+    critic step trains the head on it. A clip without sound, or too short, is named in one line."""
+    from dmd2_core.av_media import stereo_balance
+    from dmd2_core.latents import prepare_latents, read_clip_with_sound
+    from dmd2_core.prompts import prepare_prompts
+    from dmd2_core.trainer import Trainer
+
+    url = build_h3_standin(str(tmp_path / "h3"), with_conditioner=True)  # captions need its conditioner
+    prompts = str(tmp_path / "prompts.safetensors")
+    prepare_prompts(url, ["a red cat", "a dog moving left", "rain", "a bell rings twice"], prompts)
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    _clip(clips / "a.mp4", 24, 5.5, 48000, 2)
+    _clip(clips / "b.mp4", 30, 5.5, 44100, 1)
+    (tmp_path / "captions.tsv").write_text("a\ta tone on the left\nb\ta tone in the middle\n")
+
+    pixels, sound = read_clip_with_sound((clips / "b.mp4").read_bytes(), "b.mp4", 124, 32, 32, 24, 32000)
+    assert pixels.shape == (3, 124, 32, 32) and sound.shape == (2, round(124 / 24 * 32000))
+    brightness = (pixels.mean(dim=(0, 2, 3)) + 1) * 127.5
+    want = torch.tensor([8.0 * ((k * 30 // 24) % 30) for k in range(124)])  # the frame showing at k / 24 s
+    assert (brightness - want).abs().max() < 4
+    torch.testing.assert_close(sound[0], sound[1])  # mono on both channels
+    _, left = read_clip_with_sound((clips / "a.mp4").read_bytes(), "a.mp4", 124, 32, 32, 24, 32000)
+    assert stereo_balance(left.numpy()) < -0.9
+
+    out = str(tmp_path / "real.safetensors")
+    real = prepare_latents(url, str(clips), str(tmp_path / "captions.tsv"), out, clip=(124, 32, 32))
+    family = h3["family"]  # the same geometry
+    assert real.latents.shape == (2, family.segments["audio"].stop) and torch.isfinite(real.latents).all()
+    assert set(real.cond) == {"prompt_embeds", "prompt_lengths"}
+    video, audio = family.split(real.latents)
+    assert video.abs().sum() > 0 and audio.abs().sum() > 0
+
+    args = load_args("minimax-h3", dict(CPU, hf_checkpoint=url, prompts=prompts, save=str(tmp_path / "run"),
+                                        real_data=out, gan_weight=0.05, gan_critic_weight=0.1))
+    roles = preflight(args)
+    actor, critic = Trainer(roles["actor"], "actor"), Trainer(roles["critic"], "critic")
+    pairs, _ = actor.rollout(1)
+    head_before = {k: v.clone() for k, v in critic.disc.state_dict().items()}
+    _, metrics = critic.train(1, pairs)
+    assert metrics["gan_d_loss_real"] > 0 and metrics["gan_grad_norm"] > 0
+    assert any(not torch.equal(head_before[k], v) for k, v in critic.disc.state_dict().items())
+
+    silent = tmp_path / "silent"
+    silent.mkdir()
+    import numpy as np
+
+    from dmd2_core.av_media import write_mp4
+
+    write_mp4(str(silent / "a.mp4"), np.zeros((132, 32, 32, 3), np.uint8), None, fps=24, sample_rate=32000, min_side=32)
+    with pytest.raises(ArgsError, match=r"images: clip a.mp4 has no soundtrack"):
+        prepare_latents(url, str(silent), str(tmp_path / "captions.tsv"), str(tmp_path / "x.safetensors"),
+                        clip=(124, 32, 32))
+    short = tmp_path / "short"
+    short.mkdir()
+    _clip(short / "a.mp4", 24, 3.0, 32000, 2)
+    with pytest.raises(ArgsError, match=r"images: clip a.mp4 has 72 frames at 24 fps \(3.00 s\), the model's clips are 5.17 s"):
+        prepare_latents(url, str(short), str(tmp_path / "captions.tsv"), str(tmp_path / "x.safetensors"),
+                        clip=(124, 32, 32))
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_real_size_plan_from_the_shipped_config(tmp_path):
+    """The shipped MiniMax-H3 configs are diffusers' own (33.1 B parameters, 50 blocks); the plan at
+    5 s on 141 GiB devices fits 16 devices and is refused on 8 naming the device count; at 15 s
+    on 80 GiB one clip's activations alone exceed the device, and the refusal says so instead of
+    offering more devices. Refusals are one line, exit 2."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from dmd2_core import checks, memory
+    from dmd2_core.trainer_config import compute_trainer_args, compute_trainer_configs
+
+    root = Path(__file__).resolve().parent.parent
+    url = str(root / "deployments" / "model_configs" / "minimax-h3")
+    shipped = json.loads((Path(url) / "transformer" / "config.json").read_text())
+    default = dict(MiniMaxH3Transformer3DModel.load_config(url, subfolder="transformer"))
+    with torch.device("meta"):
+        reference = MiniMaxH3Transformer3DModel()
+    assert {k: v for k, v in shipped.items() if not k.startswith("_")} == {
+        k: list(v) if isinstance(v, tuple) else v for k, v in reference.config.items() if not k.startswith("_")}
+    assert default["num_layers"] == 50
+    size = memory.model_size(url)
+    assert 33.0e9 < size.params < 33.2e9 and 645e6 < size.largest_block < 647e6  # 50 blocks of 646 M
+
+    def plan(**overrides):
+        args = load_args("minimax-h3", dict(hf_checkpoint=url, **overrides))
+        args = checks.check_family_args(args, describe_checkpoint(url))
+        return memory.plan({c.role: compute_trainer_args(args, c) for c in compute_trainer_configs(args)}), args
+
+    fits, args = plan(device_memory_gib=141, num_devices=16)
+    assert args.latent_shape == [24, 37, 48, 84] and fits.fits
+    tokens = 37 * 24 * 42 + 2 * 207
+    assert 37_000 < tokens < 38_000
+    refused, _ = plan(device_memory_gib=141, num_devices=8)
+    with pytest.raises(ArgsError, match=r"memory plan: .* more than the 141.0 GiB .* try more devices \(num_devices\)"):
+        memory.check(refused)
+    cmd = [sys.executable, "-m", "dmd2_core", "plan", "--recipe", "minimax-h3", "--set", f"hf_checkpoint={url}",
+           "--set", "num_frames=345", "--set", "device_memory_gib=80", "--set", "num_devices=64"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=root)
+    assert done.returncode == 2
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: memory plan:") and "whatever the number of devices" in line
+    assert "num_devices" not in line and "fsdp_cpu_offload" not in line
