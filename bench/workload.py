@@ -21,7 +21,7 @@ def random_digits_teacher(prefix: str) -> tuple[str, str]:
 
 def timed_tiny_overrides(teacher: str, batch: int, num_iterations: int) -> dict:
     """The tiny recipe as the throughput benchmarks time it: one batch of ``batch`` per step, no
-    evals or saves, and the GAN head off (the workload README's figures were measured on before
+    evals or saves, and the GAN head off (the workload bench/README.md's figures were measured on before
     tiny turned it on)."""
     return {"hf_checkpoint": teacher, "global_batch_size": batch, "micro_batch_size": batch,
             "eval_interval": 0, "save_interval": 0, "gan_weight": 0.0, "gan_critic_weight": 0.0,

@@ -28,7 +28,7 @@ import os
 # A Prefect server on the trainers' own machine (the one a CLI run starts, or serve's
 # --local-server) records task runs from their events in batches: one database write per event
 # (Prefect's default) took ~60% of its CPU, ~70 ms per iteration taken from the trainers
-# (README, orchestration cost). Task states then reach the UI up to a second later.
+# (bench/README.md, orchestration cost). Task states then reach the UI up to a second later.
 LOCAL_SERVER_ENV = {
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
