@@ -1,7 +1,5 @@
 """The argument model, recipes, the CLI and per-trainer args (stack PR 1/10)."""
 
-import subprocess
-import sys
 
 import pytest
 
@@ -85,7 +83,20 @@ def test_recipe_keys_are_checked(tmp_path):
 
 
 def _cli(*argv):
-    return subprocess.run([sys.executable, "-m", "dmd2_core", *argv], capture_output=True, text=True, timeout=120)
+    """``python -m dmd2_core *argv`` in this process (its exit code and output)."""
+    import contextlib
+    import io
+    from types import SimpleNamespace
+
+    from dmd2_core.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(argv))
+        except SystemExit as exc:  # argparse: --help, unknown flags, bad values
+            code = exc.code
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def test_cli_check_prints_each_trainers_args_and_fails_cleanly(tmp_path):

@@ -20,7 +20,7 @@ def _digests(run) -> dict:
     return {role: run.group_call(role, "state_digest") for role in run.groups}
 
 
-@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("where", ["s3"])  # local: test_resume_on_another_number_of_ranks_continues_smoothly
 def test_async_save_at_2_kill_resume_to_4_equals_4_straight(ray_session, tiny_teacher, tmp_path, request, where):
     """2 sharded ranks, actor and critic: an asynchronous save at 2 while training goes on to 4;
     new actors resume from it and reach the same bytes at 4 (weights, EMA, AdamW state)."""
