@@ -1,6 +1,5 @@
 """The argument model, recipes, the CLI and per-trainer args (stack PR 1/10)."""
 
-
 import pytest
 
 from dmd2_core.args import ARG_NAMES, ArgsError, load_args

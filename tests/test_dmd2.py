@@ -125,24 +125,34 @@ def test_reference_loop_and_ray_groups_give_the_same_weights(ray_session, tiny_t
     assert max((initial[k] - student[k]).abs().max().item() for k in initial) > 1e-6
 
 
+@pytest.fixture(scope="module")
+def teacher_target(short_teacher, tmp_path_factory):
+    """The short teacher's 50-step samples of 500 balanced labels, in the digits classifier's
+    feature space (what DMD2 matches), computed once for the module."""
+    from dmd2_core.evaluation import balanced_labels, eval_noise, features
+    from dmd2_core.sampling import euler_sample
+
+    loop = ReferenceLoop(tiny_args(short_teacher[0], str(tmp_path_factory.mktemp("target")), dmd2_guidance_scale=1.0))
+    labels = balanced_labels(500)
+    return labels, features(euler_sample(loop.family, loop.teacher, eval_noise(500, 1), loop.cond(labels),
+                                         fm.euler_sigmas(50, loop.args.dmd2_shift)).clamp(-1, 1))
+
+
 @pytest.mark.parametrize("gan", [False, True], ids=["dmd2", "dmd2+gan"])
-def test_a_short_run_improves_the_student_over_its_initialisation(short_teacher, tmp_path, gan):
+def test_a_short_run_improves_the_student_over_its_initialisation(short_teacher, teacher_target, tmp_path, gan):
     """The student starts as the teacher's weights sampled in 4 steps; 60 DMD2 iterations must
     bring its samples clearly closer to the teacher's 50-step distribution, which DMD2 matches
     (the Fréchet distance in the digits classifier's feature space), also with the GAN head on
     (real data: the digits training split; the discriminator's weight in the critic's loss 0.1:
     at 1.0 it pulls the fake score's features away from denoising and the same run ends ~40%
     further from the teacher)."""
-    from dmd2_core.evaluation import balanced_labels, eval_noise, features, frechet_distance
-    from dmd2_core.sampling import euler_sample
+    from dmd2_core.evaluation import features, frechet_distance
 
     heads = dict(real_data="digits", gan_weight=1.0, gan_critic_weight=0.1) if gan else {}
     args = tiny_args(short_teacher[0], str(tmp_path), global_batch_size=64, micro_batch_size=64,
                      dmd2_update_ratio=5, dmd2_guidance_scale=1.0, lr=2e-4, seed=0, **heads)
     loop = ReferenceLoop(args)
-    labels = balanced_labels(500)
-    target = features(euler_sample(loop.family, loop.teacher, eval_noise(500, 1), loop.cond(labels),
-                                   fm.euler_sigmas(50, loop.args.dmd2_shift)).clamp(-1, 1))
+    labels, target = teacher_target
 
     def distance():
         return frechet_distance(features(loop.sample(labels.tolist(), seed=0).clamp(-1, 1)), target)
