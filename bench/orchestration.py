@@ -129,7 +129,8 @@ class StandIn:
 def stand_in_eval(run, iteration):
     import torch
 
-    from dmd2_core.media import _publish, image_grid, media_stem, png_bytes
+    from dmd2_core.images import image_grid, png_bytes
+    from dmd2_core.media import _publish, media_stem
 
     data = png_bytes(image_grid(torch.zeros(8, 3, 32, 32), nrow=4))
     return {"iteration": int(iteration), "metrics": {"eval_media_s": 0.0},

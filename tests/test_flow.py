@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dmd2_core.media import data_uri, image_grid, media_url, png_bytes, video_media
+from dmd2_core.images import data_uri, image_grid, png_bytes, video_media
+from dmd2_core.media import media_url
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
