@@ -64,8 +64,9 @@ from dmd2_core.args import Args, ArgsError, load_args, parse_set  # noqa: E402
 from dmd2_core.distill import DistillRun  # noqa: E402
 from dmd2_core.finite import NonFiniteError  # noqa: E402
 from dmd2_core.lease import LeaseLostError  # noqa: E402
-from dmd2_core.storage import StorageUnavailableError  # noqa: E402
 from dmd2_core.models import CheckpointError  # noqa: E402
+from dmd2_core.schedule import Schedule  # noqa: E402
+from dmd2_core.storage import StorageUnavailableError  # noqa: E402
 from dmd2_core.report import METRICS_NAME, QUALITY_KEYS, MetricsLog  # noqa: E402,F401
 from tasks import artifacts, registry  # noqa: E402
 from tasks.checkpoint import checkpoint  # noqa: E402
@@ -141,7 +142,7 @@ class Driver:
         self.t0 = time.perf_counter()
         self.start = run.start()
         self.final = max(self.start, args.num_iterations)
-        self.evaluating = args.eval_interval > 0
+        self.schedule = run.schedule = Schedule.of(args, final=self.final)
         self.last_eval: Optional[int] = None
         self.last_ckpt: Optional[int] = self.start if (self.start and args.load_url == args.save) else None
         self.requested_ckpt: Optional[int] = self.last_ckpt
@@ -209,16 +210,10 @@ class Driver:
         self.artifacts.progress(i, force=True)
 
     # ---- one iteration ----
-    def evals_at(self, i: int) -> bool:
-        return self.evaluating and (i % self.args.eval_interval == 0 or i == self.final)
-
-    def saves_at(self, i: int) -> bool:
-        return bool(self.args.save_interval and i % self.args.save_interval == 0) or i == self.final
-
     def follows_directly(self, i: int) -> bool:
         """Iteration i+1 comes right after i, with no eval or checkpoint between them: its rollout
         may start while iteration i's last task is still finishing."""
-        return i < self.final and not (self.evals_at(i) or self.saves_at(i))
+        return self.schedule.follows_directly(i)
 
     def phases(self, i: int) -> list[tuple[Any, tuple]]:
         """The iteration's tasks; the sleep tasks only where the groups sleep (on cuda by default)."""
@@ -237,13 +232,13 @@ class Driver:
         self._saved(metrics)
         metrics["iteration_s"] = time.perf_counter() - t
         row = self.log.update(i, metrics)
-        milestone = self.evals_at(i) or self.saves_at(i)
-        if self.evals_at(i):
+        evals, saves = self.schedule.evals_at(i), self.schedule.saves_at(i)
+        if evals:
             self.eval(i)
-        if self.saves_at(i):
-            self.checkpoint(i, wait=i == self.final)
+        if saves:
+            self.checkpoint(i, wait=self.schedule.waits_at(i))
         self.log.update(i, {"wall_time": time.time()})
-        if milestone:
+        if evals or saves:
             self.publish(i)
         else:
             self.log.write()
@@ -259,18 +254,18 @@ class Driver:
             f"device(s), K={args.dmd2_student_steps}, batch {args.global_batch_size}, save {args.save}"
             + (f" (resumed after iteration {self.start})" if self.start else "")
             + f"; groups up in {time.perf_counter() - self.t0:.1f}s; windows of {args.iterations_per_window}")
-        if self.evaluating:
+        if self.schedule.evaluating:
             self.result["quality_before"] = self.eval(self.start) or None
             self.publish(self.start)
         for first, last in windows(self.start, self.final, args.iterations_per_window):
             iterations.with_options(flow_run_name=f"iterations-{first:04d}-{last:04d}")(self.run_id, first, last)
-        if self.evaluating and self.last_eval != self.final:
+        if self.schedule.evaluating and self.last_eval != self.final:
             self.eval(self.final)
         if self.requested_ckpt != self.final:
             self.checkpoint(self.final, wait=True)
         final_row = dict(self.log.rows.get(self.final, {"iteration": self.final}))
         self.result["final_metrics"] = final_row
-        if self.evaluating:
+        if self.schedule.evaluating:
             self.result["quality_after"] = {k: final_row[k] for k in QUALITY_KEYS if k in final_row} or None
             b, a = self.result.get("quality_before"), self.result.get("quality_after")
             if b and a:
