@@ -23,24 +23,10 @@ place. The full metrics go to ``{save}/metrics.jsonl`` (strict JSON; dmd2_core/r
 
 from __future__ import annotations
 
-import os
+from flows.environment import configure_environment
 
-# A Prefect server on the trainers' own machine (the one a CLI run starts, or serve's
-# --local-server) records task runs from their events in batches: one database write per event
-# (Prefect's default) took ~60% of its CPU, ~70 ms per iteration taken from the trainers
-# (README, orchestration cost). Task states then reach the UI up to a second later.
-LOCAL_SERVER_ENV = {
-    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
-    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
-}
-
-for _key, _value in {
-    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
-    **LOCAL_SERVER_ENV,
-}.items():
-    os.environ.setdefault(_key, _value)
+if __name__ == "__main__":  # the CLI: Prefect and Ray read these settings when they are imported
+    configure_environment()
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
@@ -323,6 +309,7 @@ def dmd2(
         prompts: Prompt-embedding set (safetensors URL) or 'digits'; default the recipe's.
         seed: Seed of every random draw; default the recipe's.
     """
+    configure_environment()  # where a worker or serve starts the run: before Ray is imported
     logger = get_run_logger()
     args = resolve_args(recipe, overrides, num_iterations=num_iterations, hf_checkpoint=hf_checkpoint,
                         save=save, prompts=prompts, seed=seed)
