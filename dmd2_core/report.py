@@ -1,6 +1,6 @@
 """What a person reads about a run: the metrics log ({save}/metrics.jsonl, strict JSON), the short
 metrics table, the plot, how media embed and the run summary's markdown. No Prefect here: the flow
-turns these into artifacts (tasks/artifacts.py).
+turns these into artifacts (flows/artifacts.py).
 
 Strict JSON: every line of the metrics log parses with any JSON reader. A non-finite float
 (NaN, +-inf) is written as ``null`` and its key is listed in the row's ``nonfinite`` field, so a

@@ -17,7 +17,7 @@ queued by the task before it (DistillRun starts every phase Ray can order ahead)
 never wait for Prefect between tasks.
 
 Logs: one INFO line per iteration (losses and time) on the flow run; task runs log at WARNING.
-Artifacts (tasks/artifacts.py): a run summary, a short metrics table and a progress bar, updated in
+Artifacts (flows/artifacts.py): a run summary, a short metrics table and a progress bar, updated in
 place. The full metrics go to ``{save}/metrics.jsonl`` (strict JSON; dmd2_core/report.py).
 """
 
@@ -54,7 +54,8 @@ from dmd2_core.models import CheckpointError  # noqa: E402
 from dmd2_core.schedule import Schedule  # noqa: E402
 from dmd2_core.storage import StorageUnavailableError  # noqa: E402
 from dmd2_core.report import METRICS_NAME, QUALITY_KEYS, MetricsLog  # noqa: E402,F401
-from tasks import artifacts, registry  # noqa: E402
+from flows import artifacts  # noqa: E402
+from tasks import registry  # noqa: E402
 from tasks.checkpoint import checkpoint  # noqa: E402
 from tasks.eval import eval_media  # noqa: E402
 from tasks.phases import critic_train_and_score, rollout, sleep_groups, student_train  # noqa: E402

@@ -125,7 +125,7 @@ def test_summary_markdown_reads_top_down():
 
 def test_windows_and_names():
     from flows.dmd2 import run_display_name, windows
-    from tasks.artifacts import artifact_keys
+    from flows.artifacts import artifact_keys
 
     assert windows(0, 250, 100) == [(1, 100), (101, 200), (201, 250)]
     assert windows(137, 300, 100) == [(138, 200), (201, 300)]
