@@ -1,5 +1,5 @@
-"""The process environment of the entry points (``python -m flows.dmd2``, ``flows.demo``,
-``deployments.serve``, the benchmarks, the tests) and a local Prefect server.
+"""The process environment of the entry points (``python -m flows.dmd2``, ``flows.teacher``,
+``flows.demo``, ``deployments.serve``, the benchmarks, the tests) and a local Prefect server.
 
 Prefect and Ray read these settings when they are imported, so an entry point calls
 ``configure_environment()`` before it imports either. This module imports neither.
