@@ -25,10 +25,7 @@ import argparse
 import contextlib
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,11 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from flows.environment import LOCAL_SERVER_ENV, configure_environment, free_port, local_prefect_server  # noqa: E402
 
 
 def _get(url: str, body: dict | None = None):
@@ -56,35 +49,13 @@ def _get(url: str, body: dict | None = None):
 @contextlib.contextmanager
 def prefect_server(home: Path):
     """`prefect server start` on a free loopback port with its own PREFECT_HOME; yields the API URL."""
-    port = _free_port()
+    port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    from flows.dmd2 import LOCAL_SERVER_ENV  # the server settings README recommends
-
     env.update(PREFECT_HOME=str(home), PREFECT_API_URL=api, PREFECT_UI_API_URL=api, PREFECT_SERVER_UI_ENABLED="false",
-               PREFECT_SERVER_ANALYTICS_ENABLED="false", **LOCAL_SERVER_ENV)
-    log = open(home / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"prefect server exited: {(home / 'server.log').read_text()[-2000:]}")
-            with contextlib.suppress(OSError):
-                _get(f"{api}/health")
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("prefect server not up after 120 s")
-            time.sleep(0.5)
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", **LOCAL_SERVER_ENV)  # the settings bench/README.md measured
+    with local_prefect_server(port, env=env, log=home / "server.log") as (api, proc):
         yield api, proc.pid
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 class StandIn:
@@ -129,7 +100,8 @@ class StandIn:
 def stand_in_eval(run, iteration):
     import torch
 
-    from dmd2_core.media import _publish, image_grid, media_stem, png_bytes
+    from dmd2_core.images import image_grid, png_bytes
+    from dmd2_core.media import _publish, media_stem
 
     data = png_bytes(image_grid(torch.zeros(8, 3, 32, 32), nrow=4))
     return {"iteration": int(iteration), "metrics": {"eval_media_s": 0.0},
@@ -267,8 +239,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=100)
     parser.add_argument("--api-url", help="an existing server's API URL (no database growth figure then)")
     ns = parser.parse_args()
-    for key, value in {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}.items():
-        os.environ.setdefault(key, value)
+    configure_environment()
     if ns.api_url:
         print(json.dumps(measure(ns.api_url, None, ns.iterations, ns.window)))
         return

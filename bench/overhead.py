@@ -52,6 +52,9 @@ def main() -> None:
     ns = parser.parse_args()
     torch.set_num_threads(1)
 
+    from flows.environment import configure_environment
+
+    configure_environment()  # before Prefect and Ray are imported
     from flows.dmd2 import dmd2
     from dmd2_core.args import load_args
     from dmd2_core.distill import DistillRun

@@ -21,14 +21,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
 import sys
 import warnings
 from typing import Any, Optional
 
-from flows.dmd2 import dmd2  # sets the Prefect/Ray environment defaults first
+from flows.environment import configure_environment, local_prefect_server
 
-from dmd2_core.args import ArgsError, read_recipe, resolve_recipe
+if __name__ == "__main__":  # Prefect and Ray read these settings when they are imported
+    configure_environment()
+
+from flows.dmd2 import dmd2  # noqa: E402
+
+from dmd2_core.args import ArgsError, read_recipe, resolve_recipe  # noqa: E402
 
 NIGHTLY_CRON = "0 2 * * *"
 TIMEZONE = "UTC"
@@ -180,38 +184,15 @@ def configured_api_url() -> Optional[str]:
 def local_server(port: int = 4200, timeout_s: float = 120.0):
     """A `prefect server start` on loopback for as long as the block runs; PREFECT_API_URL (and
     the UI's) point at it meanwhile. The server is stopped with SIGTERM when the block exits."""
-    import subprocess
-    import time
-    import urllib.request
-
     api = f"http://127.0.0.1:{port}/api"
     os.environ.update(PREFECT_API_URL=api, PREFECT_UI_API_URL=api)
-    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                             "--port", str(port)], start_new_session=True)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"prefect server exited with {proc.returncode} (is port {port} taken?)")
-            try:
-                with urllib.request.urlopen(f"{api}/health", timeout=2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"prefect server not up on {api} after {timeout_s:.0f}s") from None
-                time.sleep(0.5)
+    with local_prefect_server(port, timeout_s=timeout_s):
         print(f"Prefect server: http://127.0.0.1:{port} (UI), PREFECT_API_URL={api}", file=sys.stderr)
         from prefect.settings import PREFECT_API_URL, PREFECT_UI_API_URL, temporary_settings
 
         # the environment reaches the flow-run subprocesses; this process read its settings at import
         with temporary_settings(updates={PREFECT_API_URL: api, PREFECT_UI_API_URL: api}):
             yield api
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def main(argv: Optional[list[str]] = None) -> int:

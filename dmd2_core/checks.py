@@ -14,8 +14,6 @@ from typing import Any, Optional
 from dmd2_core import storage
 from dmd2_core.args import Args, ArgsError
 
-MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
-
 
 def _one_line(exc: BaseException) -> str:
     return storage._one_line(exc)
@@ -56,34 +54,13 @@ def check_prompt_set(url: str, needs_negative: bool = True, cond_keys: tuple[str
         return ArgsError(f"prompts: {url} is not a safetensors prompt set ({reason})")
 
     try:
-        fs, path = storage.filesystem(url)
-        size = int(storage.retrying(lambda: fs.size(path), f"stat {url}"))
-
-        def read_header():
-            with fs.open(path, "rb") as f:
-                head = f.read(8)
-                if len(head) < 8:
-                    return head, None
-                n = int.from_bytes(head, "little")
-                if n <= 0 or n > min(MAX_HEADER_BYTES, size - 8):
-                    return head, n
-                return head, f.read(n)
-        head, header = storage.retrying(read_header, f"read {url}")
+        entries, data_size = storage.read_safetensors_header(url)
+    except storage.SafetensorsHeaderError as exc:
+        raise bad(str(exc)) from None
     except storage.StorageUnavailableError:
         raise
     except Exception as exc:  # noqa: BLE001
         raise ArgsError(f"prompts: cannot read {url} ({_one_line(exc)})") from None
-    if len(head) < 8:
-        raise bad(f"{size} bytes, shorter than a header")
-    if not isinstance(header, bytes):
-        raise bad(f"header length {header} does not fit a {size}-byte file")
-    try:
-        entries = json.loads(header)
-        if not isinstance(entries, dict):
-            raise ValueError("header is not a JSON object")
-    except ValueError as exc:
-        raise bad(f"unreadable header: {_one_line(exc)}") from None
-    data_size = size - 8 - len(header)
     tensors = {k: v for k, v in entries.items() if k != "__metadata__"}
     for key, info in tensors.items():
         offsets = info.get("data_offsets") if isinstance(info, dict) else None
@@ -103,6 +80,15 @@ def check_prompt_set(url: str, needs_negative: bool = True, cond_keys: tuple[str
             json.loads(metadata["prompts"])
         except (TypeError, ValueError):
             raise bad("its 'prompts' metadata is not a JSON list") from None
+
+
+def eval_prompt_indices(args: Args, num_prompts: int) -> list[int]:
+    """The prompt indices an eval samples: ``eval_prompts``, or every prompt of the set."""
+    indices = list(args.eval_prompts) if args.eval_prompts else list(range(num_prompts))
+    bad = [i for i in indices if not 0 <= i < num_prompts]
+    if bad:
+        raise ArgsError(f"eval_prompts: index {bad[0]} out of range for {num_prompts} prompts")
+    return indices
 
 
 # ---- the family's own rules ---------------------------------------------------------------------

@@ -92,7 +92,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             memory.check(memory_plan)
             return 0
         if ns.deep:
-            from dmd2_core.distill import preflight
+            from dmd2_core.preflight import preflight
 
             trainers = preflight(args)
         else:

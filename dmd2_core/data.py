@@ -13,6 +13,7 @@ import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -140,13 +141,21 @@ def load_real_set(url: str) -> RealSet:
 
 def safetensors_shapes(url: str) -> dict[str, list[int]]:
     """Tensor name -> shape, from the header alone (one small read, also on S3)."""
-    import struct
+    entries, _ = storage.read_safetensors_header(url)
+    return {k: list(v["shape"]) for k, v in entries.items() if k != "__metadata__"}
 
-    fs, path = storage.filesystem(url)
-    with fs.open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-    return {k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+def prompt_texts(prompts_url: Optional[str]) -> list[str]:
+    """The prompt texts of a prompt set, read from the safetensors header alone (no tensors are
+    loaded, so a large embedding file costs one small read)."""
+    if prompts_url is None or prompts_url == DIGITS:
+        return list(digits_prompt_set().prompts)
+    header, _ = storage.read_safetensors_header(prompts_url)
+    texts = json.loads((header.get("__metadata__") or {}).get("prompts", "[]"))
+    if texts:
+        return list(texts)
+    shape = header.get("prompt_embeds", {}).get("shape") or [0]
+    return [f"prompt {i}" for i in range(int(shape[0]))]
 
 
 def real_set_shapes(url: str) -> dict[str, list[int]]:

@@ -7,22 +7,20 @@ between that checkpoint and itself, so the run ends with the same weights as an 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
-import time
 import uuid
 from statistics import fmean
 from typing import Any, Callable, Optional
 
-from dmd2_core import checkpoint, checks, lease, memory
-from dmd2_core import export as exporting
-from dmd2_core.args import Args, ArgsError
+from dmd2_core import checkpoint, checks, lease
+from dmd2_core.args import Args
 from dmd2_core.finite import NonFiniteError
-from dmd2_core.hooks import load_hook
-from dmd2_core.models import FAMILIES, CheckpointError, describe_checkpoint
-from dmd2_core.trainer_config import compute_trainer_args, compute_trainer_configs
+from dmd2_core.models import CheckpointError
+from dmd2_core.preflight import preflight, resume_url
+from dmd2_core.saves import SaveTracker
+from dmd2_core.schedule import Schedule
 
 log = logging.getLogger("dmd2")
 
@@ -31,97 +29,6 @@ PHASES = ("rollout", "critic_train_and_score", "sleep_critic", "student_train", 
 
 class RayWorkError(RuntimeError):
     """Ray work failed (an actor died, a call timed out); retrying recovers from the checkpoint."""
-
-
-def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
-    """Everything that can be checked before an actor starts: checkpoints, hooks, prompts and the
-    resume point. Returns each trainer's args (shift resolved). Raises ArgsError / CheckpointError."""
-    for key, what in (("hf_checkpoint", "the teacher's diffusers model directory"),
-                      ("prompts", "a prompt-embedding set (safetensors) or 'digits'"),
-                      ("save", "the run's storage URL")):
-        if not getattr(args, key):
-            raise ArgsError(f"{key} is not set: point it at {what}")
-    checks.check_ray_address(args.ray_address)
-    teacher = describe_checkpoint(args.hf_checkpoint)
-    args = checks.check_family_args(args, teacher)
-    if FAMILIES[teacher["family"]].is_video and not args.latent_shape:
-        raise ArgsError(f"latent_shape: {args.hf_checkpoint} is a video model ({teacher['family']}); "
-                        "set latent_shape to its latents' [C, F, H, W]")
-    checks.check_latent_shape(args, teacher)
-    if args.dmd2_shift is None:
-        args = args.model_copy(update={"dmd2_shift": teacher["shift"]})
-    if args.global_batch_size % args.num_devices:
-        raise ArgsError(f"global_batch_size: {args.global_batch_size} is not divisible by num_devices {args.num_devices}")
-    trainer_args = {}
-    for cfg in compute_trainer_configs(args):
-        targs = compute_trainer_args(args, cfg)
-        describe_checkpoint(targs.hf_checkpoint)
-        if targs.loss_type == "dmd2_critic":
-            describe_checkpoint(targs.teacher_checkpoint or targs.hf_checkpoint)
-        if targs.train_input_hook_path:
-            flag = "critic_train_input_hook_path" if cfg.role == "critic" else "train_input_hook_path"
-            load_hook(targs.train_input_hook_path, flag=flag)
-        trainer_args[cfg.role] = targs
-    if args.prompts != "digits":
-        from dmd2_core import storage
-
-        if not storage.exists(args.prompts):
-            raise ArgsError(f"prompts: no prompt set at {args.prompts}{storage.nearest_sibling(args.prompts)}")
-        checks.check_prompt_set(args.prompts, needs_negative=args.dmd2_guidance_scale != 1.0,
-                                cond_keys=FAMILIES[teacher["family"]].cond_keys)
-    from dmd2_core.media import eval_prompt_indices, prompt_texts
-
-    eval_prompt_indices(args, len(prompt_texts(args.prompts)))
-    if "critic" in trainer_args and args.gan_critic_weight:
-        _check_gan(trainer_args["critic"])
-    if memory.device_limit(args) is not None:
-        memory.check(memory.plan(trainer_args))
-    source = resume_url(args)
-    resumed = checkpoint.validate_resume(source, list(trainer_args))
-    if resumed is None and args.load and args.load != args.save:
-        from dmd2_core import storage
-
-        raise checkpoint.CheckpointLoadError(
-            f"load: no checkpoint at {args.load} (no {checkpoint.TRACKER_NAME})"
-            f"{storage.nearest_sibling(args.load)}")
-    # a finished run rerun (its own save at num_iterations) completes at once; anything else that
-    # starts at or past num_iterations would train nothing and report Completed
-    if resumed is not None and (resumed > args.num_iterations or (resumed == args.num_iterations and source != args.save)):
-        raise ArgsError(f"num_iterations: {args.num_iterations} does not go beyond iteration {resumed} of the checkpoint "
-                        f"at {source}, where this run starts; iterations count on from it (set num_iterations to "
-                        f"{resumed + max(args.num_iterations, 1)} for {max(args.num_iterations, 1)} more)")
-    checks.check_local_devices(args, len(trainer_args))
-    lease.check(args.save, owner, args.lease_timeout_s)  # one run per save URL
-    checks.probe_write(args.save)  # last: nothing is written for input that fails earlier
-    return trainer_args
-
-
-def _check_gan(critic: Args) -> None:
-    """The GAN head's feature block exists and the real set fits the model and the prompts."""
-    from types import SimpleNamespace
-
-    from dmd2_core import storage
-    from dmd2_core.data import check_real_set
-
-    info = describe_checkpoint(critic.hf_checkpoint)
-    config = json.loads(storage.read_text(storage.join(info["transformer_url"], "config.json")))
-    family = FAMILIES[info["family"]]
-    blocks = int(config.get("num_layers", 0))
-    if critic.gan_feature_block is not None and not -blocks <= critic.gan_feature_block < blocks:
-        raise ArgsError(f"gan_feature_block: {critic.gan_feature_block} out of range for {blocks} blocks of {critic.hf_checkpoint}")
-    shape = family.sample_shape(SimpleNamespace(config=SimpleNamespace(**config)), critic.latent_shape)
-    try:
-        check_real_set(critic.real_data, shape, critic.prompts, family.cond_keys)
-    except ValueError as exc:
-        raise ArgsError(str(exc)) from None
-
-
-def resume_url(args: Args) -> str:
-    """Where a (re)start resumes from: the run's own save once it has a checkpoint there (a retry
-    or a rerun continues the run), else ``load`` (a fine-tune from another run)."""
-    if args.save and checkpoint.read_tracker(args.save) is not None:
-        return args.save
-    return args.load_url
 
 
 class DistillRun:
@@ -141,8 +48,8 @@ class DistillRun:
         self.rollout_ahead: Callable[[int], bool] = lambda iteration: False
         self.start_iteration = 0
         self.done: tuple[int, int] = (0, len(PHASES))  # (iteration, phases of it done)
-        self.pending_save: Optional[int] = None  # an asynchronous save not yet tracked
-        self.tracked: Optional[dict] = None  # the latest tracked checkpoint: iteration, trainer dirs
+        self.schedule = Schedule.of(self.args)  # the orchestrator sets its own (the run's final iteration)
+        self.saves = SaveTracker(self.args)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> int:
@@ -175,7 +82,7 @@ class DistillRun:
         self.done = (self.start_iteration, len(PHASES))
         self.handoff, self.started = {}, {}
         self.broken = False
-        self.pending_save = None  # a save in flight when the groups broke is never tracked
+        self.saves.forget()  # a save in flight when the groups broke is never tracked
         return self.start_iteration
 
     def __enter__(self) -> "DistillRun":
@@ -200,6 +107,11 @@ class DistillRun:
         self.groups = {}
         shutdown_placement_group(self.pg)
         self.pg = None
+
+    @property
+    def pending_save(self) -> Optional[int]:
+        """The iteration of an asynchronous save not yet tracked."""
+        return self.saves.pending
 
     @property
     def has_critic(self) -> bool:
@@ -282,7 +194,7 @@ class DistillRun:
 
             def collect() -> dict:
                 metrics = _merge(group.get([m for _, m in refs]))
-                metrics.update(self._finish_saves(wait=False))  # an asynchronous save written meanwhile
+                metrics.update(self.saves.finish(self.groups, self.lease, wait=False))  # an asynchronous save written meanwhile
                 return metrics
             return collect
         role = phase.removeprefix("sleep_")
@@ -337,57 +249,19 @@ class DistillRun:
         return self._call_or_break(lambda: self.groups["actor"].call("sample", prompt_index, seed)[0])
 
     def checkpoint(self, iteration: int, wait: bool = False, export: Optional[bool] = None) -> dict:
-        """Every trainer saves (each rank its own shards); the tracker moves only once every
-        role's save is durable: at once for synchronous saves; for asynchronous ones when a
-        later poll (``poll_saves``, after each student train), the next checkpoint or ``wait``
-        finds them written. ``export`` (default: every ``export_interval``-th iteration, and
-        at the end, ``wait``) also writes the student as a diffusers pipeline. Returns the blocked
-        time and, once tracked, the save's time."""
-        interval = self.args.export_interval
+        """Every trainer saves; the tracker moves once every role's save is durable (SaveTracker):
+        at once for synchronous saves, for asynchronous ones when a later poll (``poll_saves``,
+        after each student train), the next checkpoint or ``wait`` finds them written. ``export``
+        (default: the schedule's, every ``export_interval``-th iteration and any save that waits)
+        also writes the student as a diffusers pipeline. Returns the blocked time and, once
+        tracked, the save's time."""
         if export is None:
-            export = wait or not interval or iteration % interval == 0
-        def run():
-            start = time.perf_counter()
-            self.lease.ensure()
-            metrics = self._finish_saves(wait=True)  # a later save waits for the earlier one
-            out = {role: group.call("save", iteration, export and role == "actor") for role, group in self.groups.items()}
-            self.pending_save = iteration
-            metrics["checkpoint_blocked_s"] = time.perf_counter() - start
-            if all("save_s" in o for outs in out.values() for o in outs):
-                metrics.update(self._track(iteration, out))
-            elif wait:
-                metrics.update(self._finish_saves(wait=True))
-            return metrics
-        return self._call_or_break(run)
+            export = self.schedule.exports_at(iteration, wait)
+        return self._call_or_break(lambda: self.saves.save(self.groups, self.lease, iteration, export, wait))
 
     def poll_saves(self) -> dict:
         """Move the tracker if the save in flight became durable (no wait); its metrics then."""
-        return self._call_or_break(lambda: self._finish_saves(wait=False))
-
-    def _finish_saves(self, wait: bool) -> dict:
-        if self.pending_save is None:
-            return {}
-        status = {role: group.call("save_status", wait) for role, group in self.groups.items()}
-        if any(s is None or "pending" in s for outs in status.values() for s in outs):
-            return {}
-        return self._track(self.pending_save, status)
-
-    def _track(self, iteration: int, done: dict[str, list[dict]]) -> dict:
-        """Every role's save of ``iteration`` is durable: move the tracker, then apply retention."""
-        self.lease.ensure()  # never move the tracker of a URL another run took over
-        checkpoint.write_tracker(self.args.save, iteration, roles=list(done))
-        self.pending_save = None
-        self.tracked = {"iteration": iteration, "trainers": {role: outs[0]["url"] for role, outs in done.items()}}
-        pruned = checkpoint.prune(self.args.save, list(done), self.args.keep_last_n)
-        exported = {k: v for k, v in done.get("actor", [{}])[0].items() if k.startswith("export_")}
-        if exported:
-            self.tracked["export"] = exported["export_url"]
-            exporting.prune_exports(exporting.exports_root(self.args.save), self.args.keep_exports,
-                                    protect=[exported["export_url"]])
-        return {"checkpoint": self.tracked, "checkpoint_iteration": iteration, **exported,
-                "checkpoint_save_s": max(o["save_s"] for outs in done.values() for o in outs),
-                "checkpoint_bytes_per_rank": max(o["bytes"] for outs in done.values() for o in outs),
-                "checkpoints_pruned": len(pruned)}
+        return self._call_or_break(lambda: self.saves.finish(self.groups, self.lease, wait=False))
 
     def _call_or_break(self, fn):
         if self.broken:

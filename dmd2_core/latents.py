@@ -36,9 +36,8 @@ def list_media(url: str, video: bool) -> list[str]:
     """File names under ``url`` the family can read, sorted."""
     if not storage.exists(url):
         raise ArgsError(f"images: no such directory {url}{storage.nearest_sibling(url)}")
-    fs, root = storage.filesystem(url)
     exts = IMAGE_EXTS | (VIDEO_EXTS if video else set())
-    names = sorted(Path(p).name for p in fs.ls(root, detail=False) if Path(p).suffix.lower() in exts)
+    names = [name for name in storage.list_names(url) if Path(name).suffix.lower() in exts]
     if not names:
         raise ArgsError(f"images: {url} holds no {'image or clip' if video else 'image'} ({', '.join(sorted(exts))})")
     return names

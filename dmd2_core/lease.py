@@ -190,30 +190,15 @@ class _ObjectStore:
 
     def __init__(self, save_url: str):
         self.url = lease_url(save_url)
-        path = storage.filesystem(self.url)[1]
-        self.bucket, _, self.key = path.partition("/")
         self.etag: Optional[str] = None
 
     def _call(self, method: str, **kw):
-        return storage.retrying(lambda: storage.filesystem(self.url)[0].call_s3(method, Bucket=self.bucket, Key=self.key, **kw),
-                                f"lease {method} {self.url}")
+        return storage.s3_call(self.url, method, f"lease {method} {self.url}", **kw)
 
     def _get(self) -> tuple[Optional[dict], Optional[str]]:
         """The record and its ETag, from one GetObject (so the two always match)."""
-        from fsspec.asyn import sync
-
-        async def get(fs):
-            out = await fs._call_s3("get_object", Bucket=self.bucket, Key=self.key)
-            data = await out["Body"].read()
-            out["Body"].close()
-            return data, out.get("ETag")
-
-        def run():
-            fs = storage.filesystem(self.url)[0]
-            return sync(fs.loop, get, fs)
-
         try:
-            data, etag = storage.retrying(run, f"lease read {self.url}")
+            data, etag = storage.s3_get_object(self.url, f"lease read {self.url}")
         except FileNotFoundError:
             return None, None
         try:

@@ -1,5 +1,5 @@
-"""Eval media: PNG grids of image samples, animated GIFs of video samples, their storage URLs, and
-the eval step of a run (K-step student samples -> media files + digits quality metrics).
+"""Eval media: the eval step of a run (K-step student samples -> media files + digits quality
+metrics), the samples' PNG grids and GIFs (images.py) written to storage, and their browser URLs.
 
 Layout under the run's ``save`` URL::
 
@@ -11,111 +11,27 @@ No Prefect here: the flow turns what ``run_eval`` returns into artifacts.
 
 from __future__ import annotations
 
-import base64
 import io
-import json
-import math
-import struct
 from typing import Any, Optional
 
-import numpy as np
-import torch
 from PIL import Image
 
 from dmd2_core import storage
+from dmd2_core.checks import eval_prompt_indices
+from dmd2_core.data import prompt_texts
+from dmd2_core.images import image_grid, png_bytes, video_media
+from dmd2_core.report import embed
 
-MIN_CELL_PX = 64  # tiny samples (8x8 digits) are upscaled (nearest) to at least this per cell
-PAD_PX = 2
 PRESIGN_EXPIRES_S = 7 * 24 * 3600  # the SigV4 maximum
 
 
-# ---- pictures ---------------------------------------------------------------------------------
-
-def _to_uint8(images: torch.Tensor) -> np.ndarray:
-    """[N, C, H, W] in [-1, 1] -> uint8 [N, H, W, C'] with C' 1 (grey) or 3 (RGB)."""
-    x = torch.as_tensor(images).detach().float().cpu()
-    if x.dim() == 3:
-        x = x.unsqueeze(1)
-    if x.dim() != 4:
-        raise ValueError(f"image_grid: expected images [N, C, H, W], got shape {tuple(x.shape)}")
-    c = x.shape[1]
-    if c >= 3:
-        x = x[:, :3]
-    elif c != 1:
-        x = x.mean(1, keepdim=True)  # not a displayable channel count (e.g. undecoded latents)
-    x = ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    return x.permute(0, 2, 3, 1).numpy()
-
-
-def image_grid(images: torch.Tensor, nrow: int = 8, min_cell: int = MIN_CELL_PX, pad: int = PAD_PX) -> Image.Image:
-    """A grid of images [N, C, H, W] in [-1, 1], ``nrow`` images per row, each upscaled with
-    nearest-neighbour by an integer factor to at least ``min_cell`` pixels (8x8 digits -> 64x64)."""
-    pixels = _to_uint8(images)
-    n, h, w, c = pixels.shape
-    if n == 0:
-        raise ValueError("image_grid: no images")
-    nrow = max(1, min(int(nrow), n))
-    ncol_rows = math.ceil(n / nrow)
-    scale = max(1, math.ceil(min_cell / max(h, w)))
-    ch, cw = h * scale, w * scale
-    mode = "L" if c == 1 else "RGB"
-    grid = Image.new(mode, (nrow * cw + (nrow + 1) * pad, ncol_rows * ch + (ncol_rows + 1) * pad), color=128 if c == 1 else (128, 128, 128))
-    for i in range(n):
-        cell = Image.fromarray(pixels[i, :, :, 0] if c == 1 else pixels[i], mode=mode)
-        if scale > 1:
-            cell = cell.resize((cw, ch), Image.NEAREST)
-        r, col = divmod(i, nrow)
-        grid.paste(cell, (pad + col * (cw + pad), pad + r * (ch + pad)))
-    return grid
-
-
-def png_bytes(img: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG", optimize=True)
-    return buf.getvalue()
-
+# ---- links ------------------------------------------------------------------------------------
 
 def save_png(img: Image.Image, url: str) -> bytes:
     """Write ``img`` as a PNG at the storage URL ``url``; returns the bytes written."""
     data = png_bytes(img)
     storage.write_bytes(url, data)
     return data
-
-
-def video_media(video: torch.Tensor, fps: int = 8) -> bytes:
-    """An animated GIF (looping) of video samples [N, C, F, H, W] in [-1, 1]: frame f shows every
-    sample's frame f side by side. Pass one prompt's samples per call."""
-    v = torch.as_tensor(video).detach().float().cpu()
-    if v.dim() == 4:
-        v = v.unsqueeze(0)
-    if v.dim() != 5:
-        raise ValueError(f"video_media: expected video [N, C, F, H, W], got shape {tuple(v.shape)}")
-    n, frames = v.shape[0], v.shape[2]
-    pictures = []
-    for f in range(frames):
-        grid = image_grid(v[:, :, f], nrow=n)
-        pictures.append(grid.convert("RGB").convert("P", palette=Image.Palette.ADAPTIVE, colors=256))
-    buf = io.BytesIO()
-    pictures[0].save(buf, format="GIF", save_all=True, append_images=pictures[1:],
-                     duration=max(1, round(1000 / max(1, fps))), loop=0, disposal=1)
-    return buf.getvalue()
-
-
-# ---- links ------------------------------------------------------------------------------------
-
-def mime_type(data: bytes) -> str:
-    if data[:6] in (b"GIF87a", b"GIF89a"):
-        return "image/gif"
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "image/webp"
-    if data[:3] == b"\xff\xd8\xff":
-        return "image/jpeg"
-    return "image/png"
-
-
-def data_uri(data: bytes, mime: Optional[str] = None) -> str:
-    """``data:image/png;base64,...`` (the type sniffed from the bytes unless given)."""
-    return f"data:{mime or mime_type(data)};base64,{base64.b64encode(data).decode('ascii')}"
 
 
 def media_url(url: str, expires: int = PRESIGN_EXPIRES_S) -> Optional[str]:
@@ -127,47 +43,16 @@ def media_url(url: str, expires: int = PRESIGN_EXPIRES_S) -> Optional[str]:
     if storage.is_local(text):
         return None
     try:
-        fs, path = storage.filesystem(text)
-        signed = fs.url(path, expires=int(expires))
+        signed = storage.signed_url(text, expires)
     except Exception:  # noqa: BLE001 - a store without signing just gets no browser link
         return None
     return signed if isinstance(signed, str) and signed.startswith(("http://", "https://")) else None
-
-
-# ---- prompts ----------------------------------------------------------------------------------
-
-def prompt_texts(prompts_url: Optional[str]) -> list[str]:
-    """The prompt texts of a prompt set, read from the safetensors header alone (no tensors are
-    loaded, so a large embedding file costs one small read)."""
-    from dmd2_core.data import DIGITS, digits_prompt_set
-
-    if prompts_url is None or prompts_url == DIGITS:
-        return list(digits_prompt_set().prompts)
-    fs, path = storage.filesystem(prompts_url)
-    with fs.open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-    texts = json.loads((header.get("__metadata__") or {}).get("prompts", "[]"))
-    if texts:
-        return list(texts)
-    shape = header.get("prompt_embeds", {}).get("shape") or [0]
-    return [f"prompt {i}" for i in range(int(shape[0]))]
 
 
 # ---- the eval step of a run -------------------------------------------------------------------
 
 def media_stem(save_url: str, iteration: int) -> str:
     return storage.join(save_url, "media", f"iter_{int(iteration):07d}")
-
-
-def eval_prompt_indices(args, num_prompts: int) -> list[int]:
-    indices = list(args.eval_prompts) if args.eval_prompts else list(range(num_prompts))
-    bad = [i for i in indices if not 0 <= i < num_prompts]
-    if bad:
-        from dmd2_core.args import ArgsError
-
-        raise ArgsError(f"eval_prompts: index {bad[0]} out of range for {num_prompts} prompts")
-    return indices
 
 
 def run_eval(run, iteration: int, embed_limit: int = 512 * 1024) -> dict[str, Any]:
@@ -238,8 +123,6 @@ def av_media_of(samples: dict, j: int, stem: str, caption: str, embed_limit: int
 def _publish(url: str, data: bytes, caption: str, embed_limit: int) -> dict[str, Any]:
     """Write a medium; say how it embeds (``report.embed``: whole when local and small, else a
     thumbnail data URI linked to the full file)."""
-    from dmd2_core.report import embed
-
     storage.write_bytes(url, data)
     browser_url = media_url(url)
     shown = embed(url, data, browser_url, embed_limit)

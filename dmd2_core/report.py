@@ -1,6 +1,6 @@
 """What a person reads about a run: the metrics log ({save}/metrics.jsonl, strict JSON), the short
-metrics table, the plot, thumbnails and the run summary's markdown. No Prefect here: the flow
-turns these into artifacts (tasks/artifacts.py).
+metrics table, the plot, how media embed and the run summary's markdown. No Prefect here: the flow
+turns these into artifacts (flows/artifacts.py).
 
 Strict JSON: every line of the metrics log parses with any JSON reader. A non-finite float
 (NaN, +-inf) is written as ``null`` and its key is listed in the row's ``nonfinite`` field, so a
@@ -15,6 +15,7 @@ import math
 from typing import Any, Iterable, Optional
 
 from dmd2_core import storage
+from dmd2_core.images import data_uri, thumbnail
 
 METRICS_NAME = "metrics.jsonl"
 SEGMENTS_DIR = "metrics"
@@ -23,7 +24,6 @@ QUALITY_KEYS = ("fd", "acc", "diversity")
 TABLE_COLUMNS = ("iteration", "dmd2_loss", "critic_loss", "dmd2_grad_norm", "actor_grad_norm",
                  "fd", "iteration_s")
 SIGNIFICANT = 4
-THUMBNAIL_PX = 256  # longest side of an embedded thumbnail
 EMBED_LIMIT = 512 * 1024  # local media up to this many bytes are embedded whole
 
 
@@ -109,14 +109,7 @@ class MetricsLog:
 
 def _segment_urls(save_url: str) -> list[str]:
     root = storage.join(save_url, SEGMENTS_DIR)
-    try:
-        fs, path = storage.filesystem(root)
-        if not fs.exists(path):
-            return []
-        names = sorted(p for p in fs.ls(path, detail=False) if p.rstrip("/").rpartition("/")[2].startswith("iter_"))
-    except FileNotFoundError:
-        return []
-    return [storage.join(root, n.rstrip("/").rpartition("/")[2]) for n in names]
+    return [storage.join(root, name) for name in storage.list_names(root) if name.startswith("iter_")]
 
 
 def read_metrics(save_url: str) -> list[dict]:
@@ -205,19 +198,6 @@ def plot_png(rows: list[dict], title: str = "") -> Optional[bytes]:
 
 # ---- media embedding --------------------------------------------------------------------------
 
-def thumbnail(data: bytes, max_px: int = THUMBNAIL_PX) -> bytes:
-    """A small PNG of an image (the first frame of a GIF), its longest side at most ``max_px``."""
-    from PIL import Image
-
-    img = Image.open(io.BytesIO(data))
-    img.seek(0)
-    img = img.convert("RGB") if img.mode not in ("L", "RGB") else img.copy()
-    img.thumbnail((max_px, max_px), Image.NEAREST)
-    buf = io.BytesIO()
-    img.save(buf, format="PNG", optimize=True)
-    return buf.getvalue()
-
-
 def embed(url: str, data: bytes, browser_url: Optional[str], embed_limit: int = EMBED_LIMIT) -> dict:
     """How a medium shows in an artifact, by where it is stored:
 
@@ -227,8 +207,6 @@ def embed(url: str, data: bytes, browser_url: Optional[str], embed_limit: int = 
     - no browser link, too large: a thumbnail as a data URI.
 
     Returns {src (data URI), link (browser URL or None), url (storage URL), full (bool)}."""
-    from dmd2_core.media import data_uri
-
     if not browser_url and len(data) <= embed_limit:
         return {"src": data_uri(data), "link": None, "url": url, "full": True}
     return {"src": data_uri(thumbnail(data), "image/png"), "link": browser_url, "url": url, "full": False}
@@ -281,8 +259,6 @@ def summary_markdown(s: dict) -> str:
     {iteration, fd, acc, diversity, dmd2_loss, critic_loss}), media (list of embed() dicts with
     caption), media_iteration, plot (PNG bytes or None), checkpoint ({iteration, trainers, tracker}),
     student (URL), metrics_url."""
-    from dmd2_core.media import data_uri
-
     out = [f"# {s['name']}", ""]
     out.append(f"**{s.get('status', 'running')}**: iteration {s['iteration']} of {s['final']}"
                + (f" (resumed after {s['start']})" if s.get("start") else "") + ".")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -131,6 +132,19 @@ def exists(url: str) -> bool:
     return retrying(run, f"exists {url}")
 
 
+def list_names(url: str) -> list[str]:
+    """Names of the entries directly under ``url``, sorted ([] when there is no such directory)."""
+    def run():
+        fs, path = filesystem(url)
+        if not fs.exists(path):
+            return []
+        return sorted(p.rstrip("/").rpartition("/")[2] for p in fs.ls(path, detail=False))
+    try:
+        return retrying(run, f"list {url}")
+    except FileNotFoundError:
+        return []
+
+
 def nearest_sibling(url: str) -> str:
     """'; did you mean ...?' naming the closest existing entry beside a missing ``url``, or ''."""
     import difflib
@@ -153,6 +167,43 @@ def read_bytes(url: str) -> bytes:
         with fs.open(path, "rb") as f:
             return f.read()
     return retrying(run, f"read {url}")
+
+
+class SafetensorsHeaderError(ValueError):
+    """A file whose safetensors header is missing or unreadable; the message says why."""
+
+
+MAX_SAFETENSORS_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
+
+
+def read_safetensors_header(url: str) -> tuple[dict, int]:
+    """The JSON header of a safetensors file and the size of the data after it, read with
+    bounded memory (one small read, also on S3): an 8-byte length, then a header within the file.
+    Raises SafetensorsHeaderError when the file holds no such header."""
+    fs, path = filesystem(url)
+    size = int(retrying(lambda: fs.size(path), f"stat {url}"))
+
+    def read_header():
+        with fs.open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return head, None
+            n = int.from_bytes(head, "little")
+            if n <= 0 or n > min(MAX_SAFETENSORS_HEADER_BYTES, size - 8):
+                return head, n
+            return head, f.read(n)
+    head, header = retrying(read_header, f"read {url}")
+    if len(head) < 8:
+        raise SafetensorsHeaderError(f"{size} bytes, shorter than a header")
+    if not isinstance(header, bytes):
+        raise SafetensorsHeaderError(f"header length {header} does not fit a {size}-byte file")
+    try:
+        entries = json.loads(header)
+        if not isinstance(entries, dict):
+            raise ValueError("header is not a JSON object")
+    except ValueError as exc:
+        raise SafetensorsHeaderError(f"unreadable header: {_one_line(exc)}") from None
+    return entries, size - 8 - len(header)
 
 
 def sha256(url: str, chunk: int = 8 << 20) -> str:
@@ -240,6 +291,39 @@ def staged_dir(url: str) -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="dmd2-stage-") as tmp:
         yield Path(tmp)
         upload_dir(tmp, url)
+
+
+def signed_url(url: str, expires: int) -> str:
+    """The store's presigned http(s) URL of ``url``, valid ``expires`` seconds (raises where the
+    store cannot sign)."""
+    fs, path = filesystem(url)
+    return fs.url(path, expires=int(expires))
+
+
+def s3_call(url: str, method: str, what: str | None = None, **kw) -> dict:
+    """One S3 API call (``put_object``, ``delete_object``, ...) on the object at the s3:// ``url``,
+    retried: for what the file API cannot express, such as conditional writes."""
+    bucket, _, key = filesystem(url)[1].partition("/")
+    return retrying(lambda: filesystem(url)[0].call_s3(method, Bucket=bucket, Key=key, **kw), what or f"{method} {url}")
+
+
+def s3_get_object(url: str, what: str | None = None) -> tuple[bytes, str | None]:
+    """The body and ETag of the object at the s3:// ``url`` from one GetObject (so the two always
+    match), retried. Raises FileNotFoundError when there is no such object."""
+    from fsspec.asyn import sync
+
+    bucket, _, key = filesystem(url)[1].partition("/")
+
+    async def get(fs):
+        out = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+        data = await out["Body"].read()
+        out["Body"].close()
+        return data, out.get("ETag")
+
+    def run():
+        fs = filesystem(url)[0]
+        return sync(fs.loop, get, fs)
+    return retrying(run, what or f"read {url}")
 
 
 def remove(url: str) -> None:

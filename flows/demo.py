@@ -10,11 +10,16 @@ import argparse
 import sys
 import time
 
-from flows.dmd2 import dmd2  # sets the Prefect/Ray environment defaults first
-from flows.teacher import teacher
+from flows.environment import configure_environment
 
-from dmd2_core.args import load_args
-from dmd2_core.evaluation import format_table
+if __name__ == "__main__":  # Prefect and Ray read these settings when they are imported
+    configure_environment()
+
+from flows.dmd2 import dmd2  # noqa: E402
+from flows.teacher import teacher  # noqa: E402
+
+from dmd2_core.args import load_args  # noqa: E402
+from dmd2_core.evaluation import format_table  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -17,30 +17,16 @@ queued by the task before it (DistillRun starts every phase Ray can order ahead)
 never wait for Prefect between tasks.
 
 Logs: one INFO line per iteration (losses and time) on the flow run; task runs log at WARNING.
-Artifacts (tasks/artifacts.py): a run summary, a short metrics table and a progress bar, updated in
+Artifacts (flows/artifacts.py): a run summary, a short metrics table and a progress bar, updated in
 place. The full metrics go to ``{save}/metrics.jsonl`` (strict JSON; dmd2_core/report.py).
 """
 
 from __future__ import annotations
 
-import os
+from flows.environment import configure_environment
 
-# A Prefect server on the trainers' own machine (the one a CLI run starts, or serve's
-# --local-server) records task runs from their events in batches: one database write per event
-# (Prefect's default) took ~60% of its CPU, ~70 ms per iteration taken from the trainers
-# (bench/README.md, orchestration cost). Task states then reach the UI up to a second later.
-LOCAL_SERVER_ENV = {
-    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
-    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
-}
-
-for _key, _value in {
-    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
-    **LOCAL_SERVER_ENV,
-}.items():
-    os.environ.setdefault(_key, _value)
+if __name__ == "__main__":  # the CLI: Prefect and Ray read these settings when they are imported
+    configure_environment()
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
@@ -64,10 +50,12 @@ from dmd2_core.args import Args, ArgsError, load_args, parse_set  # noqa: E402
 from dmd2_core.distill import DistillRun  # noqa: E402
 from dmd2_core.finite import NonFiniteError  # noqa: E402
 from dmd2_core.lease import LeaseLostError  # noqa: E402
-from dmd2_core.storage import StorageUnavailableError  # noqa: E402
 from dmd2_core.models import CheckpointError  # noqa: E402
+from dmd2_core.schedule import Schedule  # noqa: E402
+from dmd2_core.storage import StorageUnavailableError  # noqa: E402
 from dmd2_core.report import METRICS_NAME, QUALITY_KEYS, MetricsLog  # noqa: E402,F401
-from tasks import artifacts, registry  # noqa: E402
+from flows import artifacts  # noqa: E402
+from tasks import registry  # noqa: E402
 from tasks.checkpoint import checkpoint  # noqa: E402
 from tasks.eval import eval_media  # noqa: E402
 from tasks.phases import critic_train_and_score, rollout, sleep_groups, student_train  # noqa: E402
@@ -141,7 +129,7 @@ class Driver:
         self.t0 = time.perf_counter()
         self.start = run.start()
         self.final = max(self.start, args.num_iterations)
-        self.evaluating = args.eval_interval > 0
+        self.schedule = run.schedule = Schedule.of(args, final=self.final)
         self.last_eval: Optional[int] = None
         self.last_ckpt: Optional[int] = self.start if (self.start and args.load_url == args.save) else None
         self.requested_ckpt: Optional[int] = self.last_ckpt
@@ -209,16 +197,10 @@ class Driver:
         self.artifacts.progress(i, force=True)
 
     # ---- one iteration ----
-    def evals_at(self, i: int) -> bool:
-        return self.evaluating and (i % self.args.eval_interval == 0 or i == self.final)
-
-    def saves_at(self, i: int) -> bool:
-        return bool(self.args.save_interval and i % self.args.save_interval == 0) or i == self.final
-
     def follows_directly(self, i: int) -> bool:
         """Iteration i+1 comes right after i, with no eval or checkpoint between them: its rollout
         may start while iteration i's last task is still finishing."""
-        return i < self.final and not (self.evals_at(i) or self.saves_at(i))
+        return self.schedule.follows_directly(i)
 
     def phases(self, i: int) -> list[tuple[Any, tuple]]:
         """The iteration's tasks; the sleep tasks only where the groups sleep (on cuda by default)."""
@@ -237,13 +219,13 @@ class Driver:
         self._saved(metrics)
         metrics["iteration_s"] = time.perf_counter() - t
         row = self.log.update(i, metrics)
-        milestone = self.evals_at(i) or self.saves_at(i)
-        if self.evals_at(i):
+        evals, saves = self.schedule.evals_at(i), self.schedule.saves_at(i)
+        if evals:
             self.eval(i)
-        if self.saves_at(i):
-            self.checkpoint(i, wait=i == self.final)
+        if saves:
+            self.checkpoint(i, wait=self.schedule.waits_at(i))
         self.log.update(i, {"wall_time": time.time()})
-        if milestone:
+        if evals or saves:
             self.publish(i)
         else:
             self.log.write()
@@ -259,18 +241,18 @@ class Driver:
             f"device(s), K={args.dmd2_student_steps}, batch {args.global_batch_size}, save {args.save}"
             + (f" (resumed after iteration {self.start})" if self.start else "")
             + f"; groups up in {time.perf_counter() - self.t0:.1f}s; windows of {args.iterations_per_window}")
-        if self.evaluating:
+        if self.schedule.evaluating:
             self.result["quality_before"] = self.eval(self.start) or None
             self.publish(self.start)
         for first, last in windows(self.start, self.final, args.iterations_per_window):
             iterations.with_options(flow_run_name=f"iterations-{first:04d}-{last:04d}")(self.run_id, first, last)
-        if self.evaluating and self.last_eval != self.final:
+        if self.schedule.evaluating and self.last_eval != self.final:
             self.eval(self.final)
         if self.requested_ckpt != self.final:
             self.checkpoint(self.final, wait=True)
         final_row = dict(self.log.rows.get(self.final, {"iteration": self.final}))
         self.result["final_metrics"] = final_row
-        if self.evaluating:
+        if self.schedule.evaluating:
             self.result["quality_after"] = {k: final_row[k] for k in QUALITY_KEYS if k in final_row} or None
             b, a = self.result.get("quality_before"), self.result.get("quality_after")
             if b and a:
@@ -328,6 +310,7 @@ def dmd2(
         prompts: Prompt-embedding set (safetensors URL) or 'digits'; default the recipe's.
         seed: Seed of every random draw; default the recipe's.
     """
+    configure_environment()  # where a worker or serve starts the run: before Ray is imported
     logger = get_run_logger()
     args = resolve_args(recipe, overrides, num_iterations=num_iterations, hf_checkpoint=hf_checkpoint,
                         save=save, prompts=prompts, seed=seed)

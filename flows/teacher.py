@@ -5,11 +5,12 @@
 
 from __future__ import annotations
 
-import argparse
-import os
+from flows.environment import configure_environment
 
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+if __name__ == "__main__":  # Prefect reads these settings when it is imported
+    configure_environment()
+
+import argparse  # noqa: E402
 
 import torch  # noqa: E402
 from prefect import flow, get_run_logger, task  # noqa: E402

@@ -1,5 +1,5 @@
 """Eval task: student samples -> media files (+ digits metrics). The flow puts the result into the
-run summary (tasks/artifacts.py)."""
+run summary (flows/artifacts.py)."""
 
 from __future__ import annotations
 

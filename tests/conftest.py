@@ -14,6 +14,8 @@ import uuid
 import pytest
 import torch
 
+from flows.environment import ENVIRONMENT_DEFAULTS, free_port, local_prefect_server
+
 
 def _set_env(monkeypatch_env: dict, values: dict) -> None:
     for key, value in values.items():
@@ -33,12 +35,7 @@ def _restore_env(saved: dict) -> None:
 def _test_environment(tmp_path_factory):
     """Quiet, local, single-threaded settings every test and child process inherits."""
     saved: dict = {}
-    _set_env(saved, {
-        "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-        "DMD2_CACHE_DIR": str(tmp_path_factory.mktemp("dmd2-cache")),
-    })
+    _set_env(saved, {**ENVIRONMENT_DEFAULTS, "DMD2_CACHE_DIR": str(tmp_path_factory.mktemp("dmd2-cache"))})
     torch.set_num_threads(1)
     yield
     _restore_env(saved)
@@ -185,17 +182,7 @@ def short_teacher(tmp_path_factory):
 def prefect_server(tmp_path_factory):
     """One real `prefect server start` (free loopback port, own PREFECT_HOME, no UI) shared by the
     tests that need a real server. Yields (api_url, env for child processes)."""
-    import signal
-    import socket
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-    from pathlib import Path
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     home = tmp_path_factory.mktemp("prefect-server")
     api = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
@@ -209,28 +196,5 @@ def prefect_server(tmp_path_factory):
         "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
         "PYTHONUNBUFFERED": "1",
     })
-    log = home / "server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1",
-                                 "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"prefect server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{api}/health", timeout=2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"prefect server not up after 120 s:\n{log.read_text()[-3000:]}") from None
-                time.sleep(0.5)
+    with local_prefect_server(port, env=env, log=home / "server.log"):
         yield api, env
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)

@@ -23,7 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dmd2_core.media import data_uri, image_grid, media_url, png_bytes, video_media
+from dmd2_core.images import data_uri, image_grid, png_bytes, video_media
+from dmd2_core.media import media_url
+from flows.environment import wait_http
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -94,7 +96,7 @@ def read_flow_run(flow_run_id):
 
 def read_task_runs(flow_run_id, settle_s: float = 1.5, timeout_s: float = 30.0) -> list:
     """The task runs of a flow run and of its window subflows, once the server has recorded them
-    all: the server writes task runs from events in batches (flows.dmd2.LOCAL_SERVER_ENV), so read
+    all: the server writes task runs from events in batches (flows.environment.LOCAL_SERVER_ENV), so read
     until every run is final and nothing changed for ``settle_s``."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
@@ -327,23 +329,6 @@ def test_flow_on_s3_shows_presigned_media(harness, tiny_teacher, s3_bucket):
 
 # ---- a served deployment against a real Prefect server -----------------------------------------
 
-def _wait_http(url: str, timeout: float, proc: subprocess.Popen, log: Path) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"process exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except Exception:  # noqa: BLE001 - not up yet
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"{url} not up after {timeout}s:\n{log.read_text()[-3000:]}")
-
-
 def _stop(proc: subprocess.Popen) -> None:
     """SIGTERM to a process this test started; if it lingers, SIGKILL its own session (it was
     started in a new one, so that holds only it and its children)."""
@@ -386,8 +371,8 @@ def served(prefect_server, tmp_path_factory):
         proc = subprocess.Popen([sys.executable, "-m", "deployments.serve"], env=env, cwd=REPO, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait_http(f"{api}/deployments/name/dmd2/tiny", 90, proc, log)
-        _wait_http(f"{api}/deployments/name/dmd2/minimax-h3", 30, proc, log)
+        wait_http(f"{api}/deployments/name/dmd2/tiny", 90, proc, log)
+        wait_http(f"{api}/deployments/name/dmd2/minimax-h3", 30, proc, log)
         yield api, env, proc, log
     finally:
         _stop(proc)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from dmd2_core import report, storage
-from dmd2_core.media import image_grid, png_bytes
+from dmd2_core import images, report, storage
+from dmd2_core.images import image_grid, png_bytes
 
 
 def test_metrics_log_is_strict_json_with_constant_cost_segments(tmp_path, monkeypatch):
@@ -86,12 +86,12 @@ def test_embedding_rules():
     for shown in (large, s3):
         assert not shown["full"] and shown["src"].startswith("data:image/png;base64,")
         thumb = Image.open(io.BytesIO(__import__("base64").b64decode(shown["src"].split(",", 1)[1])))
-        assert max(thumb.size) <= report.THUMBNAIL_PX
+        assert max(thumb.size) <= images.THUMBNAIL_PX
     assert s3["link"].startswith("https://") and large["link"] is None
     gif = io.BytesIO()
     frames = [Image.new("RGB", (600, 300), (i * 40, 0, 0)) for i in range(3)]
     frames[0].save(gif, format="GIF", save_all=True, append_images=frames[1:])
-    thumb = Image.open(io.BytesIO(report.thumbnail(gif.getvalue())))
+    thumb = Image.open(io.BytesIO(images.thumbnail(gif.getvalue())))
     assert thumb.format == "PNG" and thumb.size == (256, 128)
 
 
@@ -125,7 +125,7 @@ def test_summary_markdown_reads_top_down():
 
 def test_windows_and_names():
     from flows.dmd2 import run_display_name, windows
-    from tasks.artifacts import artifact_keys
+    from flows.artifacts import artifact_keys
 
     assert windows(0, 250, 100) == [(1, 100), (101, 200), (201, 250)]
     assert windows(137, 300, 100) == [(138, 200), (201, 300)]

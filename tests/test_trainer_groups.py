@@ -11,6 +11,7 @@ import torch
 from dmd2_core import checkpoint, parallel
 from dmd2_core.args import ArgsError
 from dmd2_core.distill import DistillRun, preflight
+from dmd2_core.saves import SaveTracker
 from dmd2_core.trainer import Trainer
 from dmd2_core.trainer_config import TrainerConfig, compute_trainer_args
 from tests.conftest import tiny_args
@@ -211,7 +212,7 @@ def _recording_run(sleeping: bool, fail: str = "") -> tuple[DistillRun, list]:
     run.args = tiny_args("unused", "unused").model_copy(update={"sleep_after_train": sleeping})
     run.trainer_args = {"actor": run.args, "critic": run.args}
     run.groups = {"actor": _RecordingGroup("actor", log), "critic": _RecordingGroup("critic", log, fail)}
-    run.handoff, run.started, run.broken, run.pending_save = {}, {}, False, None
+    run.handoff, run.started, run.broken, run.lease, run.saves = {}, {}, False, None, SaveTracker(run.args)
     run.done = (0, 5)
     run.rollout_ahead = lambda iteration: iteration < 2
     return run, log

@@ -1,0 +1,95 @@
+"""Preflight: everything about a run that can be checked before an actor starts (checkpoints,
+hooks, prompt and real sets, the memory plan, the resume point, the save URL's lease and
+writability), and where a (re)start resumes from."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+from dmd2_core import checkpoint, checks, lease, memory, storage
+from dmd2_core.args import Args, ArgsError
+from dmd2_core.data import check_real_set, prompt_texts
+from dmd2_core.hooks import load_hook
+from dmd2_core.models import FAMILIES, describe_checkpoint
+from dmd2_core.trainer_config import compute_trainer_args, compute_trainer_configs
+
+
+def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
+    """Everything that can be checked before an actor starts: checkpoints, hooks, prompts and the
+    resume point. Returns each trainer's args (shift resolved). Raises ArgsError / CheckpointError."""
+    for key, what in (("hf_checkpoint", "the teacher's diffusers model directory"),
+                      ("prompts", "a prompt-embedding set (safetensors) or 'digits'"),
+                      ("save", "the run's storage URL")):
+        if not getattr(args, key):
+            raise ArgsError(f"{key} is not set: point it at {what}")
+    checks.check_ray_address(args.ray_address)
+    teacher = describe_checkpoint(args.hf_checkpoint)
+    args = checks.check_family_args(args, teacher)
+    if FAMILIES[teacher["family"]].is_video and not args.latent_shape:
+        raise ArgsError(f"latent_shape: {args.hf_checkpoint} is a video model ({teacher['family']}); "
+                        "set latent_shape to its latents' [C, F, H, W]")
+    checks.check_latent_shape(args, teacher)
+    if args.dmd2_shift is None:
+        args = args.model_copy(update={"dmd2_shift": teacher["shift"]})
+    if args.global_batch_size % args.num_devices:
+        raise ArgsError(f"global_batch_size: {args.global_batch_size} is not divisible by num_devices {args.num_devices}")
+    trainer_args = {}
+    for cfg in compute_trainer_configs(args):
+        targs = compute_trainer_args(args, cfg)
+        describe_checkpoint(targs.hf_checkpoint)
+        if targs.loss_type == "dmd2_critic":
+            describe_checkpoint(targs.teacher_checkpoint or targs.hf_checkpoint)
+        if targs.train_input_hook_path:
+            flag = "critic_train_input_hook_path" if cfg.role == "critic" else "train_input_hook_path"
+            load_hook(targs.train_input_hook_path, flag=flag)
+        trainer_args[cfg.role] = targs
+    if args.prompts != "digits":
+        if not storage.exists(args.prompts):
+            raise ArgsError(f"prompts: no prompt set at {args.prompts}{storage.nearest_sibling(args.prompts)}")
+        checks.check_prompt_set(args.prompts, needs_negative=args.dmd2_guidance_scale != 1.0,
+                                cond_keys=FAMILIES[teacher["family"]].cond_keys)
+    checks.eval_prompt_indices(args, len(prompt_texts(args.prompts)))
+    if "critic" in trainer_args and args.gan_critic_weight:
+        _check_gan(trainer_args["critic"])
+    if memory.device_limit(args) is not None:
+        memory.check(memory.plan(trainer_args))
+    source = resume_url(args)
+    resumed = checkpoint.validate_resume(source, list(trainer_args))
+    if resumed is None and args.load and args.load != args.save:
+        raise checkpoint.CheckpointLoadError(
+            f"load: no checkpoint at {args.load} (no {checkpoint.TRACKER_NAME})"
+            f"{storage.nearest_sibling(args.load)}")
+    # a finished run rerun (its own save at num_iterations) completes at once; anything else that
+    # starts at or past num_iterations would train nothing and report Completed
+    if resumed is not None and (resumed > args.num_iterations or (resumed == args.num_iterations and source != args.save)):
+        raise ArgsError(f"num_iterations: {args.num_iterations} does not go beyond iteration {resumed} of the checkpoint "
+                        f"at {source}, where this run starts; iterations count on from it (set num_iterations to "
+                        f"{resumed + max(args.num_iterations, 1)} for {max(args.num_iterations, 1)} more)")
+    checks.check_local_devices(args, len(trainer_args))
+    lease.check(args.save, owner, args.lease_timeout_s)  # one run per save URL
+    checks.probe_write(args.save)  # last: nothing is written for input that fails earlier
+    return trainer_args
+
+
+def _check_gan(critic: Args) -> None:
+    """The GAN head's feature block exists and the real set fits the model and the prompts."""
+    info = describe_checkpoint(critic.hf_checkpoint)
+    config = json.loads(storage.read_text(storage.join(info["transformer_url"], "config.json")))
+    family = FAMILIES[info["family"]]
+    blocks = int(config.get("num_layers", 0))
+    if critic.gan_feature_block is not None and not -blocks <= critic.gan_feature_block < blocks:
+        raise ArgsError(f"gan_feature_block: {critic.gan_feature_block} out of range for {blocks} blocks of {critic.hf_checkpoint}")
+    shape = family.sample_shape(SimpleNamespace(config=SimpleNamespace(**config)), critic.latent_shape)
+    try:
+        check_real_set(critic.real_data, shape, critic.prompts, family.cond_keys)
+    except ValueError as exc:
+        raise ArgsError(str(exc)) from None
+
+
+def resume_url(args: Args) -> str:
+    """Where a (re)start resumes from: the run's own save once it has a checkpoint there (a retry
+    or a rerun continues the run), else ``load`` (a fine-tune from another run)."""
+    if args.save and checkpoint.read_tracker(args.save) is not None:
+        return args.save
+    return args.load_url

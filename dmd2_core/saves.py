@@ -1,0 +1,65 @@
+"""A run's checkpoints from 'every trainer saved' to 'the tracker names them'. Each role's group
+saves (each rank its own shards); the tracker moves only once every role's save is durable: at
+once for synchronous saves, for an asynchronous one when a later poll, the next save or a wait
+finds it written. Then retention prunes older checkpoints and exports."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from dmd2_core import checkpoint
+from dmd2_core import export as exporting
+from dmd2_core.args import Args
+
+
+class SaveTracker:
+    def __init__(self, args: Args):
+        self.args = args
+        self.pending: Optional[int] = None  # the iteration of an asynchronous save not yet tracked
+        self.tracked: Optional[dict] = None  # the latest tracked checkpoint: iteration, trainer dirs
+
+    def save(self, groups: dict[str, Any], lease, iteration: int, export: bool, wait: bool) -> dict:
+        """Every group saves ``iteration`` (the actor also exports the student when ``export``).
+        Returns the blocked time and, once tracked, the save's time."""
+        start = time.perf_counter()
+        lease.ensure()
+        metrics = self.finish(groups, lease, wait=True)  # a later save waits for the earlier one
+        out = {role: group.call("save", iteration, export and role == "actor") for role, group in groups.items()}
+        self.pending = iteration
+        metrics["checkpoint_blocked_s"] = time.perf_counter() - start
+        if all("save_s" in o for outs in out.values() for o in outs):
+            metrics.update(self.track(lease, iteration, out))
+        elif wait:
+            metrics.update(self.finish(groups, lease, wait=True))
+        return metrics
+
+    def finish(self, groups: dict[str, Any], lease, wait: bool) -> dict:
+        """Track the save in flight if every role's part of it is durable (``wait``: wait for it)."""
+        if self.pending is None:
+            return {}
+        status = {role: group.call("save_status", wait) for role, group in groups.items()}
+        if any(s is None or "pending" in s for outs in status.values() for s in outs):
+            return {}
+        return self.track(lease, self.pending, status)
+
+    def forget(self) -> None:
+        """The groups that were writing the save in flight are gone: it is never tracked."""
+        self.pending = None
+
+    def track(self, lease, iteration: int, done: dict[str, list[dict]]) -> dict:
+        """Every role's save of ``iteration`` is durable: move the tracker, then apply retention."""
+        lease.ensure()  # never move the tracker of a URL another run took over
+        checkpoint.write_tracker(self.args.save, iteration, roles=list(done))
+        self.pending = None
+        self.tracked = {"iteration": iteration, "trainers": {role: outs[0]["url"] for role, outs in done.items()}}
+        pruned = checkpoint.prune(self.args.save, list(done), self.args.keep_last_n)
+        exported = {k: v for k, v in done.get("actor", [{}])[0].items() if k.startswith("export_")}
+        if exported:
+            self.tracked["export"] = exported["export_url"]
+            exporting.prune_exports(exporting.exports_root(self.args.save), self.args.keep_exports,
+                                    protect=[exported["export_url"]])
+        return {"checkpoint": self.tracked, "checkpoint_iteration": iteration, **exported,
+                "checkpoint_save_s": max(o["save_s"] for outs in done.values() for o in outs),
+                "checkpoint_bytes_per_rank": max(o["bytes"] for outs in done.values() for o in outs),
+                "checkpoints_pruned": len(pruned)}
