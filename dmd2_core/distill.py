@@ -17,7 +17,6 @@ from statistics import fmean
 from typing import Any, Callable, Optional
 
 from dmd2_core import checkpoint, checks, lease, memory
-from dmd2_core import export as exporting
 from dmd2_core.args import Args, ArgsError
 from dmd2_core.finite import NonFiniteError
 from dmd2_core.hooks import load_hook
@@ -382,8 +381,8 @@ class DistillRun:
         exported = {k: v for k, v in done.get("actor", [{}])[0].items() if k.startswith("export_")}
         if exported:
             self.tracked["export"] = exported["export_url"]
-            exporting.prune_exports(exporting.exports_root(self.args.save), self.args.keep_exports,
-                                    protect=[exported["export_url"]])
+            checkpoint.prune_exports(checkpoint.exports_root(self.args.save), self.args.keep_exports,
+                                     protect=[exported["export_url"]])
         return {"checkpoint": self.tracked, "checkpoint_iteration": iteration, **exported,
                 "checkpoint_save_s": max(o["save_s"] for outs in done.values() for o in outs),
                 "checkpoint_bytes_per_rank": max(o["bytes"] for outs in done.values() for o in outs),

@@ -516,7 +516,7 @@ class Trainer:
         if export:
             run_write = functools.partial(_in_background, name=f"dmd2-export-{iteration}") if self.args.async_save else _done
             self._pending_export = exporting.export_student(
-                exporting.export_url(self.args.save, iteration), self.model, teacher_url=self.args.hf_checkpoint,
+                checkpoint.export_url(self.args.save, iteration), self.model, teacher_url=self.args.hf_checkpoint,
                 shift=self.shift, num_steps=self.args.dmd2_student_steps,
                 export_dtype=getattr(torch, self.args.export_dtype or self.args.dtype), ema=self.ema,
                 writer=self.rank == 0, iteration=iteration, run_write=run_write)
