@@ -86,6 +86,12 @@ SCORING_STREAM = "scoring"
 
 
 @torch.no_grad()
+def micro_batches(n: int, micro: int):
+    """Slices of ``micro`` rows (the last one may be shorter) covering a batch of ``n`` rows."""
+    for start in range(0, n, micro):
+        yield slice(start, min(start + micro, n))
+
+
 def score(
     family: ModelFamily,
     teacher,

@@ -42,28 +42,18 @@ import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
 from dmd2_core import flow_matching as fm
 from dmd2_core import parallel, storage
+from dmd2_core.checkpoint.layout import EXPORT_MARKER_NAME
 from dmd2_core.models import CheckpointError, describe_checkpoint, family_of, write_transformer
 
-MARKER_NAME = "export.json"
 EXPORT_FORMAT = 1
 SCHEDULER_CLASS = "FlowMatchLCMScheduler"
 ONLINE_DIR = "transformer_online"
-_ITER_RE = re.compile(r"^iter_(\d{7,})$")
-
-
-# ---- layout ----------------------------------------------------------------------------------
-def exports_root(save_url: str) -> str:
-    return storage.join(save_url, "exports")
-
-
-def export_url(save_url: str, iteration: int) -> str:
-    return storage.join(exports_root(save_url), f"iter_{int(iteration):07d}")
 
 
 # ---- the scheduler ---------------------------------------------------------------------------
@@ -192,7 +182,7 @@ def write_export(url: str, model: torch.nn.Module, gathered: dict, *, teacher_ur
                                      iteration=iteration, started=started)
     index, components = _pipeline_index(teacher_url, teacher, family)
 
-    storage.remove(storage.join(url, MARKER_NAME))
+    storage.remove(storage.join(url, EXPORT_MARKER_NAME))
     storage.remove(url)
     transformers = {"transformer": primary}
     if averaged is not None:
@@ -240,7 +230,7 @@ def write_export(url: str, model: torch.nn.Module, gathered: dict, *, teacher_ur
         "verified": bool(verify),
         "verify_s": round(verify_s, 3),
     }
-    storage.write_text(storage.join(url, MARKER_NAME), json.dumps(marker, indent=2) + "\n")
+    storage.write_text(storage.join(url, EXPORT_MARKER_NAME), json.dumps(marker, indent=2) + "\n")
     return {"url": url, "bytes": size, "export_s": export_s, "verify_s": verify_s, "pipeline": marker["pipeline"]}
 
 
@@ -271,7 +261,7 @@ def _write_modular_export(url: str, model, family, online: dict, averaged: Optio
         if value[0] is not None and storage.exists(storage.join(teacher_url, folder)):
             components.append(folder)
     index.pop("transformer_ref", None)
-    storage.remove(storage.join(url, MARKER_NAME))
+    storage.remove(storage.join(url, EXPORT_MARKER_NAME))
     storage.remove(url)
     primary = averaged if averaged is not None else online
     transformers = {"transformer": primary, **({ONLINE_DIR: online} if averaged is not None else {})}
@@ -305,7 +295,7 @@ def _write_modular_export(url: str, model, family, online: dict, averaged: Optio
         "teacher": teacher_url, "pipeline": True, "components": components, "bytes": size,
         "export_s": round(export_s, 3), "verified": bool(verify), "verify_s": round(verify_s, 3),
     }
-    storage.write_text(storage.join(url, MARKER_NAME), json.dumps(marker, indent=2) + "\n")
+    storage.write_text(storage.join(url, EXPORT_MARKER_NAME), json.dumps(marker, indent=2) + "\n")
     return {"url": url, "bytes": size, "export_s": export_s, "verify_s": verify_s, "pipeline": True}
 
 
@@ -347,65 +337,6 @@ def verify_transformer(url: str, family, expected: dict[str, torch.Tensor], dtyp
         if not bool(same.all()):
             fail(f"'{key}' differs from the gathered weights")
     del reloaded
-
-
-# ---- retention -------------------------------------------------------------------------------
-def list_exports(root: str) -> list[dict[str, Any]]:
-    """The export directories named iter_XXXXXXX under ``root``, oldest first:
-    [{"iteration", "url", "complete" (has export.json)}]."""
-    if not storage.exists(root):
-        return []
-
-    def ls():
-        fs, path = storage.filesystem(root)
-        return fs.ls(path, detail=True)
-
-    found = []
-    for entry in storage.retrying(ls, f"list {root}"):
-        if entry.get("type") != "directory":
-            continue
-        name = entry["name"].rstrip("/").rpartition("/")[2]
-        match = _ITER_RE.match(name)
-        if match:
-            url = storage.join(root, name)
-            found.append({"iteration": int(match.group(1)), "url": url,
-                          "complete": storage.exists(storage.join(url, MARKER_NAME))})
-    return sorted(found, key=lambda e: e["iteration"])
-
-
-def latest_exports(save_url: str) -> list[str]:
-    """The complete exports of a run (``{save}/exports/iter_XXXXXXX``), newest first."""
-    return [e["url"] for e in reversed(list_exports(exports_root(save_url))) if e["complete"]]
-
-
-def prune_exports(exports_root: str, keep: int, protect: Iterable[str] = ()) -> list[str]:
-    """Delete all but the newest ``keep`` complete exports under ``exports_root`` (keep=0: keep
-    them all), never one named in ``protect`` (URLs or iter_XXXXXXX names). Incomplete ones
-    (no export.json: a write interrupted midway) older than the newest complete one are
-    removed whatever ``keep`` is; newer ones may be a write under way and are left alone.
-    Each goes marker first, so a half-deleted export never looks complete. Returns the URLs
-    removed."""
-    if keep < 0:
-        raise ValueError(f"keep must be >= 0, got {keep}")
-    protected = {str(p).rstrip("/") for p in protect}
-    protected |= {p.rpartition("/")[2] for p in protected}
-    entries = list_exports(exports_root)
-    complete = [e for e in entries if e["complete"]]
-    newest = complete[-1]["iteration"] if complete else None
-    doomed = []
-    if keep:
-        doomed += complete[:-keep] if len(complete) > keep else []
-    if newest is not None:
-        doomed += [e for e in entries if not e["complete"] and e["iteration"] < newest]
-    removed = []
-    for entry in sorted(doomed, key=lambda e: e["iteration"]):
-        url = entry["url"]
-        if url.rstrip("/") in protected or url.rpartition("/")[2] in protected:
-            continue
-        storage.remove(storage.join(url, MARKER_NAME))
-        storage.remove(url)
-        removed.append(url)
-    return removed
 
 
 # ---- helpers ---------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ Losses (non-saturating, as in the paper and its code):
   softplus(-D)``, the paper's total, whatever the batch and its split over ranks.
 
 The head is small and replicated on every critic rank; its gradient is all-reduced like any
-replicated module's (see ``Trainer._disc_step``).
+replicated module's (see ``Critic._disc_step``).
 """
 
 from __future__ import annotations

@@ -180,47 +180,6 @@ def full_state_dict(model: torch.nn.Module, shards: Optional[Iterable[torch.Tens
     return out
 
 
-def load_full_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor],
-                         shards: Optional[Sequence[torch.Tensor]] = None) -> None:
-    """Copy a whole state (every rank holds it) into this rank's shards: exact, no collective.
-    With ``shards`` (same order as ``model.parameters()``), into those instead of the model."""
-    names = [n for n, _ in model.named_parameters()]
-    expected = set(names) | {n for n, _ in model.named_buffers()}
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise KeyError(f"state does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
-    targets = list(shards) if shards is not None else [p for _, p in model.named_parameters()]
-    with torch.no_grad():
-        for name, target in zip(names, targets):
-            _copy_into(target, state[name])
-        if shards is None:
-            for name, buf in model.named_buffers():
-                _copy_into(buf, state[name])
-
-
-def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
-    if tuple(value.shape) != tuple(target.shape):
-        raise ValueError(f"shape {tuple(value.shape)} does not fit {tuple(target.shape)}")
-    if isinstance(target, DTensor):
-        value = _shard_of(value, target)
-    local(target).copy_(value.to(local(target).dtype))
-
-
-def _shard_of(value: torch.Tensor, like: DTensor) -> torch.Tensor:
-    """This rank's piece of a whole tensor, laid out as ``like`` (Shard(0) on dims of the mesh,
-    chunked like torch.chunk, as FSDP2 does)."""
-    from torch.distributed.tensor import Shard
-
-    piece = value
-    for mesh_dim, placement in enumerate(like.placements):
-        if isinstance(placement, Shard):
-            n = like.device_mesh.size(mesh_dim)
-            idx = like.device_mesh.get_local_rank(mesh_dim)
-            chunks = torch.chunk(piece, n, dim=placement.dim)
-            piece = chunks[idx] if idx < len(chunks) else piece.narrow(placement.dim, 0, 0)
-    return piece
-
-
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     """The global gradient norm (across shards); gradients are scaled down in place when it is
     above ``max_norm`` (torch's clip_grad_norm_ rule)."""
@@ -242,61 +201,3 @@ def rank_bundles(bundle_nodes: Sequence[str]) -> list[int]:
     for index, node in enumerate(bundle_nodes):
         first.setdefault(node, index)
     return sorted(range(len(bundle_nodes)), key=lambda i: (first[bundle_nodes[i]], i))
-
-
-
-def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, keep: bool = True) -> dict:
-    """The optimizer's whole state, keyed by parameter name, on the host (a collective for
-    sharded parameters: every rank calls it, in the same order; ``keep`` as in full_state_dict)."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    state = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p in optimizer.state:
-                values = {k: full(v).detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
-                          for k, v in optimizer.state[p].items()}
-                if keep:
-                    state[names[id(p)]] = values
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-              for g in optimizer.param_groups]
-    return {"state": state, "param_groups": groups}
-
-
-def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Load a whole, name-keyed optimizer state (every rank holds it) into this rank's shards:
-    moments copied exactly, settings (lr, betas, ...) the saved ones; no collective."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    saved_groups = state.get("param_groups") or []
-    if len(saved_groups) != len(optimizer.param_groups):
-        raise ValueError(f"{len(saved_groups)} parameter groups saved, the optimizer has {len(optimizer.param_groups)}")
-    position, by_name, groups = 0, {}, []
-    for saved, group in zip(saved_groups, optimizer.param_groups):
-        current = [names[id(p)] for p in group["params"]]
-        if sorted(saved["params"]) != sorted(current):
-            extra = sorted(set(saved["params"]) ^ set(current))
-            raise ValueError(f"saved parameters do not match the model's (e.g. {extra[:2]})")
-        ids = list(range(position, position + len(current)))
-        by_name.update({n: (i, p) for n, i, p in zip(current, ids, group["params"])})
-        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
-        position += len(current)
-    moments = {}
-    for name, values in state.get("state", {}).items():
-        if name not in by_name:
-            raise ValueError(f"optimizer state for unknown parameter '{name}'")
-        i, p = by_name[name]
-        moments[i] = {k: _shaped_like(v, p, f"optimizer state '{k}' of '{name}'") for k, v in values.items()}
-    optimizer.load_state_dict({"state": moments, "param_groups": groups})
-
-
-def _shaped_like(value, param: torch.Tensor, what: str):
-    """A saved per-parameter tensor as this rank holds it: scalars as they are, moments as the
-    parameter's shard (a DTensor like it when it is one)."""
-    if not isinstance(value, torch.Tensor) or value.dim() == 0:
-        return value
-    if tuple(value.shape) != tuple(param.shape):
-        raise ValueError(f"{what} has shape {tuple(value.shape)}, the parameter {tuple(param.shape)}")
-    if not isinstance(param, DTensor):
-        return value.to(param.device)
-    piece = _shard_of(value, param).to(device=local(param).device, dtype=local(param).dtype).contiguous()
-    return DTensor.from_local(piece, param.device_mesh, param.placements, run_check=False,
-                              shape=param.shape, stride=param.stride())

@@ -9,7 +9,6 @@ import time
 from typing import Any, Optional
 
 from dmd2_core import checkpoint
-from dmd2_core import export as exporting
 from dmd2_core.args import Args
 
 
@@ -57,8 +56,8 @@ class SaveTracker:
         exported = {k: v for k, v in done.get("actor", [{}])[0].items() if k.startswith("export_")}
         if exported:
             self.tracked["export"] = exported["export_url"]
-            exporting.prune_exports(exporting.exports_root(self.args.save), self.args.keep_exports,
-                                    protect=[exported["export_url"]])
+            checkpoint.prune_exports(checkpoint.exports_root(self.args.save), self.args.keep_exports,
+                                     protect=[exported["export_url"]])
         return {"checkpoint": self.tracked, "checkpoint_iteration": iteration, **exported,
                 "checkpoint_save_s": max(o["save_s"] for outs in done.values() for o in outs),
                 "checkpoint_bytes_per_rank": max(o["bytes"] for outs in done.values() for o in outs),

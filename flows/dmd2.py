@@ -44,7 +44,6 @@ import torch  # noqa: E402
 from prefect import flow, get_run_logger  # noqa: E402
 
 from dmd2_core import checkpoint as ckpt  # noqa: E402
-from dmd2_core import export as exporting  # noqa: E402
 from dmd2_core import report  # noqa: E402
 from dmd2_core.args import Args, ArgsError, load_args, parse_set  # noqa: E402
 from dmd2_core.distill import DistillRun  # noqa: E402
@@ -147,7 +146,7 @@ class Driver:
             "media": [], "metrics_url": self.log.url, "checkpoint": None, "student": None,
         }
         if self.last_ckpt:
-            self._note_checkpoint(self.last_ckpt, {}, next(iter(exporting.latest_exports(args.save)), None))
+            self._note_checkpoint(self.last_ckpt, {}, next(iter(ckpt.latest_exports(args.save)), None))
         self.artifacts = artifacts.RunArtifacts(self.keys, self.view, total=self.final, done=self.start)
         run.rollout_ahead = self.follows_directly
 

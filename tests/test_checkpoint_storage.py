@@ -211,37 +211,22 @@ def test_extra_must_survive_weights_only_load(tmp_path):
     assert not (tmp_path / "trainers").exists()
 
 
-def test_format2_checkpoints_still_load(root):
-    """Checkpoints written before sharded saves (whole weights, format 2) resume exactly."""
-    from tests.legacy_checkpoint import save_format2
-
-    model, ema = _model(0), _model(1)
-    opt = _optimizer(model)
-    _step(model, opt, seed=5)
-    save_format2(root, "student", 4, model, opt, SHIFT, ema=list(ema.parameters()), extra={"iteration": 4})
-    ckpt.write_tracker(root, 4)
-    assert ckpt.validate_resume(root, ["student"]) == 4
-    model2, ema2 = _model(9), _model(9)
-    opt2 = _optimizer(model2)
-    assert ckpt.load_trainer(root, "student", 4, model2, opt2, ema=list(ema2.parameters())) == {"iteration": 4}
-    _assert_same_state(model.state_dict(), model2.state_dict())
-    _assert_same_state(ema.state_dict(), ema2.state_dict())
-    _assert_same_optimizer(opt, opt2)
-    # saved again, the run continues in the current format
-    d = _save(root, "student", 5, model2, opt2, ema=list(ema2.parameters()))
-    assert json.loads(storage.read_text(storage.join(d, "complete.json")))["format"] == ckpt.FORMAT
-
-
-def test_a_checkpoint_from_a_newer_format_fails_in_one_line(tmp_path):
+@pytest.mark.parametrize("found, verdict", [(ckpt.FORMAT + 1, "newer"), (2, "older"), (None, "older")])
+def test_a_checkpoint_in_another_format_fails_in_one_line(tmp_path, found, verdict):
+    """Only the current format is read; formats 1 and 2 (whole weights, before DCP) never left
+    the repository. A marker without a format is format 1."""
     root = str(tmp_path)
     d = _saved(root)
     marker_url = storage.join(d, "complete.json")
     marker = json.loads(storage.read_text(marker_url))
-    storage.write_text(marker_url, json.dumps({**marker, "format": ckpt.FORMAT + 1}))
+    marker.pop("format")
+    storage.write_text(marker_url, json.dumps(marker if found is None else {**marker, "format": found}))
     before = {p: p.read_bytes() for p in Path(root).rglob("*") if p.is_file()}
     ckpt.write_tracker(root, 1)
-    for call in (lambda: ckpt.validate_resume(root, ["student"]), lambda: ckpt.load_trainer(root, "student", 1, *_fresh())):
-        with pytest.raises(CheckpointLoadError, match=re.escape(f"{d}: checkpoint format {ckpt.FORMAT + 1} is newer")) as info:
+    calls = (lambda: ckpt.validate_resume(root, ["student"]), lambda: ckpt.load_trainer(root, "student", 1, *_fresh()),
+             lambda: ckpt.read_weights(root, "student", 1))
+    for call in calls:
+        with pytest.raises(CheckpointLoadError, match=re.escape(f"{d}: checkpoint format {found or 1} is {verdict}")) as info:
             call()
         assert "\n" not in str(info.value)
     assert {p: p.read_bytes() for p in Path(root).rglob("*") if p.is_file() and p.name != "latest_checkpointed_iteration.txt"} == \

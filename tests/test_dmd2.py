@@ -57,7 +57,7 @@ def test_real_score_uses_standard_cfg_and_fake_score_the_conditional_branch(tiny
     x0 = torch.randn(n, 1, 8, 8)
     sigma = torch.full((n,), 0.6)
     x_t = fm.add_noise(x0, torch.randn(n, 1, 8, 8), sigma)
-    out = trainer._score(x0, x_t, sigma, cond)
+    out = trainer.learner.score(x0, x_t, sigma, cond)
     with torch.no_grad():
         v_c = fam.predict_velocity(trainer.teacher, x_t, sigma, cond)
         v_u = fam.predict_velocity(trainer.teacher, x_t, sigma, uncond)
@@ -85,12 +85,12 @@ def test_scoring_uses_the_critic_weights_and_noise_it_claims(tiny_teacher, tmp_p
     stream = dmd2.critic_stream(1) if scoring == "fused" else dmd2.SCORING_STREAM
     x0 = pairs["x0"]
     sigma, noise = dmd2.noisy_inputs(two_steps.args, 1, stream, tuple(x0.shape), slice(None))
-    expected = one_step._score(x0, fm.add_noise(x0, noise, sigma), sigma, one_step._cond(pairs["prompt_index"]))
+    expected = one_step.learner.score(x0, fm.add_noise(x0, noise, sigma), sigma, one_step._cond(pairs["prompt_index"]))
     torch.testing.assert_close(outputs["dmd2_grad"], expected["grad"], atol=1e-5, rtol=1e-4)
     # and not the other mode's noise
     other = dmd2.SCORING_STREAM if scoring == "fused" else dmd2.critic_stream(1)
     sigma_o, noise_o = dmd2.noisy_inputs(two_steps.args, 1, other, tuple(x0.shape), slice(None))
-    wrong = one_step._score(x0, fm.add_noise(x0, noise_o, sigma_o), sigma_o, one_step._cond(pairs["prompt_index"]))
+    wrong = one_step.learner.score(x0, fm.add_noise(x0, noise_o, sigma_o), sigma_o, one_step._cond(pairs["prompt_index"]))
     assert not torch.allclose(outputs["dmd2_grad"], wrong["grad"], atol=1e-3)
 
 

@@ -97,7 +97,7 @@ def test_critic_hands_over_g_dmd_plus_g_gan_and_the_actor_x0_gradient_is_their_s
     x0 = pairs["x0"]
     sigma, noise = dmd2.noisy_inputs(two_steps.args, 1, stream, tuple(x0.shape), slice(None))
     cond = one_step._cond(pairs["prompt_index"])
-    g_dmd = one_step._score(x0, fm.add_noise(x0, noise, sigma), sigma, cond)["grad"]
+    g_dmd = one_step.learner.score(x0, fm.add_noise(x0, noise, sigma), sigma, cond)["grad"]
     # g_gan written out: a hook on the middle block, the head, softplus(-D), d/dx0 through the noising
     leaf = x0.clone().requires_grad_(True)
     captured = {}
@@ -112,16 +112,16 @@ def test_critic_hands_over_g_dmd_plus_g_gan_and_the_actor_x0_gradient_is_their_s
     assert not torch.allclose(outputs["dmd2_grad"], g_dmd, atol=1e-6)
 
     # the actor's loss gradient w.r.t. its graded x0 is exactly (g_dmd + g_gan) / numel
-    import dmd2_core.trainer as trainer_module
+    import dmd2_core.actor as actor_module
 
     grads = []
-    real_loss = trainer_module.dmd2_loss
+    real_loss = actor_module.dmd2_loss
 
     def spy(x0_graded, grad):
         x0_graded.register_hook(lambda g: grads.append(g.detach().clone()))
         return real_loss(x0_graded, grad)
 
-    monkeypatch.setattr(trainer_module, "dmd2_loss", spy)
+    monkeypatch.setattr(actor_module, "dmd2_loss", spy)
     actor.train(1, pairs, outputs)
     torch.testing.assert_close(grads[0], (g_dmd + g_gan) / x0.numel(), atol=1e-8, rtol=1e-4)
 

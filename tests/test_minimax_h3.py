@@ -184,7 +184,7 @@ def test_export_loads_in_diffusers_modular_pipeline_and_reproduces_eval_samples(
     """The exported student is a MiniMax-H3 repository: ModularPipeline.from_pretrained loads it
     (t2va), and with num_inference_steps = K + 1 and seed s + j it reproduces the project's eval
     sample j, video and audio latents both."""
-    from dmd2_core import export as exporting
+    from dmd2_core import checkpoint
     from dmd2_core.models.h3_repository import run_t2va
     from dmd2_core.trainer import Trainer
 
@@ -198,7 +198,7 @@ def test_export_loads_in_diffusers_modular_pipeline_and_reproduces_eval_samples(
     actor.train(1, pairs, outputs)
     saved = actor.save(1, export=True)
     url = saved["export_url"]
-    assert url == exporting.export_url(str(save), 1)
+    assert url == checkpoint.export_url(str(save), 1)
     marker = json.loads((save / "exports" / "iter_0000001" / "export.json").read_text())
     assert marker["num_inference_steps"] == 5 and marker["transformer"] == "ema"
     ours = actor.sample([1, 2], seed=7, decode=False)  # rows j use seed 7 + j

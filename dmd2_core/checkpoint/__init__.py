@@ -1,0 +1,64 @@
+"""Checkpoints of one trainer and the run tracker, at any fsspec URL (path, file://, s3://).
+
+Layout under the run's ``save`` URL (format 3)::
+
+    {save}/latest_checkpointed_iteration.txt          the run tracker: one integer
+    {save}/trainers/{role}/iter_{iteration:07d}/
+        dcp/               torch.distributed.checkpoint: every rank writes its own shards
+                           (__{rank}_{n}.distcp) of the model, the EMA and the AdamW moments and
+                           step counts, keyed ``model.<name>``, ``ema.<name>``, ``optim.<name>.<key>``;
+                           .metadata last (rank 0, after every rank's files are written)
+        trainer_state.pt   {'format', 'param_groups' (settings keyed by parameter name), 'extra'}
+        complete.json      written LAST by rank 0: every file with its size and its sha256
+    {save}/exports/iter_{iteration:07d}/    the student as a diffusers pipeline (dmd2_core.export)
+
+No rank ever holds the whole model: a 14B trainer on 8 ranks writes 1/8 of its state per rank.
+DCP records the global shape and offsets of every shard, so a checkpoint loads on any number of
+ranks (DCP reshards on load). Each file's sha256 is computed while it is written (by the rank that
+writes it) and gathered into ``complete.json``; at load the ranks split the files between them and
+check every hash before anything is loaded, so a flipped byte is one line naming the file. The
+pre-flight check (``validate_resume``, before any actor) checks the listing and sizes only.
+
+A trainer directory counts only once ``complete.json`` exists; a save interrupted midway leaves a
+directory without it, which ``load_trainer`` and ``validate_resume`` refuse. The tracker is
+written by the driver alone (``write_tracker``), after every trainer's save is durable (its marker
+written), so it only ever names an iteration that every role finished saving. Retention
+(``prune``) runs after the tracker moved and never touches the tracked checkpoint or a newer one.
+
+Asynchronous saves (``save_trainer(..., asynchronous=True)``): the state is copied to host memory
+before the call returns; the files are written and uploaded in a background thread, which then
+writes the marker; ``PendingSave.result()`` waits for it. The checkpoint collectives (DCP's
+planning, the hash gather) run on a separate gloo process group (``checkpoint_group``), never on
+the training one. Storage outages are retried like every other write (``storage.RETRY_S``), the
+ranks agreeing on each retry.
+
+Exact resume: weights (fp32 masters), EMA and AdamW state are the bytes that were saved; every
+param-group setting (``lr`` ...) is the saved one. Anything else a trainer needs (iteration, step
+counters, the GAN head) goes in ``extra``, which must hold only what ``torch.load(weights_only=True)``
+reads back; ``save_trainer`` checks that before it writes anything.
+
+Only this format is read: a marker of any other names its path and format in one line.
+
+Modules: ``layout`` (paths and file names), ``integrity`` (hashes, the marker, finite state),
+``collective`` (the ranks' agreement and retries), ``state`` (the trainer state as saved),
+``save``, ``load``, ``tracker`` (and the pre-flight check), ``retention`` (checkpoints and exports).
+"""
+
+import warnings
+
+# a single process without torch.distributed (tests, tools) saves and loads with no_dist=True
+warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+
+from dmd2_core.checkpoint.collective import checkpoint_group  # noqa: E402
+from dmd2_core.checkpoint.integrity import CheckpointLoadError, one_line  # noqa: E402
+from dmd2_core.checkpoint.layout import FORMAT, TRACKER_NAME, export_url, exports_root, tracker_url, trainer_dir  # noqa: E402
+from dmd2_core.checkpoint.load import load_trainer, read_weights  # noqa: E402
+from dmd2_core.checkpoint.retention import latest_exports, list_exports, prune, prune_exports, saved_iterations  # noqa: E402
+from dmd2_core.checkpoint.save import PendingSave, save_trainer  # noqa: E402
+from dmd2_core.checkpoint.tracker import read_tracker, validate_resume, write_tracker  # noqa: E402
+
+__all__ = [
+    "FORMAT", "TRACKER_NAME", "CheckpointLoadError", "PendingSave", "checkpoint_group", "export_url", "exports_root",
+    "latest_exports", "list_exports", "load_trainer", "one_line", "prune", "prune_exports", "read_tracker",
+    "read_weights", "save_trainer", "saved_iterations", "tracker_url", "trainer_dir", "validate_resume", "write_tracker",
+]

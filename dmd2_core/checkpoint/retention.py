@@ -1,0 +1,113 @@
+"""Retention: which of a run's trainer checkpoints and exports are deleted, and when."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable
+
+from dmd2_core import storage
+from dmd2_core.checkpoint.layout import EXPORT_MARKER_NAME, complete_url, exports_root, trainer_dir
+from dmd2_core.checkpoint.tracker import read_tracker
+
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+
+
+# ---- trainer checkpoints -------------------------------------------------------------------------
+
+def saved_iterations(save_url: str, role: str) -> dict[int, bool]:
+    """Iteration -> complete (has its marker) of every checkpoint directory of ``role``."""
+    root = storage.join(save_url, "trainers", role)
+    if not storage.exists(root):
+        return {}
+    fs, path = storage.filesystem(root)
+    out = {}
+    for entry in storage.retrying(lambda: fs.ls(path, detail=False), f"list {root}"):
+        name = str(entry).rstrip("/").rsplit("/", 1)[-1]
+        if name.startswith("iter_") and name[5:].isdigit():
+            out[int(name[5:])] = storage.exists(complete_url(save_url, role, int(name[5:])))
+    return out
+
+
+def prune(save_url: str, roles: Iterable[str], keep_last_n: int) -> list[str]:
+    """Delete the checkpoints of ``roles`` older than the ``keep_last_n`` newest complete ones up
+    to the tracked one (0: keep all). Run it after the tracker moved: it never deletes the tracked
+    checkpoint or anything newer (a save in flight), and deletes an older one only once a newer
+    one is tracked. Older incomplete directories (saves that failed midway) go too. Returns the
+    deleted directories."""
+    if keep_last_n <= 0:
+        return []
+    tracked = read_tracker(save_url)
+    if tracked is None:
+        return []
+    deleted = []
+    for role in roles:
+        found = saved_iterations(save_url, role)
+        complete = sorted((i for i, ok in found.items() if ok and i <= tracked), reverse=True)
+        keep = set(complete[:keep_last_n]) | {tracked}
+        for i in sorted(found):
+            if i < tracked and i not in keep:
+                d = trainer_dir(save_url, role, i)
+                storage.remove(complete_url(save_url, role, i))  # no reader takes it for complete meanwhile
+                storage.remove(d)
+                deleted.append(d)
+    return deleted
+
+
+# ---- exports -------------------------------------------------------------------------------------
+
+def list_exports(root: str) -> list[dict[str, Any]]:
+    """The export directories named iter_XXXXXXX under ``root``, oldest first:
+    [{"iteration", "url", "complete" (has export.json)}]."""
+    if not storage.exists(root):
+        return []
+
+    def ls():
+        fs, path = storage.filesystem(root)
+        return fs.ls(path, detail=True)
+
+    found = []
+    for entry in storage.retrying(ls, f"list {root}"):
+        if entry.get("type") != "directory":
+            continue
+        name = entry["name"].rstrip("/").rpartition("/")[2]
+        match = _ITER_RE.match(name)
+        if match:
+            url = storage.join(root, name)
+            found.append({"iteration": int(match.group(1)), "url": url,
+                          "complete": storage.exists(storage.join(url, EXPORT_MARKER_NAME))})
+    return sorted(found, key=lambda e: e["iteration"])
+
+
+def latest_exports(save_url: str) -> list[str]:
+    """The complete exports of a run (``{save}/exports/iter_XXXXXXX``), newest first."""
+    return [e["url"] for e in reversed(list_exports(exports_root(save_url))) if e["complete"]]
+
+
+def prune_exports(exports_root: str, keep: int, protect: Iterable[str] = ()) -> list[str]:
+    """Delete all but the newest ``keep`` complete exports under ``exports_root`` (keep=0: keep
+    them all), never one named in ``protect`` (URLs or iter_XXXXXXX names). Incomplete ones
+    (no export.json: a write interrupted midway) older than the newest complete one are
+    removed whatever ``keep`` is; newer ones may be a write under way and are left alone.
+    Each goes marker first, so a half-deleted export never looks complete. Returns the URLs
+    removed."""
+    if keep < 0:
+        raise ValueError(f"keep must be >= 0, got {keep}")
+    protected = {str(p).rstrip("/") for p in protect}
+    protected |= {p.rpartition("/")[2] for p in protected}
+    entries = list_exports(exports_root)
+    complete = [e for e in entries if e["complete"]]
+    newest = complete[-1]["iteration"] if complete else None
+    doomed = []
+    if keep:
+        doomed += complete[:-keep] if len(complete) > keep else []
+    if newest is not None:
+        doomed += [e for e in entries if not e["complete"] and e["iteration"] < newest]
+    removed = []
+    for entry in sorted(doomed, key=lambda e: e["iteration"]):
+        url = entry["url"]
+        if url.rstrip("/") in protected or url.rpartition("/")[2] in protected:
+            continue
+        storage.remove(storage.join(url, EXPORT_MARKER_NAME))
+        storage.remove(url)
+        removed.append(url)
+    return removed

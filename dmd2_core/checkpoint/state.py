@@ -1,0 +1,75 @@
+"""A trainer's state as a checkpoint holds it: the flat dict of (distributed) tensors DCP saves
+and loads in place, and the optimizer's settings keyed by parameter name."""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Optional, Sequence
+
+import torch
+
+
+def sharded_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                  ema: Optional[Sequence[torch.Tensor]], init_optimizer: bool = False) -> dict[str, torch.Tensor]:
+    """This rank's view of the trainer state as one flat dict of (distributed) tensors: DCP saves
+    each rank's shards and loads into them in place. ``init_optimizer`` creates AdamW's state
+    (zeros, step 0) where it does not exist yet, so a fresh trainer has tensors to load into."""
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    names = [n for n, _ in model.named_parameters()]
+    if ema is not None:
+        state.update({f"ema.{n}": e for n, e in zip(names, ema)})
+    if optimizer is not None:
+        by_id = {id(p): n for n, p in model.named_parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p not in optimizer.state and init_optimizer:
+                    optimizer.state[p] = _fresh_adam_state(optimizer, p)
+                for key, value in optimizer.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        state[f"optim.{by_id[id(p)]}.{key}"] = value
+    return state
+
+
+def _fresh_adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        raise TypeError(f"cannot create the state of {type(optimizer).__name__} to load into")
+    state = {"step": torch.tensor(0.0, dtype=torch.float32),
+             "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+             "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+    if optimizer.defaults.get("amsgrad"):
+        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
+
+
+def param_groups(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> list[dict]:
+    """The optimizer's parameter groups, settings and parameter names (no tensors)."""
+    if optimizer is None:
+        return []
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+            for g in optimizer.param_groups]
+
+
+def apply_param_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved_groups: list[dict]) -> None:
+    """The saved settings (lr, betas, ...) win over the ones the optimizer was built with."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(f"{len(saved_groups)} parameter groups saved, the optimizer has {len(optimizer.param_groups)}")
+    for saved, group in zip(saved_groups, optimizer.param_groups):
+        if any(id(p) not in names for p in group["params"]):
+            raise ValueError("the optimizer holds parameters that are not the model's")
+        current = [names[id(p)] for p in group["params"]]
+        if sorted(saved["params"]) != sorted(current):
+            extra = sorted(set(saved["params"]) ^ set(current))
+            raise ValueError(f"saved parameters do not match the model's (e.g. {extra[:2]})")
+        group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def torch_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def torch_load(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)

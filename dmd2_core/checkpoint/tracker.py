@@ -1,0 +1,54 @@
+"""The run tracker (the latest iteration every role finished saving) and the pre-flight check of
+the checkpoint it names."""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from dmd2_core import storage
+from dmd2_core.checkpoint.integrity import CheckpointLoadError, check_files, one_line, read_current_marker
+from dmd2_core.checkpoint.layout import complete_url, tracker_url, trainer_dir
+
+
+def write_tracker(save_url: str, iteration: int, roles: Optional[Iterable[str]] = None) -> None:
+    """Record ``iteration`` as the run's latest checkpoint (atomic). Call it from the driver after
+    every trainer's save_trainer returned; with ``roles`` it first checks each one's marker."""
+    if roles is not None:
+        for role in roles:
+            url = complete_url(save_url, role, iteration)
+            if not storage.exists(url):
+                raise CheckpointLoadError(f"{url}: missing; not recording iteration {iteration} as checkpointed")
+    storage.write_text(tracker_url(save_url), f"{int(iteration)}\n")
+
+
+def read_tracker(load_url: str) -> Optional[int]:
+    """The latest checkpointed iteration, or None for a fresh start (no save dir or no tracker)."""
+    url = tracker_url(load_url)
+    try:
+        if not storage.exists(url):
+            return None
+        text = storage.read_text(url).strip()
+    except storage.StorageUnavailableError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointLoadError(f"{url}: cannot read tracker ({one_line(exc)})") from None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise CheckpointLoadError(f"{url}: tracker must hold a non-negative integer (got {text[:40]!r})")
+    return value
+
+
+def validate_resume(load_url: str, roles: Iterable[str]) -> Optional[int]:
+    """Cheap pre-flight check before any actor starts: the tracker's iteration (None: fresh start)
+    after checking that every role has a complete checkpoint there in this dmd2's format, its
+    listing and sizes (the hashes are checked by the trainer's ranks at load, in parallel)."""
+    iteration = read_tracker(load_url)
+    if iteration is None:
+        return None
+    for role in roles:
+        d = trainer_dir(load_url, role, iteration)
+        check_files(d, read_current_marker(d), hashes=False)
+    return iteration
