@@ -54,7 +54,7 @@ def check_prompt_set(url: str, needs_negative: bool = True, cond_keys: tuple[str
         return ArgsError(f"prompts: {url} is not a safetensors prompt set ({reason})")
 
     try:
-        entries, data_size = storage.read_safetensors_header(url)
+        entries, _ = storage.read_safetensors_header(url)
     except storage.SafetensorsHeaderError as exc:
         raise bad(str(exc)) from None
     except storage.StorageUnavailableError:
@@ -62,10 +62,6 @@ def check_prompt_set(url: str, needs_negative: bool = True, cond_keys: tuple[str
     except Exception as exc:  # noqa: BLE001
         raise ArgsError(f"prompts: cannot read {url} ({_one_line(exc)})") from None
     tensors = {k: v for k, v in entries.items() if k != "__metadata__"}
-    for key, info in tensors.items():
-        offsets = info.get("data_offsets") if isinstance(info, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2 and 0 <= offsets[0] <= offsets[1] <= data_size):
-            raise bad(f"tensor '{key}' lies outside the file")
     embeds = {k for k in tensors if not k.startswith("negative_")}
     negative = {k.removeprefix("negative_") for k in tensors if k.startswith("negative_")}
     for key in ("prompt_embeds", *cond_keys):

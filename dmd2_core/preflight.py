@@ -11,7 +11,7 @@ from dmd2_core import checkpoint, checks, lease, memory, storage
 from dmd2_core.args import Args, ArgsError
 from dmd2_core.data import check_real_set, prompt_texts
 from dmd2_core.hooks import load_hook
-from dmd2_core.models import FAMILIES, describe_checkpoint
+from dmd2_core.models import FAMILIES, check_weight_files, describe_checkpoint
 from dmd2_core.trainer_config import compute_trainer_args, compute_trainer_configs
 
 
@@ -54,6 +54,10 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
         _check_gan(trainer_args["critic"])
     if memory.device_limit(args) is not None:
         memory.check(memory.plan(trainer_args))
+    checkpoints = {t.hf_checkpoint for t in trainer_args.values()}
+    checkpoints |= {t.teacher_checkpoint or t.hf_checkpoint for t in trainer_args.values() if t.loss_type == "dmd2_critic"}
+    for url in sorted(checkpoints):  # headers only: a cut-off download is named before any actor
+        check_weight_files(url)
     source = resume_url(args)
     resumed = checkpoint.validate_resume(source, list(trainer_args))
     if resumed is None and args.load and args.load != args.save:

@@ -203,7 +203,18 @@ def read_safetensors_header(url: str) -> tuple[dict, int]:
             raise ValueError("header is not a JSON object")
     except ValueError as exc:
         raise SafetensorsHeaderError(f"unreadable header: {_one_line(exc)}") from None
-    return entries, size - 8 - len(header)
+    data_size = size - 8 - len(header)
+    for key, info in entries.items():
+        if key == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise SafetensorsHeaderError(f"tensor '{key}' has no valid data_offsets")
+        if offsets[1] > data_size:
+            raise SafetensorsHeaderError(f"truncated: tensor '{key}' ends at byte {offsets[1]} of the data, the file "
+                                         f"holds {data_size} (cut off while it was written or downloaded)")
+    return entries, data_size
 
 
 def sha256(url: str, chunk: int = 8 << 20) -> str:

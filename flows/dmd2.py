@@ -351,6 +351,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seed", type=int)
     ns = parser.parse_args(argv)
     from dmd2_core import reaper
+    from flows.console import tracebacks_to_file
+
+    console = tracebacks_to_file()
+
+    def line(exc: BaseException) -> str:
+        where = f" (traceback in {console.path})" if console is not None and console.used else ""
+        return f"error: {exc}{where}"
 
     try:
         overrides = parse_set(ns.overrides)
@@ -362,7 +369,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             reaper.raise_on_signals()
         summary = dmd2(recipe=ns.recipe, overrides=overrides or None, **flat)
     except (ArgsError, CheckpointError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(line(exc), file=sys.stderr)
         return 2
     except BaseException as exc:  # noqa: BLE001 - signals and runtime failures: one line each
         signum = reaper.interruption(exc)
@@ -371,7 +378,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                   "from the latest checkpoint", file=sys.stderr)
             return 128 + int(signum)
         if isinstance(exc, (NonFiniteError, LeaseLostError, StorageUnavailableError)):
-            print(f"error: {exc}", file=sys.stderr)
+            print(line(exc), file=sys.stderr)
             return 1
         raise
     print(json.dumps(summary, indent=1, default=str))

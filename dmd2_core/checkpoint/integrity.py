@@ -126,8 +126,9 @@ def read_current_marker(d: str) -> dict:
     return marker
 
 
-def check_files(d: str, marker: dict, hashes: bool = True) -> None:
-    """Every file the marker lists is there with its recorded size and (``hashes``) sha256."""
+def check_files(d: str, marker: dict, hashes: bool | tuple[str, ...] = True) -> None:
+    """Every file the marker lists is there with its recorded size and (``hashes``) sha256:
+    ``True`` every file, a tuple only those files (the small ones the driver reads cheaply)."""
     try:
         present = listing(d)
     except storage.StorageUnavailableError:
@@ -143,6 +144,8 @@ def check_files(d: str, marker: dict, hashes: bool = True) -> None:
     if not hashes:
         return
     for rel, digest in (marker.get("sha256") or {}).items():
+        if hashes is not True and rel not in hashes:
+            continue
         url = storage.join(d, rel)
         try:
             actual = storage.sha256(url)

@@ -11,6 +11,7 @@ COMPLETE_NAME = "complete.json"
 STATE_NAME = "trainer_state.pt"
 DCP_DIR = "dcp"
 EXPORT_MARKER_NAME = "export.json"
+STATE_FILES = (STATE_NAME, f"{DCP_DIR}/.metadata")  # small: hashed on the driver before any actor starts
 
 
 def trainer_dir(save_url: str, role: str, iteration: int) -> str:

@@ -7,7 +7,7 @@ from typing import Iterable, Optional
 
 from dmd2_core import storage
 from dmd2_core.checkpoint.integrity import CheckpointLoadError, check_files, one_line, read_current_marker
-from dmd2_core.checkpoint.layout import complete_url, tracker_url, trainer_dir
+from dmd2_core.checkpoint.layout import STATE_FILES, complete_url, tracker_url, trainer_dir
 
 
 def write_tracker(save_url: str, iteration: int, roles: Optional[Iterable[str]] = None) -> None:
@@ -44,11 +44,12 @@ def read_tracker(load_url: str) -> Optional[int]:
 def validate_resume(load_url: str, roles: Iterable[str]) -> Optional[int]:
     """Cheap pre-flight check before any actor starts: the tracker's iteration (None: fresh start)
     after checking that every role has a complete checkpoint there in this dmd2's format, its
-    listing and sizes (the hashes are checked by the trainer's ranks at load, in parallel)."""
+    listing and sizes, and the hashes of its small state files (the trainer state, the DCP
+    metadata); the shards' hashes are checked by the trainer's ranks at load, in parallel."""
     iteration = read_tracker(load_url)
     if iteration is None:
         return None
     for role in roles:
         d = trainer_dir(load_url, role, iteration)
-        check_files(d, read_current_marker(d), hashes=False)
+        check_files(d, read_current_marker(d), hashes=STATE_FILES)
     return iteration

@@ -106,6 +106,41 @@ def describe_checkpoint(url: str) -> dict[str, Any]:
             "modality_shifts": modality_shifts}
 
 
+def check_weight_files(url: str) -> None:
+    """Every weights file training reads from checkpoint ``url`` (its transformer, its VAE and, for
+    a model with sound, its audio VAE) is whole: each safetensors file (each shard of a sharded
+    one) has a readable header whose tensors end within the file. Reads the headers alone, never
+    the weights. Raises CheckpointError naming the file (a download cut off is the usual cause)."""
+    info = describe_checkpoint(url)
+    folders = [info["transformer_url"]]
+    if info["vae_url"]:
+        folders.append(info["vae_url"])
+        if FAMILIES[info["family"]].has_audio:
+            folders.append(storage.join(url, "audio_vae"))
+    for folder in folders:
+        names = storage.list_names(folder)
+        files = {n for n in names if n.endswith(".safetensors")}
+        for index in (n for n in names if n.endswith(".safetensors.index.json")):
+            try:
+                weight_map = json.loads(storage.read_text(storage.join(folder, index)))["weight_map"]
+            except storage.StorageUnavailableError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                raise CheckpointError(f"{storage.join(folder, index)}: unreadable shard index ({type(exc).__name__}: {exc})") from None
+            missing = sorted(set(weight_map.values()) - files)
+            if missing:
+                raise CheckpointError(f"{storage.join(folder, missing[0])}: missing (listed in {index}); download the "
+                                      "checkpoint again")
+        if not files and not any(n.endswith(".bin") for n in names):
+            raise CheckpointError(f"{folder}: no weights (no *.safetensors); a config-only directory can be planned, not trained")
+        for name in sorted(files):
+            file_url = storage.join(folder, name)
+            try:
+                storage.read_safetensors_header(file_url)
+            except storage.SafetensorsHeaderError as exc:
+                raise CheckpointError(f"{file_url}: not a whole safetensors file ({exc}); download it again") from None
+
+
 def _scheduler_shift(url: str, folder: str, default: float) -> float:
     sched_url = storage.join(url, folder, "scheduler_config.json")
     try:  # parsed inside the error handling: a broken file is one line naming it
