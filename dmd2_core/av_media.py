@@ -9,12 +9,11 @@ Conventions:
 * audio: float waveform ``[C, S]`` in [-1, 1] (C = 1 or 2; channel 0 is left), torch or numpy;
   a 1-D ``[S]`` waveform is mono.
 
-A leaf module: no imports from other dmd2_core modules, no Prefect.
+Imports only ``images`` (PNG bytes, data URIs) from dmd2_core; no Prefect.
 """
 
 from __future__ import annotations
 
-import base64
 import io
 import math
 from fractions import Fraction
@@ -24,6 +23,8 @@ import av
 import numpy as np
 import torch
 from PIL import Image
+
+from dmd2_core.images import png_bytes
 
 MIN_SIDE_PX = 128  # tiny frames are upscaled (nearest) so that players show them
 AUDIO_BIT_RATE_PER_CHANNEL = 96_000
@@ -226,12 +227,6 @@ def read_mp4(path_or_file: PathOrFile, sample_rate: Optional[int] = None) -> dic
 
 # ---- pictures ---------------------------------------------------------------------------------
 
-def _png(img: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
-
-
 def frame_strip_png(frames: Any, max_frames: int = 8, height: int = MIN_SIDE_PX) -> bytes:
     """A PNG of up to ``max_frames`` evenly spaced frames side by side, each resized to ``height``
     pixels high (nearest when enlarging), width in proportion: strip width = n * frame width."""
@@ -246,7 +241,7 @@ def frame_strip_png(frames: Any, max_frames: int = 8, height: int = MIN_SIDE_PX)
     strip = Image.new("RGB", (n * cell_w, height))
     for slot, index in enumerate(picks):
         strip.paste(Image.fromarray(pixels[index]).resize((cell_w, height), resample), (slot * cell_w, 0))
-    return _png(strip)
+    return png_bytes(strip)
 
 
 def animated_gif(frames: Any, fps: float, max_frames: int = GIF_MAX_FRAMES, min_side: int = MIN_SIDE_PX) -> bytes:
@@ -270,11 +265,6 @@ def animated_gif(frames: Any, fps: float, max_frames: int = GIF_MAX_FRAMES, min_
     buf = io.BytesIO()
     images[0].save(buf, format="GIF", save_all=True, append_images=images[1:], duration=durations, loop=0)
     return buf.getvalue()
-
-
-def data_uri(png_bytes: bytes, mime: str = "image/png") -> str:
-    """``data:`` URI of ``png_bytes`` (for Markdown artifacts in the Prefect UI)."""
-    return f"data:{mime};base64,{base64.b64encode(png_bytes).decode('ascii')}"
 
 
 # ---- audio ------------------------------------------------------------------------------------
@@ -328,7 +318,7 @@ def spectrogram_png(
         if c:
             rows.append(separator)
         rows.append(lut[levels[c, ::-1]])
-    return _png(Image.fromarray(np.concatenate(rows, axis=0)))
+    return png_bytes(Image.fromarray(np.concatenate(rows, axis=0)))
 
 
 def stereo_balance(audio: Any, eps: float = 1e-8) -> float:

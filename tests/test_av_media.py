@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from dmd2_core import av_media
+from dmd2_core.images import data_uri
 
 FPS = 24
 SAMPLE_RATE = 32_000
@@ -206,6 +207,6 @@ def test_stereo_balance_and_data_uri():
     assert av_media.stereo_balance(np.stack([tone, tone])) == pytest.approx(0.0, abs=1e-6)
     assert av_media.stereo_balance(np.stack([tone, 0.5 * tone])) == pytest.approx(-1 / 3, abs=1e-3)
     png = av_media.frame_strip_png(moving_square(4))
-    uri = av_media.data_uri(png)
+    uri = data_uri(png)  # the one data-URI helper (dmd2_core.images)
     assert uri.startswith("data:image/png;base64,")
     assert base64.b64decode(uri.split(",", 1)[1]) == png
