@@ -179,6 +179,13 @@ def short_teacher(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def harness(prefect_harness, ray_session):
+    """The session's Prefect test harness and Ray (started after the S3 endpoint is set, so the
+    workers reach the moto server)."""
+    return prefect_harness
+
+
+@pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
     """One real `prefect server start` (free loopback port, own PREFECT_HOME, no UI) shared by the
     tests that need a real server. Yields (api_url, env for child processes)."""
