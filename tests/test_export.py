@@ -14,7 +14,8 @@ import torch
 from dmd2_core import dmd2, storage
 from dmd2_core import flow_matching as fm
 from dmd2_core.checkpoint import export_url, exports_root, latest_exports, prune_exports
-from dmd2_core.export import export_student, scheduler_sigmas, student_scheduler_config
+from dmd2_core.export import export_student
+from dmd2_core.student_scheduler import scheduler_sigmas, student_scheduler_config
 from dmd2_core.models import CheckpointError, describe_checkpoint, load_checkpoint
 from dmd2_core.models.standins import build_standin, standin_prompt_set
 
