@@ -69,9 +69,21 @@ class Args(BaseModel):
         None, "run", "Ranks one model is sharded over (FSDP2); below num_devices it shards within groups of this "
         "size and replicates across them (HSDP: shard inside a node, replicate across nodes). Default: all.", ge=1
     )
+    cp_size: int = _f(
+        1, "run", "Context parallelism: ranks one sample's sequence is split over (Ulysses attention); divides "
+        "fsdp_shard_size. The data-parallel degree is num_devices / cp_size.", ge=1
+    )
     device_memory_gib: Optional[float] = _f(
         None, "run", "Memory of one device the plan must fit in; default the device's own on cuda (unchecked on cpu).",
         gt=0,
+    )
+    host_memory_gib: Optional[float] = _f(
+        None, "run", "Host memory of one node the plan must fit in (load peak, sleep stash, async-save staging); "
+        "unset: unchecked.", gt=0,
+    )
+    memory_headroom: float = _f(
+        0.1, "run", "Fraction of device (and host) memory the plan leaves free: a plan above (1 - headroom) of it "
+        "is refused.", ge=0, lt=1,
     )
     lease_timeout_s: float = _f(
         120.0, "run", "A run's lease on its save URL goes stale (a rerun may take it over) after this many seconds without a heartbeat.", gt=0
@@ -136,6 +148,9 @@ class Args(BaseModel):
     critic_gradient_checkpointing: Optional[bool] = _f(
         None, "dmd2", "The critic group's activation checkpointing; defaults to gradient_checkpointing."
     )
+    critic_cp_size: Optional[int] = _f(
+        None, "dmd2", "The critic group's context parallelism (cp_size); defaults to cp_size.", ge=1
+    )
     critic_fsdp_cpu_offload: Optional[bool] = _f(
         None, "dmd2", "The critic group's CPU offload (fake score and teacher); defaults to fsdp_cpu_offload."
     )
@@ -175,6 +190,12 @@ class Args(BaseModel):
             raise ValueError("dmd2_min_sigma: must be below dmd2_max_sigma")
         if self.fsdp_shard_size is not None and self.num_devices % self.fsdp_shard_size:
             raise ValueError(f"fsdp_shard_size: {self.fsdp_shard_size} does not divide num_devices {self.num_devices}")
+        shard = self.fsdp_shard_size or self.num_devices
+        for key in ("cp_size", "critic_cp_size"):
+            cp = getattr(self, key)
+            if cp is not None and shard % cp:
+                raise ValueError(f"{key}: {cp} does not divide the {shard} ranks a model is sharded over "
+                                 f"(fsdp_shard_size, default num_devices)")
         for key in ("fsdp_cpu_offload", "critic_fsdp_cpu_offload"):
             if getattr(self, key) and self.device != "cuda":
                 raise ValueError(f"{key}: offloading to host memory needs device cuda (device is {self.device})")
@@ -224,7 +245,7 @@ def _one_line(err: ValidationError, where: str) -> ArgsError:
         loc, msg = msg.split(":", 1)
         loc = loc.removeprefix("Value error, ")
     got = first.get("input")
-    got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+    got_s = "" if isinstance(got, (dict, BaseModel)) else f" (got {got!r})"
     return ArgsError(f"invalid value for '{loc}' in {where}: {msg.strip()}{got_s}")
 
 

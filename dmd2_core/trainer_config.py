@@ -32,6 +32,7 @@ def critic_overrides(args: Args) -> dict[str, Any]:
         "train_input_hook_path": args.critic_train_input_hook_path,
         "gradient_checkpointing": _default(args.critic_gradient_checkpointing, args.gradient_checkpointing),
         "fsdp_cpu_offload": _default(args.critic_fsdp_cpu_offload, args.fsdp_cpu_offload),
+        "cp_size": _default(args.critic_cp_size, args.cp_size),
         "loss_type": "dmd2_critic",
         "ema_decay": None,
     }
