@@ -32,29 +32,31 @@ def draw_stop_step(args: Args, iteration: int) -> int:
 class RolloutPlan:
     stop_step: int
     sigmas: list[float]
-    prompt_index: torch.Tensor  # [G]
-    noise: torch.Tensor  # [G, ...]
-    renoise: list[torch.Tensor]  # stop_step tensors [G, ...]
+    prompt_index: torch.Tensor  # [rows] of this rank
+    noise: torch.Tensor  # [rows, ...]
+    renoise: list[torch.Tensor]  # stop_step tensors [rows, ...]
 
 
-def plan_rollout(args: Args, iteration: int, num_prompts: int, shape: tuple[int, ...],
+def plan_rollout(args: Args, iteration: int, num_prompts: int, shape: tuple[int, ...], rows: slice,
                  deterministic: bool = False) -> RolloutPlan:
+    """The rollout of ``rows`` of the global batch: the stop step and the prompts are drawn for the
+    whole batch (G numbers), the noise for these rows only."""
     G = args.global_batch_size
     k = draw_stop_step(args, iteration)
-    prompt_index = torch.randint(num_prompts, (G,), generator=rng.generator(args.seed, iteration, "prompts"))
-    noise = rng.randn((G, *shape), args.seed, iteration, "noise")
-    renoise = [] if deterministic else [rng.randn((G, *shape), args.seed, iteration, f"renoise/{j}") for j in range(k)]
+    prompt_index = torch.randint(num_prompts, (G,), generator=rng.generator(args.seed, iteration, "prompts"))[rows]
+    noise = rng.randn_rows((G, *shape), rows, args.seed, iteration, "noise")
+    renoise = [] if deterministic else [rng.randn_rows((G, *shape), rows, args.seed, iteration, f"renoise/{j}")
+                                        for j in range(k)]
     return RolloutPlan(k, fm.student_sigmas(args.dmd2_student_steps, args.dmd2_shift), prompt_index, noise, renoise)
 
 
 @torch.no_grad()
-def rollout_pairs(family: ModelFamily, student, cond_of, plan: RolloutPlan, rows: slice) -> dict:
-    """Run the student's steps < k for the rows of this rank and return its train pairs
+def rollout_pairs(family: ModelFamily, student, cond_of, plan: RolloutPlan) -> dict:
+    """Run the student's steps < k for the plan's rows and return their train pairs
     (x at sigma_k, sigma_k, prompt index, the no-grad x0 predicted there)."""
-    prompt_index = plan.prompt_index[rows]
+    prompt_index = plan.prompt_index
     x_t, x0 = student_sample(
-        family, student, plan.noise[rows], cond_of(prompt_index), plan.sigmas,
-        [r[rows] for r in plan.renoise], stop_step=plan.stop_step,
+        family, student, plan.noise, cond_of(prompt_index), plan.sigmas, plan.renoise, stop_step=plan.stop_step,
     )
     n = x_t.shape[0]
     return {
@@ -74,8 +76,7 @@ def noisy_inputs(args: Args, iteration: int, stream: str, x0_global_shape: tuple
         G, args.dmd2_shift, rng.generator(args.seed, iteration, f"{stream}/sigma"),
         args.dmd2_min_sigma, args.dmd2_max_sigma,
     )
-    noise = rng.randn(x0_global_shape, args.seed, iteration, f"{stream}/noise")
-    return sigma[rows], noise[rows]
+    return sigma[rows], rng.randn_rows(x0_global_shape, rows, args.seed, iteration, f"{stream}/noise")
 
 
 def critic_stream(step: int) -> str:

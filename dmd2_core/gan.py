@@ -101,8 +101,7 @@ def real_inputs(args, iteration: int, step: int, num_real: int, global_shape: tu
     """Real-set rows and noise of critic step ``step`` for this rank's rows (global draws)."""
     g = rng.generator(args.seed, iteration, f"critic/{step}/real")
     index = torch.randint(num_real, (global_shape[0],), generator=g)
-    noise = rng.randn(global_shape, args.seed, iteration, f"critic/{step}/real_noise")
-    return index[rows], noise[rows]
+    return index[rows], rng.randn_rows(global_shape, rows, args.seed, iteration, f"critic/{step}/real_noise")
 
 
 def critic_forward(family, critic, head: Optional[DiscriminatorHead], block: Optional[int], x0, noise, sigma, cond,

@@ -58,8 +58,9 @@ class ReferenceLoop:
     def iterate(self, iteration: int) -> dict:
         args, family, everything = self.args, self.family, slice(None)
         start = time.perf_counter()
-        plan = dmd2.plan_rollout(args, iteration, len(self.prompts), self.shape)
-        pairs = dmd2.rollout_pairs(family, self.student, self.cond, plan, everything)
+        plan = dmd2.plan_rollout(args, iteration, len(self.prompts), self.shape, everything,
+                                 self.family.deterministic_student)
+        pairs = dmd2.rollout_pairs(family, self.student, self.cond, plan)
         x0, cond = pairs["x0"], self.cond(pairs["prompt_index"])
         uncond = self.prompts.uncond(x0.shape[0]) if args.dmd2_guidance_scale != 1.0 else None
         shape = tuple(x0.shape)

@@ -147,8 +147,9 @@ class Trainer:
         DMD2 step strategy drew. Returns (train pairs, metrics)."""
         woke = self.wake_up()
         start = time.perf_counter()
-        plan = dmd2.plan_rollout(self.args, iteration, len(self.prompts), self.shape, self.family.deterministic_student)
-        pairs = dmd2.rollout_pairs(self.family, self.model, self._cond, _on(plan, self.device), self.rows)
+        plan = dmd2.plan_rollout(self.args, iteration, len(self.prompts), self.shape, self.rows,
+                                 self.family.deterministic_student)
+        pairs = dmd2.rollout_pairs(self.family, self.model, self._cond, _on(plan, self.device))
         self._reshard()
         metrics = {"stop_step": plan.stop_step, "rollout_sigma": plan.sigmas[plan.stop_step],
                    "rollout_s": time.perf_counter() - start, **_wake_metric(self.role, woke)}

@@ -161,3 +161,25 @@ def test_a_short_run_improves_the_student_over_its_initialisation(short_teacher,
     loop.run(60)
     after = distance()
     assert after < 0.7 * before, (before, after)
+
+
+def test_each_rank_draws_only_its_rows_and_they_are_the_whole_batchs(tiny_teacher, tmp_path):
+    """A rank's rollout noise, renoise and critic noise are its rows of the global draw, built
+    without holding the other ranks' rows: 2 halves == the whole == today's global draw sliced."""
+    from dmd2_core import rng
+
+    args = tiny_args(tiny_teacher, str(tmp_path), global_batch_size=8, dmd2_shift=3.0)
+    whole = dmd2.plan_rollout(args, 7, 10, (1, 8, 8), slice(None))
+    halves = [dmd2.plan_rollout(args, 7, 10, (1, 8, 8), rows) for rows in (slice(0, 4), slice(4, 8))]
+    assert whole.noise.shape == (8, 1, 8, 8) and halves[0].noise.shape == (4, 1, 8, 8)
+    assert torch.equal(torch.cat([h.noise for h in halves]), whole.noise)
+    assert torch.equal(whole.noise, rng.randn((8, 1, 8, 8), args.seed, 7, "noise"))  # the values of a global draw
+    assert torch.equal(torch.cat([h.prompt_index for h in halves]), whole.prompt_index)
+    assert all(torch.equal(torch.cat([h.renoise[j] for h in halves]), whole.renoise[j]) for j in range(whole.stop_step))
+    sigma, noise = dmd2.noisy_inputs(args, 7, "critic/0", (8, 1, 8, 8), slice(None))
+    parts = [dmd2.noisy_inputs(args, 7, "critic/0", (8, 1, 8, 8), rows) for rows in (slice(0, 4), slice(4, 8))]
+    assert torch.equal(torch.cat([p[0] for p in parts]), sigma) and torch.equal(torch.cat([p[1] for p in parts]), noise)
+    for shape in ((8, 3), (8, 4, 4), (5, 3, 7), (8, 2, 1)):  # rows of 3, 16, 21, 2 values: any alignment
+        whole_draw = rng.randn(shape, 0, 7, "x")
+        for rows in (slice(0, 1), slice(3, 6), slice(5, 8), slice(6, 6), slice(None)):
+            assert torch.equal(rng.randn_rows(shape, rows, 0, 7, "x"), whole_draw[rows]), (shape, rows)
