@@ -79,7 +79,6 @@ def s3_outage(s3_server):
     in a background thread; returns the thread. The buckets and objects survive (moto keeps them
     in this process)."""
     import threading
-    import time
 
     from moto.server import ThreadedMotoServer
 
@@ -205,3 +204,11 @@ def prefect_server(tmp_path_factory):
     })
     with local_prefect_server(port, env=env, log=home / "server.log"):
         yield api, env
+
+
+@pytest.fixture(params=["local", "s3"])
+def root(request, tmp_path) -> str:
+    """A storage root: a local directory, or a fresh bucket on the moto server."""
+    if request.param == "local":
+        return str(tmp_path / "store")
+    return request.getfixturevalue("s3_bucket") + "/run"

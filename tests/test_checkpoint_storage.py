@@ -1,11 +1,11 @@
-"""Model and trainer checkpoints through local paths and S3 (moto), the run tracker, and errors."""
+"""Model and trainer checkpoints through local paths and S3 (moto), the tracker and retention."""
 
 from __future__ import annotations
 
 import copy
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,75 +17,15 @@ from dmd2_core import checkpoint as ckpt
 from dmd2_core import storage
 from dmd2_core.checkpoint import CheckpointLoadError
 from dmd2_core.models import CheckpointError, describe_checkpoint, load_checkpoint, save_checkpoint
-from dmd2_core.models.sd3 import SD3ImageFamily, tiny_digits_config
-
-FAMILY = SD3ImageFamily()
-SHIFT = 2.5
-
-
-@pytest.fixture(params=["local", "s3"])
-def root(request, tmp_path) -> str:
-    """A storage root: a local directory, or a fresh bucket on the moto server."""
-    if request.param == "local":
-        return str(tmp_path / "store")
-    return request.getfixturevalue("s3_bucket") + "/run"
-
-
-def _model(seed: int = 0, **overrides) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return FAMILY.build({**tiny_digits_config(), **overrides})
-
-
-def _batch(seed: int = 1, n: int = 4):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 1, 8, 8, generator=g)
-    cond = {"prompt_embeds": torch.randn(n, 5, 32, generator=g), "pooled_prompt_embeds": torch.randn(n, 32, generator=g)}
-    sigma = torch.rand(n, generator=g)
-    return x, sigma, cond
-
-
-def _out(model, seed: int = 1) -> torch.Tensor:
-    x, sigma, cond = _batch(seed)
-    with torch.no_grad():
-        return FAMILY.predict_velocity(model, x, sigma, cond)
-
-
-def _optimizer(model) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.0, 0.999), weight_decay=0.01)
-
-
-def _step(model, optimizer, seed: int) -> None:
-    x, sigma, cond = _batch(seed)
-    optimizer.zero_grad(set_to_none=True)
-    loss = FAMILY.predict_velocity(model, x, sigma, cond).square().mean()
-    loss.backward()
-    optimizer.step()
-
-
-def _assert_same_state(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-
-
-def _assert_same_optimizer(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa["param_groups"] == sb["param_groups"]
-    assert sa["state"].keys() == sb["state"].keys() and len(sa["state"]) > 0
-    for idx in sa["state"]:
-        assert sa["state"][idx].keys() == sb["state"][idx].keys()
-        for k, v in sa["state"][idx].items():
-            assert torch.equal(v, sb["state"][idx][k]), (idx, k)
-
-
-def _local_path(url: str) -> Path:
-    return Path(storage.filesystem(url)[1])
+from tests.checkpoint_helpers import (
+    SHIFT, assert_same_optimizer, assert_same_state, fresh, local_path, optimizer_of, output, save, saved, tiny_model, train_step,
+)
 
 
 # ---- model checkpoints ------------------------------------------------------------------------
 
 def test_model_round_trip(root):
-    model = _model()
+    model = tiny_model()
     url = storage.join(root, "teacher")
     save_checkpoint(model, url, shift=SHIFT)
 
@@ -97,8 +37,8 @@ def test_model_round_trip(root):
 
     loaded = load_checkpoint(url)
     assert loaded.shift == SHIFT and loaded.family.class_name == "SD3Transformer2DModel"
-    _assert_same_state(model.state_dict(), loaded.model.state_dict())
-    assert torch.equal(_out(model), _out(loaded.model))
+    assert_same_state(model.state_dict(), loaded.model.state_dict())
+    assert torch.equal(output(model), output(loaded.model))
 
 
 def test_describe_checkpoint_errors(tmp_path, s3_bucket):
@@ -132,28 +72,24 @@ def test_child_process_inherits_s3_endpoint(s3_bucket):
 
 # ---- trainer checkpoints ----------------------------------------------------------------------
 
-def _save(root, role, iteration, model, opt, **kw) -> str:
-    return ckpt.save_trainer(root, role, iteration, model, opt, **kw).result()["url"]
-
-
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_trainer_round_trip_is_exact(root, asynchronous):
-    model, ema = _model(0), _model(0)
-    opt = _optimizer(model)
+    model, ema = tiny_model(0), tiny_model(0)
+    opt = optimizer_of(model)
     for i in range(2):
-        _step(model, opt, seed=10 + i)
+        train_step(model, opt, seed=10 + i)
     with torch.no_grad():
         for pe, p in zip(ema.parameters(), model.parameters()):
             pe.lerp_(p, 0.1)
     extra = {"iteration": 7, "student_steps": 2, "rng": torch.get_rng_state(), "note": "x"}
     saved = {k: v.clone() for k, v in model.state_dict().items()}
-    saved_opt = _optimizer(_model(0))
+    saved_opt = optimizer_of(tiny_model(0))
     saved_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # the optimizer as saved
 
     pending = ckpt.save_trainer(root, "student", 7, model, opt, ema=list(ema.parameters()), extra=extra,
                                 asynchronous=asynchronous)
     if asynchronous:  # the state was staged: training on while it is written changes nothing saved
-        _step(model, opt, seed=55)
+        train_step(model, opt, seed=55)
     d = pending.result()["url"]
     assert d == ckpt.trainer_dir(root, "student", 7)
     assert d.endswith("trainers/student/iter_0000007")
@@ -162,52 +98,52 @@ def test_trainer_round_trip_is_exact(root, asynchronous):
     assert {"trainer_state.pt", "dcp/.metadata", "dcp/__0_0.distcp"} <= set(marker["files"]) == set(marker["sha256"])
     assert all(marker["sha256"][rel] == storage.sha256(storage.join(d, rel)) for rel in marker["files"])
 
-    model2, ema2 = _model(123), _model(456)  # different initial weights
-    opt2 = _optimizer(model2)
+    model2, ema2 = tiny_model(123), tiny_model(456)  # different initial weights
+    opt2 = optimizer_of(model2)
     opt2.param_groups[0]["lr"] = 5.0  # the saved value must win
     got = ckpt.load_trainer(root, "student", 7, model2, opt2, ema=list(ema2.parameters()))
 
     assert got["iteration"] == 7 and got["student_steps"] == 2 and got["note"] == "x"
     assert torch.equal(got["rng"], extra["rng"])
-    _assert_same_state(saved, model2.state_dict())
-    _assert_same_state(ema.state_dict(), ema2.state_dict())
+    assert_same_state(saved, model2.state_dict())
+    assert_same_state(ema.state_dict(), ema2.state_dict())
     assert opt2.param_groups[0]["lr"] == 1e-3
-    _assert_same_optimizer(saved_opt, opt2)
+    assert_same_optimizer(saved_opt, opt2)
     if not asynchronous:
-        _step(model, opt, seed=99)
-        _step(model2, opt2, seed=99)
-        _assert_same_state(model.state_dict(), model2.state_dict())
-        _assert_same_optimizer(opt, opt2)
+        train_step(model, opt, seed=99)
+        train_step(model2, opt2, seed=99)
+        assert_same_state(model.state_dict(), model2.state_dict())
+        assert_same_optimizer(opt, opt2)
 
 
 def test_save_over_existing_iteration_replaces_it(tmp_path):
     root = str(tmp_path)
-    first = _model(0)
-    d = _save(root, "critic", 3, first, _optimizer(first), ema=list(_model(1).parameters()))
-    stale = _local_path(d) / "dcp" / "stale.bin"
+    first = tiny_model(0)
+    d = save(root, "critic", 3, first, optimizer_of(first), ema=list(tiny_model(1).parameters()))
+    stale = local_path(d) / "dcp" / "stale.bin"
     stale.write_bytes(b"old")
 
-    second = _model(5)
-    opt = _optimizer(second)
-    _step(second, opt, seed=3)
-    _save(root, "critic", 3, second, opt, extra={"iteration": 3})
+    second = tiny_model(5)
+    opt = optimizer_of(second)
+    train_step(second, opt, seed=3)
+    save(root, "critic", 3, second, opt, extra={"iteration": 3})
     assert not stale.exists()
-    marker = json.loads((_local_path(d) / "complete.json").read_text())
+    marker = json.loads((local_path(d) / "complete.json").read_text())
     assert not marker["has_ema"]
 
-    fresh = _model(9)
-    fresh_opt = _optimizer(fresh)
+    fresh = tiny_model(9)
+    fresh_opt = optimizer_of(fresh)
     assert ckpt.load_trainer(root, "critic", 3, fresh, fresh_opt) == {"iteration": 3}
-    _assert_same_state(second.state_dict(), fresh.state_dict())
-    _assert_same_optimizer(opt, fresh_opt)
+    assert_same_state(second.state_dict(), fresh.state_dict())
+    assert_same_optimizer(opt, fresh_opt)
     with pytest.raises(CheckpointLoadError, match=re.escape("no ema")):
-        ckpt.load_trainer(root, "critic", 3, _model(9), None, ema=list(_model(9).parameters()))
+        ckpt.load_trainer(root, "critic", 3, tiny_model(9), None, ema=list(tiny_model(9).parameters()))
 
 
 def test_extra_must_survive_weights_only_load(tmp_path):
-    model = _model()
+    model = tiny_model()
     with pytest.raises(ValueError, match=re.escape("extra")):
-        ckpt.save_trainer(str(tmp_path), "student", 1, model, _optimizer(model), extra={"bad": object()})
+        ckpt.save_trainer(str(tmp_path), "student", 1, model, optimizer_of(model), extra={"bad": object()})
     assert not (tmp_path / "trainers").exists()
 
 
@@ -216,14 +152,14 @@ def test_a_checkpoint_in_another_format_fails_in_one_line(tmp_path, found, verdi
     """Only the current format is read; formats 1 and 2 (whole weights, before DCP) never left
     the repository. A marker without a format is format 1."""
     root = str(tmp_path)
-    d = _saved(root)
+    d = saved(root)
     marker_url = storage.join(d, "complete.json")
     marker = json.loads(storage.read_text(marker_url))
     marker.pop("format")
     storage.write_text(marker_url, json.dumps(marker if found is None else {**marker, "format": found}))
     before = {p: p.read_bytes() for p in Path(root).rglob("*") if p.is_file()}
     ckpt.write_tracker(root, 1)
-    calls = (lambda: ckpt.validate_resume(root, ["student"]), lambda: ckpt.load_trainer(root, "student", 1, *_fresh()),
+    calls = (lambda: ckpt.validate_resume(root, ["student"]), lambda: ckpt.load_trainer(root, "student", 1, *fresh()),
              lambda: ckpt.read_weights(root, "student", 1))
     for call in calls:
         with pytest.raises(CheckpointLoadError, match=re.escape(f"{d}: checkpoint format {found or 1} is {verdict}")) as info:
@@ -237,10 +173,10 @@ def test_a_checkpoint_in_another_format_fails_in_one_line(tmp_path, found, verdi
 
 def test_retention_keeps_the_newest_and_never_the_tracked(tmp_path):
     root = str(tmp_path)
-    model = _model(0)
-    opt = _optimizer(model)
+    model = tiny_model(0)
+    opt = optimizer_of(model)
     for i in (1, 2, 3):
-        _save(root, "student", i, model, opt)
+        save(root, "student", i, model, opt)
         ckpt.write_tracker(root, i)
         ckpt.prune(root, ["student"], keep_last_n=2)
     assert sorted(ckpt.saved_iterations(root, "student")) == [2, 3]
@@ -249,7 +185,7 @@ def test_retention_keeps_the_newest_and_never_the_tracked(tmp_path):
     assert ckpt.prune(root, ["student"], keep_last_n=1) == [ckpt.trainer_dir(root, "student", 2)]
     assert ckpt.saved_iterations(root, "student") == {3: True, 4: False}  # newer than the tracker: in flight
     # the tracker names an older checkpoint (a resume from it): nothing of it or newer goes
-    _save(root, "student", 5, model, opt)
+    save(root, "student", 5, model, opt)
     ckpt.write_tracker(root, 3)
     assert ckpt.prune(root, ["student"], keep_last_n=1) == []
     ckpt.write_tracker(root, 5)
@@ -278,15 +214,15 @@ def test_tracker(root):
 def _save_all(root, iteration, trainers) -> None:
     """The driver's rule: every trainer saves; only then does the tracker move."""
     for role, (model, opt) in trainers.items():
-        _save(root, role, iteration, model, opt, extra={"iteration": iteration})
+        save(root, role, iteration, model, opt, extra={"iteration": iteration})
     ckpt.write_tracker(root, iteration, roles=list(trainers))
 
 
 def test_crash_during_save_keeps_tracker(root, monkeypatch):
     trainers = {}
     for role, seed in (("student", 0), ("critic", 1)):
-        model = _model(seed)
-        trainers[role] = (model, _optimizer(model))
+        model = tiny_model(seed)
+        trainers[role] = (model, optimizer_of(model))
     _save_all(root, 1, trainers)
     assert ckpt.validate_resume(root, trainers) == 1
 
@@ -307,8 +243,8 @@ def test_crash_during_save_keeps_tracker(root, monkeypatch):
     critic_dir = ckpt.trainer_dir(root, "critic", 2)
     assert storage.exists(storage.join(critic_dir, "dcp", ".metadata"))  # written, all but the marker
     with pytest.raises(CheckpointLoadError, match=re.escape(f"{critic_dir}: incomplete")):
-        ckpt.load_trainer(root, "critic", 2, _model(0), None)
-    ckpt.load_trainer(root, "student", 2, _model(0), None)  # the student's save did finish
+        ckpt.load_trainer(root, "critic", 2, tiny_model(0), None)
+    ckpt.load_trainer(root, "student", 2, tiny_model(0), None)  # the student's save did finish
 
     with pytest.raises(CheckpointLoadError, match=re.escape(f"{critic_dir}/complete.json: missing")):
         ckpt.write_tracker(root, 2, roles=list(trainers))
@@ -319,162 +255,3 @@ def test_crash_during_save_keeps_tracker(root, monkeypatch):
         ckpt.validate_resume(root, trainers)
     with pytest.raises(CheckpointLoadError, match=re.escape(ckpt.trainer_dir(root, "ema_student", 2))):
         ckpt.validate_resume(root, ["student", "ema_student"])
-
-
-# ---- corrupt and missing checkpoints ----------------------------------------------------------
-
-def _saved(root, role="student", iteration=1):
-    model = _model(0)
-    opt = _optimizer(model)
-    _step(model, opt, seed=4)
-    return _save(root, role, iteration, model, opt)
-
-
-def _weights_url(d: str) -> str:
-    return storage.join(d, "dcp", "__0_0.distcp")
-
-
-def _fresh():
-    model = _model(3)
-    return model, _optimizer(model)
-
-
-def test_missing_checkpoint(root):
-    d = ckpt.trainer_dir(root, "student", 5)
-    with pytest.raises(CheckpointLoadError, match=re.escape(f"{d}: checkpoint directory does not exist")):
-        ckpt.load_trainer(root, "student", 5, *_fresh())
-
-
-@pytest.mark.parametrize("damage", ["truncate", "garble"])
-@pytest.mark.parametrize("target", ["weights", "state"])
-def test_corrupt_checkpoint(tmp_path, damage, target):
-    root = str(tmp_path)
-    d = _saved(root)
-    url = _weights_url(d) if target == "weights" else storage.join(d, "trainer_state.pt")
-    data = storage.read_bytes(url)
-    if damage == "truncate":
-        data = data[: len(data) // 2]
-    else:  # same size: the listing's sizes agree, the content does not
-        data = b"\xff" * 64 + data[64:]
-    storage.write_bytes(url, data)
-    with pytest.raises(CheckpointLoadError, match=re.escape(url)) as info:
-        ckpt.load_trainer(root, "student", 1, *_fresh())
-    assert "corrupt" in str(info.value) and "\n" not in str(info.value)
-
-
-def test_corrupt_checkpoint_on_s3(s3_bucket):
-    root = s3_bucket + "/run"
-    d = _saved(root)
-    url = _weights_url(d)
-    storage.write_bytes(url, storage.read_bytes(url)[:100])
-    with pytest.raises(CheckpointLoadError, match=re.escape(f"{url}: corrupt")):
-        ckpt.load_trainer(root, "student", 1, *_fresh())
-    storage.remove(url)
-    with pytest.raises(CheckpointLoadError, match=re.escape(f"{url}: missing")):
-        ckpt.load_trainer(root, "student", 1, *_fresh())
-
-
-def test_unreadable_marker_and_mismatched_model(tmp_path):
-    root = str(tmp_path)
-    d = _saved(root)
-    with pytest.raises(CheckpointLoadError, match=re.escape(f"{d}/dcp: weights do not fit")):
-        ckpt.load_trainer(root, "student", 1, _model(0, num_layers=2), None)
-    other = _model(0, num_layers=2)
-    with pytest.raises(CheckpointLoadError, match=re.escape("trainer_state.pt: optimizer state does not fit")):
-        ckpt.load_trainer(root, "student", 1, _model(0), _optimizer(other))
-
-    storage.write_text(storage.join(d, "complete.json"), "{not json")
-    with pytest.raises(CheckpointLoadError, match=re.escape(f"{d}/complete.json: unreadable")):
-        ckpt.load_trainer(root, "student", 1, *_fresh())
-    ckpt.write_tracker(root, 1)
-    with pytest.raises(CheckpointLoadError, match=re.escape(f"{d}/complete.json: unreadable")):
-        ckpt.validate_resume(root, ["student"])
-
-
-# ---- saving again, and a failure on one rank of a group -----------------------------------------
-
-def test_saving_the_tracked_iteration_again_never_destroys_it(tmp_path, monkeypatch):
-    """A retried checkpoint task, or a finished run rerun, saves the tracked iteration again: a
-    crash while doing so must leave the tracked checkpoint whole (the save keeps it: replay is
-    bitwise)."""
-    root = str(tmp_path)
-    model, opt = _fresh()
-    _step(model, opt, seed=4)
-    d = _save(root, "student", 3, model, opt, extra={"iteration": 3})
-    ckpt.write_tracker(root, 3)
-    before = {p: p.read_bytes() for p in Path(root).rglob("*") if p.is_file()}
-
-    def crash(*args, **kwargs):
-        raise OSError("simulated crash while saving")
-
-    for name in ("write_bytes", "write_text", "remove"):
-        monkeypatch.setattr(storage, name, crash)
-    assert ckpt.save_trainer(root, "student", 3, model, opt, extra={"iteration": 3}).result()["url"] == d
-    monkeypatch.undo()
-    assert {p: p.read_bytes() for p in Path(root).rglob("*") if p.is_file()} == before
-    assert ckpt.validate_resume(root, ["student"]) == 3
-    again, again_opt = _model(9), _optimizer(_model(9))
-    again_opt = _optimizer(again)
-    assert ckpt.load_trainer(root, "student", 3, again, again_opt) == {"iteration": 3}
-    _assert_same_state(model.state_dict(), again.state_dict())
-    _assert_same_optimizer(opt, again_opt)
-
-
-def _rank_main(rank: int, store: str, scenario: str, root: str, outcome: Path) -> None:
-    """One rank of a 2-rank gloo group (a process of its own) running ``scenario``; reports its outcome."""
-    import datetime
-    import time
-
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))
-    model, opt = _fresh()
-    try:
-        if scenario == "save" and rank == 0:  # rank 0 cannot write its part before the barrier
-            storage.write_bytes = lambda url, data: (_ for _ in ()).throw(OSError("disk gone on rank 0"))
-        if scenario == "load" and rank == 1:  # rank 1 cannot read the files it hashes
-            storage.sha256 = lambda url: (_ for _ in ()).throw(storage.StorageUnavailableError(f"{url}: down"))
-        if scenario == "save":
-            ckpt.save_trainer(root, "student", 2, model, opt, process_group=dist.group.WORLD).result()
-        else:
-            ckpt.load_trainer(root, "student", 1, model, opt, process_group=dist.group.WORLD)
-        outcome.write_text("ok")
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        outcome.write_text(ckpt.one_line(exc))
-    other = outcome.with_name(f"rank{1 - rank}.txt")
-    for _ in range(600):  # alive, as a trainer actor stays after its call failed
-        if other.exists():
-            break
-        time.sleep(0.1)
-    os._exit(0)  # no process-group teardown: the other rank may have left already
-
-
-@pytest.mark.parametrize("scenario", ["save", "load"])
-def test_a_failure_on_one_rank_reaches_every_rank_of_the_group(tmp_path, scenario):
-    """Rank 0 fails before the save's first collective, or rank 1 while hashing at load: both
-    ranks raise at once (none waits for the group's timeout), the other one naming the failure."""
-    import multiprocessing
-    import time
-
-    root = str(tmp_path / "run")
-    _saved(root)
-    files = [tmp_path / f"rank{r}.txt" for r in (0, 1)]
-    ctx = multiprocessing.get_context("spawn")  # not fork: Ray's and moto's threads may live in this process
-    procs = [ctx.Process(target=_rank_main, args=(r, str(tmp_path / "store"), scenario, root, files[r])) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 60
-    try:
-        while not all(f.exists() for f in files) and time.monotonic() < deadline:
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            p.kill()
-            p.join()
-    outcomes = {r: f.read_text() for r, f in enumerate(files) if f.exists()}
-    assert len(outcomes) == 2, f"a rank hung in a collective: {outcomes}"
-    failing, other = (0, 1) if scenario == "save" else (1, 0)
-    assert outcomes[failing].startswith("OSError: disk gone" if scenario == "save" else "StorageUnavailableError")
-    assert outcomes[other].startswith("CheckpointError") and f"rank {failing}" in outcomes[other], outcomes[other]

@@ -1,0 +1,162 @@
+"""Broken trainer checkpoints (missing, truncated, garbled, unreadable marker) fail in one line
+naming the file; saving again never destroys the tracked one; a failure on one rank of a group
+reaches every rank."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from dmd2_core import checkpoint as ckpt
+from dmd2_core import storage
+from dmd2_core.checkpoint import CheckpointLoadError
+from tests.checkpoint_helpers import (
+    assert_same_optimizer, assert_same_state, fresh, optimizer_of, save, saved, tiny_model, train_step, weights_url,
+)
+
+
+# ---- corrupt and missing checkpoints ----------------------------------------------------------
+
+def test_missing_checkpoint(root):
+    d = ckpt.trainer_dir(root, "student", 5)
+    with pytest.raises(CheckpointLoadError, match=re.escape(f"{d}: checkpoint directory does not exist")):
+        ckpt.load_trainer(root, "student", 5, *fresh())
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garble"])
+@pytest.mark.parametrize("target", ["weights", "state"])
+def test_corrupt_checkpoint(tmp_path, damage, target):
+    root = str(tmp_path)
+    d = saved(root)
+    url = weights_url(d) if target == "weights" else storage.join(d, "trainer_state.pt")
+    data = storage.read_bytes(url)
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:  # same size: the listing's sizes agree, the content does not
+        data = b"\xff" * 64 + data[64:]
+    storage.write_bytes(url, data)
+    with pytest.raises(CheckpointLoadError, match=re.escape(url)) as info:
+        ckpt.load_trainer(root, "student", 1, *fresh())
+    assert "corrupt" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_corrupt_checkpoint_on_s3(s3_bucket):
+    root = s3_bucket + "/run"
+    d = saved(root)
+    url = weights_url(d)
+    storage.write_bytes(url, storage.read_bytes(url)[:100])
+    with pytest.raises(CheckpointLoadError, match=re.escape(f"{url}: corrupt")):
+        ckpt.load_trainer(root, "student", 1, *fresh())
+    storage.remove(url)
+    with pytest.raises(CheckpointLoadError, match=re.escape(f"{url}: missing")):
+        ckpt.load_trainer(root, "student", 1, *fresh())
+
+
+def test_unreadable_marker_and_mismatched_model(tmp_path):
+    root = str(tmp_path)
+    d = saved(root)
+    with pytest.raises(CheckpointLoadError, match=re.escape(f"{d}/dcp: weights do not fit")):
+        ckpt.load_trainer(root, "student", 1, tiny_model(0, num_layers=2), None)
+    other = tiny_model(0, num_layers=2)
+    with pytest.raises(CheckpointLoadError, match=re.escape("trainer_state.pt: optimizer state does not fit")):
+        ckpt.load_trainer(root, "student", 1, tiny_model(0), optimizer_of(other))
+
+    storage.write_text(storage.join(d, "complete.json"), "{not json")
+    with pytest.raises(CheckpointLoadError, match=re.escape(f"{d}/complete.json: unreadable")):
+        ckpt.load_trainer(root, "student", 1, *fresh())
+    ckpt.write_tracker(root, 1)
+    with pytest.raises(CheckpointLoadError, match=re.escape(f"{d}/complete.json: unreadable")):
+        ckpt.validate_resume(root, ["student"])
+
+
+# ---- saving again, and a failure on one rank of a group -----------------------------------------
+
+def test_saving_the_tracked_iteration_again_never_destroys_it(tmp_path, monkeypatch):
+    """A retried checkpoint task, or a finished run rerun, saves the tracked iteration again: a
+    crash while doing so must leave the tracked checkpoint whole (the save keeps it: replay is
+    bitwise)."""
+    root = str(tmp_path)
+    model, opt = fresh()
+    train_step(model, opt, seed=4)
+    d = save(root, "student", 3, model, opt, extra={"iteration": 3})
+    ckpt.write_tracker(root, 3)
+    before = {p: p.read_bytes() for p in Path(root).rglob("*") if p.is_file()}
+
+    def crash(*args, **kwargs):
+        raise OSError("simulated crash while saving")
+
+    for name in ("write_bytes", "write_text", "remove"):
+        monkeypatch.setattr(storage, name, crash)
+    assert ckpt.save_trainer(root, "student", 3, model, opt, extra={"iteration": 3}).result()["url"] == d
+    monkeypatch.undo()
+    assert {p: p.read_bytes() for p in Path(root).rglob("*") if p.is_file()} == before
+    assert ckpt.validate_resume(root, ["student"]) == 3
+    again, again_opt = tiny_model(9), optimizer_of(tiny_model(9))
+    again_opt = optimizer_of(again)
+    assert ckpt.load_trainer(root, "student", 3, again, again_opt) == {"iteration": 3}
+    assert_same_state(model.state_dict(), again.state_dict())
+    assert_same_optimizer(opt, again_opt)
+
+
+def _rank_main(rank: int, store: str, scenario: str, root: str, outcome: Path) -> None:
+    """One rank of a 2-rank gloo group (a process of its own) running ``scenario``; reports its outcome."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    model, opt = fresh()
+    try:
+        if scenario == "save" and rank == 0:  # rank 0 cannot write its part before the barrier
+            storage.write_bytes = lambda url, data: (_ for _ in ()).throw(OSError("disk gone on rank 0"))
+        if scenario == "load" and rank == 1:  # rank 1 cannot read the files it hashes
+            storage.sha256 = lambda url: (_ for _ in ()).throw(storage.StorageUnavailableError(f"{url}: down"))
+        if scenario == "save":
+            ckpt.save_trainer(root, "student", 2, model, opt, process_group=dist.group.WORLD).result()
+        else:
+            ckpt.load_trainer(root, "student", 1, model, opt, process_group=dist.group.WORLD)
+        outcome.write_text("ok")
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        outcome.write_text(ckpt.one_line(exc))
+    other = outcome.with_name(f"rank{1 - rank}.txt")
+    for _ in range(600):  # alive, as a trainer actor stays after its call failed
+        if other.exists():
+            break
+        time.sleep(0.1)
+    os._exit(0)  # no process-group teardown: the other rank may have left already
+
+
+@pytest.mark.parametrize("scenario", ["save", "load"])
+def test_a_failure_on_one_rank_reaches_every_rank_of_the_group(tmp_path, scenario):
+    """Rank 0 fails before the save's first collective, or rank 1 while hashing at load: both
+    ranks raise at once (none waits for the group's timeout), the other one naming the failure."""
+    import multiprocessing
+    import time
+
+    root = str(tmp_path / "run")
+    saved(root)
+    files = [tmp_path / f"rank{r}.txt" for r in (0, 1)]
+    ctx = multiprocessing.get_context("spawn")  # not fork: Ray's and moto's threads may live in this process
+    procs = [ctx.Process(target=_rank_main, args=(r, str(tmp_path / "store"), scenario, root, files[r])) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 60
+    try:
+        while not all(f.exists() for f in files) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+    outcomes = {r: f.read_text() for r, f in enumerate(files) if f.exists()}
+    assert len(outcomes) == 2, f"a rank hung in a collective: {outcomes}"
+    failing, other = (0, 1) if scenario == "save" else (1, 0)
+    assert outcomes[failing].startswith("OSError: disk gone" if scenario == "save" else "StorageUnavailableError")
+    assert outcomes[other].startswith("CheckpointError") and f"rank {failing}" in outcomes[other], outcomes[other]

@@ -1,0 +1,111 @@
+"""Every bad input fails in preflight, in one line naming the key or path, before any actor
+starts and before anything is written (the CLI exits 2)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from dmd2_core.distill import DistillRun
+from tests.conftest import tiny_args
+
+
+def _broken_scheduler(teacher: str, tmp_path) -> str:
+    import shutil
+
+    root = tmp_path / "teacher"
+    shutil.copytree(teacher, root)
+    (root / "scheduler" / "scheduler_config.json").write_text('{"shift": 3.0,')
+    return str(root)
+
+
+def _prompt_file(tmp_path, content: bytes) -> str:
+    path = tmp_path / "prompts.safetensors"
+    path.write_bytes(content)
+    return str(path)
+
+
+PREFLIGHT_CASES = {
+    # name: (overrides built from (teacher, tmp_path), exception class name, message pattern)
+    "save under a file": (lambda t, p: {"save": str(p / "afile" / "run")}, "ArgsError",
+                          r"^save: cannot write to .*/afile/run \(NotADirectoryError"),
+    "save in a missing bucket": (lambda t, p: {"save": "s3://no-such-bucket-dmd2/run"}, "ArgsError",
+                                 r"^save: cannot write to s3://no-such-bucket-dmd2/run \(FileNotFoundError"),
+    "prompts not safetensors": (lambda t, p: {"prompts": _prompt_file(p, b"a cat\na dog\n" * 100)}, "ArgsError",
+                                r"^prompts: .* is not a safetensors prompt set \(header length \d+ does not fit"),
+    "prompts empty": (lambda t, p: {"prompts": _prompt_file(p, b"")}, "ArgsError",
+                      r"^prompts: .* is not a safetensors prompt set \(0 bytes"),
+    "prompts header not json": (lambda t, p: {"prompts": _prompt_file(p, (4).to_bytes(8, "little") + b"{{{{")},
+                                "ArgsError", r"^prompts: .* \(unreadable header: JSONDecodeError"),
+    "scheduler config broken": (lambda t, p: {"hf_checkpoint": _broken_scheduler(t, p)}, "CheckpointError",
+                                r"^.*/teacher/scheduler/scheduler_config.json: unreadable scheduler config \(JSONDecodeError"),
+    "hook raises on import": (lambda t, p: {"train_input_hook_path": "tests.hooks_raising.hook"}, "ArgsError",
+                              r"^train_input_hook_path: importing module 'tests.hooks_raising' of .* raised "
+                              r"RuntimeError: hook module broken at import time$"),
+    "cuda without GPUs": (lambda t, p: {"device": "cuda"}, "ArgsError",
+                          r"^device: cuda needs 1 GPU\(s\) for num_devices=1, this machine has 0"),
+    "unreachable ray_address": (lambda t, p: {"ray_address": "127.0.0.1:9"}, "ArgsError",
+                                r"^ray_address: cannot reach 127.0.0.1:9 within 5 s \(ConnectionRefusedError"),
+    "latent_shape channels": (lambda t, p: {"latent_shape": [4, 8, 8]}, "ArgsError",
+                              r"^latent_shape: \[4, 8, 8\]: 4 channels, the model .* takes in_channels=1$"),
+    "latent_shape patch": (lambda t, p: {"latent_shape": [1, 7, 8]}, "ArgsError",
+                           r"^latent_shape: \[1, 7, 8\]: H=7 is not a multiple of the model's patch size 2$"),
+    "latent_shape rank": (lambda t, p: {"latent_shape": [1, 2, 8, 8]}, "ArgsError",
+                          r"^latent_shape: \[1, 2, 8, 8\] does not fit SD3Transformer2DModel: expected \[C, H, W\]"),
+}
+
+
+@pytest.mark.parametrize("case", list(PREFLIGHT_CASES))
+def test_bad_input_fails_in_preflight_in_one_line(case, tiny_teacher, tmp_path, monkeypatch, request):
+    import time
+
+    make, exc_name, pattern = PREFLIGHT_CASES[case]
+    if "bucket" in case:
+        request.getfixturevalue("s3_server")
+    (tmp_path / "afile").write_text("not a directory")
+    started = []
+    monkeypatch.setattr("dmd2_core.groups.init_ray", lambda *a, **k: started.append(1))
+    values = {"save": str(tmp_path / "run"), **make(tiny_teacher, tmp_path)}
+    args = tiny_args(tiny_teacher, values.pop("save"), **values)
+    t = time.monotonic()
+    with pytest.raises(Exception) as info:
+        DistillRun(args)
+    assert type(info.value).__name__ == exc_name and isinstance(info.value, ValueError)  # exit code 2
+    assert re.search(pattern, str(info.value)), str(info.value)
+    assert "\n" not in str(info.value)
+    assert not started and time.monotonic() - t < 10
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_the_flow_cli_reports_bad_input_in_one_line_with_exit_2(tiny_teacher, tmp_path, capsys):
+    from flows.dmd2 import main
+
+    (tmp_path / "afile").write_text("")
+    code = main(["--recipe", "tiny", "--hf-checkpoint", tiny_teacher, "--save", str(tmp_path / "afile" / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: save: cannot write to") and err.count("\n") == 1, err
+
+
+def test_duplicate_recipe_keys_are_rejected(tmp_path):
+    from dmd2_core.args import ArgsError, load_args
+
+    recipe = tmp_path / "dup.yaml"
+    recipe.write_text("seed: 0\nlr: 1.0e-4\nnum_iterations: 5\nlr: 1.0e-3\n")
+    with pytest.raises(ArgsError, match=r"^recipe .*dup.yaml is not valid YAML: duplicate key 'lr' \(lines 2 and 4\)$"):
+        load_args(recipe)
+
+
+def test_missing_device_resource_fails_before_a_placement_group(ray_session, tiny_teacher, tmp_path, monkeypatch):
+    from dmd2_core import lease
+    from dmd2_core.args import ArgsError
+
+    requested = []
+    monkeypatch.setattr("dmd2_core.groups.placement_group", lambda *a, **k: requested.append(1))
+    save = str(tmp_path / "run")
+    run = DistillRun(tiny_args(tiny_teacher, save, device_resource="dmd2_devcie", ray_timeout_s=600))
+    with pytest.raises(ArgsError, match=r"^device_resource: the Ray cluster has 0 'dmd2_devcie' of the 1 needed "
+                                        r"\(resources: .*\); did you mean 'dmd2_device'\?$"):
+        run.start()
+    run.shutdown()
+    assert not requested and lease.read(save) is None
