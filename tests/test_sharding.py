@@ -229,6 +229,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_for_port(port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, f"nothing listens on {port} after {timeout_s} s"
+            time.sleep(0.2)
+
+
 def test_a_group_across_two_ray_nodes(tiny_teacher, tmp_path):
     """A real two-node Ray cluster on this machine that the run did not start (a head and a worker
     node started with the CLI, one device each, token auth; joined through ray_address): the
@@ -244,9 +255,14 @@ def test_a_group_across_two_ray_nodes(tiny_teacher, tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
     procs = [head]
     script = f"""
-import json, ray, torch
+import json, time, ray, torch
 from tests.conftest import tiny_args
 from dmd2_core.distill import DistillRun
+ray.init(address="127.0.0.1:{port}", namespace="two-nodes")  # the run joins this connection
+deadline = time.monotonic() + 180
+while ray.cluster_resources().get("dmd2_device", 0) < 2:  # until the worker node has joined
+    assert time.monotonic() < deadline, ray.cluster_resources()
+    time.sleep(0.5)
 args = tiny_args({tiny_teacher!r}, {str(tmp_path / 'run')!r}, ray_address="127.0.0.1:{port}", num_devices=2,
                  run_name="two-nodes")
 with DistillRun(args) as run:
@@ -261,12 +277,11 @@ with DistillRun(args) as run:
                       "tracked": saved["checkpoint_iteration"]}}))
 """
     try:
-        time.sleep(5)
+        _wait_for_port(port, 120)  # the head's GCS listens
         worker = subprocess.Popen([str(ray_bin), "start", f"--address=127.0.0.1:{port}", f"--temp-dir={dirs[1]}",
                                    *common], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                   start_new_session=True, env=env)
         procs.append(worker)
-        time.sleep(5)
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240,
                               cwd=ROOT, env=env)
         assert done.returncode == 0, done.stderr[-3000:]
