@@ -24,9 +24,12 @@ teacher: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m flows.demo
 
-# pytest exits 5 when it collects no test: that is a failure of the suite, reported as such.
+# Test files run on TEST_WORKERS processes (pytest-xdist; most tests wait on Ray actors, servers and
+# subprocesses, so two workers use the two cores CI has). pytest exits 5 when it collects no test:
+# that is a failure of the suite, reported as such.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
 
 bench: $(STAMP)

@@ -41,7 +41,10 @@ def init_ray(args: Args, num_groups: int = 1) -> None:
         ray.init(address=args.ray_address, namespace=args.run_name, log_to_driver=True)
     else:
         resources = {} if args.resource_name == "GPU" else {args.resource_name: float(args.num_devices * (1 if args.colocate else num_groups))}
-        ray.init(namespace=args.run_name, resources=resources, include_dashboard=False, log_to_driver=True)
+        # "local": a new Ray of its own, even where RAY_ADDRESS or a `ray start` cluster on this
+        # machine would otherwise be joined (ray.init's default)
+        ray.init(address="local", namespace=args.run_name, resources=resources, include_dashboard=False,
+                 log_to_driver=True)
     if handler is not None:
         signal.signal(signal.SIGTERM, handler)
 

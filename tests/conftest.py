@@ -140,7 +140,7 @@ def ray_session(s3_server):
     import ray
 
     if not ray.is_initialized():
-        ray.init(namespace="dmd2-tests", resources={"dmd2_device": 4.0}, include_dashboard=False,
+        ray.init(address="local", namespace="dmd2-tests", resources={"dmd2_device": 4.0}, include_dashboard=False,
                  log_to_driver=False)
     yield ray
     ray.shutdown()
