@@ -111,10 +111,7 @@ def check_family_args(args: Args, teacher: dict[str, Any]) -> Args:
         missing = [k for k, v in zip(("num_frames", "height", "width"), geometry) if v is None]
         if missing:
             raise ArgsError(f"{missing[0]}: set num_frames, height and width together")
-        latent_shape = clip_latent_shape(args.num_frames, args.height, args.width, teacher)
-        if args.latent_shape and list(args.latent_shape) != latent_shape:
-            raise ArgsError(f"latent_shape: {list(args.latent_shape)} disagrees with num_frames/height/width "
-                            f"({latent_shape}); set one of them")
+        latent_shape = clip_latent_shape_agreeing((args.num_frames, args.height, args.width), args.latent_shape, teacher)
         args = args.model_copy(update={"latent_shape": latent_shape})
     elif family.has_audio and args.latent_shape:
         from dmd2_core.models.minimax_h3 import pixel_frames
@@ -152,6 +149,15 @@ def spatial_ratio(teacher: dict[str, Any]) -> int:
         return 16
     config = json.loads(storage.read_text(storage.join(teacher["vae_url"], "config.json")))
     return int(math.prod(config.get("spatial_downsample_factors") or [16]))
+
+
+def clip_latent_shape_agreeing(clip: tuple[int, int, int], latent_shape: Optional[list[int]], teacher: dict) -> list[int]:
+    """The video latents of ``clip`` (num_frames, height, width); a ``latent_shape`` set beside it must agree."""
+    shape = clip_latent_shape(*clip, teacher)
+    if latent_shape and list(latent_shape) != shape:
+        raise ArgsError(f"latent_shape: {list(latent_shape)} disagrees with num_frames/height/width ({shape}); "
+                        "set one of them")
+    return shape
 
 
 def clip_latent_shape(num_frames: int, height: int, width: int, teacher: dict[str, Any]) -> list[int]:

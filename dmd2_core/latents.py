@@ -202,14 +202,11 @@ def prepare_latents(hf_checkpoint: str, images: str, captions: str, out: str, la
 
 def _clip_latent_shape(info: dict, clip: Optional[tuple[int, int, int]], latent_shape: Optional[list[int]]) -> list[int]:
     """A joint video + audio model's video latents [C, F, H, W], from the clip's geometry."""
-    from dmd2_core.checks import clip_latent_shape
+    from dmd2_core.checks import clip_latent_shape_agreeing
 
     if clip is None:
         if latent_shape:
             return list(latent_shape)
         raise ArgsError("num_frames: a video + audio model's real set needs the clips' --num-frames, --height and "
                         "--width (as the recipe's)")
-    shape = clip_latent_shape(*clip, info)
-    if latent_shape and list(latent_shape) != shape:
-        raise ArgsError(f"latent_shape: {list(latent_shape)} disagrees with num_frames/height/width ({shape}); set one of them")
-    return shape
+    return clip_latent_shape_agreeing(clip, latent_shape, info)
