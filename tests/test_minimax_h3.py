@@ -158,6 +158,7 @@ def test_one_iteration_trains_both_modalities(h3, tmp_path):
     (dict(dmd2_guidance_scale=5.0), r"dmd2_guidance_scale: .* is guidance-distilled .* set dmd2_guidance_scale to 1"),
     (dict(dmd2_shift=3.0), r"dmd2_shift: MiniMaxH3Transformer3DModel shifts each modality by its own scheduler"),
     (dict(dmd2_modality_weights={"vidoe": 1.0}), r"unknown modality 'vidoe' .* did you mean 'video'"),
+    (dict(latent_shape=[24, 7, 2, 4]), r"latent_shape: \[24, 7, 2, 4\] disagrees with num_frames/height/width \(\[.*\]\); set one"),
 ])
 def test_bad_clip_input_fails_before_any_actor_in_one_line(h3, tmp_path, override, message):
     args = load_args("minimax-h3", dict(CPU, hf_checkpoint=h3["url"], prompts=h3["prompts"],
