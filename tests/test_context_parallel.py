@@ -1,0 +1,124 @@
+"""Context parallelism (cp_size): one sample's sequence split over ranks (Ulysses), composed with
+FSDP2. N ranks with cp give the weights (and eval samples) of one rank after whole DMD2
+iterations (rollout, critic training and scoring, student training), Wan and MiniMax-H3; bad
+cp settings fail at preflight in one line naming the key."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from dmd2_core.args import ArgsError, load_args
+from dmd2_core.data import PromptSet
+from dmd2_core.distill import preflight
+from dmd2_core.models.standins import H3_GEOMETRY, build_h3_standin, build_standin, h3_prompt_set, standin_prompt_set
+from dmd2_core.trainer import Trainer
+
+ITERATIONS = (1, 2, 3)
+EVAL_PROMPTS, EVAL_SEED = [0, 1], 11
+COMMON = dict(device="cpu", dtype="float32", torch_threads=1, global_batch_size=2, micro_batch_size=2,
+              dmd2_update_ratio=2, dmd2_student_steps=2, seed=3, ema_decay=0.9, clip_grad=0.05,
+              lr=1e-3, eval_interval=0, save_interval=0)
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wan")
+    prompts = str(root / "prompts.safetensors")
+    standin_prompt_set("wan").save(prompts)
+    # [C, F, H, W] latents -> 2 x 2 x 2 = 8 video tokens (patch 1 x 2 x 2): splits over 2 and 4 ranks
+    return dict(hf_checkpoint=build_standin(str(root / "wan"), "wan"), prompts=prompts, latent_shape=[4, 2, 4, 4],
+                dmd2_guidance_scale=2.0)
+
+
+def _h3_prompts(lengths: list[int]) -> PromptSet:
+    """The stand-in's prompt set with the given text lengths (its packed sequence is 451 video and
+    audio rows plus the text: odd lengths make it split over 2 ranks)."""
+    base = h3_prompt_set(len(lengths))
+    lengths_t = torch.tensor(lengths)
+    embeds = base.embeds["prompt_embeds"] * (torch.arange(base.embeds["prompt_embeds"].shape[1])[None, :, None]
+                                             < lengths_t[:, None, None])
+    return PromptSet(base.prompts, {"prompt_embeds": embeds, "prompt_lengths": lengths_t}, {})
+
+
+@pytest.fixture(scope="module")
+def h3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("h3")
+    prompts = str(root / "prompts.safetensors")
+    _h3_prompts([5, 3, 5, 3]).save(prompts)
+    return dict(hf_checkpoint=build_h3_standin(str(root / "h3")), prompts=prompts, **H3_GEOMETRY)
+
+
+def _trainer_args(model: dict, save, **overrides):
+    return preflight(load_args(None, {**COMMON, **model, "save": str(save), **overrides}))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _iterate(trainers: dict, iteration: int) -> None:
+    pairs, _ = trainers["actor"].rollout(iteration)
+    scores, _ = trainers["critic"].train(iteration, pairs)
+    trainers["actor"].train(iteration, pairs, scores)
+
+
+def _run(trainers: dict) -> dict:
+    for i in ITERATIONS:
+        _iterate(trainers, i)
+    out = {role: t.weights() for role, t in trainers.items()}
+    out["samples"] = trainers["actor"].sample(EVAL_PROMPTS, EVAL_SEED, decode=False)
+    return out
+
+
+def _rank(rank: int, world_size: int, port: int, trainer_args: dict, out_path: str) -> None:
+    torch.set_num_threads(1)
+    trainers = {role: Trainer(a, role, rank, world_size) for role, a in trainer_args.items()}
+    for trainer in trainers.values():
+        trainer.init_process_group("127.0.0.1", port)
+    out = _run(trainers)
+    if rank == 0:
+        torch.save(out, out_path)
+
+
+def _ranks(trainer_args: dict, world_size: int, tmp_path) -> dict:
+    """The run on ``world_size`` trainer ranks, one process each (gloo)."""
+    out = tmp_path / "ranks.pt"
+    mp.start_processes(_rank, args=(world_size, _free_port(), trainer_args, str(out)), nprocs=world_size,
+                       join=True, start_method="spawn")
+    return torch.load(out, weights_only=False)
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _same_as_one_rank(model: dict, tmp_path, world_size: int, **parallel) -> dict:
+    one = _run({role: Trainer(a, role) for role, a in _trainer_args(model, tmp_path / "one").items()})
+    many = _ranks(_trainer_args(model, tmp_path / "many", num_devices=world_size, **parallel), world_size, tmp_path)
+    diffs = {role: _max_diff(one[role], many[role]) for role in ("actor", "critic")}
+    diffs["samples"] = _max_diff({"x": one["samples"]}, {"x": many["samples"]})
+    fresh = {role: Trainer(a, role).weights() for role, a in _trainer_args(model, tmp_path / "fresh").items()}
+    moved = min(_max_diff(fresh[role], one[role]) for role in ("actor", "critic"))
+    assert moved > 1e-3, moved  # training moved the weights well beyond the tolerance
+    print(f"max |N ranks - 1 rank|: {diffs}, moved {moved:.3g}")
+    assert all(d < 1e-5 for d in diffs.values()), diffs
+    return diffs
+
+
+def test_wan_context_parallel_2_equals_1_rank(wan, tmp_path):
+    _same_as_one_rank(wan, tmp_path, 2, cp_size=2)
+
+
+def test_h3_context_parallel_2_equals_1_rank(h3, tmp_path):
+    _same_as_one_rank(h3, tmp_path, 2, cp_size=2)
+
+
+def test_wan_shard_2_by_context_2_equals_1_rank(wan, tmp_path):
+    """4 ranks: two data-parallel shards, each a context group of 2; the batch of 2 splits by rows."""
+    _same_as_one_rank(wan, tmp_path, 4, cp_size=2)
