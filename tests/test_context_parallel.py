@@ -76,6 +76,18 @@ def _run(trainers: dict) -> dict:
     return out
 
 
+def _one_rank(model: dict, save) -> dict:
+    """The run on one rank, and the weights it started from."""
+    trainers = {role: Trainer(a, role) for role, a in _trainer_args(model, save).items()}
+    start = {role: t.weights() for role, t in trainers.items()}
+    return {"start": start, **_run(trainers)}
+
+
+@pytest.fixture(scope="module")
+def wan_one(wan, tmp_path_factory):
+    return _one_rank(wan, tmp_path_factory.mktemp("wan-one"))
+
+
 def _rank(rank: int, world_size: int, port: int, trainer_args: dict, out_path: str) -> None:
     torch.set_num_threads(1)
     trainers = {role: Trainer(a, role, rank, world_size) for role, a in trainer_args.items()}
@@ -98,27 +110,53 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def _same_as_one_rank(model: dict, tmp_path, world_size: int, **parallel) -> dict:
-    one = _run({role: Trainer(a, role) for role, a in _trainer_args(model, tmp_path / "one").items()})
+def _same_as_one_rank(model: dict, one: dict, tmp_path, world_size: int, **parallel) -> dict:
     many = _ranks(_trainer_args(model, tmp_path / "many", num_devices=world_size, **parallel), world_size, tmp_path)
     diffs = {role: _max_diff(one[role], many[role]) for role in ("actor", "critic")}
     diffs["samples"] = _max_diff({"x": one["samples"]}, {"x": many["samples"]})
-    fresh = {role: Trainer(a, role).weights() for role, a in _trainer_args(model, tmp_path / "fresh").items()}
-    moved = min(_max_diff(fresh[role], one[role]) for role in ("actor", "critic"))
-    assert moved > 1e-3, moved  # training moved the weights well beyond the tolerance
+    moved = min(_max_diff(one["start"][role], one[role]) for role in ("actor", "critic"))
     print(f"max |N ranks - 1 rank|: {diffs}, moved {moved:.3g}")
+    assert moved > 1e-3, moved  # training moved the weights well beyond the tolerance
     assert all(d < 1e-5 for d in diffs.values()), diffs
     return diffs
 
 
-def test_wan_context_parallel_2_equals_1_rank(wan, tmp_path):
-    _same_as_one_rank(wan, tmp_path, 2, cp_size=2)
+def test_wan_context_parallel_2_equals_1_rank(wan, wan_one, tmp_path):
+    _same_as_one_rank(wan, wan_one, tmp_path, 2, cp_size=2)
 
 
 def test_h3_context_parallel_2_equals_1_rank(h3, tmp_path):
-    _same_as_one_rank(h3, tmp_path, 2, cp_size=2)
+    _same_as_one_rank(h3, _one_rank(h3, tmp_path / "one"), tmp_path, 2, cp_size=2)
 
 
-def test_wan_shard_2_by_context_2_equals_1_rank(wan, tmp_path):
+def test_wan_shard_2_by_context_2_equals_1_rank(wan, wan_one, tmp_path):
     """4 ranks: two data-parallel shards, each a context group of 2; the batch of 2 splits by rows."""
-    _same_as_one_rank(wan, tmp_path, 4, cp_size=2)
+    _same_as_one_rank(wan, wan_one, tmp_path, 4, cp_size=2)
+
+
+@pytest.fixture(scope="module")
+def sd3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sd3")
+    prompts = str(root / "prompts.safetensors")
+    standin_prompt_set("sd3").save(prompts)
+    return dict(hf_checkpoint=build_standin(str(root / "sd3"), "sd3"), prompts=prompts, dmd2_guidance_scale=2.0)
+
+
+@pytest.mark.parametrize("model, overrides, needle", [
+    ("sd3", dict(num_devices=2, cp_size=2), "cp_size: SD3Transformer2DModel has no context-parallel plan"),
+    ("wan", dict(num_devices=4, cp_size=4), "cp_size: WanTransformer3DModel has 2 attention heads"),
+    ("wan", dict(num_devices=2, cp_size=2, latent_shape=[4, 1, 2, 6]), "cp_size: 2 ranks do not split the 3-token"),
+    ("h3", dict(num_devices=2, cp_size=2, prompt_lengths=[5, 4]), "cp_size: 2 ranks do not split the 455-token"),
+    ("wan", dict(num_devices=4, cp_size=2, global_batch_size=3), "global_batch_size: 3 is not divisible by the "
+                                                                  "critic's data-parallel size 2"),
+    ("wan", dict(num_devices=2, cp_size=2, critic_cp_size=1), "critic_cp_size: 1 differs from cp_size 2"),
+], ids=["sd3-family", "heads", "wan-tokens", "h3-text", "batch", "critic-differs"])
+def test_bad_cp_size_fails_at_preflight_in_one_line(request, tmp_path, model, overrides, needle):
+    model = dict(request.getfixturevalue(model))
+    if "prompt_lengths" in overrides:
+        model["prompts"] = str(tmp_path / "prompts.safetensors")
+        _h3_prompts(overrides.pop("prompt_lengths")).save(model["prompts"])
+    with pytest.raises(ArgsError) as info:
+        _trainer_args(model, tmp_path / "run", **overrides)
+    assert str(info.value).startswith(needle) and "\n" not in str(info.value), str(info.value)
+    assert not (tmp_path / "run").exists()
