@@ -21,7 +21,7 @@ ITERATIONS = (1, 2, 3)
 EVAL_PROMPTS, EVAL_SEED = [0, 1], 11
 COMMON = dict(device="cpu", dtype="float32", torch_threads=1, global_batch_size=2, micro_batch_size=2,
               dmd2_update_ratio=2, dmd2_student_steps=2, seed=3, ema_decay=0.9, clip_grad=0.05,
-              lr=1e-3, eval_interval=0, save_interval=0)
+              lr=2e-4, eval_interval=0, save_interval=0)
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def _same_as_one_rank(model: dict, one: dict, tmp_path, world_size: int, **paral
     diffs["scores"] = _max_diff({"x": one["scores"][:, :rows]}, {"x": many["scores"]})
     moved = min(_max_diff(one["start"][role], one[role]) for role in ("actor", "critic"))
     print(f"max |N ranks - 1 rank|: {diffs}, moved {moved:.3g}")
-    assert moved > 1e-3, moved  # training moved the weights well beyond the tolerance
+    assert moved > 5e-4, moved  # training moved the weights well beyond the tolerance
     assert all(d < 1e-5 for d in diffs.values()), diffs
     return diffs
 
