@@ -98,23 +98,24 @@ def wan_one(wan, tmp_path_factory):
     return _one_rank(wan, tmp_path_factory.mktemp("wan-one"))
 
 
-def _rank(rank: int, world_size: int, port: int, trainer_args: dict, out_path: str) -> None:
+def _rank(rank: int, world_size: int, port: int, trainer_args: dict, out_path: str, save: bool) -> None:
     torch.set_num_threads(1)
     trainers = {role: Trainer(a, role, rank, world_size) for role, a in trainer_args.items()}
     for trainer in trainers.values():
         trainer.init_process_group("127.0.0.1", port)
     out = _run(trainers)
-    for trainer in trainers.values():
+    for trainer in trainers.values() if save else ():
         trainer.save(ITERATIONS[-1])
         trainer.save_status(wait=True)
     if rank == 0:
         torch.save(out, out_path)
 
 
-def _ranks(trainer_args: dict, world_size: int, tmp_path) -> dict:
-    """The run on ``world_size`` trainer ranks, one process each (gloo)."""
+def _ranks(trainer_args: dict, world_size: int, tmp_path, save: bool) -> dict:
+    """The run on ``world_size`` trainer ranks, one process each (gloo); ``save``: each trainer
+    then saves its checkpoint of the last iteration."""
     out = tmp_path / "ranks.pt"
-    mp.start_processes(_rank, args=(world_size, _free_port(), trainer_args, str(out)), nprocs=world_size,
+    mp.start_processes(_rank, args=(world_size, _free_port(), trainer_args, str(out), save), nprocs=world_size,
                        join=True, start_method="spawn")
     return torch.load(out, weights_only=False)
 
@@ -123,8 +124,9 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def _same_as_one_rank(model: dict, one: dict, tmp_path, world_size: int, **parallel) -> dict:
-    many = _ranks(_trainer_args(model, tmp_path / "many", num_devices=world_size, **parallel), world_size, tmp_path)
+def _same_as_one_rank(model: dict, one: dict, tmp_path, world_size: int, save: bool = False, **parallel) -> dict:
+    many = _ranks(_trainer_args(model, tmp_path / "many", num_devices=world_size, **parallel), world_size, tmp_path,
+                  save)
     diffs = {role: _max_diff(one[role], many[role]) for role in ("actor", "critic")}
     diffs["samples"] = _max_diff({"x": one["samples"]}, {"x": many["samples"]})
     rows = many["scores"].shape[1]  # rank 0's: the first data-parallel rank's rows
@@ -139,7 +141,7 @@ def _same_as_one_rank(model: dict, one: dict, tmp_path, world_size: int, **paral
 def test_wan_context_parallel_2_equals_1_rank(wan, wan_one, tmp_path):
     """And its checkpoint resumes on one rank without cp: FSDP shards over the same ranks whatever
     cp, so the saved state does not depend on it."""
-    _same_as_one_rank(wan, wan_one, tmp_path, 2, cp_size=2)
+    _same_as_one_rank(wan, wan_one, tmp_path, 2, save=True, cp_size=2)
     many = torch.load(tmp_path / "ranks.pt", weights_only=False)
     for role, args in _trainer_args(wan, tmp_path / "resumed").items():
         resumed = Trainer(args, role)
