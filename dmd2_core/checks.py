@@ -9,6 +9,7 @@ import json
 import socket
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional
 
 from dmd2_core import storage
@@ -207,6 +208,85 @@ def check_latent_shape(args: Args, teacher: dict[str, Any]) -> None:
     max_size = config.get("pos_embed_max_size")
     if max_size and any(int(d) // int(patch[-1]) > int(max_size) for d in dims[-2:]):
         raise ArgsError(f"{where}: larger than the model's pos_embed_max_size {max_size} patches")
+
+
+# ---- context parallelism ------------------------------------------------------------------------
+
+def check_context_parallel(args: Args, trainer_args: dict[str, Args]) -> None:
+    """Each trainer's ``cp_size`` against its batch, its models and its sequences: the
+    data-parallel size (num_devices / cp) divides global_batch_size; with cp > 1 the family has a
+    context-parallel plan, the heads split over cp, and every sequence the trainer runs (the latent
+    shape's tokens, plus each prompt's text for a joint model) splits evenly. The critic scores the
+    actor's rows rank by rank, so both split a batch alike."""
+    from dmd2_core.models import FAMILIES, describe_checkpoint
+
+    keys = {"actor": "cp_size", "critic": "cp_size" if args.critic_cp_size is None else "critic_cp_size"}
+    sizes = {role: targs.cp_size for role, targs in trainer_args.items()}
+    if len(set(sizes.values())) > 1:
+        raise ArgsError(f"critic_cp_size: {sizes['critic']} differs from cp_size {sizes['actor']}; the critic takes "
+                        "the actor's rollout rows rank by rank, so both groups must split the batch alike")
+    for role, targs in trainer_args.items():
+        key, cp = keys[role], targs.cp_size
+        dp = targs.num_devices // cp
+        if targs.global_batch_size % dp:
+            raise ArgsError(f"global_batch_size: {targs.global_batch_size} is not divisible by the {role}'s "
+                            f"data-parallel size {dp} (num_devices {targs.num_devices} / {key} {cp})")
+        if cp == 1:
+            continue
+        urls = [targs.hf_checkpoint] + ([targs.teacher_checkpoint or targs.hf_checkpoint]
+                                        if targs.loss_type == "dmd2_critic" else [])
+        for url in dict.fromkeys(urls):
+            info = describe_checkpoint(url)
+            config = json.loads(storage.read_text(storage.join(info["transformer_url"], "config.json")))
+            family = FAMILIES[info["family"]]
+            problem = family.context_parallel_problem(config, cp)
+            if problem:
+                raise ArgsError(f"{key}: {problem}")
+            model = SimpleNamespace(config=SimpleNamespace(**config))
+            family = family.bind(targs.latent_shape, model)
+            shape = family.sample_shape(model, targs.latent_shape)
+            for tokens, source in _split_lengths(family, config, shape, targs):
+                if tokens % cp:
+                    raise ArgsError(f"{key}: {cp} ranks do not split the {tokens}-token sequence of {source}; "
+                                    f"choose a cp_size that divides it")
+
+
+def _split_lengths(family, config, shape, targs: Args):
+    """(tokens context parallelism splits, what they come from) for the trainer's sequences."""
+    where = f"latent_shape {list(targs.latent_shape or shape)}"
+    if "prompt_lengths" not in family.cond_keys:
+        yield family.split_tokens(config, shape, 0), where
+        return
+    sets = [("prompts", targs.prompts)]
+    if targs.loss_type == "dmd2_critic" and targs.gan_critic_weight:
+        sets.append(("real_data", targs.real_data))
+    for name, url in sets:
+        lengths = _tensor(url, "prompt_lengths")
+        for length in sorted(set(lengths.tolist() if lengths is not None else ())):
+            yield family.split_tokens(config, shape, length), f"{where} with a {length}-token prompt of {name} {url}"
+
+
+_DTYPES = {"I64": "int64", "I32": "int32", "I16": "int16", "U8": "uint8", "F32": "float32"}
+
+
+def _tensor(url: str, name: str):
+    """One (small) tensor of a safetensors file, read alone (a byte range, also on S3); None when
+    the file has none of that name."""
+    import torch
+
+    entries, data_size = storage.read_safetensors_header(url)
+    info = entries.get(name)
+    if info is None:
+        return None
+    start, end = info["data_offsets"]
+    fs, path = storage.filesystem(url)
+
+    def read():
+        with fs.open(path, "rb") as f:
+            f.seek(int(fs.size(path)) - data_size + start)
+            return f.read(end - start)
+    raw = storage.retrying(read, f"read {url}")
+    return torch.frombuffer(bytearray(raw), dtype=getattr(torch, _DTYPES[info["dtype"]])).reshape(info["shape"])
 
 
 # ---- Ray --------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from dmd2_core import rng
+from dmd2_core import context_parallel, rng
 from dmd2_core.losses import flow_matching_loss, modality_mse
 
 
@@ -68,15 +68,17 @@ class _Stop(Exception):
 
 
 class FeatureTap:
-    """A forward hook on one transformer block that keeps its output tokens (``features``);
-    ``stop=True`` ends the forward right there (the blocks after it are not needed)."""
+    """A forward hook on one transformer block that keeps its output tokens (``features``: the
+    whole sequence, also when context parallelism splits it); ``stop=True`` ends the forward right
+    there (the blocks after it are not needed)."""
 
     def __init__(self, family, model: torch.nn.Module, block: Optional[int], stop: bool = False):
-        self.module = family.feature_block(model, block)
+        self.model, self.module = model, family.feature_block(model, block)
         self.stop, self.features, self._handle = stop, None, None
 
     def _hook(self, module, inputs, output):
-        self.features = output if torch.is_tensor(output) else output[-1]  # SD3 blocks: (context, image)
+        tokens = output if torch.is_tensor(output) else output[-1]  # SD3 blocks: (context, image)
+        self.features = context_parallel.gather_sequence(self.model, tokens)
         if self.stop:
             raise _Stop
 
@@ -119,6 +121,7 @@ def critic_forward(family, critic, head: Optional[DiscriminatorHead], block: Opt
         with FeatureTap(family, critic, block) as tap:
             family.predict_velocity(critic, family.add_noise(x0_in, noise, sigma), sigma, cond)
         gan_grad = generator_gradient(head(tap.features), x0_in, gen_weight, retain_graph=False)
+        gan_grad = context_parallel.sum_over_context(critic, gan_grad)  # each rank's part of the sequence
     x_t = family.add_noise(x0, noise, sigma)
     with (FeatureTap(family, critic, block) if head is not None else _nothing()) as tap:
         v = family.predict_velocity(critic, x_t, sigma, cond)

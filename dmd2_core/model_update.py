@@ -30,8 +30,10 @@ class ModelUpdate:
         return self.optimizer.param_groups[0]["lr"]
 
     def step(self, iteration: Optional[int], loss_finite: bool = True) -> tuple[float, bool]:
-        """Gradients are already averaged over the group's ranks (FSDP reduce-scatters them in
-        fp32 during backward); clip on the global norm, step the fp32 master weights, EMA.
+        """Gradients are already reduced over the group's ranks (FSDP reduce-scatters them in
+        fp32 during backward: a mean over data-parallel ranks, summed over a context group's parts
+        of the sequence, see dmd2_core.context_parallel); clip on the global norm, step the fp32
+        master weights, EMA.
         Returns (the gradient norm, whether the step was taken: every rank agrees)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")

@@ -62,10 +62,43 @@ def check_shard_size(world_size: int, shard_size: Optional[int]) -> int:
 
 
 def build_mesh(device: torch.device, world_size: int, shard_size: Optional[int]) -> DeviceMesh:
+    """The mesh FSDP shards over: ``(shard,)`` or ``(replicate, shard)``; context parallelism
+    does not change it (see ``context_mesh``)."""
     shard = check_shard_size(world_size, shard_size)
     if shard == world_size:
         return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
     return init_device_mesh(device.type, (world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def context_mesh(mesh: DeviceMesh, cp_size: int) -> DeviceMesh:
+    """The same ranks seen as ``([replicate,] dp_shard, ring, ulysses)``: the shard dim split into
+    data-parallel shards of ``cp_size`` consecutive ranks each (Ulysses only: ring attention needs
+    a backend that returns the log-sum-exp, which native SDPA on CPU does not). FSDP keeps sharding
+    over the whole shard dim, so the model's shards, and its checkpoints, do not depend on cp."""
+    shard = mesh["shard"].size()
+    if cp_size < 1 or shard % cp_size:
+        raise ValueError(f"cp_size: {cp_size} does not divide the {shard} ranks a model is sharded over")
+    return mesh._unflatten("shard", (shard // cp_size, 1, cp_size),
+                           ("dp_shard", "ring", "ulysses"))
+
+
+def data_parallel(rank: int, world_size: int, cp_size: int) -> tuple[int, int]:
+    """(data-parallel rank, data-parallel size): the ``cp_size`` consecutive ranks of a context
+    group share one rank's rows of the batch."""
+    return rank // cp_size, world_size // cp_size
+
+
+def average_over_data_parallel(model: torch.nn.Module, dp_size: int) -> None:
+    """Reduce a sharded model's gradients as a sum over all ranks divided by ``dp_size``: under
+    context parallelism each rank of a context group holds the gradient of its part of the
+    sequence, so those parts add up while data-parallel ranks average. Sum-only collectives,
+    because gloo has no PREMUL_SUM."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(float(dp_size))
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def block_classes(model: torch.nn.Module) -> tuple[str, ...]:

@@ -32,8 +32,6 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
     checks.check_latent_shape(args, teacher)
     if args.dmd2_shift is None:
         args = args.model_copy(update={"dmd2_shift": teacher["shift"]})
-    if args.global_batch_size % args.num_devices:
-        raise ArgsError(f"global_batch_size: {args.global_batch_size} is not divisible by num_devices {args.num_devices}")
     trainer_args = {}
     for cfg in compute_trainer_configs(args):
         targs = compute_trainer_args(args, cfg)
@@ -44,6 +42,7 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
             flag = "critic_train_input_hook_path" if cfg.role == "critic" else "train_input_hook_path"
             load_hook(targs.train_input_hook_path, flag=flag)
         trainer_args[cfg.role] = targs
+    checks.check_context_parallel(args, trainer_args)
     if args.prompts != "digits":
         if not storage.exists(args.prompts):
             raise ArgsError(f"prompts: no prompt set at {args.prompts}{storage.nearest_sibling(args.prompts)}")

@@ -17,7 +17,7 @@ from typing import Optional, Union
 
 import torch
 
-from dmd2_core import checkpoint, dmd2, gan, parallel
+from dmd2_core import checkpoint, context_parallel, dmd2, gan, parallel
 from dmd2_core.actor import Actor
 from dmd2_core.args import Args
 from dmd2_core.critic import SCORED, Critic
@@ -43,9 +43,11 @@ class Trainer:
 
     def __init__(self, args: Args, role: str, rank: int = 0, world_size: int = 1):
         torch.set_num_threads(args.torch_threads)
-        if args.global_batch_size % world_size:
-            raise ValueError(f"global_batch_size {args.global_batch_size} is not divisible by {world_size} ranks")
         parallel.check_shard_size(world_size, args.fsdp_shard_size)
+        self.dp_rank, self.dp_size = parallel.data_parallel(rank, world_size, args.cp_size)
+        if args.global_batch_size % self.dp_size:
+            raise ValueError(f"global_batch_size {args.global_batch_size} is not divisible by the data-parallel size "
+                             f"{self.dp_size} ({world_size} ranks / cp_size {args.cp_size})")
         self.args, self.role, self.rank, self.world_size = args, role, rank, world_size
         self.device = pick_device(args)
         self.dtype = getattr(torch, args.dtype)  # the compute dtype; trained weights stay fp32
@@ -67,8 +69,8 @@ class Trainer:
                                                     weight_decay=args.weight_decay)
         self.prompts = load_prompt_set(args.prompts)
         self.shape = self.family.sample_shape(self.model, args.latent_shape)
-        self.local_batch = args.global_batch_size // world_size
-        self.rows = slice(rank * self.local_batch, (rank + 1) * self.local_batch)
+        self.local_batch = args.global_batch_size // self.dp_size  # a context group shares its rows
+        self.rows = slice(self.dp_rank * self.local_batch, (self.dp_rank + 1) * self.local_batch)
         self.nonfinite = NonFiniteCounter(role, args.max_nonfinite_steps)
         self.vae = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
@@ -103,6 +105,9 @@ class Trainer:
         if self.teacher is not None:
             parallel.shard_model(self.teacher, self.mesh, self.dtype, trainable=False, keep_fp32=keep_fp32,
                                  cpu_offload=args.fsdp_cpu_offload)
+        for module, trainable in ((self.model, True), (self.teacher, False)):
+            if module is not None:
+                context_parallel.enable(module, self.mesh, args.cp_size, self.device, trainable, self.family)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
             weight_decay=args.weight_decay, foreach=True,  # one dispatch per op over all shards
@@ -168,6 +173,8 @@ class Trainer:
             raise ValueError(f"{self.role} rank {self.rank}: {batch_size(pairs)} train pairs, expected {self.local_batch}")
         outputs, metrics = self.learner.train(iteration, pairs)
         self._reshard()
+        if context_parallel.peer_index(self.rank, self.args.cp_size):  # a context group's rows count once
+            metrics.update({k: 0 for k in metrics if k.endswith("_nonfinite")})
         metrics[f"{self.role}_nonfinite_steps"] = self.nonfinite.this_call
         metrics[f"{self.role}_train_s"] = time.perf_counter() - start
         metrics.update(_wake_metric(self.role, woke))

@@ -81,6 +81,25 @@ class ModelFamily:
         score matrix), from the block's own layer sizes."""
         raise NotImplementedError
 
+    # ---- context parallelism (dmd2_core.context_parallel) -------------------------------------
+    context_parallel: bool = False  # the transformer's diffusers _cp_plan splits its sequence in training
+
+    def context_parallel_problem(self, config, cp_size: int) -> Optional[str]:
+        """Why the model cannot split its sequence over ``cp_size`` ranks, or None."""
+        if cp_size == 1:
+            return None
+        if not self.context_parallel:
+            return f"{self.class_name} has no context-parallel plan for training; set cp_size to 1"
+        heads = int(config["num_attention_heads"])
+        if heads % cp_size:
+            return (f"{self.class_name} has {heads} attention heads, which do not split over {cp_size} ranks "
+                    f"(Ulysses gives each rank heads / cp_size)")
+        return None
+
+    def split_tokens(self, config, sample_shape: tuple[int, ...], text_tokens: int) -> int:
+        """Tokens of the sequence context parallelism splits, for a prompt of ``text_tokens``."""
+        return self.tokens(config, sample_shape)
+
     vae_class: str = "AutoencoderKL"
     blocks_attr: str = "transformer_blocks"  # the transformer's block list (GAN features)
 

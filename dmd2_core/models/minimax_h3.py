@@ -104,6 +104,7 @@ class MiniMaxH3Family(ModelFamily):
     blocks_attr = "transformer_blocks"
     default_text_tokens = 256
     keep_fp32_modules = True  # proj_in/out, time embedder and rope stay fp32 (the checkpoint's own precision)
+    context_parallel = True  # diffusers' plan splits the packed sequence (video, audio and text rows)
 
     def __init__(self, latent_shape: Optional[list[int]] = None, patch_size=(1, 2, 2),
                  shifts: tuple[float, float] = (VIDEO_SHIFT, AUDIO_SHIFT)):
@@ -328,6 +329,9 @@ class MiniMaxH3Family(ModelFamily):
         _, frames, height, width = self.video_shape
         pt, ph, pw = config.get("patch_size", self.patch_size)
         return (frames // pt) * (height // ph) * (width // pw) + AUDIO_CHANNELS * self.audio_shape[2]
+
+    def split_tokens(self, config, sample_shape, text_tokens):
+        return self.tokens(config, sample_shape) + text_tokens
 
     def activation_elements(self, config, image_tokens, text_tokens):
         d = config["hidden_size"]

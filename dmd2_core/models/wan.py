@@ -16,6 +16,7 @@ class WanVideoFamily(ModelFamily):
     is_video = True
     vae_class = "AutoencoderKLWan"
     blocks_attr = "blocks"
+    context_parallel = True  # diffusers' plan splits the video tokens; the text stays whole on every rank
 
     def forward(self, model, x_t, t, cond):
         return model(hidden_states=x_t, timestep=t, encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
