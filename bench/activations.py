@@ -19,13 +19,14 @@ in bf16, and run forward at a few small token counts with the pipeline's text le
   forward, e.g. the guidance transient.
 
 Each is fitted as ``a * tokens + b`` (least squares; a quadratic term is fitted too and recorded:
-with SDPA it is ~0, no score matrix is kept). ``tokens`` is the family's own count (patches, and
+with SDPA it is ~0, no score matrix is kept); the no-grad peak through its two largest counts. ``tokens`` is the family's own count (patches, and
 for MiniMax-H3 the audio rows; text tokens are fixed at the pipeline's length and land in ``b``).
 The plan (dmd2_core/activations.py) reads the fits from dmd2_core/activation_calibration.json,
 which this script rewrites:
 
     python bench/activations.py            # every config, ~5 min on 2 cores
     python bench/activations.py --print    # print, do not write
+    python bench/activations.py --refit    # refit the stored rows (after a change of the fit)
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def measure(model: torch.nn.Module, block: torch.nn.Module, run, checkpointed: b
     """Bytes of the unique storages autograd saves during ``run()`` (parameters excluded), split
     into the last block's own, its carried and shared inputs, and the rest of the model (root)."""
     params = {_ptr(p) for p in model.parameters()}
-    saved: dict[int, tuple[int, str]] = {}  # storage -> (bytes, where first saved)
+    saved: dict[int, tuple] = {}  # storage -> (bytes, where first saved, weak reference)
     where = {"now": "root"}
     carried_text: list = []
     inputs: dict[int, int] = {}
@@ -84,8 +85,10 @@ def measure(model: torch.nn.Module, block: torch.nn.Module, run, checkpointed: b
 
     def pack(t):
         s = t.untyped_storage()
-        if s.data_ptr() not in params and s.data_ptr() not in saved and s.nbytes():
-            saved[s.data_ptr()] = (s.nbytes(), where["now"])
+        p = s.data_ptr()
+        # an address freed (a graph branch autograd let go) and reused is a new storage
+        if p not in params and s.nbytes() and (p not in saved or saved[p][2].expired()):
+            saved[p] = (s.nbytes(), where["now"], StorageWeakRef(s))
         return t
 
     def pre(_m, args, kwargs):
@@ -108,19 +111,21 @@ def measure(model: torch.nn.Module, block: torch.nn.Module, run, checkpointed: b
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = run()
+        # what backward will read: the saved storages still alive with the output
+        kept = {p: (n, w) for p, (n, w, ref) in saved.items() if not ref.expired()}
     finally:
         h1.remove(), h2.remove()
     del out
     shared = set(inputs) - carried
-    total = sum(b for b, _ in saved.values())
+    total = sum(n for n, _ in kept.values())
     if checkpointed:
         return {"checkpointed": total}
-    own = sum(b for p, (b, w) in saved.items() if w == "block" and p not in shared)
+    own = sum(n for p, (n, w) in kept.items() if w == "block" and p not in shared)
     return {
-        "per_block": own + sum(inputs[p] for p in carried if p in saved and saved[p][1] == "root"),
+        "per_block": own + sum(inputs[p] for p in carried if p in kept and kept[p][1] == "root"),
         "carried": sum(inputs[p] for p in carried),
-        "shared": sum(saved[p][0] for p in shared if p in saved),
-        "root": sum(b for p, (b, w) in saved.items() if w == "root" and p not in shared and p not in carried),
+        "shared": sum(kept[p][0] for p in shared if p in kept),
+        "root": sum(n for p, (n, w) in kept.items() if w == "root" and p not in shared and p not in carried),
         "total": total,
     }
 
@@ -170,6 +175,11 @@ def _inputs(family_name: str, model, config: dict, latent_shape: list[int]):
     return family, x, sigma, cond, tokens
 
 
+def fits(rows: list[dict]) -> dict:
+    return {key: activations.fit([r["tokens"] for r in rows], [r[key] for r in rows], key in activations.SECANT)
+            for key in ("per_block", "carried", "shared", "root", "checkpointed", "no_grad_peak")}
+
+
 def calibrate(name: str) -> dict:
     path, family_name, shapes = CONFIGS[name]
     full = json.load(open(os.path.join(ROOT, "deployments", "model_configs", path)))
@@ -195,11 +205,9 @@ def calibrate(name: str) -> dict:
             row["seconds"] = round(time.perf_counter() - start, 1)
             rows.append(row)
             print(name, weight, row, file=sys.stderr, flush=True)
-        fits = {key: activations.fit([r["tokens"] for r in rows], [r[key] for r in rows])
-                for key in ("per_block", "carried", "shared", "root", "checkpointed", "no_grad_peak")}
         entry["variants"].append({"weight": weight, "config": {k: v for k, v in config.items() if k in
                                                                 ("num_layers", "dual_attention_layers")},
-                                  "rows": rows, "fit": fits})
+                                  "rows": rows, "fit": fits(rows)})
         del model
         gc.collect()
     return entry
@@ -209,12 +217,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--print", action="store_true", help="print the calibration, do not write it")
     parser.add_argument("--only", nargs="*", default=list(CONFIGS), help="configs to calibrate")
+    parser.add_argument("--refit", action="store_true", help="refit the stored measurements, measure nothing")
     ns = parser.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     data = activations.load() if os.path.exists(activations.PATH) else {}
     data.setdefault("configs", {})
     for name in ns.only:
-        data["configs"][name] = calibrate(name)
+        if ns.refit:
+            config = json.load(open(os.path.join(ROOT, "deployments", "model_configs", CONFIGS[name][0])))
+            data["configs"][name]["match"] = activations.match_keys(config)
+            for variant in data["configs"][name]["variants"]:
+                variant["fit"] = fits(variant["rows"])
+        else:
+            data["configs"][name] = calibrate(name)
     data["torch"], data["how"] = torch.__version__, "python bench/activations.py (CPU, bf16, one real-width block)"
     text = json.dumps(data, indent=1)
     if ns.print:

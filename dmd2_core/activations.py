@@ -18,14 +18,14 @@ from functools import lru_cache
 
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "activation_calibration.json")
 CALIBRATED_BYTES = 2  # the calibration ran in bf16
-# config keys that do not change one block's activations per token
-_IGNORED = {"_class_name", "_diffusers_version", "_name_or_path", "num_layers", "num_refiner_layers",
-            "dual_attention_layers", "sample_size", "pos_embed_max_size", "rope_max_seq_len", "eps",
-            "norm_eps", "final_norm_eps", "qk_norm_eps", "rope_theta"}
+# the config keys that set one block's widths (a calibrated config matches on these)
+WIDTH_KEYS = ("num_attention_heads", "attention_head_dim", "hidden_size", "ffn_dim", "patch_size", "in_channels",
+              "text_dim", "joint_attention_dim", "caption_projection_dim", "qk_norm", "cross_attn_norm")
 
 
 def match_keys(config: dict) -> dict:
-    return {k: v for k, v in sorted(config.items()) if k not in _IGNORED and not k.startswith("_")}
+    return {k: list(config[k]) if isinstance(config[k], tuple) else config[k]
+            for k in WIDTH_KEYS if config.get(k) is not None}
 
 
 def one_block_configs(config: dict) -> list[tuple[float, dict]]:
@@ -45,14 +45,29 @@ def one_block_configs(config: dict) -> list[tuple[float, dict]]:
     return [(1.0, base)]
 
 
-def fit(tokens: list[int], values: list[int]) -> list[float]:
-    """Least squares ``[a, b, c]`` of ``values = a * tokens + b + c * tokens^2``."""
+def fit(tokens: list[int], values: list[int], secant: bool = False) -> dict:
+    """``bytes = per_token * tokens + constant`` by least squares (what autograd saves grows
+    linearly), or with ``secant`` through the two largest counts (a forward's peak moves from the
+    text tokens to the image tokens as these grow; the plan needs the large-count slope); never
+    below ``floor``, the smallest count's figure for a peak. ``quadratic`` is the least-squares
+    ``tokens^2`` coefficient, kept as evidence (~0 with SDPA: no score matrix is kept)."""
     import torch
 
     t = torch.tensor(tokens, dtype=torch.float64)
-    design = torch.stack([t, torch.ones_like(t), t * t], 1)
-    sol = torch.linalg.lstsq(design, torch.tensor(values, dtype=torch.float64).unsqueeze(1)).solution
-    return [float(v) for v in sol.squeeze(1)]
+    v = torch.tensor(values, dtype=torch.float64).unsqueeze(1)
+    if secant:
+        order = sorted(range(len(tokens)), key=tokens.__getitem__)[-2:]
+        (t0, v0), (t1, v1) = [(tokens[i], values[i]) for i in order]
+        a = (v1 - v0) / (t1 - t0)
+        line = [a, v1 - a * t1]
+    else:
+        line = torch.linalg.lstsq(torch.stack([t, torch.ones_like(t)], 1), v).solution.squeeze(1).tolist()
+    quad = torch.linalg.lstsq(torch.stack([t, torch.ones_like(t), t * t], 1), v).solution.squeeze(1).tolist()
+    return {"per_token": float(line[0]), "constant": float(line[1]), "floor": float(min(values)) if secant else 0.0,
+            "quadratic": float(quad[2])}
+
+
+SECANT = {"no_grad_peak"}
 
 
 @lru_cache(maxsize=1)
@@ -81,8 +96,8 @@ KEYS = ("per_block", "carried", "shared", "root", "no_grad_peak")
 
 
 def _at(fits: dict, key: str, tokens: int) -> float:
-    a, b, c = fits[key]
-    return a * tokens + b + c * tokens * tokens
+    f = fits[key]
+    return max(f["floor"], f["per_token"] * tokens + f["constant"])
 
 
 def _calibrated(entry: dict, tokens: int, config: dict | None = None) -> dict:
