@@ -44,6 +44,7 @@ from dmd2_core.memory_table import ROWS, table  # noqa: F401 - the plan's printo
 from dmd2_core.models import FAMILIES, describe_checkpoint
 
 GIB = 1024 ** 3
+NODE_CP = 8  # the largest cp_size the refusal suggests growing to: one node's all-to-all domain
 
 
 @dataclass
@@ -330,8 +331,10 @@ def _refuse_device(memory_plan: MemoryPlan) -> None:
     if memory_plan.headroom:
         knobs.append(f"a smaller memory_headroom (at {memory_plan.headroom:g})")
     if unsharded > usable:
+        whatever = ("more devices with a larger cp_size (num_devices, cp_size) split them" if worst.cp_size < NODE_CP
+                    else "whatever the number of devices at this cp_size")
         knobs.append(f"shorter or smaller samples (one sample's activations, transients and gathered blocks alone "
-                     f"take {_gib(unsharded)} at cp_size {worst.cp_size}, whatever the number of devices)")
+                     f"take {_gib(unsharded)} at cp_size {worst.cp_size}; {whatever})")
     raise ArgsError(
         f"memory plan: {memory_plan.peak_during} needs {_gib(memory_plan.device_peak)} per device "
         f"(the {worst.role} group's largest part: {_largest_part(worst)}), more than the "
