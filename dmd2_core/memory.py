@@ -328,7 +328,7 @@ def _refuse_device(memory_plan: MemoryPlan) -> None:
         knobs.append("gradient_checkpointing")
     if memory_plan.micro_batch_size > 1:
         knobs.append("a smaller micro_batch_size")
-    if memory_plan.headroom:
+    if memory_plan.headroom and memory_plan.device_peak <= memory_plan.device_limit:  # inside the headroom only
         knobs.append(f"a smaller memory_headroom (at {memory_plan.headroom:g})")
     if unsharded > usable:
         whatever = ("more devices with a larger cp_size (num_devices, cp_size) split them" if worst.cp_size < NODE_CP
@@ -352,7 +352,7 @@ def _refuse_host(memory_plan: MemoryPlan) -> None:
              "load": "more nodes (num_devices; the load peak per rank shrinks with the shard)"}
     advice = [knobs[name]] if name in knobs else []
     advice += ["more nodes (num_devices)"] if name != "load" else []
-    if memory_plan.headroom:
+    if memory_plan.headroom and host.peak <= host.limit:
         advice.append(f"a smaller memory_headroom (at {memory_plan.headroom:g})")
     raise ArgsError(
         f"memory plan: host memory while {host.phase} needs {_gib(host.peak)} per node ({host.ranks_per_node} ranks; "
