@@ -44,7 +44,7 @@ from dmd2_core.memory_table import ROWS, table  # noqa: F401 - the plan's printo
 from dmd2_core.models import FAMILIES, describe_checkpoint
 
 GIB = 1024 ** 3
-NODE_CP = 8  # the largest cp_size the refusal suggests growing to: one node's all-to-all domain
+NODE_CP = terms.DEVICES_PER_NODE  # the largest cp_size a refusal suggests growing to: one node's all-to-all
 
 
 @dataclass
