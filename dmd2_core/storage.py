@@ -180,6 +180,13 @@ def read_safetensors_header(url: str) -> tuple[dict, int]:
     """The JSON header of a safetensors file and the size of the data after it, read with
     bounded memory (one small read, also on S3): an 8-byte length, then a header within the file.
     Raises SafetensorsHeaderError when the file holds no such header."""
+    entries, data_size, _ = safetensors_layout(url)
+    return entries, data_size
+
+
+def safetensors_layout(url: str) -> tuple[dict, int, int]:
+    """``read_safetensors_header``'s header and data size, and the file offset where the data
+    starts (a tensor's ``data_offsets`` count from there)."""
     fs, path = filesystem(url)
     size = int(retrying(lambda: fs.size(path), f"stat {url}"))
 
@@ -214,7 +221,28 @@ def read_safetensors_header(url: str) -> tuple[dict, int]:
         if offsets[1] > data_size:
             raise SafetensorsHeaderError(f"truncated: tensor '{key}' ends at byte {offsets[1]} of the data, the file "
                                          f"holds {data_size} (cut off while it was written or downloaded)")
-    return entries, data_size
+    return entries, data_size, 8 + len(header)
+
+
+def read_range_into(url: str, start: int, out: memoryview) -> None:
+    """Fill ``out`` with the file's bytes from offset ``start``: one ranged read (a Range request
+    on S3, a seek on a local file), so a reader fetches only the bytes it needs; retried."""
+    end = start + len(out)
+
+    def run():
+        fs, path = filesystem(url)
+        if is_local(url):
+            with open(path, "rb") as f:
+                f.seek(start)
+                got = f.readinto(out)
+        else:
+            data = fs.cat_file(path, start=start, end=end)
+            got = len(data)
+            out[:got] = data
+        if got != len(out):
+            raise EOFError(f"{url}: {got} bytes at offset {start}, expected {len(out)} (file cut off?)")
+    if len(out):
+        retrying(run, f"read {url} bytes {start}-{end}")
 
 
 def sha256(url: str, chunk: int = 8 << 20) -> str:
