@@ -224,25 +224,32 @@ def safetensors_layout(url: str) -> tuple[dict, int, int]:
     return entries, data_size, 8 + len(header)
 
 
-def read_range_into(url: str, start: int, out: memoryview) -> None:
-    """Fill ``out`` with the file's bytes from offset ``start``: one ranged read (a Range request
-    on S3, a seek on a local file), so a reader fetches only the bytes it needs; retried."""
-    end = start + len(out)
+def read_ranges(ranges: list[tuple[str, int, int]]) -> list[bytes | bytearray]:
+    """The bytes ``[start, end)`` of each ``(url, start, end)`` (all on one filesystem): ranged
+    reads only (seeks in a local file; on an object store concurrent Range requests, fsspec's
+    ``cat_ranges``), so a reader fetches only the bytes it needs; retried together."""
+    if not ranges:
+        return []
+    first = ranges[0][0]
 
     def run():
-        fs, path = filesystem(url)
-        if is_local(url):
-            with open(path, "rb") as f:
-                f.seek(start)
-                got = f.readinto(out)
+        fs = filesystem(first)[0]
+        paths = [filesystem(url)[1] for url, _, _ in ranges]
+        if is_local(first):
+            out = []
+            for path, (_, start, end) in zip(paths, ranges):
+                buf = bytearray(end - start)
+                with open(path, "rb") as f:
+                    f.seek(start)
+                    got = f.readinto(buf)
+                out.append(buf if got == len(buf) else buf[:got])
         else:
-            data = fs.cat_file(path, start=start, end=end)
-            got = len(data)
-            out[:got] = data
-        if got != len(out):
-            raise EOFError(f"{url}: {got} bytes at offset {start}, expected {len(out)} (file cut off?)")
-    if len(out):
-        retrying(run, f"read {url} bytes {start}-{end}")
+            out = fs.cat_ranges(paths, [r[1] for r in ranges], [r[2] for r in ranges], on_error="raise")
+        for buf, (url, start, end) in zip(out, ranges):
+            if len(buf) != end - start:
+                raise EOFError(f"{url}: {len(buf)} bytes at offset {start}, expected {end - start} (file cut off?)")
+        return out
+    return retrying(run, f"read {len(ranges)} ranges of {first}")
 
 
 def sha256(url: str, chunk: int = 8 << 20) -> str:

@@ -219,8 +219,8 @@ def test_resume_reads_no_weight_of_the_diffusers_checkpoint(tiny_teacher, tmp_pa
     first.save_status(wait=True)
     checkpoint.write_tracker(args.save, 1)
     reads = []
-    real = storage.read_range_into
-    monkeypatch.setattr(storage, "read_range_into", lambda url, *a: (reads.append(url), real(url, *a))[1])
+    real = storage.read_ranges
+    monkeypatch.setattr(storage, "read_ranges", lambda ranges: (reads.extend(ranges), real(ranges))[1])
 
     resumed = Trainer(args, "actor")
     assert resumed.models.resume and reads == [] and resumed.models.bytes_read == 0

@@ -24,6 +24,7 @@ from dmd2_core import parallel, storage
 from dmd2_core.models import FAMILIES, CheckpointError, LoadedModel, describe_checkpoint
 from dmd2_core.models.weight_files import WeightFiles, WeightFilesError
 
+BATCH_BYTES = 16 << 20  # bytes read per batch of ranges (or the largest tensor's rows, when more)
 LoadDtype = Callable[[str, torch.dtype], torch.dtype]  # (tensor name, stored dtype) -> loaded dtype
 
 
@@ -111,14 +112,13 @@ def fill(targets: list[tuple[torch.nn.Module, LoadDtype]], files: WeightFiles) -
                 raise WeightFilesError(f"{stored.file_url}: '{name}' has shape {stored.shape}, the model "
                                        f"{tuple(value.shape)}")
             wanted.setdefault(name, []).append((parallel.local(value), rule, *_rows(name, value)))
+    spans = [(name, min(p[2] for p in places), max(p[3] for p in places)) for name, places in wanted.items()]
+    spans = [s for s in spans if s[2] > s[1]]
+    largest = max((files.tensor(n).row_bytes() * (hi - lo) for n, lo, hi in spans if files.shape(n)), default=0)
     read = 0
-    for name, places in wanted.items():
-        lo, hi = min(p[2] for p in places), max(p[3] for p in places)
-        if hi <= lo:
-            continue
-        rows = files.read_rows(name, lo, hi)
+    for name, lo, _, rows in files.read_rows(spans, batch_bytes=max(BATCH_BYTES, largest)):
         read += rows.nbytes
-        for local, rule, start, stop in places:
+        for local, rule, start, stop in wanted[name]:
             piece = rows[start - lo:stop - lo] if rows.dim() else rows
             local.copy_(piece.to(rule(name, piece.dtype)).to(local.dtype).reshape(local.shape))
     return read

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -79,14 +81,41 @@ class WeightFiles:
             raise WeightFilesError(f"{self.folder}: no tensor '{name}' in the checkpoint")
         return self.tensors[name]
 
-    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` (along the first dimension; a 0-d tensor whole) in the stored dtype."""
-        stored = self.tensor(name)
-        if not stored.shape:
-            start, stop, shape = 0, 1, ()
-        else:
-            shape = (stop - start, *stored.shape[1:])
-        row = stored.row_bytes() if stored.shape else stored.dtype.itemsize
-        data = torch.empty((stop - start) * row, dtype=torch.uint8)
-        storage.read_range_into(stored.file_url, stored.start + start * row, memoryview(data.numpy()))
-        return data.view(stored.dtype).reshape(shape)
+    def read_rows(self, requests: list[tuple[str, int, int]],
+                  batch_bytes: int = 64 << 20) -> Iterator[tuple[str, int, int, torch.Tensor]]:
+        """``(name, start, stop, rows)`` for each ``(name, start, stop)``: the rows ``start:stop``
+        (first dimension; a 0-d tensor whole) in the stored dtype. Requests are read in batches
+        of about ``batch_bytes`` (ranges adjacent in a file as one read; an object store's
+        ranges concurrently), so memory holds one batch."""
+        pieces = []
+        for name, start, stop in requests:
+            stored = self.tensor(name)
+            row = stored.row_bytes() if stored.shape else stored.dtype.itemsize
+            shape = (stop - start, *stored.shape[1:]) if stored.shape else ()
+            pieces.append((name, start, stop, shape, stored, stored.start + start * row, (stop - start) * row))
+        pieces.sort(key=lambda p: (p[4].file_url, p[5]))
+        batch: list = []
+        for piece in pieces:
+            if batch and sum(p[6] for p in batch) + piece[6] > batch_bytes:
+                yield from self._read_batch(batch)
+                batch = []
+            batch.append(piece)
+        yield from self._read_batch(batch)
+
+    @staticmethod
+    def _read_batch(batch: list) -> Iterator[tuple[str, int, int, torch.Tensor]]:
+        ranges: list[list] = []  # [url, start, end, [(piece, offset in the range)]]
+        for piece in batch:
+            url, begin, size = piece[4].file_url, piece[5], piece[6]
+            if ranges and ranges[-1][0] == url and ranges[-1][2] == begin:
+                ranges[-1][3].append((piece, begin - ranges[-1][1]))
+                ranges[-1][2] = begin + size
+            else:
+                ranges.append([url, begin, begin + size, [(piece, 0)]])
+        with warnings.catch_warnings():  # a remote read's bytes are immutable; the rows are only copied from
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            for (_, _, _, members), data in zip(ranges, storage.read_ranges([tuple(r[:3]) for r in ranges])):
+                for (name, start, stop, shape, stored, _, size), offset in members:
+                    rows = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=offset) if size else \
+                        torch.empty(0, dtype=torch.uint8)
+                    yield name, start, stop, rows.view(stored.dtype).reshape(shape)
