@@ -15,7 +15,7 @@ bit for bit:
 from __future__ import annotations
 
 import json
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -131,8 +131,3 @@ def weight_files(url: str) -> WeightFiles:
         return WeightFiles(folder)
     except WeightFilesError as exc:
         raise CheckpointError(str(exc)) from None
-
-
-def fill_from_checkpoint(url: str, targets: list[tuple[torch.nn.Module, LoadDtype]],
-                         files: Optional[WeightFiles] = None) -> int:
-    return fill(targets, files or weight_files(url))
