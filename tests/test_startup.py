@@ -232,3 +232,23 @@ def test_resume_reads_no_weight_of_the_diffusers_checkpoint(tiny_teacher, tmp_pa
     assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
     fresh = load_checkpoint(tiny_teacher).model.state_dict()
     assert all(not torch.equal(saved[k], fresh[k]) for k, _ in first.model.named_parameters())
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_broken_weights_file_fails_in_one_line_naming_it(checkpoints, tmp_path, damage):
+    from dmd2_core.models import CheckpointError
+    from dmd2_core.startup import TrainerModels
+
+    parallel.ensure_process_group(0, 1, torch.device("cpu"))
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoints["sd3"], broken)
+    weights = broken / "transformer" / "diffusion_pytorch_model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    else:
+        weights.unlink()
+    models = TrainerModels(_args(str(broken), str(tmp_path / "run")), torch.float32, resume=False)
+    with pytest.raises(CheckpointError) as err:
+        models.shard(_mesh(1))
+    message = str(err.value)
+    assert "\n" not in message and str(weights if damage == "truncated" else weights.parent) in message

@@ -126,8 +126,4 @@ def fill(targets: list[tuple[torch.nn.Module, LoadDtype]], files: WeightFiles) -
 
 def weight_files(url: str) -> WeightFiles:
     """The transformer weights of checkpoint ``url`` (headers read; no weight bytes)."""
-    folder = describe_checkpoint(url)["transformer_url"]
-    try:
-        return WeightFiles(folder)
-    except WeightFilesError as exc:
-        raise CheckpointError(str(exc)) from None
+    return WeightFiles(describe_checkpoint(url)["transformer_url"])

@@ -13,6 +13,7 @@ from typing import Iterator
 import torch
 
 from dmd2_core import storage
+from dmd2_core.models import CheckpointError
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = f"{WEIGHTS_NAME}.index.json"
@@ -21,7 +22,7 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
-class WeightFilesError(ValueError):
+class WeightFilesError(CheckpointError):
     """A weights directory or file that cannot be read; the message names the path."""
 
 
