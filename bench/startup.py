@@ -8,10 +8,11 @@ Prints one JSON line:
    "local" | "s3": {"<ranks>": {"old" | "new": {"ready_s", "peak_rss_gib", "grew_gib", "shard_gib"}}}}
 
 The model is a Wan transformer of ~0.5 B parameters (the Wan2.1 1.3B block shape, 10 blocks)
-with random weights, written once (fp32 safetensors in files of 256 MB and an index) to a
+with random weights, written once (fp32 safetensors in files of 32 MB and an index) to a
 temporary directory and, for "s3", to a moto S3 server on loopback. moto answers a ranged GET by
 reading the whole object and slicing it, so on moto each range costs a whole file's read (real S3
-serves the range alone): the "s3" figures of the new path are pessimistic. Each group of 1, 2 and 4 gloo ranks starts the trained model (fp32
+serves the range alone): hence the small files, and even so the "s3" times of the new path are
+moto's more than the loader's. Each group of 1, 2 and 4 gloo ranks starts the trained model (fp32
 masters, bf16 compute, FSDP2) in fresh processes (torch.multiprocessing, not Ray) with the
 project's own start code: ``models.load_checkpoint`` + ``parallel.shard_model`` (old) and
 ``startup.TrainerModels`` (new). ``ready_s``: from the moment every rank has its runtime imported
@@ -19,7 +20,13 @@ project's own start code: ``models.load_checkpoint`` + ``parallel.shard_model`` 
 resident set of any rank while it starts (VmHWM, reset at the baseline), ``grew_gib`` that peak
 less the rank's baseline, ``shard_gib`` the bytes of the rank's shards.
 
-    python bench/startup.py [--layers 10] [--ranks 1 2 4] [--where local s3]
+    python bench/startup.py [--layers 10] [--ranks 1 2 4] [--where local s3] [--stored-dtype float32]
+
+With fp32 files loaded in fp32, the old path's tensors are views of safetensors' memory maps, so
+its resident set grows by the whole model only while the files it maps are in use (with small
+files, little more than its shards); with bf16 files (``--stored-dtype bfloat16``, as many
+released checkpoints are) ``from_pretrained`` makes fp32 copies, and every rank holds the whole
+model in fp32 before it shards it.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 GIB = 1024 ** 3
-FILE_SIZE = "256MB"
+FILE_SIZE = "32MB"
 
 
 def wan_config(layers: int) -> dict:
@@ -44,7 +51,7 @@ def wan_config(layers: int) -> dict:
                 out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=layers, rope_max_seq_len=1024)
 
 
-def write_model(url: str, layers: int) -> dict:
+def write_model(url: str, layers: int, stored_dtype: str) -> dict:
     import torch
 
     from dmd2_core.models import FAMILIES, save_checkpoint, write_transformer
@@ -53,12 +60,14 @@ def write_model(url: str, layers: int) -> dict:
     family = FAMILIES["WanTransformer3DModel"]
     model = family.build(wan_config(layers))
     params = sum(p.numel() for p in model.parameters())
+    model.to(getattr(torch, stored_dtype))
     save_checkpoint(model, url, shift=5.0)
     transformer = Path(url) / "transformer"  # sharded, as real checkpoints are (several files and an index)
     for f in transformer.glob("*.safetensors"):
         f.unlink()
     write_transformer(family, model.config, model.state_dict(), transformer, max_shard_size=FILE_SIZE)
-    return {"params_b": round(params / 1e9, 3), "file_gib": round(params * 4 / GIB, 2), "layers": layers,
+    size = params * getattr(torch, stored_dtype).itemsize
+    return {"params_b": round(params / 1e9, 3), "stored": stored_dtype, "file_gib": round(size / GIB, 2), "layers": layers,
             "files": len(list(transformer.glob("*.safetensors")))}
 
 
@@ -144,12 +153,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=10)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--where", nargs="+", default=["local", "s3"], choices=["local", "s3"])
+    parser.add_argument("--stored-dtype", default="float32", choices=["float32", "bfloat16"])
     opts = parser.parse_args()
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     result: dict = {}
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
         local = os.path.join(tmp, "wan")
-        result["model"] = write_model(local, opts.layers)
+        result["model"] = write_model(local, opts.layers, opts.stored_dtype)
         server = None
         for where in opts.where:
             url = local
