@@ -1,6 +1,6 @@
 """Serve the dmd2 deployments from this process (no work pool needed):
 
-    python -m deployments.serve [--only tiny] [--limit N] [--local-server]
+    python -m deployments.serve [--only tiny] [--limit N] [--local-server] [--alert-webhook URL]
 
 Run it from the repository root against a Prefect server (PREFECT_API_URL); flow runs execute
 here, in subprocesses, so recipe paths such as runs/teacher resolve against the current directory.
@@ -14,6 +14,10 @@ Deployments (flow ``dmd2``):
   to set, and serve prints one line naming the missing keys. Skipped with a warning when the
   recipe file does not exist.
 - ``tiny``: recipe tiny (the digits demo), on demand: ``prefect deployment run dmd2/tiny``.
+
+Server automations made with them: a run that stops sending heartbeats is Crashed, a Crashed one
+is rerun (``ensure_automations``), and with ``--alert-webhook`` (or DMD2_ALERT_WEBHOOK_URL) a run
+that fails or crashes posts a Slack-compatible message to that webhook (flows/alerts.py).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from flows.environment import configure_environment, local_prefect_server
 if __name__ == "__main__":  # Prefect and Ray read these settings when they are imported
     configure_environment()
 
+from flows.alerts import WEBHOOK_ENV, ensure_failure_alert  # noqa: E402
 from flows.dmd2 import dmd2  # noqa: E402
 
 from dmd2_core.args import ArgsError, read_recipe, resolve_recipe  # noqa: E402
@@ -202,6 +207,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--local-server", type=int, nargs="?", const=4200, default=None, metavar="PORT",
                         help="When no PREFECT_API_URL is configured, start a Prefect server on 127.0.0.1:PORT "
                              "(default 4200) for as long as this process serves.")
+    parser.add_argument("--alert-webhook", default=os.environ.get(WEBHOOK_ENV), metavar="URL",
+                        help=f"Slack-compatible webhook a failed or crashed run posts to (default ${WEBHOOK_ENV}; "
+                             "none: no failure messages).")
     ns = parser.parse_args(argv)
     with contextlib.ExitStack() as stack:
         if not configured_api_url():
@@ -221,6 +229,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))  # the flow-run processes
         ids = [d.apply() for d in deployments]  # registered first, so the automations can name them
         ensure_automations(ids, int(os.environ["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"]))
+        if ensure_failure_alert(ids, ns.alert_webhook) is None:
+            print(f"note: no --alert-webhook / {WEBHOOK_ENV}: a failed night shows only in the UI", file=sys.stderr)
         serve(*deployments, limit=ns.limit)
     return 0
 
