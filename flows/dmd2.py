@@ -143,7 +143,7 @@ class Driver(DriverBase):
                 (student_train, (i,)), *([(sleep_groups, (i, "actor"))] if sleeps else [])]
 
     def iteration(self, i: int) -> dict:
-        t = time.perf_counter()
+        t, self.current = time.perf_counter(), i
         metrics: dict[str, Any] = {}
         state = None
         for phase, call in self.phases(i):
@@ -280,7 +280,8 @@ def dmd2(
         return result
     except BaseException as exc:
         if driver is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            runs.set_progress_labels(run_id, driver.view["iteration"], error=f"{type(exc).__name__}: {exc}")
+            at = getattr(driver, "current", driver.view["iteration"])  # the iteration it failed in
+            runs.set_progress_labels(run_id, at, error=f"{type(exc).__name__}: {exc}")
             driver.view["status"] = f"failed: {runs.last_line(str(exc)) or type(exc).__name__}"
             with contextlib.suppress(Exception):  # the summary says so too (best effort: the error stands)
                 driver.artifacts.publish(driver.log.table())
