@@ -168,3 +168,17 @@ def test_nights_in_a_row(prefect_server, receiver, tiny_teacher, tmp_path):
         assert three["id"] in about_three[0]  # the link (or the id when the server has no UI)
     finally:
         _stop(serve)
+
+
+def test_local_server_vacuums_old_flow_runs(monkeypatch):
+    """The settings the project's local server gets parse, in Prefect's own model, to the flow-run
+    vacuum (with orphaned logs and artifacts) and the documented retention."""
+    from prefect.settings.models.server.services import ServerServicesDBVacuumSettings
+
+    from flows.environment import LOCAL_SERVER_ENV, RETENTION_DAYS
+
+    for key, value in LOCAL_SERVER_ENV.items():
+        monkeypatch.setenv(key, value)
+    settings = ServerServicesDBVacuumSettings()
+    assert settings.enabled_vacuum_types == {"events", "flow_runs", "orphans"}
+    assert settings.retention_period == datetime.timedelta(days=RETENTION_DAYS)
