@@ -385,7 +385,8 @@ def nights_markdown(deployment: str, rows: list[dict], plot: Optional[bytes]) ->
     for r in reversed(rows):
         run = f"[{r.get('name')}]({r['link']})" if r.get("link") else f"`{r.get('name')}`"
         cells = [r.get("date"), run, r.get("outcome"), r.get("fd"), r.get("best_fd"), r.get("acc"),
-                 r.get("diversity"), f"{r.get('iteration')}/{r.get('final')}", f"{r.get('wall_s')} s"]
+                 r.get("diversity"), f"{r.get('iteration') if r.get('iteration') is not None else '-'}/{r.get('final')}",
+                 f"{r.get('wall_s')} s"]
         out.append("| " + " | ".join("" if c is None else _v(round_sig(c)) if isinstance(c, float) else str(c)
                                      for c in cells) + " |")
     out.append("")

@@ -258,14 +258,20 @@ def dmd2(
     from prefect.runtime import flow_run
 
     reruns = max(0, int(flow_run.run_count or 1) - 1)  # a crashed run set Scheduled again counts up
-    if reruns > args.max_crash_reruns:
-        raise RuntimeError(f"run crashed {reruns} times (max_crash_reruns "
-                           f"{args.max_crash_reruns}): failing instead of running it again")
-    if reruns:
-        closed = runs.close_stale_windows(_run_id(), f"its process died; the run resumed in rerun {reruns}")
-        logger.warning(f"rerun {reruns} of {args.max_crash_reruns} after a crash: resuming from the tracker"
-                       + (f" (windows closed as Crashed: {', '.join(closed)})" if closed else ""))
-    run = DistillRun(args, owner=_run_id())  # preflight (and the save URL's lease owner); no actor yet
+    try:
+        if reruns > args.max_crash_reruns:
+            raise RuntimeError(f"run crashed {reruns} times (max_crash_reruns "
+                               f"{args.max_crash_reruns}): failing instead of running it again")
+        if reruns:
+            closed = runs.close_stale_windows(_run_id(), f"its process died; the run resumed in rerun {reruns}")
+            logger.warning(f"rerun {reruns} of {args.max_crash_reruns} after a crash: resuming from the tracker"
+                           + (f" (windows closed as Crashed: {', '.join(closed)})" if closed else ""))
+        run = DistillRun(args, owner=_run_id())  # preflight (and the save URL's lease owner); no actor yet
+    except Exception as exc:  # the night failed before it started: its row and its message say why
+        runs.set_progress_labels(_run_id(), None, error=f"{type(exc).__name__}: {exc}")
+        nights.record_night({"name": flow_run.name, "iteration": None, "final": args.num_iterations, "evals": []},
+                            "failed", 0.0)
+        raise
     args = run.args
     torch.set_num_threads(args.torch_threads)  # the driver's own work (digits metrics)
     name = flow_run.name or run_display_name({"recipe": recipe, "overrides": overrides})

@@ -39,13 +39,13 @@ def close_stale_windows(parent_flow_run_id: str, reason: str) -> list[str]:
     return closed
 
 
-def set_progress_labels(flow_run_id: Optional[str], iteration: int, error: Optional[str] = None) -> None:
+def set_progress_labels(flow_run_id: Optional[str], iteration: Optional[int], error: Optional[str] = None) -> None:
     """Best effort (a run outside a server, or a server that is briefly away, still trains)."""
     if not flow_run_id:
         return
     from prefect.client.orchestration import get_client
 
-    labels: dict = {"dmd2_iteration": int(iteration)}
+    labels: dict = {} if iteration is None else {"dmd2_iteration": int(iteration)}
     if error is not None:
         labels["dmd2_error"] = last_line(error)
     try:

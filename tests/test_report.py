@@ -213,3 +213,6 @@ def test_nights_markdown_and_rows_roundtrip():
     assert "| 2026-12-02 | [dmd2-tiny-2026-12-02-1a2b3c4d](http://ui/runs/flow-run/id-1) | completed | 3 | 2 | 0.9 |" in text
     assert "`/r/exports/iter_0000250`" in text
     assert nights.nights_key("minimax-h3") == "dmd2-nights-minimax-h3"
+    # a night that failed before it started (preflight, too many crash reruns): a row all the same
+    early = report.night_row({"name": "n", "iteration": None, "final": 2, "evals": []}, "failed", 0.0, "id-3", None, "d")
+    assert "| d | `n` | failed |  |  |  |  | -/2 | 0.0 s |" in report.nights_markdown("tiny", [early], None)
