@@ -23,7 +23,7 @@ from typing import Iterator, Optional
 # (Prefect's default) took ~60% of its CPU, ~70 ms per iteration taken from the trainers
 # (bench/README.md, orchestration cost). Task states then reach the UI up to a second later.
 #
-# It also stays small: a minimax-h3 night adds ~460 MB to its database (docs/operations.md), and
+# It also stays small: a minimax-h3 night adds ~480 MB to its database (docs/operations.md), and
 # Prefect keeps flow runs forever unless its flow-run vacuum is on. Enabled here (events, flow runs
 # and their orphaned logs and artifacts), runs ended more than RETENTION_DAYS ago are deleted hourly.
 RETENTION_DAYS = 14

@@ -166,6 +166,14 @@ def test_nights_in_a_row(prefect_server, receiver, tiny_teacher, tmp_path):
         assert "Failed" in about_three[0] and "at iteration 1" in about_three[0] and "NonFiniteError" in about_three[0]
         assert "Crashed" in about_two[0] and "rerun" in about_two[0]
         assert three["id"] in about_three[0]  # the link (or the id when the server has no UI)
+
+        # deployments run by a worker: the same automations, made without serving
+        out = subprocess.run([sys.executable, "-m", "deployments.serve", "--automations-only", "--only", "tiny",
+                              "--alert-webhook", hook_url], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and "automations for 1 deployment(s)" in out.stderr, out.stderr[-3000:]
+        names = sorted(a["name"] for a in _api(api, "/automations/filter", {}))
+        assert names == ["dmd2: crash runs without heartbeat", "dmd2: rerun crashed runs",
+                         "dmd2: tell a person when a run fails"], names
     finally:
         _stop(serve)
 
