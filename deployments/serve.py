@@ -1,6 +1,7 @@
 """Serve the dmd2 deployments from this process (no work pool needed):
 
-    python -m deployments.serve [--only tiny] [--limit N] [--local-server]
+    python -m deployments.serve [--only tiny] [--limit N] [--local-server] [--alert-webhook URL]
+    python -m deployments.serve --automations-only [--alert-webhook URL]   # deployments run by a worker
 
 Run it from the repository root against a Prefect server (PREFECT_API_URL); flow runs execute
 here, in subprocesses, so recipe paths such as runs/teacher resolve against the current directory.
@@ -14,6 +15,10 @@ Deployments (flow ``dmd2``):
   to set, and serve prints one line naming the missing keys. Skipped with a warning when the
   recipe file does not exist.
 - ``tiny``: recipe tiny (the digits demo), on demand: ``prefect deployment run dmd2/tiny``.
+
+Server automations made with them: a run that stops sending heartbeats is Crashed, a Crashed one
+is rerun (``ensure_automations``), and with ``--alert-webhook`` (or DMD2_ALERT_WEBHOOK_URL) a run
+that fails or crashes posts a Slack-compatible message to that webhook (flows/alerts.py).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from flows.environment import configure_environment, local_prefect_server
 if __name__ == "__main__":  # Prefect and Ray read these settings when they are imported
     configure_environment()
 
+from flows.alerts import WEBHOOK_ENV, ensure_failure_alert  # noqa: E402
 from flows.dmd2 import dmd2  # noqa: E402
 
 from dmd2_core.args import ArgsError, read_recipe, resolve_recipe  # noqa: E402
@@ -167,6 +173,21 @@ def ensure_automations(deployment_ids: list, heartbeat_s: int = HEARTBEAT_S) -> 
     return [automation.create().id for automation in wanted]
 
 
+def registered_ids(names: list[str], warn=print) -> list:
+    """The ids of the dmd2 deployments of these names already on the server (``prefect deploy``)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    ids = []
+    with get_client(sync_client=True) as client:
+        for name in names:
+            try:
+                ids.append(client.read_deployment_by_name(f"dmd2/{name}").id)
+            except ObjectNotFound:
+                warn(f"warning: deployment 'dmd2/{name}' is not on the server: no automation for it")
+    return ids
+
+
 def _module_path():
     # flows.dmd2.dmd2 imports from wherever the package is importable, independent of the cwd.
     from prefect.types.entrypoint import EntrypointType
@@ -202,7 +223,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--local-server", type=int, nargs="?", const=4200, default=None, metavar="PORT",
                         help="When no PREFECT_API_URL is configured, start a Prefect server on 127.0.0.1:PORT "
                              "(default 4200) for as long as this process serves.")
+    parser.add_argument("--alert-webhook", default=os.environ.get(WEBHOOK_ENV), metavar="URL",
+                        help=f"Slack-compatible webhook a failed or crashed run posts to (default ${WEBHOOK_ENV}; "
+                             "none: no failure messages).")
+    parser.add_argument("--automations-only", action="store_true",
+                        help="Create the automations for the dmd2 deployments already on the server (deployed with "
+                             "`prefect deploy` and run by a worker) and exit, serving nothing.")
     ns = parser.parse_args(argv)
+    if ns.automations_only:
+        names = [s["name"] for s in deployment_specs() if not ns.only or s["name"] in ns.only]
+        ids = registered_ids(names, warn=lambda m: print(m, file=sys.stderr))
+        if not ids:
+            print("error: no dmd2 deployment on the server", file=sys.stderr)
+            return 2
+        ensure_automations(ids)
+        ensure_failure_alert(ids, ns.alert_webhook)
+        print(f"automations for {len(ids)} deployment(s)" + ("" if ns.alert_webhook else
+              f"; no failure messages (no --alert-webhook / {WEBHOOK_ENV})"), file=sys.stderr)
+        return 0
     with contextlib.ExitStack() as stack:
         if not configured_api_url():
             if ns.local_server is not None:
@@ -221,6 +259,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))  # the flow-run processes
         ids = [d.apply() for d in deployments]  # registered first, so the automations can name them
         ensure_automations(ids, int(os.environ["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"]))
+        if ensure_failure_alert(ids, ns.alert_webhook) is None:
+            print(f"note: no --alert-webhook / {WEBHOOK_ENV}: a failed night shows only in the UI", file=sys.stderr)
         serve(*deployments, limit=ns.limit)
     return 0
 

@@ -94,6 +94,10 @@ class Args(BaseModel):
     max_crash_reruns: int = _f(
         3, "run", "Times a crashed deployment run is rerun (from its checkpoint) before it is failed for good.", ge=0
     )
+    summary_interval: int = _f(
+        25, "run", "Refresh the run summary artifact (plot, table, update time) at most every this many iterations "
+        "between evals and checkpoints (0: only at evals and checkpoints).", ge=0
+    )
 
     # --- model ---------------------------------------------------------------------------------
     hf_checkpoint: Optional[str] = _f(None, "model", "The teacher: a diffusers model directory (path or URL).")

@@ -19,7 +19,7 @@ from PIL import Image
 from dmd2_core import storage
 from dmd2_core.checks import eval_prompt_indices
 from dmd2_core.data import prompt_texts
-from dmd2_core.images import image_grid, png_bytes, video_media
+from dmd2_core.images import image_grid, mime_type, png_bytes, video_media
 from dmd2_core.report import embed
 
 PRESIGN_EXPIRES_S = 7 * 24 * 3600  # the SigV4 maximum
@@ -30,7 +30,7 @@ PRESIGN_EXPIRES_S = 7 * 24 * 3600  # the SigV4 maximum
 def save_png(img: Image.Image, url: str) -> bytes:
     """Write ``img`` as a PNG at the storage URL ``url``; returns the bytes written."""
     data = png_bytes(img)
-    storage.write_bytes(url, data)
+    storage.write_bytes(url, data, content_type="image/png")
     return data
 
 
@@ -110,7 +110,7 @@ def av_media_of(samples: dict, j: int, stem: str, caption: str, embed_limit: int
     buf = io.BytesIO()
     av_media.write_mp4(buf, frames, audio, fps=FPS_OF_SOUNDING_VIDEO, sample_rate=rate)
     mp4_url = f"{stem}.mp4"
-    storage.write_bytes(mp4_url, buf.getvalue())
+    storage.write_bytes(mp4_url, buf.getvalue(), content_type="video/mp4")
     play = media_url(mp4_url) or mp4_url
     strip = _publish(f"{stem}_frames.png", av_media.frame_strip_png(frames), f"{caption}: frames", embed_limit)
     spectrum = _publish(f"{stem}_spectrogram.png", av_media.spectrogram_png(audio, rate),
@@ -123,7 +123,7 @@ def av_media_of(samples: dict, j: int, stem: str, caption: str, embed_limit: int
 def _publish(url: str, data: bytes, caption: str, embed_limit: int) -> dict[str, Any]:
     """Write a medium; say how it embeds (``report.embed``: whole when local and small, else a
     thumbnail data URI linked to the full file)."""
-    storage.write_bytes(url, data)
+    storage.write_bytes(url, data, content_type=mime_type(data))
     browser_url = media_url(url)
     shown = embed(url, data, browser_url, embed_limit)
     return {

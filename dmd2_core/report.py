@@ -25,6 +25,9 @@ TABLE_COLUMNS = ("iteration", "dmd2_loss", "critic_loss", "dmd2_grad_norm", "act
                  "fd", "iteration_s")
 SIGNIFICANT = 4
 EMBED_LIMIT = 512 * 1024  # local media up to this many bytes are embedded whole
+PLOT_POINTS = 400  # the plot sees at most this many rows (thin), the table the newest TABLE_ROWS:
+TABLE_ROWS = 200   # a summary costs the same at iteration 4000 as at 40
+GAN_KEYS = ("gan_d_loss_real", "gan_d_loss_fake", "gan_grad_norm", "gan_dmd_grad_ratio")
 
 
 # ---- strict JSON ------------------------------------------------------------------------------
@@ -149,16 +152,28 @@ def metrics_table(rows: Iterable[dict], columns: tuple[str, ...] = TABLE_COLUMNS
 
 # ---- the plot ---------------------------------------------------------------------------------
 
-PLOT_PANELS = (
+PLOT_PANELS = (  # FD (unbounded) on an axis of its own: sharing one with acc and diversity (0-1) hid its drift
     ("losses", ("dmd2_loss", "critic_loss")),
     ("grad norms", ("dmd2_grad_norm", "actor_grad_norm", "critic_grad_norm")),
-    ("quality", QUALITY_KEYS),
+    ("FD", ("fd",)),
+    ("accuracy, diversity", ("acc", "diversity")),
+    ("GAN head", GAN_KEYS),  # only when the head is on (its keys are in the rows)
 )
 
 
+def thin(rows: list[dict], most: int) -> list[dict]:
+    """At most ``most`` rows, evenly spread, always keeping the rows with quality metrics and the
+    last one: what a plot needs, at a cost bounded whatever the run's length."""
+    if len(rows) <= most:
+        return list(rows)
+    step = math.ceil(len(rows) / most)
+    return [r for n, r in enumerate(rows)
+            if n % step == 0 or n == len(rows) - 1 or any(r.get(k) is not None for k in QUALITY_KEYS)]
+
+
 def plot_png(rows: list[dict], title: str = "") -> Optional[bytes]:
-    """A PNG of losses, grad norms and quality over iterations (one panel each; panels without data
-    are left out). None when no panel has data."""
+    """A PNG of losses, grad norms, FD, accuracy/diversity and the GAN head's metrics over
+    iterations (one panel each; panels without data are left out). None when no panel has data."""
     panels = []
     for name, keys in PLOT_PANELS:
         series = {}
@@ -177,9 +192,11 @@ def plot_png(rows: list[dict], title: str = "") -> Optional[bytes]:
     matplotlib.use("Agg", force=True)
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(4.0 * len(panels), 3.0), dpi=80)
+    cols = min(3, len(panels))
+    rows_n = math.ceil(len(panels) / cols)
+    fig = Figure(figsize=(4.0 * cols, 3.0 * rows_n), dpi=80)
     for n, (name, series) in enumerate(panels):
-        ax = fig.add_subplot(1, len(panels), n + 1)
+        ax = fig.add_subplot(rows_n, cols, n + 1)
         for key, pts in series.items():
             xs, ys = zip(*pts)
             ax.plot(xs, ys, label=key, linewidth=1.0, marker="o" if len(pts) <= 30 else None, markersize=3)
@@ -261,7 +278,8 @@ def summary_markdown(s: dict) -> str:
     student (URL), metrics_url."""
     out = [f"# {s['name']}", ""]
     out.append(f"**{s.get('status', 'running')}**: iteration {s['iteration']} of {s['final']}"
-               + (f" (resumed after {s['start']})" if s.get("start") else "") + ".")
+               + (f" (resumed after {s['start']})" if s.get("start") else "") + "."
+               + (f" Updated {s['updated']}." if s.get("updated") else ""))
     evals = s.get("evals") or []
     if len(evals) >= 2 and _quality(evals[0]):
         out.append(f"Quality before -> after: {_quality(evals[0])} -> {_quality(evals[-1])} "
@@ -274,16 +292,17 @@ def summary_markdown(s: dict) -> str:
         out += [f"## Samples, iteration {s.get('media_iteration')}", ""]
         for m in s["media"]:
             alt = str(m.get("caption") or "samples").replace("[", "(").replace("]", ")")  # no brackets in alt text
-            img = f"![{alt}]({m['src']})"
-            out.append(f"[{img}]({m['link']})" if m.get("link") else img)
-            note = "full size" if m.get("full") else ("thumbnail; click for full size (link expires)" if m.get("link") else "thumbnail")
+            out.append(f"![{alt}]({m['src']})")  # never inside a link: the default UI renders that as text
+            note = "full size" if m.get("full") else "thumbnail"
             out += ["", f"{m.get('caption', '')} ({note}; stored at `{m['url']}`)", ""]
+            if m.get("link"):
+                out += [f"[full size]({m['link']}) (link expires)", ""]
             if m.get("video_url"):
                 out += [f"[MP4 with sound]({m['play']}) (stored at `{m['video_url']}`)", ""]
     if s.get("plot"):
         out += ["## Losses, grad norms and quality", "", f"![metrics plot]({data_uri(s['plot'], 'image/png')})", ""]
     if evals:
-        cols = [c for c in ("iteration", "fd", "acc", "diversity", "dmd2_loss", "critic_loss")
+        cols = [c for c in ("iteration", *QUALITY_KEYS, "dmd2_loss", "critic_loss", *GAN_KEYS)
                 if any(e.get(c) is not None for e in evals)]
         out += ["## Evals (newest first)", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for e in sorted(evals, key=lambda e: -e["iteration"]):
@@ -310,4 +329,68 @@ def summary_markdown(s: dict) -> str:
         for k, v in shared:
             out.append(f"| {k} | " + " | ".join([_v(v)] * len(roles)) + " |")
         out.append("")
+    return "\n".join(out)
+
+
+# ---- the nights view: one row per run of a deployment -----------------------------------------
+
+NIGHT_COLUMNS = ("date", "run", "outcome", "final FD", "best FD", "acc", "diversity", "iterations", "wall")
+
+
+def night_row(view: dict, outcome: str, wall_s: float, run_id: str, link: Optional[str], date: str) -> dict:
+    """A run's row of the nights view, from its summary's view (evals, student, iteration)."""
+    evals = [e for e in view.get("evals") or [] if e.get("iteration") is not None]
+    last = max(evals, key=lambda e: e["iteration"]) if evals else {}
+    best = best_eval(evals) or {}
+    return {"run_id": run_id, "name": view.get("name"), "date": date, "outcome": outcome,
+            "fd": last.get("fd"), "best_fd": best.get("fd"), "best_iteration": best.get("iteration"),
+            "acc": last.get("acc"), "diversity": last.get("diversity"),
+            "iteration": view.get("iteration"), "final": view.get("final"), "wall_s": round(float(wall_s), 1),
+            "link": link, "student": view.get("student")}
+
+
+def nights_plot(rows: list[dict], title: str = "") -> Optional[bytes]:
+    """Final and best FD per night (oldest left): the regression a team looks for each morning."""
+    pts = [(n, r) for n, r in enumerate(rows) if isinstance(r.get("fd"), (int, float))]
+    if not pts:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.0, 3.0), dpi=80)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.plot([n for n, _ in pts], [r["fd"] for _, r in pts], marker="o", label="final FD")
+    best = [(n, r["best_fd"]) for n, r in pts if isinstance(r.get("best_fd"), (int, float))]
+    if best:
+        ax.plot(*zip(*best), marker="x", linestyle="--", label="best FD")
+    ax.set_xticks([n for n, _ in pts], [str(r.get("date")) for _, r in pts], rotation=30, fontsize=7)
+    ax.set_ylabel("FD (lower is better)", fontsize=8)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    ax.set_title(title or "quality over nights", fontsize=10)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def nights_markdown(deployment: str, rows: list[dict], plot: Optional[bytes]) -> str:
+    """The nights view of a deployment: the plot, then one row per run, newest first."""
+    out = [f"# {deployment}: nights", "", f"{len(rows)} run(s), newest first; FD lower is better.", ""]
+    if plot:
+        out += [f"![FD over nights]({data_uri(plot, 'image/png')})", ""]
+    out += ["| " + " | ".join(NIGHT_COLUMNS) + " |", "|" + "---|" * len(NIGHT_COLUMNS)]
+    for r in reversed(rows):
+        run = f"[{r.get('name')}]({r['link']})" if r.get("link") else f"`{r.get('name')}`"
+        cells = [r.get("date"), run, r.get("outcome"), r.get("fd"), r.get("best_fd"), r.get("acc"),
+                 r.get("diversity"), f"{r.get('iteration') if r.get('iteration') is not None else '-'}/{r.get('final')}",
+                 f"{r.get('wall_s')} s"]
+        out.append("| " + " | ".join("" if c is None else _v(round_sig(c)) if isinstance(c, float) else str(c)
+                                     for c in cells) + " |")
+    out.append("")
+    exports = [r for r in reversed(rows) if r.get("student")]
+    if exports:
+        out += ["Exported students: " + "; ".join(f"{r.get('date')} `{r['student']}`" for r in exports[:5]), ""]
     return "\n".join(out)

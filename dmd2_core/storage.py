@@ -30,7 +30,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import Callable, Iterator, Optional, TypeVar
 
 import fsspec
 
@@ -268,13 +268,14 @@ def read_text(url: str) -> str:
     return read_bytes(url).decode()
 
 
-def write_bytes(url: str, data: bytes) -> None:
+def write_bytes(url: str, data: bytes, content_type: Optional[str] = None) -> None:
     """Write a file so readers see the old content or the new one, never a torn one: local files
-    go through a temp name and an atomic rename; object stores put whole objects."""
+    go through a temp name and an atomic rename; object stores put whole objects (with
+    ``content_type`` when given, so a browser shows media instead of downloading octet-stream)."""
     if not is_local(url):
         def put():
             fs, path = filesystem(url)
-            fs.pipe_file(path, data)
+            fs.pipe_file(path, data, **({"ContentType": content_type} if content_type else {}))
         retrying(put, f"write {url}")
         return
     fs, path = filesystem(url)

@@ -5,13 +5,16 @@
 - ``{base}-metrics`` (table): a handful of columns, 4 significant digits, newest first;
 - ``{base}-progress`` (progress): iterations done.
 
-``base`` derives from the run's ``run_name`` (``artifact_keys``), so two runs with different run
-names never share a history. Updating in place (PATCH of the artifact) keeps one stored version per
-run instead of one per eval. What goes into them is computed in ``dmd2_core.report``.
+``base`` derives from the flow run's name (``artifact_keys``), which carries the flow run's id
+(flows/dmd2.py, ``run_display_name``), so every run has keys of its own and a crash rerun (the same
+flow run) finds its artifacts again and updates them instead of starting a second set. Updating in
+place (PATCH of the artifact) keeps one stored version per run instead of one per eval. What goes
+into them is computed in ``dmd2_core.report``; the nights view across runs is flows/nights.py.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 import time
@@ -38,6 +41,23 @@ def artifact_keys(run_name: str) -> dict[str, str]:
     return {kind: f"{base}-{kind}" for kind in KINDS}
 
 
+def existing_artifacts(flow_run_id: Optional[str], keys: dict[str, str]) -> dict[str, Any]:
+    """kind -> id of the artifacts this flow run already made under these keys (a crash rerun)."""
+    if not flow_run_id:
+        return {}
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    by_key = {key: kind for kind, key in keys.items()}
+    try:
+        with get_client(sync_client=True) as client:
+            found = client.read_artifacts(artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), key=ArtifactFilterKey(any_=list(by_key))))
+    except ValueError:  # not a flow run id (a run outside Prefect's bookkeeping)
+        return {}
+    return {by_key[a.key]: a.id for a in found if a.key in by_key}
+
+
 def _update(artifact_id, data: Any, description: Optional[str] = None) -> None:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import ArtifactUpdate
@@ -51,11 +71,19 @@ class RunArtifacts:
     """The run's artifacts. Create it inside the parent flow run (so they belong to it); update it
     from anywhere in the same process, subflows included."""
 
-    def __init__(self, keys: dict[str, str], summary: dict, total: int, done: int = 0):
+    def __init__(self, keys: dict[str, str], summary: dict, total: int, done: int = 0,
+                 flow_run_id: Optional[str] = None):
         self.keys = keys
         self.state = summary
         self.total = max(1, int(total))
         self._progress_at = 0.0
+        self.state["updated"] = _now()
+        old = existing_artifacts(flow_run_id, keys)
+        if len(old) == len(KINDS):  # a crash rerun of this flow run: the same artifacts, from where it resumed
+            self.summary_id, self.metrics_id, self.progress_id = old["summary"], old["metrics"], old["progress"]
+            _update(self.summary_id, report.summary_markdown(summary))
+            self.progress(done, force=True)
+            return
         # Created in reading order; the UI lists a run's artifacts by id, so they are kept few.
         self.summary_id = create_markdown_artifact(markdown=report.summary_markdown(summary), key=keys["summary"],
                                                    description=f"DMD2 run summary: {summary['name']}")
@@ -81,8 +109,14 @@ class RunArtifacts:
             update_progress_artifact(self.progress_id, self._percent(done))
 
     def publish(self, rows: list[dict]) -> None:
-        """Summary (with a fresh plot) and metrics table, in place."""
-        self.state["plot"] = report.plot_png(rows, title=self.state["name"])
+        """Summary (with a fresh plot) and metrics table, in place. The plot and the table see at
+        most report.PLOT_POINTS / TABLE_ROWS rows, so a publish costs the same late in a run as early."""
+        self.state["updated"] = _now()
+        self.state["plot"] = report.plot_png(report.thin(rows, report.PLOT_POINTS), title=self.state["name"])
         _update(self.summary_id, report.summary_markdown(self.state))
-        table = report.metrics_table(rows)
+        table = report.metrics_table(rows[-report.TABLE_ROWS:])
         _update(self.metrics_id, json.dumps(table), self._metrics_description(len(rows)))
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")

@@ -6,9 +6,12 @@ to persistent Ray trainer groups held by a DistillRun.
 Parameters are checked (recipe, overrides, checkpoints, hooks, resume point) before Ray starts;
 a bad one fails the flow run with one line naming it.
 
-Structure (what the UI's run graph shows): the flow run ``{run_name}-{date}`` holds the first eval
-and one subflow run per window of ``iterations_per_window`` iterations, named by its range
-(``iterations-0001-0100``); a window holds its iterations' phases as tasks, chained by edges so
+Structure (what the UI's run graph shows): the flow run ``{run_name}-{date}-{id}`` (UTC date, the
+first 8 hex digits of the flow run's id: every run a name of its own, kept by a crash rerun) holds
+the first eval and one subflow run per window of ``iterations_per_window`` iterations, named by the
+run and its range (``dmd2-tiny-2026-12-03-1a2b3c4d iterations-0001-0100``, `` (rerun 1)`` after a
+crash; the crashed attempt's windows are closed as Crashed and keep their names, flows/runs.py);
+a window holds its iterations' phases as tasks, chained by edges so
 one iteration reads as one row (rollout -> critic train and score -> sleep critic -> student train
 -> sleep actor; no sleep tasks where the groups do not sleep), plus its evals and checkpoints. No
 graph grows with the run's length: the parent has one node per window, a window about 5 per
@@ -18,7 +21,9 @@ never wait for Prefect between tasks.
 
 Logs: one INFO line per iteration (losses and time) on the flow run; task runs log at WARNING.
 Artifacts (flows/artifacts.py): a run summary, a short metrics table and a progress bar, updated in
-place. The full metrics go to ``{save}/metrics.jsonl`` (strict JSON; dmd2_core/report.py).
+place (at evals, checkpoints and every ``summary_interval`` iterations); a deployment's runs add a
+row to its nights view (flows/nights.py). The full metrics go to ``{save}/metrics.jsonl`` (strict
+JSON; dmd2_core/report.py).
 """
 
 from __future__ import annotations
@@ -41,26 +46,22 @@ from pathlib import Path  # noqa: E402
 from typing import Any, Optional  # noqa: E402
 
 import torch  # noqa: E402
-from prefect import flow, get_run_logger  # noqa: E402
+from prefect import flow, get_run_logger, tags  # noqa: E402
 
-from dmd2_core import checkpoint as ckpt  # noqa: E402
-from dmd2_core import report  # noqa: E402
 from dmd2_core.args import Args, ArgsError, load_args, parse_set  # noqa: E402
 from dmd2_core.distill import DistillRun  # noqa: E402
 from dmd2_core.finite import NonFiniteError  # noqa: E402
 from dmd2_core.lease import LeaseLostError  # noqa: E402
 from dmd2_core.models import CheckpointError  # noqa: E402
-from dmd2_core.schedule import Schedule  # noqa: E402
 from dmd2_core.storage import StorageUnavailableError  # noqa: E402
 from dmd2_core.report import METRICS_NAME, QUALITY_KEYS, MetricsLog  # noqa: E402,F401
-from flows import artifacts  # noqa: E402
+from flows import artifacts, nights, runs  # noqa: E402
+from flows.driver import LOGGED_KEYS, DriverBase, fmt as _fmt  # noqa: E402,F401
 from tasks import registry  # noqa: E402
-from tasks.checkpoint import checkpoint  # noqa: E402
-from tasks.eval import eval_media  # noqa: E402
 from tasks.phases import critic_train_and_score, rollout, sleep_groups, student_train  # noqa: E402
 
-LOGGED_KEYS = ("dmd2_loss", "critic_loss", "dmd2_grad_norm", "actor_grad_norm", "fd", "acc", "diversity")
 TASK_LOGGER = "prefect.task_runs"
+WINDOW_TAG = "dmd2-window"  # the runs list can hide windows by it (or with its 'hide subflows' toggle)
 
 
 # ---- parameters -------------------------------------------------------------------------------
@@ -72,21 +73,28 @@ def resolve_args(recipe: str, overrides: Optional[dict] = None, **flat: Any) -> 
     return load_args(recipe, merged)
 
 
-def run_display_name(parameters: dict, today: Optional[datetime.date] = None) -> str:
-    """``{run_name}-{date}`` (UTC date) of a flow run with these parameters; the recipe's stem when
-    the parameters do not resolve (the run then fails with the reason, under this name)."""
+def run_display_name(parameters: dict, today: Optional[datetime.date] = None, run_id: Optional[str] = None) -> str:
+    """``{run_name}-{date}-{id}`` (UTC date, the flow run id's first 8 hex digits) of a flow run
+    with these parameters; the recipe's stem when the parameters do not resolve (the run then
+    fails with the reason, under this name)."""
     try:
         name = resolve_args(**parameters).run_name
     except Exception:  # noqa: BLE001 - bad input still gets a readable name; the flow reports it
         name = Path(str(parameters.get("recipe") or "dmd2")).stem
     day = today or datetime.datetime.now(datetime.timezone.utc).date()
-    return f"{artifacts.slugify(name)}-{day.isoformat()}"
+    short = str(run_id or "").replace("-", "")[:8]
+    return f"{artifacts.slugify(name)}-{day.isoformat()}" + (f"-{short}" if short else "")
 
 
 def _flow_run_name() -> str:
+    """A crash rerun (after midnight too) keeps the name its first attempt got."""
     from prefect.runtime import flow_run
 
-    return run_display_name(dict(flow_run.parameters or {}))
+    run_id = str(flow_run.id or "")
+    current = str(flow_run.name or "")
+    if run_id and current.endswith("-" + run_id.replace("-", "")[:8]):
+        return current
+    return run_display_name(dict(flow_run.parameters or {}), run_id=run_id or None)
 
 
 def _run_id() -> str:
@@ -95,12 +103,10 @@ def _run_id() -> str:
     return str(flow_run.id or uuid.uuid4())
 
 
-def _fmt(metrics: dict) -> str:
-    return " ".join(f"{k}={metrics[k]:.4g}" for k in LOGGED_KEYS if isinstance(metrics.get(k), (int, float)))
-
-
-def _cleanup_hook(flow_obj, flow_run, state) -> None:
-    """On cancellation or crash in this process: kill the run's actors and placement group."""
+def _cleanup_hook(flow, flow_run, state) -> None:
+    """On cancellation or crash: kill the run's actors and placement group when they live in this
+    process. Prefect calls it positionally in the flow-run process and by keyword (flow=, flow_run=,
+    state=) in the serve process that reports a killed one, so the names are Prefect's."""
     registry.shutdown_run(str(flow_run.id))
 
 
@@ -119,81 +125,10 @@ def windows(start: int, final: int, size: int) -> list[tuple[int, int]]:
 _DRIVERS: dict[str, "Driver"] = {}
 
 
-class Driver:
+class Driver(DriverBase):
     """Sequences one run: iterations, evals and checkpoints as tasks, the metrics log, the run
-    summary. The flow and its window subflows look it up by run id."""
-
-    def __init__(self, run: DistillRun, run_id: str, args: Args, name: str, logger):
-        self.run, self.run_id, self.args, self.logger = run, run_id, args, logger
-        self.t0 = time.perf_counter()
-        self.start = run.start()
-        self.final = max(self.start, args.num_iterations)
-        self.schedule = run.schedule = Schedule.of(args, final=self.final)
-        self.last_eval: Optional[int] = None
-        self.last_ckpt: Optional[int] = self.start if (self.start and args.load_url == args.save) else None
-        self.requested_ckpt: Optional[int] = self.last_ckpt
-        self.log = MetricsLog(args.save, self.start)
-        self.keys = artifacts.artifact_keys(args.run_name)
-        self.result: dict[str, Any] = {
-            "run_id": run_id, "name": name, "start_iteration": self.start, "final_iteration": self.final,
-            "metrics_url": self.log.url, "media_urls": [], "checkpoint": None, "artifact_keys": self.keys,
-        }
-        self.view: dict[str, Any] = {
-            "name": name, "iteration": self.start, "final": self.final, "start": self.start, "status": "running",
-            "trainer_args": {role: a.model_dump(mode="json") for role, a in run.trainer_args.items()},
-            "evals": [r for r in ({k: row.get(k) for k in ("iteration", *QUALITY_KEYS, "dmd2_loss", "critic_loss")}
-                                  for row in self.log.table() if any(row.get(q) is not None for q in QUALITY_KEYS))],
-            "media": [], "metrics_url": self.log.url, "checkpoint": None, "student": None,
-        }
-        if self.last_ckpt:
-            self._note_checkpoint(self.last_ckpt, {}, next(iter(ckpt.latest_exports(args.save)), None))
-        self.artifacts = artifacts.RunArtifacts(self.keys, self.view, total=self.final, done=self.start)
-        run.rollout_ahead = self.follows_directly
-
-    # ---- evals and checkpoints ----
-    def eval(self, i: int) -> dict:
-        out = eval_media(self.run_id, i)
-        self.last_eval = i
-        row = self.log.update(i, out["metrics"])
-        self.result["media_urls"] += [m["url"] for m in out["media"]]
-        quality = {k: out["metrics"][k] for k in QUALITY_KEYS if k in out["metrics"]}
-        self.view["evals"] = [e for e in self.view["evals"] if e["iteration"] != i]
-        self.view["evals"].append({k: row.get(k) for k in ("iteration", *QUALITY_KEYS, "dmd2_loss", "critic_loss")})
-        self.view["media"], self.view["media_iteration"] = out["media"], i
-        if quality:
-            self.logger.info(f"eval at iteration {i}: " + _fmt(quality))
-        return quality
-
-    def _note_checkpoint(self, i: int, trainers: dict, export: Optional[str] = None) -> None:
-        info = {"iteration": i, "trainers": trainers, "tracker": ckpt.tracker_url(self.args.save)}
-        self.result["checkpoint"] = self.view["checkpoint"] = info
-        if export:
-            self.view["student"] = self.result["student"] = export
-
-    def _saved(self, metrics: dict) -> None:
-        """A checkpoint became durable and the tracker names it: note it, log it."""
-        tracked = metrics.pop("checkpoint", None)
-        export = metrics.pop("export_url", None)
-        if tracked is None:
-            return
-        i = int(metrics["checkpoint_iteration"])
-        self.last_ckpt = i
-        self._note_checkpoint(i, tracked["trainers"], export)
-        self.logger.info(f"checkpoint at iteration {i} tracked ({metrics['checkpoint_save_s']:.2f}s to write)"
-                         + (f"; student exported to {export}" if export else ""))
-
-    def checkpoint(self, i: int, wait: bool = False) -> None:
-        out = checkpoint(self.run_id, i, wait)
-        self.requested_ckpt = i
-        self._saved(out)
-        self.log.update(i, {k: v for k, v in out.items()
-                            if k.startswith(("checkpoint_", "export_")) and k != "checkpoint_iteration"})
-
-    def publish(self, i: int) -> None:
-        self.view["iteration"] = i
-        self.log.write()
-        self.artifacts.publish(self.log.table())
-        self.artifacts.progress(i, force=True)
+    summary (state and evals/checkpoints: flows/driver.py). The flow and its window subflows look
+    it up by run id."""
 
     # ---- one iteration ----
     def follows_directly(self, i: int) -> bool:
@@ -208,7 +143,7 @@ class Driver:
                 (student_train, (i,)), *([(sleep_groups, (i, "actor"))] if sleeps else [])]
 
     def iteration(self, i: int) -> dict:
-        t = time.perf_counter()
+        t, self.current = time.perf_counter(), i
         metrics: dict[str, Any] = {}
         state = None
         for phase, call in self.phases(i):
@@ -224,27 +159,34 @@ class Driver:
         if saves:
             self.checkpoint(i, wait=self.schedule.waits_at(i))
         self.log.update(i, {"wall_time": time.time()})
-        if evals or saves:
-            self.publish(i)
+        every = self.args.summary_interval
+        if evals or saves or (every and i - self.published >= every):
+            self.publish(i)  # costs the same at any iteration (flows/artifacts.py)
         else:
             self.log.write()
             self.artifacts.progress(i)
+        self.view["iteration"] = i
         self.logger.info(f"iteration {i}/{self.final} {_fmt(row)} ({metrics['iteration_s']:.2f}s)")
         return row
 
     # ---- the whole run ----
-    def drive(self) -> dict:
-        args = self.args
+    def drive(self, reruns: int = 0) -> dict:
+        args, self.reruns = self.args, reruns
         self.logger.info(
             f"dmd2: {self.final - self.start} iterations ({self.start + 1}..{self.final}) on {args.num_devices} "
             f"device(s), K={args.dmd2_student_steps}, batch {args.global_batch_size}, save {args.save}"
             + (f" (resumed after iteration {self.start})" if self.start else "")
             + f"; groups up in {time.perf_counter() - self.t0:.1f}s; windows of {args.iterations_per_window}")
         if self.schedule.evaluating:
-            self.result["quality_before"] = self.eval(self.start) or None
+            resumed = self.eval(self.start)
+            first = next(iter(self.view["evals"]), {})  # iteration 0's, on a rerun too (the metrics log)
+            self.result["quality_before"] = {k: first[k] for k in QUALITY_KEYS if first.get(k) is not None} or resumed or None
             self.publish(self.start)
+        rerun = f" (rerun {self.reruns})" if self.reruns else ""
         for first, last in windows(self.start, self.final, args.iterations_per_window):
-            iterations.with_options(flow_run_name=f"iterations-{first:04d}-{last:04d}")(self.run_id, first, last)
+            name = f"{self.view['name']} iterations-{first:04d}-{last:04d}{rerun}"
+            with tags(WINDOW_TAG):
+                iterations.with_options(flow_run_name=name)(self.run_id, first, last)
         if self.schedule.evaluating and self.last_eval != self.final:
             self.eval(self.final)
         if self.requested_ckpt != self.final:
@@ -316,21 +258,41 @@ def dmd2(
     from prefect.runtime import flow_run
 
     reruns = max(0, int(flow_run.run_count or 1) - 1)  # a crashed run set Scheduled again counts up
-    if reruns > args.max_crash_reruns:
-        raise RuntimeError(f"run crashed {reruns} times (max_crash_reruns "
-                           f"{args.max_crash_reruns}): failing instead of running it again")
-    if reruns:
-        logger.warning(f"rerun {reruns} of {args.max_crash_reruns} after a crash: resuming from the tracker")
-    run = DistillRun(args, owner=_run_id())  # preflight (and the save URL's lease owner); no actor yet
+    try:
+        if reruns > args.max_crash_reruns:
+            raise RuntimeError(f"run crashed {reruns} times (max_crash_reruns "
+                               f"{args.max_crash_reruns}): failing instead of running it again")
+        if reruns:
+            closed = runs.close_stale_windows(_run_id(), f"its process died; the run resumed in rerun {reruns}")
+            logger.warning(f"rerun {reruns} of {args.max_crash_reruns} after a crash: resuming from the tracker"
+                           + (f" (windows closed as Crashed: {', '.join(closed)})" if closed else ""))
+        run = DistillRun(args, owner=_run_id())  # preflight (and the save URL's lease owner); no actor yet
+    except Exception as exc:  # the night failed before it started: its row and its message say why
+        runs.set_progress_labels(_run_id(), None, error=f"{type(exc).__name__}: {exc}")
+        nights.record_night({"name": flow_run.name, "iteration": None, "final": args.num_iterations, "evals": []},
+                            "failed", 0.0)
+        raise
     args = run.args
     torch.set_num_threads(args.torch_threads)  # the driver's own work (digits metrics)
     name = flow_run.name or run_display_name({"recipe": recipe, "overrides": overrides})
     run_id = registry.register(_run_id(), run)
+    driver = None
     try:
         with _quiet_tasks():
             driver = Driver(run, run_id, args, name, logger)
             _DRIVERS[run_id] = driver
-            return driver.drive()
+            result = driver.drive(reruns)
+        nights.record_night(driver.view, "completed" + (f" ({reruns} rerun)" if reruns else ""), result["wall_s"])
+        return result
+    except BaseException as exc:
+        if driver is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            at = getattr(driver, "current", driver.view["iteration"])  # the iteration it failed in
+            runs.set_progress_labels(run_id, at, error=f"{type(exc).__name__}: {exc}")
+            driver.view["status"] = f"failed: {runs.last_line(str(exc)) or type(exc).__name__}"
+            with contextlib.suppress(Exception):  # the summary says so too (best effort: the error stands)
+                driver.artifacts.publish(driver.log.table())
+            nights.record_night(driver.view, "failed", time.perf_counter() - driver.t0)
+        raise
     finally:
         _DRIVERS.pop(run_id, None)
         registry.unregister(run_id)

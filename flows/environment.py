@@ -22,9 +22,16 @@ from typing import Iterator, Optional
 # --local-server) records task runs from their events in batches: one database write per event
 # (Prefect's default) took ~60% of its CPU, ~70 ms per iteration taken from the trainers
 # (bench/README.md, orchestration cost). Task states then reach the UI up to a second later.
+#
+# It also stays small: a minimax-h3 night adds ~480 MB to its database (docs/operations.md), and
+# Prefect keeps flow runs forever unless its flow-run vacuum is on. Enabled here (events, flow runs
+# and their orphaned logs and artifacts), runs ended more than RETENTION_DAYS ago are deleted hourly.
+RETENTION_DAYS = 14
 LOCAL_SERVER_ENV = {
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
+    "PREFECT_SERVER_SERVICES_DB_VACUUM_ENABLED": "events,flow_runs",
+    "PREFECT_SERVER_SERVICES_DB_VACUUM_RETENTION_PERIOD": str(RETENTION_DAYS * 24 * 3600),
 }
 
 ENVIRONMENT_DEFAULTS = {

@@ -231,7 +231,8 @@ def test_flow_end_to_end(reference):
         assert (save / "media" / f"iter_{i:07d}.png").is_file()
 
     keys = summary["artifact_keys"]
-    assert keys == {"summary": "dmd2-tiny-summary", "metrics": "dmd2-tiny-metrics", "progress": "dmd2-tiny-progress"}
+    name = f"dmd2-tiny-{datetime.datetime.now(datetime.timezone.utc).date()}-{str(run_id).replace('-', '')[:8]}"
+    assert keys == {"summary": f"{name}-summary", "metrics": f"{name}-metrics", "progress": f"{name}-progress"}
     for key in keys.values():  # created once, updated in place: one stored version each
         assert len(read_artifacts(run_id, key)) == 1
     table = json.loads(read_artifacts(run_id, keys["metrics"])[-1].data)
@@ -245,7 +246,7 @@ def test_flow_end_to_end(reference):
     assert text.count("data:image/png;base64,") == 2  # the latest grid and the plot
     assert "iter_0000002.png" in text and "exports/iter_0000002" in text
     assert "| dmd2_guidance_scale | 1.5 | 1.5 |" in text and "| loss_type | `dmd2_critic` | `dmd2` |" in text
-    assert read_flow_run(run_id).name == f"dmd2-tiny-{datetime.datetime.now(datetime.timezone.utc).date()}"
+    assert read_flow_run(run_id).name == name
     names = {t.name: t for t in read_task_runs(run_id)}
     for name in ("rollout-1", "critic-train-and-score-1", "sleep-critic-1", "student-train-1",
                  "sleep-actor-1", "eval-media-0", "eval-media-2", "checkpoint-2"):
@@ -307,8 +308,10 @@ def test_flow_on_s3_shows_presigned_media(harness, tiny_teacher, s3_bucket):
     assert len(storage.read_text(f"{save}/metrics.jsonl").splitlines()) == 2
     assert summary["media_urls"][-1] == f"{save}/media/iter_0000001.png"
     text = read_artifacts(state.state_details.flow_run_id, summary["artifact_keys"]["summary"])[-1].data
-    # the picture survives the presigned link's expiry: a thumbnail data URI, linked to the full file
-    match = re.search(r"\[!\[[^\]]*\]\((data:image/png;base64,[^)]+)\)\]\((http[^)]+)\)", text)
+    # the picture survives the presigned link's expiry: a thumbnail data URI, and the full file's
+    # link on its own line below it (an image inside a link shows as text in the default UI)
+    match = re.search(r"\n!\[[^\]]*\]\((data:image/png;base64,[^)]+)\)\n(?:.*\n)*?\[full size\]\((http[^)]+)\)", text)
     assert match, text[:2000]
     with urllib.request.urlopen(match.group(2), timeout=10) as resp:
         assert resp.read() == storage.read_bytes(summary["media_urls"][-1])
+        assert resp.headers["Content-Type"] == "image/png"  # shown by a browser, not downloaded

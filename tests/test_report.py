@@ -105,6 +105,7 @@ def test_summary_markdown_reads_top_down():
              {"iteration": 200, "fd": 0.4, "acc": 0.98}]
     text = report.summary_markdown({
         "name": "minimax-h3-2026-12-02", "iteration": 200, "final": 4000, "status": "running",
+        "updated": "2026-12-02 03:04:05 UTC",
         "trainer_args": trainer_args, "evals": evals,
         "media": [{"src": "data:image/png;base64,AAAA", "link": "https://x/y.png", "url": "s3://r/h3/media/iter_0000200.png",
                    "full": False, "caption": "iteration 200"}], "media_iteration": 200,
@@ -116,7 +117,10 @@ def test_summary_markdown_reads_top_down():
     assert order == sorted(order)
     assert "Quality before -> after: fd 1, acc 0.9 -> fd 0.4, acc 0.98" in text
     assert "Best eval so far: iteration 100 (fd 0.3, acc 0.99)" in text
-    assert "[![iteration 200](data:image/png;base64,AAAA)](https://x/y.png)" in text
+    assert "iteration 200 of 4000. Updated 2026-12-02 03:04:05 UTC." in text
+    # the default UI shows an image inside a link as text: the image alone, the link on its own line
+    assert "![iteration 200](data:image/png;base64,AAAA)\n" in text and "](data:image/png;base64,AAAA)](" not in text
+    assert "\n[full size](https://x/y.png) (link expires)\n" in text
     assert text.index("| 200 | 0.4") < text.index("| 100 | 0.3")  # newest first
     assert "| loss_type | `dmd2_critic` | `dmd2` |" in text  # the differing keys, side by side
     assert "| dmd2_guidance_scale | 1 | 1 |" in text and "| num_devices | 8 | 8 |" in text and "| ema_decay |" in text
@@ -133,6 +137,12 @@ def test_windows_and_names():
     assert len(windows(0, 4000, 100)) == 40
     day = datetime.date(2026, 12, 2)
     assert run_display_name({"recipe": "tiny"}, day) == "dmd2-tiny-2026-12-02"
+    # a flow run's name carries its id: two runs of a recipe on one day differ, and so do their keys
+    a = run_display_name({"recipe": "tiny"}, day, run_id="1a2b3c4d-5e6f-0000-0000-000000000000")
+    b = run_display_name({"recipe": "tiny"}, day, run_id="99aa0000-5e6f-0000-0000-000000000000")
+    assert a == "dmd2-tiny-2026-12-02-1a2b3c4d" and b == "dmd2-tiny-2026-12-02-99aa0000"
+    assert set(artifact_keys(a).values()).isdisjoint(artifact_keys(b).values())
+    assert artifact_keys(a)["summary"] == "dmd2-tiny-2026-12-02-1a2b3c4d-summary"
     assert run_display_name({"recipe": "tiny", "overrides": {"run_name": "Ablation A"}}, day) == "ablation-a-2026-12-02"
     assert run_display_name({"recipe": "tiny", "overrides": {"lrr": 1}}, day) == "tiny-2026-12-02"
     assert artifact_keys("dmd2-tiny")["summary"] == "dmd2-tiny-summary"
@@ -163,3 +173,46 @@ def test_deployment_missing_inputs_is_paused_with_one_line(monkeypatch):
     (h3,) = build_deployments(["minimax-h3"], warn=lines.append)
     assert lines == [] and h3.schedules[0].active is True and "paused" not in h3.description
     assert h3.parameters["save"] == "s3://r/h3"
+
+
+def test_plot_has_fd_and_gan_panels_and_a_bounded_cost():
+    """FD has an axis of its own (not the 0-1 one of acc and diversity), the GAN head's metrics get
+    a panel when present, and a plot of 5000 rows sees at most PLOT_POINTS (+ eval rows)."""
+    from PIL import Image
+
+    rows = [{"iteration": i, "dmd2_loss": 1.0 / (i + 1), "gan_d_loss_real": 0.7, "gan_grad_norm": 0.1}
+            for i in range(5000)]
+    for i in range(0, 5000, 1000):
+        rows[i].update(fd=30.0 - i / 1000, acc=0.9, diversity=0.5)
+    kept = report.thin(rows, report.PLOT_POINTS)
+    assert len(kept) <= report.PLOT_POINTS + 5 + 1 and kept[-1]["iteration"] == 4999
+    assert [r["iteration"] for r in kept if "fd" in r] == [0, 1000, 2000, 3000, 4000]
+    names = [name for name, keys in report.PLOT_PANELS if any(k in rows[0] for k in keys)]
+    assert names == ["losses", "FD", "accuracy, diversity", "GAN head"]
+    img = Image.open(io.BytesIO(report.plot_png(kept)))
+    assert img.size == (3 * 320, 2 * 240)  # 4 panels: 3 columns, 2 rows
+    assert report.plot_png([{"iteration": 1, "dmd2_loss": 1.0}]) is not None
+
+
+def test_nights_markdown_and_rows_roundtrip():
+    from flows import nights
+
+    view = {"name": "dmd2-tiny-2026-12-02-1a2b3c4d", "iteration": 250, "final": 250, "student": "/r/exports/iter_0000250",
+            "evals": [{"iteration": 0, "fd": 9.0}, {"iteration": 100, "fd": 2.0, "acc": 0.8},
+                      {"iteration": 250, "fd": 3.0, "acc": 0.9, "diversity": 0.4}]}
+    one = report.night_row(view, "completed", 61.23, "id-1", "http://ui/runs/flow-run/id-1", "2026-12-02")
+    assert (one["fd"], one["best_fd"], one["best_iteration"], one["acc"]) == (3.0, 2.0, 100, 0.9)
+    two = dict(one, run_id="id-2", date="2026-12-03", fd=5.0, outcome="failed", name="dmd2-tiny-2026-12-03-99aa0000")
+    rows = nights.merge(nights.merge([], one), two)
+    rows = nights.merge(rows, dict(two, outcome="completed (1 rerun)"))  # a rerun replaces its run's row
+    assert [r["outcome"] for r in rows] == ["completed", "completed (1 rerun)"]
+    text = nights.with_rows(report.nights_markdown("tiny", rows, report.nights_plot(rows)), rows)
+    assert nights.rows_of(text) == rows
+    assert "![FD over nights](data:image/png;base64," in text
+    assert text.index("2026-12-03") < text.index("| 2026-12-02")  # newest first
+    assert "| 2026-12-02 | [dmd2-tiny-2026-12-02-1a2b3c4d](http://ui/runs/flow-run/id-1) | completed | 3 | 2 | 0.9 |" in text
+    assert "`/r/exports/iter_0000250`" in text
+    assert nights.nights_key("minimax-h3") == "dmd2-nights-minimax-h3"
+    # a night that failed before it started (preflight, too many crash reruns): a row all the same
+    early = report.night_row({"name": "n", "iteration": None, "final": 2, "evals": []}, "failed", 0.0, "id-3", None, "d")
+    assert "| d | `n` | failed |  |  |  |  | -/2 | 0.0 s |" in report.nights_markdown("tiny", [early], None)

@@ -118,27 +118,29 @@ def test_served_deployment_run(served, tiny_teacher, tmp_path):
     run = _wait_final(api, run["id"], 240, log)
     assert run["state"]["type"] == "COMPLETED", run["state"]
     today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
-    assert run["name"] == f"dmd2-tiny-{today}"
+    name = f"dmd2-tiny-{today}-{run['id'].replace('-', '')[:8]}"
+    assert run["name"] == name
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     assert [json.loads(line)["iteration"] for line in (save / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
     windows = _api(api, "/flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [run["id"]]}}})
-    assert sorted(w["name"] for w in windows) == ["iterations-0001-0002", "iterations-0003-0003"]
+    assert sorted(w["name"] for w in windows) == [f"{name} iterations-0001-0002", f"{name} iterations-0003-0003"]
+    assert all("dmd2-window" in w["tags"] for w in windows)
     for window in windows:  # every phase of an iteration is chained to the one before it
         graph = _api(api, f"/flow_runs/{window['id']}/graph-v2")
         names = {n["id"]: n["label"] for _, n in graph["nodes"]}
         edges = {names[n["id"]]: {names[p["id"]] for p in n["parents"]} for _, n in graph["nodes"]}
-        first = int(window["name"].split("-")[1])
+        first = int(window["name"].rpartition(" iterations-")[2].split("-")[0])
         assert edges[f"critic-train-and-score-{first}"] == {f"rollout-{first}"}
         assert edges[f"student-train-{first}"] == {f"critic-train-and-score-{first}"}
         assert not any(label.startswith("sleep-") for label in edges)  # groups that do not sleep: no sleep tasks
     artifacts = _api(api, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}})
-    assert sorted(a["key"] for a in artifacts) == ["dmd2-tiny-metrics", "dmd2-tiny-progress", "dmd2-tiny-summary"]
-    text = next(a["data"] for a in artifacts if a["key"] == "dmd2-tiny-summary")
+    assert sorted(a["key"] for a in artifacts) == ["dmd2-nights-tiny", f"{name}-metrics", f"{name}-progress", f"{name}-summary"]
+    text = next(a["data"] for a in artifacts if a["key"] == f"{name}-summary")
     assert "## Configuration" in text and "| loss_type | `dmd2_critic` | `dmd2` |" in text
     assert "![metrics plot](data:image/png;base64," in text
     assert "## Samples, iteration 3" in text and "iter_0000003.png" in text
     assert f"`{save}/exports/iter_0000003`" in text
-    table = json.loads(next(a["data"] for a in artifacts if a["key"] == "dmd2-tiny-metrics"))
+    table = json.loads(next(a["data"] for a in artifacts if a["key"] == f"{name}-metrics"))
     assert [r["iteration"] for r in table] == [3, 2, 1, 0]
 
 
@@ -181,6 +183,7 @@ def test_served_minimax_h3_run_on_the_stand_in(served, tmp_path):
     assert (export / "audio_vae" / "config.json").exists() and (export / "transformer" / "config.json").exists()
     artifacts = _api(api, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}})
     summary = next(a["data"] for a in artifacts if a["key"].endswith("-summary"))
+    assert "dmd2-nights-minimax-h3" in {a["key"] for a in artifacts}
     assert "[MP4 with sound](" in summary
 
 

@@ -1,0 +1,117 @@
+"""The state of one run the dmd2 flow drives (flows/dmd2.py's Driver builds on it): the metrics
+log, the run summary's view, evals and checkpoints as tasks, publishing the artifacts.
+
+A crash rerun is the same flow run: it finds the run's artifacts (keys from the run's name, which
+carries the flow run's id) and updates them from the resumed iteration on, and its summary's
+before -> after is the first eval of the run (iteration 0's, read back from the metrics log)
+against the last, as the log line says.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from dmd2_core import checkpoint as ckpt
+from dmd2_core.args import Args
+from dmd2_core.distill import DistillRun
+from dmd2_core.report import GAN_KEYS, QUALITY_KEYS, MetricsLog
+from dmd2_core.schedule import Schedule
+from flows import artifacts, runs
+from tasks.checkpoint import checkpoint
+from tasks.eval import eval_media
+
+EVAL_COLUMNS = ("iteration", *QUALITY_KEYS, "dmd2_loss", "critic_loss", *GAN_KEYS)
+LOGGED_KEYS = ("dmd2_loss", "critic_loss", "dmd2_grad_norm", "actor_grad_norm", "fd", "acc", "diversity")
+
+
+def fmt(metrics: dict) -> str:
+    return " ".join(f"{k}={metrics[k]:.4g}" for k in LOGGED_KEYS if isinstance(metrics.get(k), (int, float)))
+
+
+def eval_row(row: dict) -> dict:
+    """What the summary's evals table keeps of a metrics row: quality, losses, the GAN head's."""
+    return {k: row.get(k) for k in EVAL_COLUMNS if k in row or k in ("iteration", *QUALITY_KEYS)}
+
+
+class DriverBase:
+    """Sequences one run: iterations, evals and checkpoints as tasks, the metrics log, the run
+    summary. The flow and its window subflows look it up by run id."""
+
+    def __init__(self, run: DistillRun, run_id: str, args: Args, name: str, logger):
+        self.run, self.run_id, self.args, self.logger = run, run_id, args, logger
+        self.t0 = time.perf_counter()
+        self.start = run.start()
+        self.final = max(self.start, args.num_iterations)
+        self.schedule = run.schedule = Schedule.of(args, final=self.final)
+        self.last_eval: Optional[int] = None
+        self.last_ckpt: Optional[int] = self.start if (self.start and args.load_url == args.save) else None
+        self.requested_ckpt: Optional[int] = self.last_ckpt
+        self.log = MetricsLog(args.save, self.start)
+        self.keys = artifacts.artifact_keys(name)  # the run's name carries its flow run id: one set per run
+        self.result: dict[str, Any] = {
+            "run_id": run_id, "name": name, "start_iteration": self.start, "final_iteration": self.final,
+            "metrics_url": self.log.url, "media_urls": [], "checkpoint": None, "artifact_keys": self.keys,
+        }
+        self.view: dict[str, Any] = {
+            "name": name, "iteration": self.start, "final": self.final, "start": self.start, "status": "running",
+            "trainer_args": {role: a.model_dump(mode="json") for role, a in run.trainer_args.items()},
+            "evals": [eval_row(row) for row in self.log.table() if any(row.get(q) is not None for q in QUALITY_KEYS)],
+            "media": [], "metrics_url": self.log.url, "checkpoint": None, "student": None,
+        }
+        if self.last_ckpt:
+            self._note_checkpoint(self.last_ckpt, {}, next(iter(ckpt.latest_exports(args.save)), None))
+        self.artifacts = artifacts.RunArtifacts(self.keys, self.view, total=self.final, done=self.start,
+                                                flow_run_id=run_id)
+        self.published = self.start
+        run.rollout_ahead = self.follows_directly
+
+    # ---- evals and checkpoints ----
+    def eval(self, i: int) -> dict:
+        out = eval_media(self.run_id, i)
+        self.last_eval = i
+        row = self.log.update(i, out["metrics"])
+        self.result["media_urls"] += [m["url"] for m in out["media"]]
+        quality = {k: out["metrics"][k] for k in QUALITY_KEYS if k in out["metrics"]}
+        self.view["evals"] = [e for e in self.view["evals"] if e["iteration"] != i]
+        self.view["evals"].append(eval_row(row))
+        self.view["media"], self.view["media_iteration"] = out["media"], i
+        if quality:
+            self.logger.info(f"eval at iteration {i}: " + fmt(quality))
+        return quality
+
+    def _note_checkpoint(self, i: int, trainers: dict, export: Optional[str] = None) -> None:
+        info = {"iteration": i, "trainers": trainers, "tracker": ckpt.tracker_url(self.args.save)}
+        self.result["checkpoint"] = self.view["checkpoint"] = info
+        if export:
+            self.view["student"] = self.result["student"] = export
+
+    def _saved(self, metrics: dict) -> None:
+        """A checkpoint became durable and the tracker names it: note it, log it."""
+        tracked = metrics.pop("checkpoint", None)
+        export = metrics.pop("export_url", None)
+        if tracked is None:
+            return
+        i = int(metrics["checkpoint_iteration"])
+        self.last_ckpt = i
+        self._note_checkpoint(i, tracked["trainers"], export)
+        self.logger.info(f"checkpoint at iteration {i} tracked ({metrics['checkpoint_save_s']:.2f}s to write)"
+                         + (f"; student exported to {export}" if export else ""))
+
+    def checkpoint(self, i: int, wait: bool = False) -> None:
+        out = checkpoint(self.run_id, i, wait)
+        self.requested_ckpt = i
+        self._saved(out)
+        self.log.update(i, {k: v for k, v in out.items()
+                            if k.startswith(("checkpoint_", "export_")) and k != "checkpoint_iteration"})
+
+    def publish(self, i: int) -> None:
+        """Metrics log, summary, table and progress at iteration i; the flow run's iteration label
+        (what a failure message names, flows/alerts.py)."""
+        self.view["iteration"] = i
+        self.log.write()
+        self.artifacts.publish(self.log.table())
+        self.artifacts.progress(i, force=True)
+        runs.set_progress_labels(self.run_id, i)
+        self.published = i
+

@@ -1,0 +1,81 @@
+"""The nights view: one markdown artifact per deployment, ``dmd2-nights-{deployment}``, that gains
+a row per run (date, outcome, final and best FD with accuracy and diversity, iterations, wall time,
+the link to the run and its exported student) under a plot of FD over nights.
+
+Each run (completed or failed) writes a new version of the key from the previous version's rows
+plus its own (a crash rerun replaces its run's row: same flow run id); the UI shows the latest
+version under Artifacts and in the run that wrote it. The rows travel inside the markdown, in an
+HTML comment (base64 JSON) the UI does not show, so the view needs nothing besides the server.
+Runs outside a deployment (the CLI, tests calling the flow) have no nights view.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import json
+import logging
+import re
+from typing import Optional
+
+from dmd2_core import report
+from flows.artifacts import slugify
+
+MAX_NIGHTS = 60  # rows kept (the oldest drop off)
+_ROWS = re.compile(r"<!-- dmd2-nights-rows: ([A-Za-z0-9+/=]*) -->")
+log = logging.getLogger("dmd2")
+
+
+def nights_key(deployment: str) -> str:
+    return f"dmd2-nights-{slugify(deployment)}"
+
+
+def rows_of(markdown: Optional[str]) -> list[dict]:
+    match = _ROWS.search(markdown or "")
+    return json.loads(base64.b64decode(match.group(1))) if match else []
+
+
+def with_rows(markdown: str, rows: list[dict]) -> str:
+    blob = base64.b64encode(json.dumps(rows, default=str).encode()).decode()
+    return f"{markdown}\n<!-- dmd2-nights-rows: {blob} -->\n"
+
+
+def merge(rows: list[dict], row: dict) -> list[dict]:
+    """``row`` replaces the row of the same run (a rerun) or joins at the end; MAX_NIGHTS at most."""
+    kept = [r for r in rows if r.get("run_id") != row["run_id"]]
+    return (kept + [row])[-MAX_NIGHTS:]
+
+
+def latest_markdown(key: str) -> Optional[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
+                                      sort=ArtifactSort.CREATED_DESC, limit=1)
+    return found[0].data if found else None
+
+
+def record_night(view: dict, outcome: str, wall_s: float) -> Optional[str]:
+    """Add this run's row to its deployment's nights view; returns the key (None outside a
+    deployment). Best effort: a server hiccup here never fails the run."""
+    from prefect.artifacts import create_markdown_artifact
+    from prefect.runtime import deployment, flow_run
+
+    name = deployment.name
+    if not name:
+        return None
+    key = nights_key(name)
+    try:
+        start = flow_run.scheduled_start_time or datetime.datetime.now(datetime.timezone.utc)
+        date = start.astimezone(datetime.timezone.utc).date().isoformat()
+        row = report.night_row(view, outcome, wall_s, str(flow_run.id), flow_run.ui_url, date)
+        rows = merge(rows_of(latest_markdown(key)), row)
+        markdown = report.nights_markdown(name, rows, report.nights_plot(rows, title=f"{name}: FD over nights"))
+        create_markdown_artifact(markdown=with_rows(markdown, rows), key=key,
+                                 description=f"dmd2/{name}: one row per run, newest first")
+    except Exception as exc:  # noqa: BLE001 - the view is for people; the run's outcome stands
+        log.warning(f"nights view {key} not updated: {exc}")
+        return None
+    return key
