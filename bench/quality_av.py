@@ -141,7 +141,10 @@ def main() -> None:
     parser.add_argument("--video-weight", type=float, default=1.0)
     parser.add_argument("--audio-weight", type=float, default=1.0)
     parser.add_argument("--progress", default=None, help="append every evaluation to this JSONL file")
+    parser.add_argument("--summarise", default=None, help="print the JSON line from a progress file (a run cut short)")
     ns = parser.parse_args()
+    if ns.summarise:
+        return summarise(ns.summarise)
     torch.set_num_threads(1)
     start = time.perf_counter()
     teacher = av_teacher.ensure_av_teacher(ns.teacher, log=lambda m: print(m, file=sys.stderr))
@@ -155,6 +158,8 @@ def main() -> None:
         if k == 50:
             target = frame_features(samples)
     print(f"teacher table: {json.dumps(table)} ({time.perf_counter() - start:.0f}s)", file=sys.stderr)
+    if ns.progress:
+        _log({"progress": ns.progress}, {"teacher": table, "ns": vars(ns)})
     jobs = [{"steps": k, "seed": s, "iterations": ns.iterations, "eval_every": ns.eval_every,
              "num_samples": ns.num_samples, "eval_seed": ns.eval_seed, "target": target, "progress": ns.progress,
              "overrides": cpu_overrides(teacher, k, s, ns)} for k in ns.steps for s in ns.seeds]
@@ -164,17 +169,33 @@ def main() -> None:
             results.append(r)
             print(f"done: {r['steps']}-step seed {r['seed']} in {r['wall_s']:.0f}s ({len(results)}/{len(jobs)})",
                   file=sys.stderr)
+    report(table, [e for r in results for e in r["evals"]], ns, time.perf_counter() - start)
+
+
+def summarise(path: str) -> None:
+    """The JSON line from a progress file: per student, its evaluations so far (``final`` is the
+    last one made; ``complete`` says whether every student reached its last iteration)."""
+    lines = [json.loads(x) for x in open(path) if x.strip()]
+    head = next(x for x in lines if "teacher" in x)
+    report(head["teacher"], [x for x in lines if "iteration" in x], argparse.Namespace(**head["ns"]), None)
+
+
+def report(table: dict, evals: list[dict], ns, wall_s) -> None:
     student = {}
     for k in ns.steps:
-        rows = sorted(({"seed": r["seed"], **_pick(r["evals"])} for r in results if r["steps"] == k),
+        rows = sorted(({"seed": s, **_pick([e for e in evals if (e["steps"], e["seed"]) == (k, s)])}
+                       for s in ns.seeds if any((e["steps"], e["seed"]) == (k, s) for e in evals)),
                       key=lambda r: r["seed"])
-        student[str(k)] = {"best": _mean(rows, "best"), "final": _mean(rows, "final"), "per_seed": rows}
+        if rows:
+            student[str(k)] = {"best": _mean(rows, "best"), "final": _mean(rows, "final"), "per_seed": rows}
     out = {"teacher": table, "real": {m: round(v, 4) for m, v in av_evaluation.real_clip_stats(ns.num_samples).items()},
            "student": student, "targets": targets(table, student),
+           "complete": all(r["final"]["iteration"] == ns.iterations for v in student.values() for r in v["per_seed"])
+           and len(student) == len(ns.steps),
            "iterations": ns.iterations, "eval_every": ns.eval_every, "seeds": ns.seeds, "num_samples": ns.num_samples,
            "batch_size": ns.batch_size, "lr": ns.lr, "ema_decay": ns.ema or None, "update_ratio": ns.update_ratio,
            "modality_weights": {"video": ns.video_weight, "audio": ns.audio_weight},
-           "wall_s": round(time.perf_counter() - start, 1)}
+           "wall_s": None if wall_s is None else round(wall_s, 1)}
     print(json.dumps(out))
 
 

@@ -48,20 +48,22 @@ PROMPTS_FILE = "prompts.safetensors"
 TABLE_STEPS = (50, 8, 4, 1)
 
 
-def tiny_h3_config() -> dict:
-    """~0.3 M parameters: 3 blocks (plus a refiner) of width 64, two heads of 32."""
-    return dict(num_attention_heads=2, attention_head_dim=32, hidden_size=64, num_layers=3, num_refiner_layers=1,
-                ffn_dim=128, in_channels=sd.VIDEO_LATENT_SHAPE[0], audio_in_channels=sd.AUDIO_ROW, patch_size=(1, 2, 2),
-                text_dim=sd.prompt_set().embeds["prompt_embeds"].shape[-1], freq_dim=64, time_embed_hidden_dim=64,
-                time_embed_dim=32, rope_freq_dim=4)
+def tiny_h3_config(width: int = 64, layers: int = 3) -> dict:
+    """The default is ~0.3 M parameters: 3 blocks (plus a refiner) of width 64, two heads of 32."""
+    heads = 2
+    return dict(num_attention_heads=heads, attention_head_dim=width // heads, hidden_size=width, num_layers=layers,
+                num_refiner_layers=1, ffn_dim=2 * width, in_channels=sd.VIDEO_LATENT_SHAPE[0],
+                audio_in_channels=sd.AUDIO_ROW, patch_size=(1, 2, 2),
+                text_dim=sd.prompt_set().embeds["prompt_embeds"].shape[-1], freq_dim=64, time_embed_hidden_dim=width,
+                time_embed_dim=32, rope_freq_dim=width // heads // 8)
 
 
-def new_av_teacher_model(seed: int = 0) -> torch.nn.Module:
+def new_av_teacher_model(seed: int = 0, config: Optional[dict] = None) -> torch.nn.Module:
     from diffusers import MiniMaxH3Transformer3DModel
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return MiniMaxH3Transformer3DModel(**tiny_h3_config())
+        return MiniMaxH3Transformer3DModel(**(config or tiny_h3_config()))
 
 
 def bound_family(model: Optional[torch.nn.Module] = None) -> MiniMaxH3Family:
@@ -78,7 +80,7 @@ def draw_u(n: int, generator: torch.Generator) -> torch.Tensor:
 
 def train_av_teacher(save_url: Optional[str], seed: int = 0, num_steps: int = DEFAULT_STEPS,
                      batch_size: int = DEFAULT_BATCH_SIZE, lr: float = DEFAULT_LR,
-                     ema_decay: float = DEFAULT_EMA_DECAY, data_seed: int = 0,
+                     ema_decay: float = DEFAULT_EMA_DECAY, data_seed: int = 0, config: Optional[dict] = None,
                      log: Optional[Callable[[str], None]] = print, log_every: int = 250) -> dict:
     """Train (deterministic for a seed at a fixed thread count) and save the EMA weights at
     ``save_url`` (None: not saved). Returns {url, seed, steps, batch_size, lr, train_time_s,
@@ -86,7 +88,7 @@ def train_av_teacher(save_url: Optional[str], seed: int = 0, num_steps: int = DE
     clips = sd.make_clips("train", data_seed)
     x_train, y_train = sd.encode(clips.frames, clips.audio), clips.labels
     prompts = sd.prompt_set()
-    model = new_av_teacher_model(seed)
+    model = new_av_teacher_model(seed, config)
     family = bound_family(model)
     ema = copy.deepcopy(model).requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.01)

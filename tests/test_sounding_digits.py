@@ -70,7 +70,8 @@ def test_short_joint_distillation_improves_picture_and_sound(tmp_path):
 
     torch.manual_seed(0)
     url = str(tmp_path / "teacher")
-    av_teacher.train_av_teacher(url, num_steps=TEST_TEACHER_STEPS, log=None)
+    av_teacher.train_av_teacher(url, num_steps=TEST_TEACHER_STEPS, batch_size=16, log=None,
+                                config=av_teacher.tiny_h3_config(width=32, layers=2))
     args = load_args("minimax-h3", {
         "hf_checkpoint": url, "prompts": av_teacher.prompts_url(url), "save": str(tmp_path / "run"), "device": "cpu",
         "num_devices": 1, "dtype": "float32", "gradient_checkpointing": False, "sleep_after_train": False,
@@ -91,5 +92,5 @@ def test_short_joint_distillation_improves_picture_and_sound(tmp_path):
     assert np.isfinite(after["frame_fd"])
 
 
-TEST_TEACHER_STEPS = 150
+TEST_TEACHER_STEPS = 300
 TEST_ITERATIONS = 20
