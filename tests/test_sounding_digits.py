@@ -64,22 +64,35 @@ def test_patch_latents_are_lossless_and_laid_out_as_h3_expects():
     assert torch.allclose(audio_latents[1, 0, :, 2] * sd.AUDIO_SCALE, clips.audio[1, 0, 64:96])
 
 
-def test_short_joint_distillation_improves_picture_and_sound(tmp_path):
+@pytest.fixture(scope="module")
+def h3_teacher():
+    """The bench's teacher (``make av-teacher``) when this checkout has one, else the same recipe
+    trained into the test cache (minutes on 2 cores: a narrower or shorter teacher learns no
+    sound to keep, measured, so it would test nothing)."""
+    import os
+
+    from dmd2_core import evaluation
+
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "av-teacher")
+    url = os.environ.get("DMD2_AV_TEACHER") or (here if os.path.isdir(here) else str(evaluation.cache_dir() / "av-teacher"))
+    return av_teacher.ensure_av_teacher(url, log=None)
+
+
+def test_short_joint_distillation_improves_picture_and_keeps_sound(h3_teacher, tmp_path):
+    """Tens of iterations improve the 4-step student's frames. Its sound starts where the
+    teacher's 50-step sound is (audio's shift-3 schedule is kind to 4 steps: bench/quality_av.py),
+    so the check is that the joint update does not lose it."""
     from dmd2_core.args import load_args
     from dmd2_core.reference import ReferenceLoop
 
-    torch.manual_seed(0)
-    url = str(tmp_path / "teacher")
-    av_teacher.train_av_teacher(url, num_steps=TEST_TEACHER_STEPS, batch_size=16, log=None,
-                                config=av_teacher.tiny_h3_config(width=32, layers=2))
     args = load_args("minimax-h3", {
-        "hf_checkpoint": url, "prompts": av_teacher.prompts_url(url), "save": str(tmp_path / "run"), "device": "cpu",
-        "num_devices": 1, "dtype": "float32", "gradient_checkpointing": False, "sleep_after_train": False,
-        "num_frames": None, "height": None, "width": None, "latent_shape": sd.VIDEO_LATENT_SHAPE,
-        "global_batch_size": 8, "micro_batch_size": 8, "lr": 1e-4, "critic_lr": 1e-4, "ema_decay": None,
-        "dmd2_update_ratio": 2, "seed": 0})
+        "hf_checkpoint": h3_teacher, "prompts": av_teacher.prompts_url(h3_teacher), "save": str(tmp_path / "run"),
+        "device": "cpu", "num_devices": 1, "dtype": "float32", "gradient_checkpointing": False,
+        "sleep_after_train": False, "num_frames": None, "height": None, "width": None,
+        "latent_shape": sd.VIDEO_LATENT_SHAPE, "global_batch_size": 8, "micro_batch_size": 8, "lr": 1e-4,
+        "critic_lr": 1e-4, "ema_decay": None, "dmd2_update_ratio": 2, "seed": 0})
     loop = ReferenceLoop(args)
-    labels = av_evaluation.balanced_labels(100)
+    labels = av_evaluation.balanced_labels(200)
 
     def scores():
         return av_evaluation.evaluate_clips(loop.sample(labels.tolist(), 0), labels)
@@ -87,10 +100,8 @@ def test_short_joint_distillation_improves_picture_and_sound(tmp_path):
     before = scores()
     loop.run(TEST_ITERATIONS)
     after = scores()
-    assert after["frame_fd"] < before["frame_fd"], (before, after)
-    assert after["sound_acc"] > before["sound_acc"], (before, after)
-    assert np.isfinite(after["frame_fd"])
+    assert after["frame_fd"] < 0.9 * before["frame_fd"], (before, after)
+    assert after["sound_acc"] >= before["sound_acc"] - 0.05, (before, after)
 
 
-TEST_TEACHER_STEPS = 300
 TEST_ITERATIONS = 20
