@@ -56,7 +56,7 @@ def locate_digits(frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # ---- what the sound says ------------------------------------------------------------------------
 
 def spectrum(audio: torch.Tensor) -> torch.Tensor:
-    """log(1 + |STFT-free spectrum|) of a stereo clip [N, 2, S] -> [N, S // 2 + 1] (the two
+    """log(1 + magnitude spectrum) of a stereo clip [N, 2, S] -> [N, S // 2 + 1] (the two
     channels' magnitudes combined, so panning and phase do not change it)."""
     mag = torch.fft.rfft(audio.float(), dim=-1).abs()
     return torch.log1p(mag.pow(2).sum(1).sqrt())
