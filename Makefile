@@ -8,7 +8,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test install teacher bench serve clean
+.PHONY: demo test install teacher av-teacher bench bench-av serve clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ install: $(STAMP)
 
 teacher: $(STAMP)
 	$(PY) -m dmd2_core.teacher --save runs/teacher --reuse --table
+
+# the small MiniMax-H3 teacher of sounding digits (bench/quality_av.py), reused when present
+av-teacher: $(STAMP)
+	$(PY) -m dmd2_core.av_teacher --save runs/av-teacher --reuse --table
 
 demo: $(STAMP)
 	$(PY) -m flows.demo
@@ -36,6 +40,9 @@ bench: $(STAMP)
 	$(PY) bench/quality.py
 	$(PY) bench/overhead.py
 	$(PY) bench/orchestration.py
+
+bench-av: $(STAMP)
+	$(PY) bench/quality_av.py --progress runs/bench-quality-av.jsonl
 
 # A local Prefect server on 127.0.0.1:4200 (unless PREFECT_API_URL points at one) and the serve
 # process; then, in another shell: prefect deployment run dmd2/tiny --watch

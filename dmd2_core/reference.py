@@ -37,7 +37,8 @@ class ReferenceLoop:
         torch.set_num_threads(args.torch_threads)
         teacher = load_checkpoint(args.hf_checkpoint)
         self.args = args.model_copy(update={"dmd2_shift": args.dmd2_shift or teacher.shift})
-        self.family = teacher.family
+        # a joint model (MiniMax-H3) needs its clip geometry and its two schedules bound
+        self.family = teacher.family.bind(args.latent_shape, teacher.model, teacher.modality_shifts)
         self.teacher = teacher.model.requires_grad_(False).eval()
         self.student = load_checkpoint(args.hf_checkpoint).model
         self.critic = load_checkpoint(args.critic_hf_checkpoint or args.hf_checkpoint).model
@@ -72,7 +73,7 @@ class ReferenceLoop:
             sigma, noise = noisy or dmd2.noisy_inputs(args, iteration, stream, shape, everything)
             x_t = fm.add_noise(x0, noise, sigma)
             return dmd2.score(family, self.teacher, self.critic, x0, x_t, sigma, cond, uncond,
-                              args.dmd2_guidance_scale, v_fake=v_fake)
+                              args.dmd2_guidance_scale, v_fake=v_fake, weights=args.dmd2_modality_weights)
 
         scores = None
         last = args.dmd2_update_ratio - 1
@@ -81,7 +82,8 @@ class ReferenceLoop:
                 noisy = dmd2.noisy_inputs(args, iteration, dmd2.SCORING_STREAM, shape, everything)
                 if gen_weight is not None:  # g_gan at the scoring pass's own sigma and noise
                     out = gan.critic_forward(family, self.critic, self.disc, args.gan_feature_block, x0, noisy[1],
-                                             noisy[0], cond, gen_weight=gen_weight)
+                                             noisy[0], cond, gen_weight=gen_weight,
+                                             modality_weights=args.dmd2_modality_weights)
                     scores, gan_grad = scores_at(None, v_fake=out["v"], noisy=noisy), out["gan_grad"]
                 else:
                     scores = scores_at(None, noisy=noisy)
@@ -93,7 +95,8 @@ class ReferenceLoop:
                 real = (x_real, noise_real, cond_real)
             fuse = step == last and args.dmd2_critic_scoring == "fused"
             out = gan.critic_forward(family, self.critic, self.disc, args.gan_feature_block, x0, noise, sigma, cond,
-                                     real, args.gan_critic_weight, gen_weight if fuse else None)
+                                     real, args.gan_critic_weight, gen_weight if fuse else None,
+                                     args.dmd2_modality_weights)
             critic_loss = out["loss"]
             critic_loss.backward()
             if fuse:

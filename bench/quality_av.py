@@ -1,0 +1,203 @@
+"""Does joint DMD2 work? Distill the small MiniMax-H3 teacher of sounding digits
+(``dmd2_core.av_teacher``) into 4-step and 1-step students with the ``minimax-h3`` recipe at CPU
+sizes, through the reference loop (the trainers' DMD2 steps), and print one JSON line:
+
+  {"teacher": {"50": {frame_fd, frame_acc, sound_acc, agreement, ..}, "8": .., "4": .., "1": ..},
+   "real": {..}, "student": {"4": {"best": {..}, "final": {..}, "per_seed": [..]}, "1": ..},
+   "targets": {..}, "iterations": .., "wall_s": ..}
+
+Metrics: ``dmd2_core.av_evaluation`` (frames against the held-out digits, sound class, agreement
+of sound and picture, diversity), every sampler from the same eval noise; ``real`` is the train
+clips' own figures. Each student is evaluated every ``--eval-every`` iterations: ``best`` is the
+evaluation closest (frame FD) to the teacher's 50-step frames (never the test split), ``final``
+the last. Figures are means over the training seeds.
+
+CPU sizes (the recipe's other values kept: backward simulation, critic ratio 5, AdamW betas
+(0, 0.999), clip 10, fused scoring, no GAN): device cpu, float32, batch 8, learning rates 1e-4
+(the recipe's 2e-6 is the 33 B model's) and an EMA of 0.9 (the recipe's 0.99 averages over more
+iterations than a CPU run has).
+
+    python bench/quality_av.py [--iterations 40] [--seeds 0 1] [--workers 2] [--teacher runs/av-teacher]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from dmd2_core import av_evaluation, av_teacher, evaluation  # noqa: E402
+from dmd2_core import sounding_digits as sd  # noqa: E402
+from dmd2_core.args import load_args  # noqa: E402
+from dmd2_core.models import load_checkpoint  # noqa: E402
+from dmd2_core.reference import ReferenceLoop  # noqa: E402
+
+TEACHER_STEPS = (50, 8, 4, 1)
+METRICS = av_evaluation.METRICS
+
+
+def frame_features(samples: torch.Tensor):
+    frames, _ = sd.decode(samples)
+    _, crops = av_evaluation.locate_digits(frames)
+    return evaluation.features(crops.reshape(-1, 1, sd.DIGIT, sd.DIGIT))
+
+
+def cpu_overrides(teacher: str, steps: int, seed: int, ns) -> dict:
+    return {"hf_checkpoint": teacher, "prompts": av_teacher.prompts_url(teacher), "save": "runs/bench-quality-av",
+            "device": "cpu", "num_devices": 1, "dtype": "float32", "gradient_checkpointing": False,
+            "sleep_after_train": False, "num_frames": None, "height": None, "width": None,
+            "latent_shape": sd.VIDEO_LATENT_SHAPE, "global_batch_size": ns.batch_size,
+            "micro_batch_size": ns.batch_size, "lr": ns.lr, "critic_lr": ns.lr, "ema_decay": ns.ema or None,
+            "dmd2_update_ratio": ns.update_ratio, "dmd2_student_steps": steps, "seed": seed, "torch_threads": 1,
+            **({"dmd2_modality_weights": {"video": ns.video_weight, "audio": ns.audio_weight}}
+               if (ns.video_weight, ns.audio_weight) != (1.0, 1.0) else {})}
+
+
+def distill(job: dict) -> dict:
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    loop = ReferenceLoop(load_args("minimax-h3", job["overrides"]))
+    labels = av_evaluation.balanced_labels(job["num_samples"])
+    evals = []
+
+    def evaluate(iteration):
+        samples = loop.sample(labels.tolist(), job["eval_seed"])
+        selection = evaluation.frechet_distance(frame_features(samples), job["target"])
+        line = {"steps": job["steps"], "seed": job["seed"], "iteration": iteration, "selection_fd": selection,
+                **av_evaluation.evaluate_clips(samples, labels)}
+        evals.append(line)
+        _log(job, line)
+
+    evaluate(0)
+    for i in range(1, job["iterations"] + 1):
+        loop.iterate(i)
+        if i % job["eval_every"] == 0 or i == job["iterations"]:
+            evaluate(i)
+    return {"steps": job["steps"], "seed": job["seed"], "evals": evals, "wall_s": time.perf_counter() - start}
+
+
+def _log(job: dict, line: dict) -> None:
+    if job.get("progress"):
+        with open(job["progress"], "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def _pick(evals: list[dict]) -> dict:
+    best = min(evals, key=lambda e: e["selection_fd"])
+    final = max(evals, key=lambda e: e["iteration"])
+    keep = (*METRICS, "iteration", "selection_fd")
+    return {"best": {k: best[k] for k in keep}, "final": {k: final[k] for k in keep},
+            "history": [(e["iteration"], round(e["frame_fd"], 3), round(e["sound_acc"], 3), round(e["agreement"], 3))
+                        for e in sorted(evals, key=lambda e: e["iteration"])]}
+
+
+def _mean(rows: list[dict], key: str) -> dict:
+    out = {m: round(sum(r[key][m] for r in rows) / len(rows), 4) for m in METRICS}
+    out["iteration"] = [r[key]["iteration"] for r in rows]
+    return out
+
+
+def targets(teacher: dict, student: dict) -> dict:
+    t50, t8, t4 = teacher["50"], teacher["8"], teacher["4"]
+    out = {}
+    if "4" in student:
+        s4 = student["4"]["final"]
+        out.update({
+            "s4_frame_fd_at_or_below_teacher_8": s4["frame_fd"] <= t8["frame_fd"],
+            "s4_frame_fd_within_1.25x_teacher_50": s4["frame_fd"] <= 1.25 * t50["frame_fd"],
+            "s4_sound_acc_within_3pt_teacher_50": s4["sound_acc"] >= t50["sound_acc"] - 0.03,
+            "s4_agreement_within_3pt_teacher_50": s4["agreement"] >= t50["agreement"] - 0.03,
+            "s4_final_within_15pct_of_best": s4["frame_fd"] <= 1.15 * student["4"]["best"]["frame_fd"]})
+    if "1" in student:
+        s1 = student["1"]["final"]
+        out.update({
+            "s1_frame_fd_below_teacher_4": s1["frame_fd"] < t4["frame_fd"],
+            "s1_agreement_at_least_teacher_4": s1["agreement"] >= t4["agreement"],
+            "s1_final_within_15pct_of_best": s1["frame_fd"] <= 1.15 * student["1"]["best"]["frame_fd"]})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--teacher", default="runs/av-teacher")
+    parser.add_argument("--iterations", type=int, default=40)
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--num-samples", type=int, default=200)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--eval-seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, nargs="+", default=[4, 1])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--ema", type=float, default=0.9, help="EMA decay of the students (0: none)")
+    parser.add_argument("--update-ratio", type=int, default=5, help="critic steps per student step (the recipe's 5)")
+    parser.add_argument("--video-weight", type=float, default=1.0)
+    parser.add_argument("--audio-weight", type=float, default=1.0)
+    parser.add_argument("--progress", default=None, help="append every evaluation to this JSONL file")
+    parser.add_argument("--summarise", default=None, help="print the JSON line from a progress file (a run cut short)")
+    ns = parser.parse_args()
+    if ns.summarise:
+        return summarise(ns.summarise)
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    teacher = av_teacher.ensure_av_teacher(ns.teacher, log=lambda m: print(m, file=sys.stderr))
+    loaded = load_checkpoint(teacher)
+    family = av_teacher.bound_family(loaded.model)
+    labels = av_evaluation.balanced_labels(ns.num_samples)
+    table, target = {}, None
+    for k in TEACHER_STEPS:
+        samples = av_teacher.sample_clips(family, loaded.model.eval(), labels, k, ns.eval_seed)
+        table[str(k)] = {m: round(v, 4) for m, v in av_evaluation.evaluate_clips(samples, labels).items()}
+        if k == 50:
+            target = frame_features(samples)
+    print(f"teacher table: {json.dumps(table)} ({time.perf_counter() - start:.0f}s)", file=sys.stderr)
+    if ns.progress:
+        _log({"progress": ns.progress}, {"teacher": table, "ns": vars(ns)})
+    jobs = [{"steps": k, "seed": s, "iterations": ns.iterations, "eval_every": ns.eval_every,
+             "num_samples": ns.num_samples, "eval_seed": ns.eval_seed, "target": target, "progress": ns.progress,
+             "overrides": cpu_overrides(teacher, k, s, ns)} for k in ns.steps for s in ns.seeds]
+    with mp.get_context("spawn").Pool(ns.workers) as pool:
+        results = []
+        for r in pool.imap_unordered(distill, jobs):
+            results.append(r)
+            print(f"done: {r['steps']}-step seed {r['seed']} in {r['wall_s']:.0f}s ({len(results)}/{len(jobs)})",
+                  file=sys.stderr)
+    report(table, [e for r in results for e in r["evals"]], ns, time.perf_counter() - start)
+
+
+def summarise(path: str) -> None:
+    """The JSON line from a progress file: per student, its evaluations so far (``final`` is the
+    last one made; ``complete`` says whether every student reached its last iteration)."""
+    lines = [json.loads(x) for x in open(path) if x.strip()]
+    head = next(x for x in lines if "teacher" in x)
+    report(head["teacher"], [x for x in lines if "iteration" in x], argparse.Namespace(**head["ns"]), None)
+
+
+def report(table: dict, evals: list[dict], ns, wall_s) -> None:
+    student = {}
+    for k in ns.steps:
+        rows = sorted(({"seed": s, **_pick([e for e in evals if (e["steps"], e["seed"]) == (k, s)])}
+                       for s in ns.seeds if any((e["steps"], e["seed"]) == (k, s) for e in evals)),
+                      key=lambda r: r["seed"])
+        if rows:
+            student[str(k)] = {"best": _mean(rows, "best"), "final": _mean(rows, "final"), "per_seed": rows}
+    out = {"teacher": table, "real": {m: round(v, 4) for m, v in av_evaluation.real_clip_stats(ns.num_samples).items()},
+           "student": student, "targets": targets(table, student),
+           "complete": all(r["final"]["iteration"] == ns.iterations for v in student.values() for r in v["per_seed"])
+           and len(student) == len(ns.steps),
+           "iterations": ns.iterations, "eval_every": ns.eval_every, "seeds": ns.seeds, "num_samples": ns.num_samples,
+           "batch_size": ns.batch_size, "lr": ns.lr, "ema_decay": ns.ema or None, "update_ratio": ns.update_ratio,
+           "modality_weights": {"video": ns.video_weight, "audio": ns.audio_weight},
+           "wall_s": None if wall_s is None else round(wall_s, 1)}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

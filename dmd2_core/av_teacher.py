@@ -1,0 +1,210 @@
+"""Pretrain a small MiniMax-H3 teacher (``MiniMaxH3Transformer3DModel``) on sounding digits.
+
+    python -m dmd2_core.av_teacher --save runs/av-teacher [--steps N] [--seed S] [--reuse] [--table]
+
+The model is the flagship's class at a CPU size, in its packed layout (video patches, stereo audio
+rows and text tokens in one sequence) and with both schedules: through ``MiniMaxH3Family`` the
+project's sigma is the shared schedule position u, video sits at shift(u, 12) and audio at
+shift(u, 3), and the family maps the model's data-ward velocity to the project's ``eps - x0``, so
+the teacher is trained in exactly the convention distillation uses. Loss: each modality's own
+flow-matching mse, averaged (``losses.flow_matching_loss`` with the family's segments).
+
+One forward holds one u (the family's layout rule), so a batch is split into ``U_GROUPS`` groups,
+each at its own u. Half the u are uniform (the sampling grid visits u uniformly); the other half
+put the *video* sigma logit-normal, since shift 12 leaves the video nearly pure noise for most u
+and its fine detail is made at small u. Labels are never dropped: the teacher is
+guidance-distilled (one forward per step), as MiniMax-H3 is.
+
+Saved as a diffusers directory: transformer/, scheduler/ (shift 12), audio_scheduler/ (shift 3),
+model_index.json, and the conditions of the ten digits in ``prompts.safetensors`` beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from dmd2_core import dmd2, storage
+from dmd2_core import sounding_digits as sd
+from dmd2_core.losses import flow_matching_loss
+from dmd2_core.models import CheckpointError, describe_checkpoint, load_checkpoint, save_checkpoint
+from dmd2_core.models.minimax_h3 import AUDIO_SHIFT, VIDEO_SHIFT, MiniMaxH3Family
+from dmd2_core.teacher import _ema_update, _lr_factor, logit_normal_sigmas
+
+DEFAULT_STEPS = 700
+DEFAULT_BATCH_SIZE = 32
+U_GROUPS = 2
+DEFAULT_LR = 1e-3
+DEFAULT_EMA_DECAY = 0.999
+PROMPTS_FILE = "prompts.safetensors"
+TABLE_STEPS = (50, 8, 4, 1)
+
+
+def tiny_h3_config(width: int = 64, layers: int = 3) -> dict:
+    """The default is ~0.3 M parameters: 3 blocks (plus a refiner) of width 64, two heads of 32."""
+    heads = 2
+    return dict(num_attention_heads=heads, attention_head_dim=width // heads, hidden_size=width, num_layers=layers,
+                num_refiner_layers=1, ffn_dim=2 * width, in_channels=sd.VIDEO_LATENT_SHAPE[0],
+                audio_in_channels=sd.AUDIO_ROW, patch_size=(1, 2, 2),
+                text_dim=sd.prompt_set().embeds["prompt_embeds"].shape[-1], freq_dim=64, time_embed_hidden_dim=width,
+                time_embed_dim=32, rope_freq_dim=width // heads // 8)
+
+
+def new_av_teacher_model(seed: int = 0, config: Optional[dict] = None) -> torch.nn.Module:
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return MiniMaxH3Transformer3DModel(**(config or tiny_h3_config()))
+
+
+def bound_family(model: Optional[torch.nn.Module] = None) -> MiniMaxH3Family:
+    return MiniMaxH3Family().bind(sd.VIDEO_LATENT_SHAPE, model, (VIDEO_SHIFT, AUDIO_SHIFT))
+
+
+def draw_u(n: int, generator: torch.Generator) -> torch.Tensor:
+    """Half uniform u, half u whose video sigma shift(u, 12) is logit-normal (see the module doc)."""
+    uniform = torch.rand(n, generator=generator)
+    video_sigma = logit_normal_sigmas(n, generator)
+    from_video = video_sigma / (VIDEO_SHIFT - (VIDEO_SHIFT - 1) * video_sigma)  # the inverse shift
+    return torch.where(torch.rand(n, generator=generator) < 0.5, uniform, from_video)
+
+
+def train_av_teacher(save_url: Optional[str], seed: int = 0, num_steps: int = DEFAULT_STEPS,
+                     batch_size: int = DEFAULT_BATCH_SIZE, lr: float = DEFAULT_LR,
+                     ema_decay: float = DEFAULT_EMA_DECAY, data_seed: int = 0, config: Optional[dict] = None,
+                     log: Optional[Callable[[str], None]] = print, log_every: int = 250) -> dict:
+    """Train (deterministic for a seed at a fixed thread count) and save the EMA weights at
+    ``save_url`` (None: not saved). Returns {url, seed, steps, batch_size, lr, train_time_s,
+    final_loss, num_params, model}."""
+    clips = sd.make_clips("train", data_seed)
+    x_train, y_train = sd.encode(clips.frames, clips.audio), clips.labels
+    prompts = sd.prompt_set()
+    model = new_av_teacher_model(seed, config)
+    family = bound_family(model)
+    ema = copy.deepcopy(model).requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: _lr_factor(step, num_steps))
+    g = torch.Generator().manual_seed(seed)
+    per_group = batch_size // U_GROUPS
+    losses: list[float] = []
+    start = time.perf_counter()
+    model.train()
+    for step in range(num_steps):
+        idx = torch.randint(0, len(x_train), (per_group * U_GROUPS,), generator=g)
+        x0, cond = x_train[idx], prompts.cond(y_train[idx])
+        noise = torch.randn(x0.shape, generator=g)
+        u = draw_u(U_GROUPS, g).repeat_interleave(per_group)
+        v = family.predict_velocity(model, family.add_noise(x0, noise, u), u, cond)
+        loss = flow_matching_loss(v, noise, x0, family.segments)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        _ema_update(ema, model, min(ema_decay, (1 + step) / (10 + step)))
+        losses.append(loss.item())
+        if log and ((step + 1) % log_every == 0 or step + 1 == num_steps):
+            recent = losses[-log_every:]
+            log(f"av teacher step {step + 1}/{num_steps} loss {sum(recent) / len(recent):.4f} "
+                f"({time.perf_counter() - start:.0f}s)")
+    train_time = time.perf_counter() - start
+    ema.eval()
+    if save_url is not None:
+        save_av_teacher(ema, save_url)
+        if log:
+            log(f"av teacher saved to {save_url}")
+    tail = losses[-100:]
+    return {"url": save_url, "seed": seed, "steps": num_steps, "batch_size": batch_size, "lr": lr,
+            "train_time_s": round(train_time, 2), "final_loss": sum(tail) / len(tail),
+            "num_params": sum(p.numel() for p in ema.parameters()), "model": ema}
+
+
+def save_av_teacher(model: torch.nn.Module, url: str) -> None:
+    from diffusers import MiniMaxH3Scheduler
+
+    save_checkpoint(model, url, shift=VIDEO_SHIFT)
+    with tempfile.TemporaryDirectory() as tmp:
+        MiniMaxH3Scheduler(shift=AUDIO_SHIFT).save_pretrained(tmp)
+        storage.write_bytes(storage.join(url, "audio_scheduler", "scheduler_config.json"),
+                            (Path(tmp) / "scheduler_config.json").read_bytes())
+    sd.prompt_set().save(prompts_url(url))
+
+
+def prompts_url(teacher_url: str) -> str:
+    return storage.join(teacher_url, PROMPTS_FILE)
+
+
+def ensure_av_teacher(url: str, seed: int = 0, log: Optional[Callable[[str], None]] = print, **train_kwargs) -> str:
+    """``url`` when it already holds a readable teacher (with its prompt set), else one trained there."""
+    try:
+        describe_checkpoint(url)
+        if storage.exists(prompts_url(url)):
+            if log:
+                log(f"reusing av teacher at {url}")
+            return url
+    except CheckpointError:
+        pass
+    train_av_teacher(url, seed=seed, log=log, **train_kwargs)
+    return url
+
+
+@torch.no_grad()
+def sample_clips(family, model, labels: torch.Tensor, num_steps: int, seed: int) -> torch.Tensor:
+    """K Euler steps on MiniMax-H3's grid u = 1, (K-1)/K, .., 1/K, 0 from the pipeline's noise of
+    ``seed`` (sample j from seed + j): for a teacher, its K-step samples; for a student, its own."""
+    cond = sd.prompt_set().cond(labels)
+    return dmd2.eval_samples(family, model, cond, (len(labels), sd.SAMPLE_SIZE), seed, num_steps, 1.0)
+
+
+def av_teacher_table(url: str, steps=TABLE_STEPS, num_samples: int = 500, seed: int = 0) -> dict:
+    from dmd2_core import av_evaluation
+
+    loaded = load_checkpoint(url)
+    family = bound_family(loaded.model)
+    labels = av_evaluation.balanced_labels(num_samples)
+    return {str(k): av_evaluation.evaluate_clips(sample_clips(family, loaded.model.eval(), labels, k, seed), labels)
+            for k in steps}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dmd2_core.av_teacher", description=__doc__.splitlines()[0])
+    parser.add_argument("--save", required=True, help="Storage URL of the teacher (path, file:// or s3://).")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
+    parser.add_argument("--lr", type=float, default=DEFAULT_LR)
+    parser.add_argument("--reuse", action="store_true", help="Reuse a teacher already at --save.")
+    parser.add_argument("--table", action="store_true", help="Print the quality table at 50/8/4/1 steps.")
+    parser.add_argument("--num-samples", type=int, default=500)
+    parser.add_argument("--eval-seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    ns = parser.parse_args(argv)
+    torch.set_num_threads(ns.threads)
+    result: dict = {"url": ns.save, "reused": False}
+    if ns.reuse:
+        try:
+            describe_checkpoint(ns.save)
+            result["reused"] = storage.exists(prompts_url(ns.save))
+        except CheckpointError:
+            pass
+    if not result["reused"]:
+        info = train_av_teacher(ns.save, seed=ns.seed, num_steps=ns.steps, batch_size=ns.batch_size, lr=ns.lr)
+        info.pop("model")
+        result.update(info)
+    if ns.table:
+        result["table"] = av_teacher_table(ns.save, num_samples=ns.num_samples, seed=ns.eval_seed)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

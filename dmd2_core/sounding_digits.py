@@ -1,0 +1,125 @@
+"""Sounding digits: short clips in which a handwritten digit slides across the frame, with a stereo
+soundtrack whose tone is set by the digit and whose left/right balance follows the digit.
+
+A clip is ``FRAMES`` frames of ``HEIGHT`` x ``WIDTH`` pixels in [-1, 1] (background -1) and
+``AUDIO_SAMPLES`` samples per stereo channel in [-1, 1]. Each clip is built from one 8x8 digit of
+the digits split the image teacher uses (train clips from train digits, held-out clips from the
+test digits), so the frames can be scored against the held-out digits. From the seed and the
+clip's index: the start column and the direction (left-to-right or right-to-left,
+``SPEED`` pixels per frame) and the tone's phase. The tone has ``tone_cycles(label)`` cycles per
+clip, panned with a constant-power law by the digit's column (left at column 0, right at
+``WIDTH - 8``), linearly between frame centres.
+
+Latents are patches of pixels and samples (a lossless "VAE", so decoding gives real frames and
+waveforms): the video latents [1, FRAMES, HEIGHT, WIDTH] are the frames; the audio latents
+[2, 32, 8] hold, per channel, 8 rows of 32 consecutive samples scaled by ``1 / AUDIO_SCALE``
+(row l, channel k = sample 32 l + k), which is MiniMax-H3's audio shape for a clip of 2-6 latent
+frames (``minimax_h3.audio_latents``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dmd2_core.data import DIGITS_EMBED_DIM, DIGITS_TOKENS, PromptSet, digits_prompt_set, digits_tensors
+
+FRAMES, HEIGHT, WIDTH = 4, 8, 16
+DIGIT = 8
+SPEED = 2  # pixels per frame
+AUDIO_SAMPLES = 256  # per channel
+AUDIO_ROWS, AUDIO_ROW = 8, 32  # MiniMax-H3's audio latents: 32 channels per row
+AUDIO_SCALE = 0.5  # waveform = AUDIO_SCALE * latent: the tone's latents have unit-order spread
+TONE_AMPLITUDE = 0.8
+VIDEO_LATENT_SHAPE = [1, FRAMES, HEIGHT, WIDTH]
+SAMPLE_SIZE = FRAMES * HEIGHT * WIDTH + 2 * AUDIO_ROWS * AUDIO_ROW
+MAX_COLUMN = WIDTH - DIGIT
+
+
+def tone_cycles(label: int) -> int:
+    """Cycles of the class's tone per clip: 8, 12, .., 44 (periods of 32 down to ~6 samples)."""
+    return 8 + 4 * int(label)
+
+
+@dataclass
+class Clips:
+    frames: torch.Tensor  # [N, FRAMES, HEIGHT, WIDTH]
+    audio: torch.Tensor  # [N, 2, AUDIO_SAMPLES]
+    labels: torch.Tensor  # [N]
+    columns: torch.Tensor  # [N, FRAMES] the digit's left column in each frame
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+def _frame_centres() -> np.ndarray:
+    per_frame = AUDIO_SAMPLES / FRAMES
+    return per_frame * (np.arange(FRAMES) + 0.5)
+
+
+def pan_gains(columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Constant-power (left, right) gains per sample [N, AUDIO_SAMPLES] of clips whose digit is at
+    ``columns`` [N, FRAMES]."""
+    pan = np.stack([np.interp(np.arange(AUDIO_SAMPLES), _frame_centres(), c / MAX_COLUMN) for c in columns])
+    return np.cos(pan * math.pi / 2), np.sin(pan * math.pi / 2)
+
+
+def make_clips(split: str = "train", seed: int = 0) -> Clips:
+    """One clip per digit of ``split`` ('train' or 'test'), deterministic from ``seed``."""
+    digits, labels = digits_tensors(split)
+    n = len(labels)
+    g = np.random.default_rng([seed, 0 if split == "train" else 1])
+    rightward = g.random(n) < 0.5
+    span = SPEED * (FRAMES - 1)
+    start = g.integers(0, MAX_COLUMN - span + 1, size=n)
+    start = np.where(rightward, start, MAX_COLUMN - start)
+    steps = np.arange(FRAMES) * SPEED
+    columns = np.where(rightward[:, None], start[:, None] + steps, start[:, None] - steps)
+    phase = g.random(n) * 2 * math.pi
+
+    frames = np.full((n, FRAMES, HEIGHT, WIDTH), -1.0, dtype=np.float32)
+    images = digits[:, 0].numpy()
+    for i in range(n):
+        for f in range(FRAMES):
+            c = columns[i, f]
+            frames[i, f, :, c:c + DIGIT] = images[i]
+    t = np.arange(AUDIO_SAMPLES) / AUDIO_SAMPLES
+    cycles = np.array([tone_cycles(y) for y in labels.tolist()])
+    tone = TONE_AMPLITUDE * np.sin(2 * math.pi * cycles[:, None] * t[None] + phase[:, None])
+    left, right = pan_gains(columns)
+    audio = np.stack([tone * left, tone * right], axis=1).astype(np.float32)
+    return Clips(torch.from_numpy(frames), torch.from_numpy(audio), labels.clone(), torch.from_numpy(columns))
+
+
+# ---- latents: patches of pixels and samples ------------------------------------------------------
+
+def encode(frames: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
+    """Frames [N, FRAMES, H, W] and stereo audio [N, 2, S] -> flat H3 samples [N, D] (video latents
+    [1, F, H, W], then audio latents [2, 32, 8])."""
+    n = frames.shape[0]
+    audio_latents = (audio / AUDIO_SCALE).reshape(n, 2, AUDIO_ROWS, AUDIO_ROW).permute(0, 1, 3, 2)
+    return torch.cat([frames.reshape(n, -1), audio_latents.reshape(n, -1)], dim=1).float()
+
+
+def decode(samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of ``encode``, clamped to what would be saved: frames [N, F, H, W] and audio
+    [N, 2, S], both in [-1, 1]."""
+    n = samples.shape[0]
+    video_size = FRAMES * HEIGHT * WIDTH
+    frames = samples[:, :video_size].reshape(n, FRAMES, HEIGHT, WIDTH)
+    audio = samples[:, video_size:].reshape(n, 2, AUDIO_ROW, AUDIO_ROWS).permute(0, 1, 3, 2).reshape(n, 2, -1)
+    return frames.float().clamp(-1, 1), (AUDIO_SCALE * audio.float()).clamp(-1, 1)
+
+
+def prompt_set() -> PromptSet:
+    """The digits prompts (the image teacher's embeddings, ``DIGITS_TOKENS`` tokens each) as
+    MiniMax-H3 conditions: ``prompt_embeds`` and ``prompt_lengths``, no negative entry (the
+    teacher is trained without label dropout: guidance-distilled, as the family expects)."""
+    digits = digits_prompt_set()
+    embeds = digits.embeds["prompt_embeds"]
+    assert embeds.shape[1:] == (DIGITS_TOKENS, DIGITS_EMBED_DIM)
+    return PromptSet(prompts=[f"a sounding handwritten digit {d}" for d in range(10)],
+                     embeds={"prompt_embeds": embeds, "prompt_lengths": torch.full((10,), DIGITS_TOKENS)}, negative={})
