@@ -133,11 +133,17 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, compute_dtype: torch.d
     """Cast, checkpoint and shard ``model`` in place (blocks first, then the root), or leave it a
     plain module where ``needs_fsdp`` finds nothing to do. ``keep_fp32``: the model's
     ``_keep_in_fp32_modules`` are stored and computed in fp32 (their own FSDP units), and the root
-    leaves its inputs' dtypes alone (such a model casts them itself; position tables stay fp64)."""
+    leaves its inputs' dtypes alone (such a model casts them itself; position tables stay fp64).
+    A trainable model's frozen parameters (a LoRA's base, see dmd2_core.lora) are stored in the
+    compute dtype, its trained ones (the adapters) in fp32, in the same FSDP units."""
     dtype = MASTER_DTYPE if trainable else compute_dtype
     fp32 = fp32_modules(model) if keep_fp32 else []
-    if any(p.dtype != dtype for p in model.parameters()):
+    frozen = [p for p in model.parameters() if not p.requires_grad] if trainable else []  # a LoRA's base
+    if any(p.dtype != dtype for p in model.parameters()) or frozen:
         model.to(dtype)
+        with torch.no_grad():
+            for param in frozen:
+                param.data = param.data.to(compute_dtype)
         for module in fp32:
             module.to(MASTER_DTYPE)
     for module in model.modules():  # own every buffer (loading may leave them on fixed-size mmaps)

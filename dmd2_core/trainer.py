@@ -17,7 +17,7 @@ from typing import Optional, Union
 
 import torch
 
-from dmd2_core import checkpoint, context_parallel, dmd2, gan, parallel
+from dmd2_core import checkpoint, context_parallel, dmd2, gan, lora, parallel
 from dmd2_core.actor import Actor
 from dmd2_core.args import Args
 from dmd2_core.critic import SCORED, Critic
@@ -54,12 +54,12 @@ class Trainer:
         self.hook = train_input_hook(args.train_input_hook_path)
         # models load on the host; sharding moves each rank's shards to the device
         loaded = load_checkpoint(args.hf_checkpoint, "cpu", parallel.MASTER_DTYPE)
-        self.model = loaded.model
+        self.model = lora.attach(loaded.model, args)  # rank 0: full fine-tuning, nothing attached
         self.family = loaded.family.bind(args.latent_shape, loaded.model, loaded.modality_shifts)
         self.shift = args.dmd2_shift or loaded.shift
         self.args = args.model_copy(update={"dmd2_shift": self.shift})
         self.teacher = None
-        if args.loss_type == SCORED:
+        if args.loss_type == SCORED and not lora.shares_base(args):  # else the real score is self.model, adapter off
             self.teacher = load_checkpoint(args.teacher_checkpoint or args.hf_checkpoint, "cpu", self.dtype).model
         self.real = self.disc = self.disc_optimizer = None  # the GAN head: critic only, its own optimizer
         if args.loss_type == SCORED and args.gan_critic_weight:
@@ -109,11 +109,11 @@ class Trainer:
             if module is not None:
                 context_parallel.enable(module, self.mesh, args.cp_size, self.device, trainable, self.family)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+            lora.trained_parameters(self.model), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
             weight_decay=args.weight_decay, foreach=True,  # one dispatch per op over all shards
         )
         if args.ema_decay:
-            self.ema = [p.detach().clone() for p in self.model.parameters()]
+            self.ema = [p.detach().clone() for p in lora.trained_parameters(self.model)]
         self.checkpoint_pg = checkpoint.checkpoint_group()
         self.update = ModelUpdate(self.model, self.optimizer, self.ema, args.ema_decay, args.clip_grad, self.nonfinite,
                                   self.world_size, self.device)
@@ -121,7 +121,8 @@ class Trainer:
             self.learner = Actor(self.family, self.model, self.update, self._cond, self.local_batch, args.micro_batch_size)
         else:
             self.learner = Critic(args, self.role, self.family, self.model, self.update, self._cond, self._uncond,
-                                  self.rows, self.device, self.world_size, teacher=self.teacher, disc=self.disc,
+                                  self.rows, self.device, self.world_size, disc=self.disc,
+                                  teacher=self.teacher if self.teacher is not None else lora.RealScore(self.model),
                                   disc_optimizer=self.disc_optimizer, real=self.real)
 
     def _reshard(self) -> None:
@@ -217,7 +218,7 @@ class Trainer:
             yield
             return
         self._reshard()
-        pairs = [(parallel.local(p), parallel.local(e)) for p, e in zip(self.model.parameters(), self.ema)]
+        pairs = [(parallel.local(p), parallel.local(e)) for p, e in zip(lora.trained_parameters(self.model), self.ema)]
         _swap(pairs)
         try:
             yield
