@@ -143,10 +143,10 @@ def adapter_metadata(args: Args) -> dict:
             "lora_dropout": 0.0, "bias": "none", "use_dora": False}
 
 
-def merged_state(state: dict[str, torch.Tensor], args: Args, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
-    """A whole LoRA state merged into plain diffusers names: W + (alpha / r) B A for every adapted
-    layer (in fp32, then ``dtype``), the base's other tensors as they are."""
-    scale = (args.lora_alpha or args.lora_rank) / args.lora_rank
+def merged_state(state: dict[str, torch.Tensor], metadata: dict, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+    """A whole LoRA state (peft names) merged into plain diffusers names: W + (alpha / r) B A for
+    every adapted layer (in fp32, then ``dtype``), the base's other tensors as they are."""
+    scale = metadata["lora_alpha"] / metadata["r"]
     out = {}
     for name, value in state.items():
         if is_adapter(name):
@@ -159,3 +159,19 @@ def merged_state(state: dict[str, torch.Tensor], args: Args, dtype: Optional[tor
             name = f"{prefix}.{leaf}"
         out[name] = value if dtype is None or not value.is_floating_point() else value.to(dtype)
     return out
+
+
+# the class whose ``save_lora_weights`` / ``load_lora_weights`` a family's LoRA goes through
+LORA_LOADERS = {"StableDiffusion3Pipeline": "StableDiffusion3Pipeline", "WanPipeline": "WanPipeline",
+                "MiniMaxH3ModularPipeline": "MiniMaxH3LoraLoaderMixin"}
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+
+
+def lora_loader(family):
+    import diffusers
+    import diffusers.loaders
+
+    name = LORA_LOADERS.get(family.pipeline_class)
+    if name is None:
+        raise ValueError(f"lora_rank: no diffusers LoRA loader known for {family.pipeline_class}")
+    return getattr(diffusers, name, None) or getattr(diffusers.loaders, name)

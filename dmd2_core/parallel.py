@@ -138,14 +138,12 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, compute_dtype: torch.d
     compute dtype, its trained ones (the adapters) in fp32, in the same FSDP units."""
     dtype = MASTER_DTYPE if trainable else compute_dtype
     fp32 = fp32_modules(model) if keep_fp32 else []
-    frozen = [p for p in model.parameters() if not p.requires_grad] if trainable else []  # a LoRA's base
-    if any(p.dtype != dtype for p in model.parameters()) or frozen:
+    if any(p.dtype != dtype for p in model.parameters()):
         model.to(dtype)
-        with torch.no_grad():
-            for param in frozen:
-                param.data = param.data.to(compute_dtype)
         for module in fp32:
             module.to(MASTER_DTYPE)
+    if trainable and any(not p.requires_grad for p in model.parameters()):
+        _frozen_base_to(model, compute_dtype, fp32)
     for module in model.modules():  # own every buffer (loading may leave them on fixed-size mmaps)
         for name, buf in module._buffers.items():
             if buf is not None:
@@ -177,6 +175,20 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, compute_dtype: torch.d
     if not trainable:
         model.requires_grad_(False).eval()
     return model
+
+
+def _frozen_base_to(model: torch.nn.Module, compute_dtype: torch.dtype, fp32: list[torch.nn.Module]) -> None:
+    """A trainable model's frozen base (a LoRA's, dmd2_core.lora) is stored as the frozen teacher
+    is: its parameters and fp32 buffers in the compute dtype, the ``keep_fp32`` modules in fp32."""
+    in_fp32 = {id(t) for module in fp32 for t in (*module.parameters(), *module.buffers())}
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.requires_grad and id(param) not in in_fp32 and param.dtype != compute_dtype:
+                param.data = param.data.to(compute_dtype)
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.dtype == MASTER_DTYPE and id(buf) not in in_fp32:
+                    module._buffers[name] = buf.to(compute_dtype)
 
 
 def reshard(model: torch.nn.Module) -> None:

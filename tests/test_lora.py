@@ -1,0 +1,205 @@
+"""LoRA students and fake scores (dmd2_core.lora): only the adapters train, over a frozen base in
+the compute dtype; the critic group holds one base whose adapter-off forward is the teacher's,
+bit for bit; sharded ranks equal one rank; checkpoints hold the adapters and resume bitwise; the
+export is a diffusers LoRA that reproduces the eval samples, or merged, a full student."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from pathlib import Path
+
+import pytest
+import torch
+
+from dmd2_core import checkpoint as ckpt
+from dmd2_core import dmd2, lora, parallel
+from dmd2_core.args import ArgsError
+from dmd2_core.distill import DistillRun, preflight
+from dmd2_core.trainer import Trainer
+from tests.conftest import tiny_args
+
+LORA = dict(lora_rank=4, lora_alpha=8.0, lr=1e-3, critic_lr=1e-3)
+
+
+def _in_process(args):
+    return {role: Trainer(a, role) for role, a in preflight(args).items()}
+
+
+def _iterate(trainers, iteration):
+    pairs, _ = trainers["actor"].rollout(iteration)
+    scores, _ = trainers["critic"].train(iteration, pairs)
+    trainers["actor"].train(iteration, pairs, scores)
+
+
+def test_only_the_adapters_move_the_base_is_bitwise_unchanged(tiny_teacher, tmp_path):
+    trainers = _in_process(tiny_args(tiny_teacher, str(tmp_path), **LORA))
+    before = {role: t.weights() for role, t in trainers.items()}
+    for i in (1, 2, 3):
+        _iterate(trainers, i)
+    for role, t in trainers.items():
+        after = t.weights()
+        base = [k for k in after if not lora.is_adapter(k)]
+        assert base and all(torch.equal(before[role][k], after[k]) for k in base), role
+        moved = [k for k in after if not torch.equal(before[role][k], after[k])]
+        assert moved and all(lora.is_adapter(k) for k in moved), role
+        assert any(".lora_B." in k for k in moved)  # B starts at zero: the adapter really learned
+        trained = lora.trained_parameters(t.model)
+        assert {id(p) for p in trained} == {id(p) for g in t.optimizer.param_groups for p in g["params"]}
+        assert {id(p) for p in t.optimizer.state} <= {id(p) for p in trained}
+        assert len(trained) == 4 * 2 * 3  # to_q, to_k, to_v, to_out.0 x (A, B) x 3 blocks
+    assert trainers["critic"].teacher is None  # one shared base: no second copy
+    assert trainers["critic"].state_bytes()["teacher"] == 0
+
+
+def test_real_score_under_the_shared_base_is_the_teachers_forward_bitwise(tiny_teacher, tmp_path):
+    """bf16 compute (FSDP on a mesh of one, base in bf16, adapters fp32): after training has moved
+    the fake score's adapter, the real score equals a separately loaded, sharded teacher exactly."""
+    args = tiny_args(tiny_teacher, str(tmp_path / "lora"), dtype="bfloat16", **LORA)
+    trainers = _in_process(args)
+    for i in (1, 2):
+        _iterate(trainers, i)
+    critic = trainers["critic"]
+    assert {p.dtype for n, p in critic.model.named_parameters() if lora.is_adapter(n)} == {torch.float32}
+    assert {p.dtype for n, p in critic.model.named_parameters() if not lora.is_adapter(n)} == {torch.bfloat16}
+    plain = Trainer(preflight(tiny_args(tiny_teacher, str(tmp_path / "full"), dtype="bfloat16"))["critic"], "critic")
+    g = torch.Generator().manual_seed(0)
+    x_t = torch.randn((4, *critic.shape), generator=g)
+    sigma = torch.rand(4, generator=g) * 0.9 + 0.05
+    cond = critic._cond(torch.arange(4))
+    family = critic.family
+    real = family.predict_velocity(critic.learner.teacher, x_t, sigma, cond)
+    teacher = family.predict_velocity(plain.teacher, x_t, sigma, cond)
+    critic._reshard()
+    with torch.no_grad():
+        fake = family.predict_velocity(critic.model, x_t, sigma, cond)
+    critic._reshard()
+    assert torch.equal(real, teacher)
+    assert not torch.equal(fake, real)  # the adapter is on for the fake score
+    # the adapters' flags are restored and nothing was left unsharded
+    assert all(not m._disable_adapters for m in critic.model.modules() if hasattr(m, "_disable_adapters"))
+
+
+def test_a_separate_teacher_when_the_fake_score_starts_elsewhere(tiny_teacher, tmp_path):
+    args = tiny_args(tiny_teacher, str(tmp_path), critic_lora_rank=0, **{k: v for k, v in LORA.items()})
+    trainers = _in_process(args)
+    assert trainers["critic"].teacher is not None and not lora.has_adapters(trainers["critic"].model)
+    assert lora.has_adapters(trainers["actor"].model)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (dict(export_merged=True), "export_merged"),
+    (dict(lora_rank=2, lora_target_modules=["no_such_module"]), "lora_target_modules"),
+    (dict(lora_rank=-1), "lora_rank"),
+])
+def test_bad_lora_settings_fail_in_one_line(tiny_teacher, tmp_path, overrides, needle):
+    with pytest.raises((ArgsError, ValueError)) as err:
+        _in_process(tiny_args(tiny_teacher, str(tmp_path), **overrides))
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+# ---- sharded ranks, checkpoints (Ray, gloo) -------------------------------------------------------
+
+def _run(tiny_teacher, save, n, iterations, **kw):
+    args = tiny_args(tiny_teacher, save, num_devices=n, run_name=f"lora-{n}-{secrets.token_hex(3)}", **LORA, **kw)
+    with DistillRun(args) as run:
+        for i in iterations:
+            run.iterate(i)
+        return {role: run.group_call(role, "weights")[0] for role in run.groups}
+
+
+def test_two_sharded_lora_ranks_equal_one_rank(ray_session, tiny_teacher, tmp_path):
+    one = _run(tiny_teacher, str(tmp_path / "1"), 1, (1, 2, 3))
+    two = _run(tiny_teacher, str(tmp_path / "2"), 2, (1, 2, 3))
+    fresh = _in_process(tiny_args(tiny_teacher, str(tmp_path / "0"), **LORA))["actor"].weights()
+    for role in ("actor", "critic"):
+        diff = max((one[role][k] - two[role][k]).abs().max().item() for k in one[role])
+        assert diff < 2e-6, (role, diff)
+    moved = max((fresh[k] - one["actor"][k]).abs().max().item() for k in fresh)
+    assert moved > 1e-4
+
+
+def test_save_kill_resume_is_bitwise_and_elastic(ray_session, tiny_teacher, tmp_path):
+    """2 ranks with an EMA: the checkpoint holds the adapters (and their EMA and AdamW state)
+    only; a new group resumes bitwise and continues as the uninterrupted run; 1 rank loads it."""
+    save = str(tmp_path / "run")
+    args = tiny_args(tiny_teacher, save, num_devices=2, ema_decay=0.9, run_name="lora-resume", **LORA)
+    with DistillRun(args) as run:
+        for i in (1, 2):
+            run.iterate(i)
+        run.checkpoint(2)
+        digests = {role: run.group_call(role, "state_digest") for role in run.groups}
+        run.iterate(3)
+        straight = {role: run.group_call(role, "state_digest") for role in run.groups}
+        weights = {role: run.group_call(role, "weights")[0] for role in run.groups}
+    for role in ("actor", "critic"):
+        for section in ("model", "optim") + (("ema",) if role == "actor" else ()):
+            saved = ckpt.read_weights(save, role, 2, section)
+            assert saved and all(lora.is_adapter(k.rsplit(".", 1)[0] if section == "optim" else k) for k in saved), \
+                (role, section)
+    with DistillRun(args) as again:  # new actors (the old ones are gone), loaded from the tracker
+        assert again.start_iteration == 2
+        assert {role: again.group_call(role, "state_digest") for role in again.groups} == digests
+        again.iterate(3)
+        assert {role: again.group_call(role, "state_digest") for role in again.groups} == straight
+    one = args.model_copy(update={"num_devices": 1, "run_name": "lora-resume-1"})
+    with DistillRun(one) as elastic:
+        assert elastic.start_iteration == 2
+        elastic.iterate(3)
+        got = {role: elastic.group_call(role, "weights")[0] for role in elastic.groups}
+    for role in got:
+        assert max((got[role][k] - weights[role][k]).abs().max().item() for k in got[role]) < 2e-6
+
+
+# ---- export ------------------------------------------------------------------------------------
+
+def _trained_student(tiny_teacher, tmp_path, **kw):
+    trainers = _in_process(tiny_args(tiny_teacher, str(tmp_path), **LORA, **kw))
+    for i in (1, 2):
+        _iterate(trainers, i)
+    return trainers["actor"]
+
+
+def _teacher_transformer(tiny_teacher):
+    from diffusers import SD3Transformer2DModel
+
+    from dmd2_core.models import describe_checkpoint
+
+    return SD3Transformer2DModel.from_pretrained(describe_checkpoint(tiny_teacher)["transformer_url"])
+
+
+def test_exported_lora_loads_with_diffusers_and_reproduces_eval_samples(tiny_teacher, tmp_path):
+    from diffusers import StableDiffusion3Pipeline
+
+    actor = _trained_student(tiny_teacher, tmp_path, ema_decay=0.9)
+    done = actor.save(2, export=True)
+    url = done["export_url"]
+    marker = json.loads((Path(url) / "export.json").read_text())
+    assert marker["lora"]["r"] == 4 and marker["lora"]["lora_alpha"] == 8.0 and marker["transformer"] == "ema"
+    assert not (Path(url) / "transformer").exists()  # the base is the teacher's: never written again
+    ours = actor.sample([0, 1, 2, 3], seed=7, decode=False)
+    transformer = _teacher_transformer(tiny_teacher)
+    state, metadata = StableDiffusion3Pipeline.lora_state_dict(url, return_lora_metadata=True)
+    assert metadata["transformer.r"] == 4 and metadata["transformer.lora_alpha"] == 8.0
+    # what pipe.load_lora_weights(url) runs on the pipeline's transformer
+    StableDiffusion3Pipeline.load_lora_into_transformer(state, transformer=transformer, metadata=metadata)
+    theirs = dmd2.eval_samples(actor.family, transformer, actor._cond(torch.tensor([0, 1, 2, 3])), tuple(ours.shape), 7,
+                               actor.args.dmd2_student_steps, actor.shift)
+    assert (theirs - ours).abs().max().item() < 1e-6
+    plain = dmd2.eval_samples(actor.family, _teacher_transformer(tiny_teacher), actor._cond(torch.tensor([0, 1, 2, 3])),
+                              tuple(ours.shape), 7, actor.args.dmd2_student_steps, actor.shift)
+    assert (plain - ours).abs().max().item() > 1e-4  # the LoRA is what makes them match
+
+
+def test_merged_export_is_a_full_student_that_reproduces_eval_samples(tiny_teacher, tmp_path):
+    from diffusers import SD3Transformer2DModel
+
+    actor = _trained_student(tiny_teacher, tmp_path, export_merged=True)
+    url = actor.save(2, export=True)["export_url"]
+    merged = SD3Transformer2DModel.from_pretrained(url, subfolder="transformer")
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    ours = actor.sample([0, 1], seed=3, decode=False)
+    theirs = dmd2.eval_samples(actor.family, merged, actor._cond(torch.tensor([0, 1])), tuple(ours.shape), 3,
+                               actor.args.dmd2_student_steps, actor.shift)
+    assert (theirs - ours).abs().max().item() < 1e-4
+    assert parallel.full(next(iter(lora.trained_parameters(actor.model)))).abs().sum() > 0
