@@ -134,16 +134,21 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, compute_dtype: torch.d
     plain module where ``needs_fsdp`` finds nothing to do. ``keep_fp32``: the model's
     ``_keep_in_fp32_modules`` are stored and computed in fp32 (their own FSDP units), and the root
     leaves its inputs' dtypes alone (such a model casts them itself; position tables stay fp64).
-    A trainable model's frozen parameters (a LoRA's base, see dmd2_core.lora) are stored in the
-    compute dtype, its trained ones (the adapters) in fp32, in the same FSDP units."""
+    A trainable model with frozen parameters (a LoRA, see dmd2_core.lora) keeps its base as it was
+    loaded (in the compute dtype, as the frozen teacher: buffers and ``keep_fp32`` modules alike),
+    and its trained parameters (the adapters) in fp32, in the same FSDP units."""
     dtype = MASTER_DTYPE if trainable else compute_dtype
     fp32 = fp32_modules(model) if keep_fp32 else []
-    if any(p.dtype != dtype for p in model.parameters()):
+    in_fp32 = {id(p) for module in fp32 for p in module.parameters()}
+    if trainable and any(not p.requires_grad for p in model.parameters()):  # a LoRA: its base stays as loaded
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.requires_grad and param.dtype != MASTER_DTYPE:
+                    param.data = param.data.to(MASTER_DTYPE)
+    elif any(p.dtype != dtype for p in model.parameters() if id(p) not in in_fp32):  # fp32 ones are never rounded
         model.to(dtype)
         for module in fp32:
             module.to(MASTER_DTYPE)
-    if trainable and any(not p.requires_grad for p in model.parameters()):
-        _frozen_base_to(model, compute_dtype, fp32)
     for module in model.modules():  # own every buffer (loading may leave them on fixed-size mmaps)
         for name, buf in module._buffers.items():
             if buf is not None:
@@ -175,20 +180,6 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, compute_dtype: torch.d
     if not trainable:
         model.requires_grad_(False).eval()
     return model
-
-
-def _frozen_base_to(model: torch.nn.Module, compute_dtype: torch.dtype, fp32: list[torch.nn.Module]) -> None:
-    """A trainable model's frozen base (a LoRA's, dmd2_core.lora) is stored as the frozen teacher
-    is: its parameters and fp32 buffers in the compute dtype, the ``keep_fp32`` modules in fp32."""
-    in_fp32 = {id(t) for module in fp32 for t in (*module.parameters(), *module.buffers())}
-    with torch.no_grad():
-        for param in model.parameters():
-            if not param.requires_grad and id(param) not in in_fp32 and param.dtype != compute_dtype:
-                param.data = param.data.to(compute_dtype)
-        for module in model.modules():
-            for name, buf in module._buffers.items():
-                if buf is not None and buf.dtype == MASTER_DTYPE and id(buf) not in in_fp32:
-                    module._buffers[name] = buf.to(compute_dtype)
 
 
 def reshard(model: torch.nn.Module) -> None:

@@ -52,8 +52,9 @@ class Trainer:
         self.device = pick_device(args)
         self.dtype = getattr(torch, args.dtype)  # the compute dtype; trained weights stay fp32
         self.hook = train_input_hook(args.train_input_hook_path)
-        # models load on the host; sharding moves each rank's shards to the device
-        loaded = load_checkpoint(args.hf_checkpoint, "cpu", parallel.MASTER_DTYPE)
+        # models load on the host; sharding moves each rank's shards to the device. A LoRA's frozen
+        # base loads in the compute dtype, exactly as the teacher does (dmd2_core.lora)
+        loaded = load_checkpoint(args.hf_checkpoint, "cpu", self.dtype if args.lora_rank else parallel.MASTER_DTYPE)
         self.model = lora.attach(loaded.model, args)  # rank 0: full fine-tuning, nothing attached
         self.family = loaded.family.bind(args.latent_shape, loaded.model, loaded.modality_shifts)
         self.shift = args.dmd2_shift or loaded.shift

@@ -203,3 +203,60 @@ def test_merged_export_is_a_full_student_that_reproduces_eval_samples(tiny_teach
                                actor.args.dmd2_student_steps, actor.shift)
     assert (theirs - ours).abs().max().item() < 1e-4
     assert parallel.full(next(iter(lora.trained_parameters(actor.model)))).abs().sum() > 0
+
+
+# ---- MiniMax-H3 stand-in: fp32 modules, context parallelism, 2 sharded ranks ---------------------
+
+def _h3_rank(rank: int, world_size: int, port: int, trainer_args: dict, out_path: str) -> None:
+    torch.set_num_threads(1)
+    shared = Trainer(trainer_args["lora"], "critic", rank, world_size)
+    plain = Trainer(trainer_args["plain"], "critic", rank, world_size)
+    for trainer in (shared, plain):
+        trainer.init_process_group("127.0.0.1", port)
+    with torch.no_grad():  # the fake score's adapter away from its zero start
+        for name, param in shared.model.named_parameters():
+            if ".lora_B." in name:
+                parallel.local(param).normal_(0.0, 0.05, generator=torch.Generator().manual_seed(rank))
+    g = torch.Generator().manual_seed(0)
+    x_t = torch.randn((2, *shared.shape), generator=g)
+    sigma, cond, family = torch.tensor([0.3, 0.8]), shared._cond(torch.arange(2)), shared.family
+    real = family.predict_velocity(shared.learner.teacher, x_t, sigma, cond)
+    shared._reshard()
+    teacher = family.predict_velocity(plain.teacher, x_t, sigma, cond)
+    plain._reshard()
+    with torch.no_grad():
+        fake = family.predict_velocity(shared.model, x_t, sigma, cond)
+    shared._reshard()
+    if rank == 0:
+        torch.save({"real": real, "teacher": teacher, "fake": fake, "teacher_copy": plain.teacher is not None,
+                    "shared_copy": shared.teacher is not None}, out_path)
+
+
+@pytest.mark.parametrize("cp_size", [1, 2], ids=["fsdp", "fsdp-cp2"])
+def test_h3_real_score_is_the_sharded_teachers_forward_bitwise(tmp_path, cp_size):
+    """bf16 on 2 ranks (both models sharded, the fp32 modules in fp32), with and without Ulysses
+    context parallelism: the shared base's real score is the separately loaded teacher's forward."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from dmd2_core.args import load_args
+    from dmd2_core.models.standins import H3_GEOMETRY, build_h3_standin
+    from tests.test_context_parallel import _h3_prompts
+
+    prompts = str(tmp_path / "prompts.safetensors")
+    _h3_prompts([5, 3, 5, 3]).save(prompts)  # odd text lengths: the packed sequence splits over 2 ranks
+    common = dict(device="cpu", dtype="bfloat16", torch_threads=1, global_batch_size=2, micro_batch_size=2,
+                  dmd2_update_ratio=2, dmd2_student_steps=2, seed=3, num_devices=2, cp_size=cp_size,
+                  hf_checkpoint=build_h3_standin(str(tmp_path / "h3")), prompts=prompts, **H3_GEOMETRY)
+    trainer_args = {name: preflight(load_args(None, {**common, "save": str(tmp_path / name), **extra}))["critic"]
+                    for name, extra in (("lora", {"lora_rank": 4}), ("plain", {}))}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out.pt"
+    mp.start_processes(_h3_rank, args=(2, port, trainer_args, str(out)), nprocs=2, join=True, start_method="spawn")
+    got = torch.load(out, weights_only=False)
+    assert not got["shared_copy"] and got["teacher_copy"]
+    assert torch.equal(got["real"], got["teacher"])
+    assert not torch.equal(got["fake"], got["real"])
