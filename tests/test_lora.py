@@ -260,3 +260,34 @@ def test_h3_real_score_is_the_sharded_teachers_forward_bitwise(tmp_path, cp_size
     assert not got["shared_copy"] and got["teacher_copy"]
     assert torch.equal(got["real"], got["teacher"])
     assert not torch.equal(got["fake"], got["real"])
+
+
+@pytest.mark.parametrize("kind", ["sd3", "wan", "h3"])
+def test_each_family_exports_a_lora_its_own_loader_takes(tmp_path, kind):
+    """The stand-ins of every family: a LoRA student (its adapters moved off their zero start)
+    exported and loaded by the family's loader (the pipeline's ``load_lora_into_transformer``,
+    MiniMax-H3's ``MiniMaxH3LoraLoaderMixin``) onto the teacher's transformer computes what the
+    student does."""
+    from dmd2_core.args import load_args
+    from dmd2_core.export import export_student
+    from dmd2_core.models import describe_checkpoint, load_checkpoint
+    from dmd2_core.models.standins import build_h3_standin, build_standin
+
+    url = build_h3_standin(str(tmp_path / "t")) if kind == "h3" else build_standin(str(tmp_path / "t"), kind)
+    args = load_args(None, dict(hf_checkpoint=url, prompts="digits", save=str(tmp_path), **LORA))
+    student = lora.attach(load_checkpoint(url).model, args)
+    with torch.no_grad():
+        for name, param in lora.trained(student):
+            if ".lora_B." in name:
+                param.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(1))
+    loader = lora.lora_loader(load_checkpoint(url).family)
+    done = export_student(str(tmp_path / "export"), student, teacher_url=url, shift=3.0, num_steps=4,
+                          export_dtype=torch.float32, lora_metadata=lora.adapter_metadata(args))
+    assert json.loads((Path(done["url"]) / "export.json").read_text())["lora"]["loader"] == loader.__name__
+    state, metadata = loader.lora_state_dict(done["url"], return_lora_metadata=True)
+    loaded = load_checkpoint(url)
+    loader.load_lora_into_transformer(state, transformer=loaded.model, metadata=metadata)
+    ours = {n.replace(f".{lora.ADAPTER}.", "."): p for n, p in student.named_parameters()}
+    theirs = {n.replace(".default_0.", "."): p for n, p in loaded.model.named_parameters()}
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert describe_checkpoint(url)["family"] == type(student).__name__
