@@ -138,6 +138,7 @@ def main() -> None:
                         help="student, student_gan, student_lora (LoRA student and fake score over one shared base)")
     parser.add_argument("--lora-rank", type=int, default=16, help="rank of student_lora's adapters (alpha = rank)")
     parser.add_argument("--lora-lr", type=float, default=5e-4, help="student_lora's lr (student and fake score)")
+    parser.add_argument("--lora-targets", nargs="+", default=None, help="student_lora's lora_target_modules (default the flag's)")
     parser.add_argument("--progress", default=None, help="append every evaluation to this JSONL file")
     parser.add_argument("--summarise", default=None, help="print the JSON line from a progress file (a run cut short) and exit")
     ns = parser.parse_args()
@@ -165,7 +166,8 @@ def main() -> None:
             for seed in ns.seeds:
                 heads = gan if variant == "student_gan" else {"gan_weight": 0.0, "gan_critic_weight": 0.0}
                 if variant == "student_lora":
-                    heads = {**heads, "lora_rank": ns.lora_rank, "lr": ns.lora_lr, "critic_lr": ns.lora_lr}
+                    heads = {**heads, "lora_rank": ns.lora_rank, "lr": ns.lora_lr, "critic_lr": ns.lora_lr,
+                             "lora_target_modules": ns.lora_targets}
                 jobs.append({"variant": variant, "steps": steps, "seed": seed, "iterations": ns.iterations,
                              "eval_every": ns.eval_every, "num_samples": ns.num_samples, "eval_seed": ns.eval_seed,
                              "teacher": teacher, "guidance": guidance, "target": target, "progress": ns.progress, "overrides": {
@@ -205,7 +207,8 @@ def report(table, results, ns, gan, wall_s) -> None:
     if {"student", "student_lora"} <= set(ns.variants) and 4 in ns.steps:
         full, low = out["student"]["4"]["final"]["fd"], out["student_lora"]["4"]["final"]["fd"]
         out.setdefault("targets", {})["lora_4_final_fd_within_10pct_of_full"] = low <= 1.1 * full
-        out.update(lora_rank=getattr(ns, "lora_rank", None), lora_lr=getattr(ns, "lora_lr", None))
+        out.update(lora_rank=getattr(ns, "lora_rank", None), lora_lr=getattr(ns, "lora_lr", None),
+                   lora_targets=getattr(ns, "lora_targets", None))
     out.update({"iterations": ns.iterations, "eval_every": ns.eval_every, "seeds": ns.seeds, "guidance_scale": guidance,
                 "ema_decay": ns.ema or None, "gan": gan, "num_samples": ns.num_samples,
                 "complete": all(r["final"]["iteration"] == ns.iterations for r in results),
