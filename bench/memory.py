@@ -3,17 +3,26 @@
 Prints one JSON line:
 
   {"standin": {"1": {role: {kind: {"planned", "measured", "ratio"}}}, "2": {...}},
-   "real_size": {config: {"params_b", "device_peak_gib", "groups": {role: {...GiB per rank}}}}}
+   "standin_activations": {"checkpointing" | "no_checkpointing" | "no_grad": {"planned", "measured", "ratio"}},
+   "real_size": {config: {"params_b", "device_peak_gib", "groups": {role: {...GiB per rank}}}},
+   "grid": {"<model> <clip> cp<n> <gib>GiB": {"device_peak_gib", "usable_gib", "fits", "host_gib"}}}
 
 The stand-in is minimax-h3 on the MiniMax-H3 stand-in (CPU, bf16, gradient checkpointing) run for
 one iteration at 1 and 2 ranks; "measured" is the storage bytes each rank's weights, optimizer
-state, EMA and teacher hold (the mean over ranks). The real-size plans: wan-video on 8 devices
+state, EMA, teacher and sleep stash ("resident": the bytes a sleep moves to the host) hold (the
+mean over ranks). "standin_activations" runs the whole stand-in (every block) forward once in bf16
+on CPU and compares the bytes autograd saves (unique storages, parameters excluded; with and
+without gradient checkpointing) and a no-grad forward's peak with the plan's figures for it (an
+uncalibrated config: the family's ratio, bench/activations.py). "grid" is the README table: Wan
+14B at 480p and 720p x 81 frames (micro batch 1) and MiniMax-H3 at 5 s and 15 s on 8 devices, cp
+1 / 2 / 4 / 8, 80 and 141 GiB. The real-size plans: wan-video on 8 devices
 with the Wan and SD3.5 configs of deployments/model_configs (Wan at 81 frames of 480x832, SD3.5 at
 1024x1024); minimax-h3 with the real MiniMax-H3 config at 124 and 345 frames of 768x1344 on
 80 and 141 GiB devices: the fewest devices (of 8, 16, 32, 64) whose plan fits, and 8 devices with
 fsdp_cpu_offload.
 
     python bench/memory.py
+    python bench/memory.py --grid   # the README table only (no run)
 """
 
 from __future__ import annotations
@@ -36,7 +45,14 @@ REAL = {
 H3_FRAMES = (124, 345)  # 5.2 s and 14.4 s at 24 fps (17n + 5 frames), 768 x 1344
 DEVICE_GIB = (80, 141)
 DEVICE_COUNTS = (8, 16, 32, 64)
-KINDS = ("params", "optimizer", "ema", "teacher")
+KINDS = ("params", "optimizer", "ema", "teacher", "resident")
+GRID = {"wan14b 480p": ("wan-video", {"hf_checkpoint": "wan2.1-t2v-14b", "latent_shape": [16, 21, 60, 104],
+                                      "micro_batch_size": 1}),
+        "wan14b 720p": ("wan-video", {"hf_checkpoint": "wan2.1-t2v-14b", "latent_shape": [16, 21, 90, 160],
+                                      "micro_batch_size": 1}),
+        "h3 5s": ("minimax-h3", {"hf_checkpoint": "minimax-h3", "num_frames": 124}),
+        "h3 15s": ("minimax-h3", {"hf_checkpoint": "minimax-h3", "num_frames": 345})}
+GRID_DEVICES = {"wan14b": (8,), "h3": (16, 32)}
 GIB = 1024 ** 3
 
 
@@ -62,6 +78,9 @@ def standin(tmp: str) -> dict:
             with DistillRun(args) as run:
                 run.iterate(1)
                 held = {role: run.group_call(role, "state_bytes") for role in run.groups}
+            for role, ranks in held.items():  # what sleeping moves to the host: the device state
+                for r in ranks:
+                    r["resident"] = r["params"] + r["optimizer"] + r["ema"] + r["teacher"]
             out[str(n)] = {
                 role: {kind: {"planned": getattr(planned[role], kind),
                               "measured": fmean(r[kind] for r in ranks),
@@ -71,6 +90,76 @@ def standin(tmp: str) -> dict:
                 for role, ranks in held.items()}
     finally:
         ray.shutdown()
+    return out
+
+
+def standin_activations(tmp: str) -> dict:
+    """The plan's activations of one stand-in clip against the bytes its forward really saves."""
+    import torch
+
+    from bench.activations import no_grad_peak
+    from dmd2_core import checks, memory
+    from dmd2_core.args import load_args
+    from dmd2_core.models import describe_checkpoint, load_checkpoint
+    from dmd2_core.models.standins import H3_GEOMETRY, build_h3_standin
+
+    url = build_h3_standin(f"{tmp}/h3-act")
+    args = checks.check_family_args(load_args("minimax-h3", dict(hf_checkpoint=url, device="cpu", **H3_GEOMETRY)),
+                                    describe_checkpoint(url))
+    loaded = load_checkpoint(url, dtype=torch.bfloat16)
+    model, family = loaded.model, loaded.family.bind(args.latent_shape, loaded.model)
+    size = memory.model_size(url)
+    act = memory.sample_activations(family, size.config, args, 2)
+    x = torch.randn(1, *family.sample_shape(model, args.latent_shape))
+    text = family.default_text_tokens
+    cond = {"prompt_embeds": torch.randn(1, text, size.config["text_dim"]), "prompt_lengths": torch.tensor([text])}
+    run = lambda: family.predict_velocity(model, x, torch.tensor([0.5]), cond)  # noqa: E731
+    out = {}
+    for name, ckpt in (("no_checkpointing", False), ("checkpointing", True)):
+        if ckpt:
+            model.enable_gradient_checkpointing()
+        measured = _saved_bytes(model, run)
+        planned = act.total(size.num_blocks, ckpt)
+        out[name] = {"planned": planned, "measured": measured, "ratio": round(planned / measured, 3)}
+    model.disable_gradient_checkpointing()
+    measured = no_grad_peak(model, run)
+    out["no_grad"] = {"planned": act.no_grad, "measured": measured, "ratio": round(act.no_grad / measured, 3)}
+    out["source"] = act.source
+    return out
+
+
+def _saved_bytes(model, run) -> int:
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            saved[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    del out
+    return sum(saved.values())
+
+
+def grid() -> dict:
+    out = {}
+    for name, (recipe, extra) in GRID.items():
+        for n in GRID_DEVICES[name.split()[0]]:
+            for cp in (1, 2, 4, 8):
+                for gib in DEVICE_GIB:
+                    overrides = {**extra, "hf_checkpoint": os.path.join(CONFIGS, extra["hf_checkpoint"]), "cp_size": cp,
+                                 "device_memory_gib": gib, "num_devices": n, "global_batch_size": 16}
+                    plan, args = _plan(recipe, overrides)
+                    out[f"{name} {n}x cp{cp} {gib}GiB"] = {
+                        "device_peak_gib": round(plan.device_peak / GIB, 1), "usable_gib": round(plan.usable / GIB, 1),
+                        "fits": plan.device_fits, "during": plan.peak_during,
+                        "host_gib": round(plan.host.peak / GIB, 1),
+                        "activations_gib": {g.role: round(g.activations / GIB, 2) for g in plan.groups}}
     return out
 
 
@@ -122,9 +211,27 @@ def real_size() -> dict:
     return out
 
 
+def grid_table(rows: dict) -> str:
+    """The grid as README's markdown: the device peak GiB per cell, bold where it fits."""
+    lines = ["| model, clip | devices | device (usable) | cp 1 | cp 2 | cp 4 | cp 8 | host per node (cp 8) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name in GRID:
+        for n in GRID_DEVICES[name.split()[0]]:
+            for gib in DEVICE_GIB:
+                cells = [rows[f"{name} {n}x cp{cp} {gib}GiB"] for cp in (1, 2, 4, 8)]
+                text = [f"**{c['device_peak_gib']}**" if c["fits"] else f"{c['device_peak_gib']}" for c in cells]
+                lines.append(f"| {name} | {n} | {gib} ({cells[0]['usable_gib']}) | " + " | ".join(text)
+                             + f" | {cells[-1]['host_gib']} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
+    if "--grid" in sys.argv:  # the README table alone (configs only, seconds)
+        print(grid_table(grid()))
+        return
     with tempfile.TemporaryDirectory(prefix="dmd2-memory-") as tmp:
-        print(json.dumps({"standin": standin(tmp), "real_size": real_size()}))
+        print(json.dumps({"standin": standin(tmp), "standin_activations": standin_activations(tmp),
+                          "real_size": real_size(), "grid": grid()}))
 
 
 if __name__ == "__main__":

@@ -68,8 +68,8 @@ class DistillRun:
             for index, (role, targs) in enumerate(self.trainer_args.items()):
                 offset = 0 if self.args.colocate else index * self.args.num_devices
                 self.groups[role] = TrainerGroup(targs, role, self.pg, share, bundle_offset=offset)
-            for group in self.groups.values():
-                group.connect()
+            joining = [call for group in self.groups.values() for call in group.begin_connect()]
+            next(iter(self.groups.values())).get(joining)  # every group reads its shards at once
             source = resume_url(self.args)
             resumed = checkpoint.read_tracker(source)
             if resumed is not None:

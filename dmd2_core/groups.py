@@ -97,11 +97,15 @@ class TrainerGroup:
         ]
 
     def connect(self) -> "TrainerGroup":
-        """Wait for the ranks and join them in one torch.distributed group. Separate from
-        construction so that several groups' actors start (load their models) at the same time."""
-        addr, port = self.get(self.ranks[0].address.remote())
-        self.get([r.init_process_group.remote(addr, port) for r in self.ranks])
+        """Wait for the ranks to join one torch.distributed group and read their shards."""
+        self.get(self.begin_connect())
         return self
+
+    def begin_connect(self) -> list:
+        """Start joining the ranks in one torch.distributed group (each then reads its shards);
+        returns the calls to wait on, so that several groups read their models at the same time."""
+        addr, port = self.get(self.ranks[0].address.remote())
+        return [r.init_process_group.remote(addr, port) for r in self.ranks]
 
     def get(self, refs):
         return ray.get(refs, timeout=self.timeout)

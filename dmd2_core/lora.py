@@ -67,6 +67,33 @@ def attach(model: torch.nn.Module, args: Args) -> torch.nn.Module:
     return model
 
 
+@torch.no_grad()
+def init_adapters(model: torch.nn.Module, seed: int) -> None:
+    """The adapters' start, after sharding a model built on the meta device (whose adapters hold
+    uninitialised memory): peft's own init, A kaiming-uniform (a = sqrt(5)) drawn from ``seed``
+    whole and in parameter order, B zero; each rank keeps its rows. Every rank count draws the
+    same adapters."""
+    import math
+
+    from dmd2_core import parallel
+    from dmd2_core.models.loading import _rows
+
+    g = torch.Generator().manual_seed(seed)
+    for name, param in trained(model):
+        whole = torch.zeros(param.shape, dtype=torch.float32)
+        if ".lora_A." in name:
+            bound = math.sqrt(6.0 / ((1 + 5.0) * whole.shape[1]))  # kaiming_uniform_(a=sqrt(5)), fan_in
+            whole.uniform_(-bound, bound, generator=g)
+        start, stop = _rows(name, param)
+        parallel.local(param).copy_(whole[start:stop].to(param.dtype))
+
+
+def base_names(named) -> dict[str, torch.Tensor]:
+    """(name, tensor) pairs by the names the diffusers checkpoint holds them under: a LoRA layer's
+    base weights without peft's ``base_layer``, its adapters left out."""
+    return {name.replace(".base_layer.", "."): t for name, t in named if not is_adapter(name)}
+
+
 def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 

@@ -1,5 +1,5 @@
-"""The memory plan of a run: bytes per device of every trainer group, from the checkpoints'
-configs alone (each transformer is built on the meta device: no weights, no GPU).
+"""The memory plan of a run: bytes per device of every trainer group, and host bytes per node,
+from the checkpoints' configs alone (each transformer is built on the meta device: no weights, no GPU).
 
 Per rank, after sharding over ``S`` ranks (``fsdp_shard_size``, default the group):
 
@@ -11,31 +11,40 @@ Per rank, after sharding over ``S`` ranks (``fsdp_shard_size``, default the grou
   one FSDP prefetches) plus one block's fp32 gradients before their reduce-scatter, and the root's
   own parameters (embeddings, final layer), unsharded while it runs;
 - activations: ``micro_batch_size`` samples through every block (or, with gradient
-  checkpointing, every block's input plus one block recomputed), from the family's per-token
-  estimate at the latent shape and the pipeline's text length.
+  checkpointing, every block's carried input plus one block recomputed), from the calibration of
+  the family's real blocks (``dmd2_core/activations.py``) at the rank's ``tokens / cp_size``
+  tokens (context parallelism splits the sequence), plus the all-to-all buffers of one block;
+- the critic's guidance transient (the teacher's cond + uncond forward beside the fake score's
+  activations) and every group's rollout buffers; the eval decoder on the actor's rank 0.
 
 A group that sleeps after its train holds nothing on the device while it sleeps, and the actor
 is awake (after its rollout) while the critic trains; so with ``sleep_after_train`` and
 colocated groups a device peaks at ``max(actor resident + critic peak, actor peak)``, without
 sleeping at every group's resident state plus the largest transient. ``fsdp_cpu_offload`` moves
-a group's shards (weights, gradients, optimizer state, EMA) to host memory. On CUDA a fixed
-reserve covers the CUDA context and allocator fragmentation.
+a group's shards (weights, gradients, optimizer state, EMA) to host memory. On CUDA each process
+on a device (one per colocated group) adds its reserve (``memory_terms.process_reserve``). A plan
+above ``1 - memory_headroom`` of the device (or of ``host_memory_gib``) is refused.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from typing import Optional
 
 import torch
 
+from dmd2_core import activations as acts
+from dmd2_core import memory_terms as terms
 from dmd2_core import parallel, storage
 from dmd2_core.args import Args, ArgsError
+from dmd2_core.memory_table import ROWS, table  # noqa: F401 - the plan's printout, memory.table
 from dmd2_core.models import FAMILIES, describe_checkpoint
 
 GIB = 1024 ** 3
-CUDA_RESERVE = 2 * GIB
+NODE_CP = terms.DEVICES_PER_NODE  # the largest cp_size a refusal suggests growing to: one node's all-to-all
 
 
 @dataclass
@@ -49,8 +58,10 @@ class ModelSize:
     fp32_params: int = 0  # kept in fp32 whatever the compute dtype (the family's keep_fp32_modules)
 
 
+@lru_cache(maxsize=16)
 def model_size(url: str) -> ModelSize:
-    """Parameter counts of a checkpoint's transformer, built from its config on the meta device."""
+    """Parameter counts of a checkpoint's transformer, built from its config on the meta device
+    (cached per URL within a process: a checkpoint's config does not change under a plan)."""
     info = describe_checkpoint(url)
     family = FAMILIES[info["family"]]
     config = json.loads(storage.read_text(storage.join(info["transformer_url"], "config.json")))
@@ -85,6 +96,13 @@ class GroupPlan:
     activations_without_checkpointing: int
     activations_with_checkpointing: int
     offloaded: int  # bytes of this group's shards kept in host memory instead
+    cp_buffers: int = 0  # context parallelism's all-to-all buffers of one block
+    guidance: int = 0  # the teacher's forward beside the fake score's activations (critic)
+    rollout: int = 0  # the rank's rollout rows and conditions
+    saved: int = 0  # the trainable state a checkpoint writes (weights, optimizer, EMA), wherever it lives
+    loaded: int = 0  # the weight shards a rank loads (trainable fp32 and the teacher)
+    activation_source: str = ""
+    cp_size: int = 1
 
     @property
     def resident(self) -> int:
@@ -93,7 +111,10 @@ class GroupPlan:
 
     @property
     def peak(self) -> int:
-        return self.resident + self.grads + self.gather + self.activations
+        """The teacher scores after the fake score's backward (its activations freed): the larger of
+        the two transients, beside the gradients and the gathered blocks."""
+        return (self.resident + self.grads + self.gather + max(self.activations + self.cp_buffers, self.guidance)
+                + self.rollout)
 
 
 @dataclass
@@ -106,17 +127,29 @@ class MemoryPlan:
     notes: list[str]
     peak_during: str = ""
     micro_batch_size: int = 1
-    reserve: int = 0  # bytes the CUDA context and allocator take besides the plan's
+    reserve: int = 0  # bytes the processes on a device take besides the plan's (CUDA contexts, NCCL)
+    usable: Optional[int] = None  # device_limit less the headroom
+    headroom: float = 0.0
+    cp_size: int = 1
+    eval_decoder: int = 0  # the VAE decode at eval, actor rank 0
+    host: Optional[terms.HostPlan] = None
 
     def as_dict(self) -> dict:
         out = asdict(self)
         for g, row in zip(self.groups, out["groups"]):
             row.update(resident=g.resident, peak=g.peak)
+        if self.host is not None:
+            out["host"].update(peak=self.host.peak, phase=self.host.phase, fits=self.host.fits)
+        out["fits"] = self.fits
         return out
 
     @property
+    def device_fits(self) -> bool:
+        return self.usable is None or self.device_peak <= self.usable
+
+    @property
     def fits(self) -> bool:
-        return self.device_limit is None or self.device_peak <= self.device_limit
+        return self.device_fits and (self.host is None or self.host.fits)
 
 
 def _dtype_bytes(name: str) -> int:
@@ -138,22 +171,42 @@ def group_plan(role: str, args: Args, size: ModelSize, teacher: Optional[ModelSi
     root = max(size.root_params, teacher.root_params if teacher else 0)
     gather = (2 * largest + root) * compute + largest * fp32
 
-    sample_shape = family_shape(family, size.config, args.latent_shape)
-    image_tokens = family.tokens(size.config, sample_shape)
-    text_tokens = family.default_text_tokens
-    per_block = family.activation_elements(size.config, image_tokens, text_tokens) * compute
-    block_inputs = (image_tokens + text_tokens) * hidden_size(size.config) * compute
+    act = sample_activations(family, size.config, args, compute)
     micro = args.micro_batch_size
-    without = micro * per_block * size.num_blocks
-    with_ckpt = micro * (block_inputs * size.num_blocks + per_block)
+    without = micro * act.total(size.num_blocks, False)
+    with_ckpt = micro * act.total(size.num_blocks, True)
     activations = with_ckpt if args.gradient_checkpointing else without
+    tokens = family.tokens(size.config, family_shape(family, size.config, args.latent_shape))
+    inner = int(size.config["num_attention_heads"]) * int(size.config["attention_head_dim"])
+    cp_buffers = micro * terms.cp_buffers(args, tokens, family.default_text_tokens, inner, compute)
+    sample_elements = _sample_elements(family, size.config, args.latent_shape)
+    guidance = 0
+    if teacher is not None:
+        guidance = terms.guidance_transient(args, family.guidance_distilled, act.no_grad, sample_elements * fp32)
+    cond_bytes = family.default_text_tokens * int(size.config.get("text_dim") or size.config.get(
+        "joint_attention_dim") or hidden_size(size.config)) * fp32
+    rollout = terms.rollout_buffers(args, sample_elements, cond_bytes)
+    loaded = params + teacher_bytes  # the weights a rank loads (load once, shard on arrival)
 
+    saved = params + optimizer + ema
     offloaded = 0
     if args.fsdp_cpu_offload:
         offloaded = params + grads + optimizer + ema + teacher_bytes
         params = grads = optimizer = ema = teacher_bytes = 0
     return GroupPlan(role, params, grads, optimizer, ema, teacher_bytes, buffers, gather, activations,
-                     without, with_ckpt, offloaded)
+                     without, with_ckpt, offloaded, cp_buffers, guidance, rollout, saved, loaded,
+                     act.source, args.cp_size or 1)
+
+
+def sample_activations(family, config: dict, args: Args, compute: int) -> acts.Activations:
+    """One sample's activations on one rank: the calibration at the rank's share of the tokens."""
+    tokens = family.tokens(config, family_shape(family, config, args.latent_shape))
+    per_rank = -(-tokens // (args.cp_size or 1))
+    return acts.estimate(family, config, per_rank, family.default_text_tokens, hidden_size(config), compute)
+
+
+def _sample_elements(family, config: dict, latent_shape) -> int:
+    return math.prod(family_shape(family, config, latent_shape))
 
 
 def hidden_size(config: dict) -> int:
@@ -209,67 +262,111 @@ def plan(trainer_args: dict[str, Args]) -> MemoryPlan:
         candidates = {f"the {g.role} group's train (every group resident)": resident + g.peak - g.resident
                       for g in groups}
         notes.append("colocated, awake: every group's resident state + the largest transient")
-    when = max(candidates, key=candidates.get)
-    peak = candidates[when]
-    reserve = CUDA_RESERVE if args.device == "cuda" else 0
+    reserves = [terms.process_reserve(targs, shard_size) for targs in trainer_args.values()]
+    reserve = sum(reserves) if args.colocate else max(reserves)
     if reserve:
-        peak += reserve
-        notes.append(f"+ {CUDA_RESERVE / GIB:.0f} GiB reserve for the CUDA context and allocator")
-    return MemoryPlan(groups, args.num_devices, shard_size, peak, device_limit(args), notes, when, args.micro_batch_size, reserve)
+        notes.append(f"+ {_gib(reserve)} reserve: {len(reserves) if args.colocate else 1} process(es) per device, "
+                     "each a CUDA context and its NCCL communicators")
+    decoder = 0
+    if "actor" in by_role and args.eval_interval:  # eval: the student's K steps, then rank 0 decodes
+        actor_args, actor = trainer_args["actor"], by_role["actor"]
+        family = FAMILIES[describe_checkpoint(actor_args.hf_checkpoint)["family"]].bind(actor_args.latent_shape)
+        size = size_of(actor_args.hf_checkpoint)
+        compute = _dtype_bytes(actor_args.dtype)
+        shape = family_shape(family, size.config, actor_args.latent_shape)
+        decoder = terms.eval_decoder(actor_args, family.class_name, shape, terms.VAE_PARAMS.get(family.class_name, 0),
+                                     compute)
+        sampling = actor.gather + terms.eval_clips(actor_args) * sample_activations(
+            family, size.config, actor_args, compute).no_grad
+        others = 0 if args.sleep_after_train or not args.colocate else sum(
+            g.resident for g in groups if g.role != "actor")
+        candidates["the eval (actor rank 0: sampling, then the decoder)"] = actor.resident + others + max(
+            sampling, decoder)
+    when = max(candidates, key=candidates.get)
+    peak = candidates[when] + reserve
+    limit = device_limit(args)
+    usable = int(limit * (1 - args.memory_headroom)) if limit is not None else None
+    largest_block = max(s.largest_block for s in sizes.values()) * 4
+    host = terms.host_plan(args, groups, largest_block)
+    return MemoryPlan(groups, args.num_devices, shard_size, peak, limit, notes, when, args.micro_batch_size,
+                      reserve, usable, args.memory_headroom, args.cp_size or 1, decoder, host)
 
 
 def check(memory_plan: MemoryPlan) -> None:
     """One line naming the group, the figure and the knobs, when the plan does not fit."""
-    if memory_plan.fits:
-        return
+    if not memory_plan.device_fits:
+        _refuse_device(memory_plan)
+    if memory_plan.host is not None and not memory_plan.host.fits:
+        _refuse_host(memory_plan)
+
+
+def _headroom(memory_plan: MemoryPlan) -> str:
+    return f" less the {memory_plan.headroom:.0%} headroom (memory_headroom)" if memory_plan.headroom else ""
+
+
+def _refuse_device(memory_plan: MemoryPlan) -> None:
+    usable = memory_plan.usable
+    if "the eval" in memory_plan.peak_during:
+        raise ArgsError(
+            f"memory plan: {memory_plan.peak_during} needs {_gib(memory_plan.device_peak)} per device (the decoder "
+            f"alone {_gib(memory_plan.eval_decoder)}), more than the {_gib(usable)} of one device (device_memory_gib"
+            f"{_headroom(memory_plan)}); try fewer eval clips (eval_prompts, eval_samples_per_prompt), "
+            "eval_interval=0, or more devices (num_devices)")
     worst = next((g for g in memory_plan.groups if f"the {g.role} group" in memory_plan.peak_during),
                  max(memory_plan.groups, key=lambda g: g.peak))
-    unsharded = worst.activations + worst.gather + worst.buffers + memory_plan.reserve  # no number of devices divides these
+    # no number of devices divides these at this cp_size
+    unsharded = (worst.activations + worst.cp_buffers + worst.guidance + worst.gather + worst.buffers
+                 + memory_plan.reserve)
     knobs = []
-    if unsharded <= memory_plan.device_limit:
+    if unsharded <= usable:
         knobs.append("more devices (num_devices)")
         if not worst.offloaded:
-            knobs.append("fsdp_cpu_offload")
+            knobs.append("critic_fsdp_cpu_offload" if worst.role == "critic" else "fsdp_cpu_offload")
+    if worst.activations and memory_plan.shard_size >= 2 * worst.cp_size:
+        knobs.append(f"a larger cp_size (now {worst.cp_size}; it divides the {memory_plan.shard_size}-rank shard group)")
     if worst.activations == worst.activations_without_checkpointing:
         knobs.append("gradient_checkpointing")
     if memory_plan.micro_batch_size > 1:
         knobs.append("a smaller micro_batch_size")
-    if unsharded > memory_plan.device_limit:
-        knobs.append(f"shorter or smaller samples (one sample's activations and gathered blocks alone take "
-                     f"{_gib(unsharded)}, whatever the number of devices)")
+    if memory_plan.headroom and memory_plan.device_peak <= memory_plan.device_limit:  # inside the headroom only
+        knobs.append(f"a smaller memory_headroom (at {memory_plan.headroom:g})")
+    if unsharded > usable:
+        whatever = ("more devices with a larger cp_size (num_devices, cp_size) split them" if worst.cp_size < NODE_CP
+                    else "whatever the number of devices at this cp_size")
+        knobs.append(f"shorter or smaller samples (one sample's activations, transients and gathered blocks alone "
+                     f"take {_gib(unsharded)} at cp_size {worst.cp_size}; {whatever})")
     raise ArgsError(
         f"memory plan: {memory_plan.peak_during} needs {_gib(memory_plan.device_peak)} per device "
         f"(the {worst.role} group's largest part: {_largest_part(worst)}), more than the "
-        f"{_gib(memory_plan.device_limit)} of one device (device_memory_gib); try {', '.join(knobs)} "
+        f"{_gib(usable)} of one device (device_memory_gib{_headroom(memory_plan)}); try {', '.join(knobs)} "
         f"(python -m dmd2_core plan shows the figures)"
     )
 
 
+def _refuse_host(memory_plan: MemoryPlan) -> None:
+    host = memory_plan.host
+    parts = {k: v for k, v in host.parts.items() if k != "load"} if host.phase == "training" else {"load": host.parts["load"]}
+    name = max(parts, key=parts.get)
+    knobs = {"sleep_stash": "sleep_after_train=false (if the device plan allows)", "async_save_staging": "async_save=false",
+             "offloaded": "fsdp_cpu_offload=false (if the device plan allows)",
+             "load": "more nodes (num_devices; the load peak per rank shrinks with the shard)"}
+    advice = [knobs[name]] if name in knobs else []
+    advice += ["more nodes (num_devices)"] if name != "load" else []
+    if memory_plan.headroom and host.peak <= host.limit:
+        advice.append(f"a smaller memory_headroom (at {memory_plan.headroom:g})")
+    raise ArgsError(
+        f"memory plan: host memory while {host.phase} needs {_gib(host.peak)} per node ({host.ranks_per_node} ranks; "
+        f"per rank {name.replace('_', ' ')} {_gib(parts[name])}), more than the {_gib(host.usable)} of "
+        f"host_memory_gib{_headroom(memory_plan)}; try {', '.join(advice)} (python -m dmd2_core plan shows the figures)")
+
+
 def _largest_part(g: GroupPlan) -> str:
     parts = {"weights": g.params, "gradients": g.grads, "optimizer": g.optimizer, "ema": g.ema,
-             "teacher": g.teacher, "activations": g.activations, "gather": g.gather}
+             "teacher": g.teacher, "activations": g.activations, "gather": g.gather, "cp buffers": g.cp_buffers,
+             "guidance transient": g.guidance, "rollout": g.rollout}
     name = max(parts, key=parts.get)
     return f"{name} {_gib(parts[name])}"
 
 
 def _gib(n: Optional[int]) -> str:
     return "?" if n is None else f"{n / GIB:.1f} GiB"
-
-
-ROWS = ("params", "grads", "optimizer", "ema", "teacher", "buffers", "gather", "activations",
-        "activations_without_checkpointing", "activations_with_checkpointing", "offloaded", "resident", "peak")
-
-
-def table(memory_plan: MemoryPlan) -> str:
-    """The plan as a text table, GiB per rank."""
-    roles = [g.role for g in memory_plan.groups]
-    width = max(len(r) for r in ROWS) + 2
-    lines = [f"{'GiB per rank':<{width}}" + "".join(f"{r:>12}" for r in roles)]
-    for row in ROWS:
-        values = [getattr(g, row) for g in memory_plan.groups]
-        lines.append(f"{row:<{width}}" + "".join(f"{v / GIB:>12.2f}" for v in values))
-    limit = "unchecked" if memory_plan.device_limit is None else _gib(memory_plan.device_limit)
-    lines.append(f"device peak: {_gib(memory_plan.device_peak)} of {limit}, during {memory_plan.peak_during} "
-                 f"({memory_plan.num_devices} devices, shard size {memory_plan.shard_size}; "
-                 + "; ".join(memory_plan.notes) + ")")
-    return "\n".join(lines)

@@ -135,20 +135,17 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, compute_dtype: torch.d
     ``_keep_in_fp32_modules`` are stored and computed in fp32 (their own FSDP units), and the root
     leaves its inputs' dtypes alone (such a model casts them itself; position tables stay fp64).
     A trainable model with frozen parameters (a LoRA, see dmd2_core.lora) keeps its base as it was
-    loaded (in the compute dtype, as the frozen teacher: buffers and ``keep_fp32`` modules alike),
+    built (in the compute dtype, as the frozen teacher: buffers and ``keep_fp32`` modules alike),
     and its trained parameters (the adapters) in fp32, in the same FSDP units."""
     dtype = MASTER_DTYPE if trainable else compute_dtype
     fp32 = fp32_modules(model) if keep_fp32 else []
-    in_fp32 = {id(p) for module in fp32 for p in module.parameters()}
-    if trainable and any(not p.requires_grad for p in model.parameters()):  # a LoRA: its base stays as loaded
+    if trainable and any(not p.requires_grad for p in model.parameters()):  # a LoRA: its base stays as built
         with torch.no_grad():
             for param in model.parameters():
                 if param.requires_grad and param.dtype != MASTER_DTYPE:
                     param.data = param.data.to(MASTER_DTYPE)
-    elif any(p.dtype != dtype for p in model.parameters() if id(p) not in in_fp32):  # fp32 ones are never rounded
-        model.to(dtype)
-        for module in fp32:
-            module.to(MASTER_DTYPE)
+    elif any(p.dtype != dtype for p in model.parameters()):
+        _cast(model, dtype, fp32)
     for module in model.modules():  # own every buffer (loading may leave them on fixed-size mmaps)
         for name, buf in module._buffers.items():
             if buf is not None:
@@ -159,6 +156,7 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, compute_dtype: torch.d
         with torch.no_grad():  # own every parameter too, as FSDP's shards do (sleep resizes them)
             for param in model.parameters():
                 param.data = param.data.clone()
+        _materialise(model, torch.device("cpu"))
         if not trainable:
             model.requires_grad_(False).eval()
         return model
@@ -177,9 +175,37 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, compute_dtype: torch.d
         root = {**policy, "mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=MASTER_DTYPE,
                                                             cast_forward_inputs=False)}
     fully_shard(model, mesh=mesh, **root)
+    _materialise(model, _shard_device(mesh, cpu_offload))
     if not trainable:
         model.requires_grad_(False).eval()
     return model
+
+
+def _cast(model: torch.nn.Module, dtype: torch.dtype, fp32: list[torch.nn.Module]) -> None:
+    """Every floating parameter and buffer to ``dtype``, those of the ``fp32`` modules to fp32, each
+    cast once from its loaded value (never through ``dtype`` and back)."""
+    kept = {id(m) for module in fp32 for m in module.modules()}
+    for module in model.modules():
+        target = MASTER_DTYPE if id(module) in kept else dtype
+        module._apply(lambda t: t.to(target) if t.is_floating_point() else t, recurse=False)
+
+
+def _shard_device(mesh: DeviceMesh, cpu_offload: bool) -> torch.device:
+    if cpu_offload or mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.accelerator.current_device_index())
+
+
+def _materialise(model: torch.nn.Module, device: torch.device) -> None:
+    """Uninitialised storage for the parameters of a model built on the meta device: after
+    sharding, only this rank's shards (``dmd2_core.models.loading`` fills them). Buffers, computed
+    on the host when the model was built, keep their values."""
+    if not any(p.is_meta for p in model.parameters()):
+        return
+    buffers = [(m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None]
+    model.to_empty(device=device)
+    for module, name, buf in buffers:
+        module._buffers[name] = buf.to(device)
 
 
 def reshard(model: torch.nn.Module) -> None:

@@ -51,7 +51,7 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
     checks.eval_prompt_indices(args, len(prompt_texts(args.prompts)))
     if "critic" in trainer_args and args.gan_critic_weight:
         _check_gan(trainer_args["critic"])
-    if memory.device_limit(args) is not None:
+    if memory.device_limit(args) is not None or args.host_memory_gib:
         memory.check(memory.plan(trainer_args))
     checkpoints = {t.hf_checkpoint for t in trainer_args.values()}
     checkpoints |= {t.teacher_checkpoint or t.hf_checkpoint for t in trainer_args.values() if t.loss_type == "dmd2_critic"}

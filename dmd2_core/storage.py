@@ -180,6 +180,13 @@ def read_safetensors_header(url: str) -> tuple[dict, int]:
     """The JSON header of a safetensors file and the size of the data after it, read with
     bounded memory (one small read, also on S3): an 8-byte length, then a header within the file.
     Raises SafetensorsHeaderError when the file holds no such header."""
+    entries, data_size, _ = safetensors_layout(url)
+    return entries, data_size
+
+
+def safetensors_layout(url: str) -> tuple[dict, int, int]:
+    """``read_safetensors_header``'s header and data size, and the file offset where the data
+    starts (a tensor's ``data_offsets`` count from there)."""
     fs, path = filesystem(url)
     size = int(retrying(lambda: fs.size(path), f"stat {url}"))
 
@@ -214,7 +221,35 @@ def read_safetensors_header(url: str) -> tuple[dict, int]:
         if offsets[1] > data_size:
             raise SafetensorsHeaderError(f"truncated: tensor '{key}' ends at byte {offsets[1]} of the data, the file "
                                          f"holds {data_size} (cut off while it was written or downloaded)")
-    return entries, data_size
+    return entries, data_size, 8 + len(header)
+
+
+def read_ranges(ranges: list[tuple[str, int, int]]) -> list[bytes | bytearray]:
+    """The bytes ``[start, end)`` of each ``(url, start, end)`` (all on one filesystem): ranged
+    reads only (seeks in a local file; on an object store concurrent Range requests, fsspec's
+    ``cat_ranges``), so a reader fetches only the bytes it needs; retried together."""
+    if not ranges:
+        return []
+    first = ranges[0][0]
+
+    def run():
+        fs = filesystem(first)[0]
+        paths = [filesystem(url)[1] for url, _, _ in ranges]
+        if is_local(first):
+            out = []
+            for path, (_, start, end) in zip(paths, ranges):
+                buf = bytearray(end - start)
+                with open(path, "rb") as f:
+                    f.seek(start)
+                    got = f.readinto(buf)
+                out.append(buf if got == len(buf) else buf[:got])
+        else:
+            out = fs.cat_ranges(paths, [r[1] for r in ranges], [r[2] for r in ranges], on_error="raise")
+        for buf, (url, start, end) in zip(out, ranges):
+            if len(buf) != end - start:
+                raise EOFError(f"{url}: {len(buf)} bytes at offset {start}, expected {end - start} (file cut off?)")
+        return out
+    return retrying(run, f"read {len(ranges)} ranges of {first}")
 
 
 def sha256(url: str, chunk: int = 8 << 20) -> str:

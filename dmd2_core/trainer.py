@@ -26,8 +26,9 @@ from dmd2_core.device_stash import DeviceStash, distinct_storages, slot
 from dmd2_core.finite import NonFiniteCounter
 from dmd2_core.hooks import batch_size, train_input_hook
 from dmd2_core.model_update import ModelUpdate
-from dmd2_core.models import describe_checkpoint, load_checkpoint
+from dmd2_core.models import describe_checkpoint
 from dmd2_core.rank_saves import Saves
+from dmd2_core.startup import TrainerModels
 
 
 def pick_device(args: Args) -> torch.device:
@@ -37,9 +38,9 @@ def pick_device(args: Args) -> torch.device:
 
 
 class Trainer:
-    """One rank. Models load in ``__init__`` (so colocated groups load at the same time); they are
-    sharded, and the optimizer and EMA built on the shards, once the rank has joined its group
-    (``init_process_group``; at once for a group of one rank)."""
+    """One rank. Models are built on the meta device in ``__init__``; once the rank has joined its
+    group (``init_process_group``; at once for a group of one rank) they are sharded, each rank
+    reads its own shards (``dmd2_core.startup``), and the optimizer and EMA are built on them."""
 
     def __init__(self, args: Args, role: str, rank: int = 0, world_size: int = 1):
         torch.set_num_threads(args.torch_threads)
@@ -52,16 +53,15 @@ class Trainer:
         self.device = pick_device(args)
         self.dtype = getattr(torch, args.dtype)  # the compute dtype; trained weights stay fp32
         self.hook = train_input_hook(args.train_input_hook_path)
-        # models load on the host; sharding moves each rank's shards to the device. A LoRA's frozen
-        # base loads in the compute dtype, exactly as the teacher does (dmd2_core.lora)
-        loaded = load_checkpoint(args.hf_checkpoint, "cpu", self.dtype if args.lora_rank else parallel.MASTER_DTYPE)
-        self.model = lora.attach(loaded.model, args)  # rank 0: full fine-tuning, nothing attached
-        self.family = loaded.family.bind(args.latent_shape, loaded.model, loaded.modality_shifts)
-        self.shift = args.dmd2_shift or loaded.shift
+        # built on the meta device; sharding fills each rank's shards (dmd2_core.startup). A LoRA
+        # critic whose fake score is the teacher's LoRA has no teacher: one base (dmd2_core.lora)
+        teacher = args.teacher_checkpoint or args.hf_checkpoint
+        self.models = TrainerModels(args, self.dtype, teacher if args.loss_type == SCORED and not lora.shares_base(args)
+                                    else None)
+        self.model, self.teacher = self.models.model, self.models.teacher
+        self.family = self.models.family.bind(args.latent_shape, self.model, self.models.modality_shifts)
+        self.shift = args.dmd2_shift or self.models.shift
         self.args = args.model_copy(update={"dmd2_shift": self.shift})
-        self.teacher = None
-        if args.loss_type == SCORED and not lora.shares_base(args):  # else the real score is self.model, adapter off
-            self.teacher = load_checkpoint(args.teacher_checkpoint or args.hf_checkpoint, "cpu", self.dtype).model
         self.real = self.disc = self.disc_optimizer = None  # the GAN head: critic only, its own optimizer
         if args.loss_type == SCORED and args.gan_critic_weight:
             self.real = load_real_set(args.real_data)
@@ -100,12 +100,7 @@ class Trainer:
                                       self.args.ray_timeout_s)
         args = self.args
         self.mesh = parallel.build_mesh(self.device, self.world_size, args.fsdp_shard_size)
-        keep_fp32 = self.family.keep_fp32_modules
-        parallel.shard_model(self.model, self.mesh, self.dtype, trainable=True, keep_fp32=keep_fp32,
-                             gradient_checkpointing=args.gradient_checkpointing, cpu_offload=args.fsdp_cpu_offload)
-        if self.teacher is not None:
-            parallel.shard_model(self.teacher, self.mesh, self.dtype, trainable=False, keep_fp32=keep_fp32,
-                                 cpu_offload=args.fsdp_cpu_offload)
+        self.models.shard(self.mesh)
         for module, trainable in ((self.model, True), (self.teacher, False)):
             if module is not None:
                 context_parallel.enable(module, self.mesh, args.cp_size, self.device, trainable, self.family)
@@ -282,6 +277,7 @@ class Trainer:
                 "bytes_freed": before - self.device_bytes()}
 
     def wake_up(self) -> dict:
+        self.models.check_filled()
         if self._stash is None:
             return {"asleep": False, "wake_s": 0.0}
         start = time.perf_counter()
@@ -359,6 +355,7 @@ class Trainer:
     def load(self, iteration: int, url: Optional[str] = None) -> int:
         """Load this trainer's checkpoint of ``iteration`` from ``url`` (default: its load URL);
         any number of ranks loads any checkpoint (each keeps its own shard)."""
+        self.models.resumed()
         self.wake_up()
         extra = checkpoint.load_trainer(url or self.args.load_url, self.role, iteration, self.model,
                                         self.optimizer, ema=self.ema, process_group=self.checkpoint_pg)
