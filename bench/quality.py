@@ -134,7 +134,11 @@ def main() -> None:
     parser.add_argument("--ema", type=float, default=0.99, help="EMA decay of the students (0: none)")
     parser.add_argument("--gan-weight", type=float, default=None, help="default: the tiny recipe's")
     parser.add_argument("--gan-critic-weight", type=float, default=None, help="default: the tiny recipe's")
-    parser.add_argument("--variants", nargs="+", default=["student", "student_gan"])
+    parser.add_argument("--variants", nargs="+", default=["student", "student_gan"],
+                        help="student, student_gan, student_lora (LoRA student and fake score over one shared base)")
+    parser.add_argument("--lora-rank", type=int, default=16, help="rank of student_lora's adapters (alpha = rank)")
+    parser.add_argument("--lora-lr", type=float, default=5e-4, help="student_lora's lr (student and fake score)")
+    parser.add_argument("--lora-targets", nargs="+", default=None, help="student_lora's lora_target_modules (default the flag's)")
     parser.add_argument("--progress", default=None, help="append every evaluation to this JSONL file")
     parser.add_argument("--summarise", default=None, help="print the JSON line from a progress file (a run cut short) and exit")
     ns = parser.parse_args()
@@ -161,6 +165,9 @@ def main() -> None:
         for steps in ns.steps:
             for seed in ns.seeds:
                 heads = gan if variant == "student_gan" else {"gan_weight": 0.0, "gan_critic_weight": 0.0}
+                if variant == "student_lora":
+                    heads = {**heads, "lora_rank": ns.lora_rank, "lr": ns.lora_lr, "critic_lr": ns.lora_lr,
+                             "lora_target_modules": ns.lora_targets}
                 jobs.append({"variant": variant, "steps": steps, "seed": seed, "iterations": ns.iterations,
                              "eval_every": ns.eval_every, "num_samples": ns.num_samples, "eval_seed": ns.eval_seed,
                              "teacher": teacher, "guidance": guidance, "target": target, "progress": ns.progress, "overrides": {
@@ -197,6 +204,11 @@ def report(table, results, ns, gan, wall_s) -> None:
             **{f"gan_at_least_as_good_{k}_steps_best": out["student_gan"][str(k)]["best"]["fd"] <= s[str(k)]["best"]["fd"]
                for k in ns.steps},
         }
+    if {"student", "student_lora"} <= set(ns.variants) and 4 in ns.steps:
+        full, low = out["student"]["4"]["final"]["fd"], out["student_lora"]["4"]["final"]["fd"]
+        out.setdefault("targets", {})["lora_4_final_fd_within_10pct_of_full"] = low <= 1.1 * full
+        out.update(lora_rank=getattr(ns, "lora_rank", None), lora_lr=getattr(ns, "lora_lr", None),
+                   lora_targets=getattr(ns, "lora_targets", None))
     out.update({"iterations": ns.iterations, "eval_every": ns.eval_every, "seeds": ns.seeds, "guidance_scale": guidance,
                 "ema_decay": ns.ema or None, "gan": gan, "num_samples": ns.num_samples,
                 "complete": all(r["final"]["iteration"] == ns.iterations for r in results),

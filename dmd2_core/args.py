@@ -52,6 +52,10 @@ class Args(BaseModel):
         None, "run", "Dtype of the exported student's weights; default the compute dtype."
     )
     keep_exports: int = _f(0, "run", "Keep this many newest student exports (0: keep all).", ge=0)
+    export_merged: bool = _f(
+        False, "run", "A LoRA student (lora_rank > 0) is exported merged into the base as a full diffusers pipeline, "
+        "instead of as a LoRA in the family's diffusers LoRA format."
+    )
     ray_address: Optional[str] = _f(None, "run", "Address of an existing Ray cluster; unset starts a local Ray.")
     device: Literal["cpu", "cuda"] = _f("cpu", "run", "Accelerator each trainer rank computes on.")
     num_devices: int = _f(1, "run", "Devices (placement-group bundles, ranks per group).", ge=1)
@@ -144,6 +148,16 @@ class Args(BaseModel):
     max_nonfinite_steps: int = _f(
         10, "train", "Fail the run after this many non-finite (skipped) optimizer steps in a row of one trainer (0: never).", ge=0
     )
+    lora_rank: int = _f(
+        0, "train", "LoRA rank of this trainer (peft adapters over its frozen base, stored in dtype; only the adapters "
+        "train, with fp32 masters and AdamW state); 0: full fine-tuning.", ge=0
+    )
+    lora_alpha: Optional[float] = _f(None, "train", "LoRA alpha (the update is scaled by alpha / rank); default the rank.", gt=0)
+    lora_target_modules: Optional[list[str]] = _f(
+        None, "train", "Module names (peft target_modules) that get adapters; default the attention projections "
+        "to_q, to_k, to_v, to_out.0."
+    )
+    lora_dropout: float = _f(0.0, "train", "Dropout on the LoRA adapters' input.", ge=0, lt=1)
 
     # --- dmd2 ----------------------------------------------------------------------------------
     critic_lr: Optional[float] = _f(None, "dmd2", "Critic (fake score) learning rate; defaults to lr.", gt=0)
@@ -177,6 +191,15 @@ class Args(BaseModel):
     gan_weight: float = _f(0.0, "dmd2", "GAN generator loss weight (softplus(-D(fake_t)), added to the DMD gradient; 0: off).", ge=0)
     gan_critic_weight: float = _f(0.0, "dmd2", "GAN discriminator loss weight in each critic step (0: no GAN head).", ge=0)
     gan_feature_block: Optional[int] = _f(None, "dmd2", "Fake-score block whose output feeds the GAN head; default the middle one.")
+    critic_lora_rank: Optional[int] = _f(
+        None, "dmd2", "The fake score's LoRA rank; defaults to lora_rank. With a rank and the teacher as its "
+        "checkpoint, the critic group holds one frozen base: the real score is it with the adapter off.", ge=0
+    )
+    critic_lora_alpha: Optional[float] = _f(None, "dmd2", "The fake score's LoRA alpha; defaults to lora_alpha.", gt=0)
+    critic_lora_target_modules: Optional[list[str]] = _f(
+        None, "dmd2", "The fake score's LoRA target modules; defaults to lora_target_modules."
+    )
+    critic_lora_dropout: Optional[float] = _f(None, "dmd2", "The fake score's LoRA dropout; defaults to lora_dropout.", ge=0, lt=1)
 
     # --- eval ----------------------------------------------------------------------------------
     eval_interval: int = _f(0, "eval", "Eval media and metrics every N iterations (0: never).", ge=0)
@@ -212,6 +235,8 @@ class Args(BaseModel):
         if self.loss_type == "dmd2" and self.num_steps_per_rollout != 1:
             raise ValueError(f"num_steps_per_rollout: the dmd2 actor takes one step per rollout (got "
                              f"{self.num_steps_per_rollout}); the critic's steps per rollout are dmd2_update_ratio")
+        if self.export_merged and not self.lora_rank:
+            raise ValueError("export_merged: only a LoRA student (lora_rank > 0) has adapters to merge")
         if self.gan_weight and not self.gan_critic_weight:
             raise ValueError("gan_critic_weight: must be > 0 when gan_weight is (the discriminator would never train)")
         return self

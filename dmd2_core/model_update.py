@@ -53,7 +53,7 @@ class ModelUpdate:
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
             with torch.no_grad():
-                for e, p in zip(self.ema, self.model.parameters()):
+                for e, p in zip(self.ema, (p for p in self.model.parameters() if p.requires_grad)):
                     parallel.local(e).lerp_(parallel.local(p), 1.0 - self.ema_decay)
         self.steps += 1
         return grad_norm, True

@@ -133,10 +133,18 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, compute_dtype: torch.d
     """Cast, checkpoint and shard ``model`` in place (blocks first, then the root), or leave it a
     plain module where ``needs_fsdp`` finds nothing to do. ``keep_fp32``: the model's
     ``_keep_in_fp32_modules`` are stored and computed in fp32 (their own FSDP units), and the root
-    leaves its inputs' dtypes alone (such a model casts them itself; position tables stay fp64)."""
+    leaves its inputs' dtypes alone (such a model casts them itself; position tables stay fp64).
+    A trainable model with frozen parameters (a LoRA, see dmd2_core.lora) keeps its base as it was
+    built (in the compute dtype, as the frozen teacher: buffers and ``keep_fp32`` modules alike),
+    and its trained parameters (the adapters) in fp32, in the same FSDP units."""
     dtype = MASTER_DTYPE if trainable else compute_dtype
     fp32 = fp32_modules(model) if keep_fp32 else []
-    if any(p.dtype != dtype for p in model.parameters()):
+    if trainable and any(not p.requires_grad for p in model.parameters()):  # a LoRA: its base stays as built
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.requires_grad and param.dtype != MASTER_DTYPE:
+                    param.data = param.data.to(MASTER_DTYPE)
+    elif any(p.dtype != dtype for p in model.parameters()):
         _cast(model, dtype, fp32)
     for module in model.modules():  # own every buffer (loading may leave them on fixed-size mmaps)
         for name, buf in module._buffers.items():

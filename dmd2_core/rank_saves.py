@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from dmd2_core import checkpoint
+from dmd2_core import checkpoint, lora
 from dmd2_core import export as exporting
 from dmd2_core.args import Args
 
@@ -40,7 +40,8 @@ class Saves:
                 checkpoint.export_url(args.save, iteration), model, teacher_url=args.hf_checkpoint,
                 shift=self.shift, num_steps=args.dmd2_student_steps,
                 export_dtype=getattr(torch, args.export_dtype or args.dtype), ema=ema,
-                writer=self.rank == 0, iteration=iteration, run_write=run_write)
+                writer=self.rank == 0, iteration=iteration, run_write=run_write,
+                lora_metadata=lora.adapter_metadata(args) if args.lora_rank else None, merged=args.export_merged)
         return self.checkpoint
 
     def durable(self) -> bool:

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from dmd2_core import dmd2, gan
+from dmd2_core import dmd2, gan, lora
 from dmd2_core import flow_matching as fm
 from dmd2_core.args import Args
 from dmd2_core.data import load_prompt_set, load_real_set
@@ -21,7 +21,7 @@ from dmd2_core.models import load_checkpoint
 
 
 def _adamw(model, args: Args, lr: float):
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(args.adam_beta1, args.adam_beta2),
+    return torch.optim.AdamW(lora.trained_parameters(model), lr=lr, betas=(args.adam_beta1, args.adam_beta2),
                              weight_decay=args.weight_decay, foreach=True)  # as the trainers
 
 
@@ -39,9 +39,14 @@ class ReferenceLoop:
         self.args = args.model_copy(update={"dmd2_shift": args.dmd2_shift or teacher.shift})
         # a joint model (MiniMax-H3) needs its clip geometry and its two schedules bound
         self.family = teacher.family.bind(args.latent_shape, teacher.model, teacher.modality_shifts)
-        self.teacher = teacher.model.requires_grad_(False).eval()
-        self.student = load_checkpoint(args.hf_checkpoint).model
-        self.critic = load_checkpoint(args.critic_hf_checkpoint or args.hf_checkpoint).model
+        self.student = lora.attach(load_checkpoint(args.hf_checkpoint).model, args)
+        from dmd2_core.trainer_config import TrainerConfig, compute_trainer_args, critic_overrides
+
+        critic_args = compute_trainer_args(args, TrainerConfig("critic", critic_overrides(args)))
+        self.critic = lora.attach(load_checkpoint(critic_args.hf_checkpoint).model, critic_args)
+        # a LoRA fake score of the teacher shares its base, as in the critic group
+        self.teacher = lora.RealScore(self.critic) if lora.shares_base(critic_args) else \
+            teacher.model.requires_grad_(False).eval()
         self.student_opt = _adamw(self.student, args, args.lr)
         self.critic_opt = _adamw(self.critic, args, args.critic_lr or args.lr)
         self.ema = copy.deepcopy(self.student).requires_grad_(False) if args.ema_decay else None

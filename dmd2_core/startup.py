@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from dmd2_core import parallel
+from dmd2_core import lora, parallel
 from dmd2_core.args import Args
 from dmd2_core.models.loading import build_empty, fill, load_dtype, weight_files
 
@@ -27,7 +27,9 @@ class TrainerModels:
     def __init__(self, args: Args, compute_dtype: torch.dtype, teacher_url: Optional[str] = None,
                  resume: Optional[bool] = None):
         self.args, self.dtype = args, compute_dtype
-        loaded = build_empty(args.hf_checkpoint, parallel.MASTER_DTYPE)
+        # a LoRA (dmd2_core.lora): its frozen base built in the compute dtype, as the teacher is
+        loaded = build_empty(args.hf_checkpoint, compute_dtype if args.lora_rank else parallel.MASTER_DTYPE)
+        loaded.model = lora.attach(loaded.model, args)
         self.model, self.family, self.shift, self.modality_shifts = (loaded.model, loaded.family, loaded.shift,
                                                                      loaded.modality_shifts)
         self.teacher_url = teacher_url
@@ -44,7 +46,9 @@ class TrainerModels:
         if self.teacher is not None:
             parallel.shard_model(self.teacher, mesh, self.dtype, trainable=False, keep_fp32=keep_fp32,
                                  cpu_offload=args.fsdp_cpu_offload)
-        model_targets = [] if self.resume else [(self.model, load_dtype(self.family.model_class, parallel.MASTER_DTYPE))]
+        adapters = lora.has_adapters(self.model)  # a LoRA's base is never in the resume checkpoint: always read
+        model_dtype = self.dtype if adapters else parallel.MASTER_DTYPE
+        model_targets = [] if self.resume and not adapters else [(self.model, load_dtype(self.family.model_class, model_dtype))]
         teacher_targets = []
         if self.teacher is not None:
             teacher_targets = [(self.teacher, load_dtype(self.family.model_class, self.dtype))]
@@ -54,6 +58,8 @@ class TrainerModels:
             self.bytes_read += fill(model_targets, weight_files(args.hf_checkpoint))
         if teacher_targets:
             self.bytes_read += fill(teacher_targets, weight_files(self.teacher_url))
+        if adapters and not self.resume:
+            lora.init_adapters(self.model, args.seed)
         if self.resume:
             self.unfilled = (f"{args.hf_checkpoint}: the trained model was left for the resume checkpoint to fill, "
                              "and no checkpoint was loaded")

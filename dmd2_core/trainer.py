@@ -17,7 +17,7 @@ from typing import Optional, Union
 
 import torch
 
-from dmd2_core import checkpoint, context_parallel, dmd2, gan, parallel
+from dmd2_core import checkpoint, context_parallel, dmd2, gan, lora, parallel
 from dmd2_core.actor import Actor
 from dmd2_core.args import Args
 from dmd2_core.critic import SCORED, Critic
@@ -53,9 +53,11 @@ class Trainer:
         self.device = pick_device(args)
         self.dtype = getattr(torch, args.dtype)  # the compute dtype; trained weights stay fp32
         self.hook = train_input_hook(args.train_input_hook_path)
-        # built on the meta device; sharding fills each rank's shards (dmd2_core.startup)
-        self.models = TrainerModels(args, self.dtype, (args.teacher_checkpoint or args.hf_checkpoint)
-                                    if args.loss_type == SCORED else None)
+        # built on the meta device; sharding fills each rank's shards (dmd2_core.startup). A LoRA
+        # critic whose fake score is the teacher's LoRA has no teacher: one base (dmd2_core.lora)
+        teacher = args.teacher_checkpoint or args.hf_checkpoint
+        self.models = TrainerModels(args, self.dtype, teacher if args.loss_type == SCORED and not lora.shares_base(args)
+                                    else None)
         self.model, self.teacher = self.models.model, self.models.teacher
         self.family = self.models.family.bind(args.latent_shape, self.model, self.models.modality_shifts)
         self.shift = args.dmd2_shift or self.models.shift
@@ -103,11 +105,11 @@ class Trainer:
             if module is not None:
                 context_parallel.enable(module, self.mesh, args.cp_size, self.device, trainable, self.family)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+            lora.trained_parameters(self.model), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
             weight_decay=args.weight_decay, foreach=True,  # one dispatch per op over all shards
         )
         if args.ema_decay:
-            self.ema = [p.detach().clone() for p in self.model.parameters()]
+            self.ema = [p.detach().clone() for p in lora.trained_parameters(self.model)]
         self.checkpoint_pg = checkpoint.checkpoint_group()
         self.update = ModelUpdate(self.model, self.optimizer, self.ema, args.ema_decay, args.clip_grad, self.nonfinite,
                                   self.world_size, self.device)
@@ -115,7 +117,8 @@ class Trainer:
             self.learner = Actor(self.family, self.model, self.update, self._cond, self.local_batch, args.micro_batch_size)
         else:
             self.learner = Critic(args, self.role, self.family, self.model, self.update, self._cond, self._uncond,
-                                  self.rows, self.device, self.world_size, teacher=self.teacher, disc=self.disc,
+                                  self.rows, self.device, self.world_size, disc=self.disc,
+                                  teacher=self.teacher if self.teacher is not None else lora.RealScore(self.model),
                                   disc_optimizer=self.disc_optimizer, real=self.real)
 
     def _reshard(self) -> None:
@@ -211,7 +214,7 @@ class Trainer:
             yield
             return
         self._reshard()
-        pairs = [(parallel.local(p), parallel.local(e)) for p, e in zip(self.model.parameters(), self.ema)]
+        pairs = [(parallel.local(p), parallel.local(e)) for p, e in zip(lora.trained_parameters(self.model), self.ema)]
         _swap(pairs)
         try:
             yield

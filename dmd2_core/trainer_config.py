@@ -35,6 +35,11 @@ def critic_overrides(args: Args) -> dict[str, Any]:
         "cp_size": _default(args.critic_cp_size, args.cp_size),
         "loss_type": "dmd2_critic",
         "ema_decay": None,
+        "lora_rank": _default(args.critic_lora_rank, args.lora_rank),
+        "lora_alpha": _default(args.critic_lora_alpha, args.lora_alpha),
+        "lora_target_modules": _default(args.critic_lora_target_modules, args.lora_target_modules),
+        "lora_dropout": _default(args.critic_lora_dropout, args.lora_dropout),
+        "export_merged": False,  # the critic is never exported
     }
 
 

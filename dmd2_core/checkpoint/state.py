@@ -8,14 +8,16 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from dmd2_core import lora
+
 
 def sharded_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
                   ema: Optional[Sequence[torch.Tensor]], init_optimizer: bool = False) -> dict[str, torch.Tensor]:
     """This rank's view of the trainer state as one flat dict of (distributed) tensors: DCP saves
     each rank's shards and loads into them in place. ``init_optimizer`` creates AdamW's state
     (zeros, step 0) where it does not exist yet, so a fresh trainer has tensors to load into."""
-    state = {f"model.{k}": v for k, v in model.state_dict().items()}
-    names = [n for n, _ in model.named_parameters()]
+    state = {f"model.{k}": v for k, v in lora.saved_state(model).items()}  # a LoRA: its adapters alone
+    names = [n for n, _ in lora.trained(model)]
     if ema is not None:
         state.update({f"ema.{n}": e for n, e in zip(names, ema)})
     if optimizer is not None:

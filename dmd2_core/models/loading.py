@@ -77,7 +77,9 @@ def build_empty(url: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
 def stored_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint holds for ``model``: its parameters and persistent buffers, by
     name (FSDP keeps the diffusers names), as the model holds them (shards or whole)."""
-    out = dict(model.named_parameters())
+    from dmd2_core import lora
+
+    out = lora.base_names(model.named_parameters())  # a LoRA's base under its diffusers names, no adapters
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
         out.update({prefix + n: b for n, b in module._buffers.items()

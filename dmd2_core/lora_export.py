@@ -1,0 +1,146 @@
+"""The export of a LoRA student: its adapters in the family's diffusers LoRA format, to load onto
+the teacher's pipeline; or, merged, a full export (``dmd2_core.export``).
+
+Layout of a LoRA export (``{save}/exports/iter_{iteration:07d}/``)::
+
+    pytorch_lora_weights.safetensors         the adapters the project evaluates with (the EMA's
+                                             when there is one), ``transformer.<module>.lora_A.weight``
+                                             keys and the adapter config (rank, alpha, targets) as
+                                             metadata, written by the family's ``save_lora_weights``
+    pytorch_lora_weights_online.safetensors  with an EMA only: the trained (online) adapters
+    scheduler/                               the student's FlowMatchLCMScheduler (not for families
+                                             whose modular pipeline steps the student itself)
+    export.json                              written last, after verification
+
+Loading it: the teacher's pipeline, then ``pipe.load_lora_weights(export)`` and, where there is
+one, ``pipe.scheduler = FlowMatchLCMScheduler.from_pretrained(export, subfolder="scheduler")``;
+sampling as for a full export (``dmd2_core.export``). The base is the teacher's checkpoint: it is
+never gathered for a LoRA export, only the adapters are (a few MB where the base is 33 B).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Optional
+
+import torch
+
+from dmd2_core import flow_matching as fm
+from dmd2_core import lora, parallel, storage
+from dmd2_core.checkpoint.layout import EXPORT_MARKER_NAME
+from dmd2_core.models import CheckpointError, describe_checkpoint
+from dmd2_core.student_scheduler import SCHEDULER_CLASS, scheduler_sigmas, student_scheduler_config
+
+ONLINE_WEIGHT_NAME = "pytorch_lora_weights_online.safetensors"
+
+
+def _gather(named, keep: bool, dtype: Optional[torch.dtype]) -> dict[str, torch.Tensor]:
+    """Whole tensors on the host, one at a time (a collective for distributed ones)."""
+    out = {}
+    for name, value in named:
+        whole = parallel.full(value).detach()
+        if keep:
+            out[name] = whole.to("cpu", dtype=dtype if dtype is not None and whole.is_floating_point() else whole.dtype,
+                                 copy=True)
+    return out
+
+
+def gather(model: torch.nn.Module, export_dtype: torch.dtype, metadata: dict, ema=None, writer: bool = True,
+           merged: bool = False) -> Optional[dict]:
+    """The collective half of a LoRA student's export, kept on the ``writer`` rank: the adapters
+    (and their EMA) in fp32, ``{'online', 'ema', 'lora': metadata}``; ``merged``: the whole model
+    with the adapters merged into the base, cast to ``export_dtype`` (``{'online', 'ema'}``, plain
+    diffusers names, as ``export.gather_student`` gives a full student)."""
+    names = [n for n, _ in lora.trained(model)]
+    online = _gather(lora.trained(model), writer, torch.float32)
+    averaged = _gather(zip(names, ema), writer, torch.float32) if ema is not None else None
+    if merged:
+        from dmd2_core.export import _persistent
+
+        base = _persistent(model, _gather(((n, t) for n, t in model.state_dict().items() if not lora.is_adapter(n)),
+                                          writer, None))
+        if not writer:
+            return None
+        return {"online": lora.merged_state({**base, **online}, metadata, export_dtype),
+                "ema": lora.merged_state({**base, **averaged}, metadata, export_dtype) if averaged is not None else None}
+    if not writer:
+        return None
+    return {"online": online, "ema": averaged, "lora": metadata}
+
+
+def write(url: str, family, gathered: dict, *, teacher_url: str, shift: float, num_steps: int,
+          export_dtype: torch.dtype, verify: bool = True, iteration: Optional[int] = None,
+          started: Optional[float] = None) -> dict:
+    """The writer's half (no collective): the adapters at ``url`` through the family's
+    ``save_lora_weights``, the student's scheduler, a read-back check, export.json last."""
+    from dmd2_core.export import EXPORT_FORMAT, _total_bytes, _writable_dir
+
+    started = time.perf_counter() if started is None else started
+    teacher = describe_checkpoint(teacher_url)
+    if teacher["family"] != family.class_name:
+        raise CheckpointError(f"{teacher_url}: the teacher is a {teacher['family']}, the student a {family.class_name}")
+    metadata, loader = gathered["lora"], lora.lora_loader(family)
+    online = _cast(lora.diffusers_lora_state(gathered["online"]), export_dtype)
+    averaged = _cast(lora.diffusers_lora_state(gathered["ema"]), export_dtype) if gathered.get("ema") is not None else None
+    files = {lora.LORA_WEIGHT_NAME: averaged if averaged is not None else online,
+             **({ONLINE_WEIGHT_NAME: online} if averaged is not None else {})}
+    storage.remove(storage.join(url, EXPORT_MARKER_NAME))
+    storage.remove(url)
+    with _writable_dir(url) as directory:
+        for weight_name, state in files.items():
+            loader.save_lora_weights(str(directory), transformer_lora_layers=state, weight_name=weight_name,
+                                     transformer_lora_adapter_metadata=dict(metadata))
+    scheduler = None
+    if not family.deterministic_student:  # a modular pipeline (MiniMax-H3) steps the student with its own
+        import diffusers
+
+        scheduler = student_scheduler_config(shift, num_steps)
+        with _writable_dir(storage.join(url, "scheduler")) as directory:
+            getattr(diffusers, SCHEDULER_CLASS)(**scheduler).save_pretrained(str(directory))
+    export_s = time.perf_counter() - started
+    verify_s = 0.0
+    if verify:
+        t0 = time.perf_counter()
+        for weight_name, state in files.items():
+            _verify(storage.join(url, weight_name), state)
+        if scheduler is not None:
+            got = scheduler_sigmas(json.loads(storage.read_text(storage.join(url, "scheduler", "scheduler_config.json"))),
+                                   num_steps)
+            if max(abs(g - w) for g, w in zip(got, fm.student_sigmas(num_steps, shift))) > 1e-6:
+                raise CheckpointError(f"{storage.join(url, 'scheduler')}: the written scheduler does not give the student's sigmas")
+        verify_s = time.perf_counter() - t0
+    size = _total_bytes(url)
+    marker = {
+        "format": EXPORT_FORMAT, "iteration": None if iteration is None else int(iteration),
+        "num_steps": int(num_steps), "shift": float(shift), "sigmas": fm.student_sigmas(num_steps, shift),
+        "dtype": str(export_dtype).removeprefix("torch."),
+        "lora": {**metadata, "weight_name": lora.LORA_WEIGHT_NAME, "loader": loader.__name__,
+                 "note": "load onto the teacher's pipeline: pipe.load_lora_weights(export)"},
+        "transformer": "ema" if averaged is not None else "online",
+        "transformer_online": ONLINE_WEIGHT_NAME if averaged is not None else None,
+        "scheduler": None if scheduler is None else {
+            "class": SCHEDULER_CLASS, **scheduler, "note": "set_timesteps(num_steps) gives the student's sigmas"},
+        "teacher": teacher_url, "pipeline": False, "components": [], "bytes": size,
+        "export_s": round(export_s, 3), "verified": bool(verify), "verify_s": round(verify_s, 3),
+    }
+    storage.write_text(storage.join(url, EXPORT_MARKER_NAME), json.dumps(marker, indent=2) + "\n")
+    return {"url": url, "bytes": size, "export_s": export_s, "verify_s": verify_s, "pipeline": False}
+
+
+def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {k: v.to(dtype) for k, v in state.items()}
+
+
+def _verify(url: str, expected: dict[str, torch.Tensor]) -> None:
+    """The written LoRA file holds every adapter exactly, under diffusers' ``transformer.`` keys."""
+    from safetensors.torch import load
+
+    written = load(storage.read_bytes(url))
+    want = {f"transformer.{k}": v for k, v in expected.items()}
+    if set(written) != set(want):
+        odd = sorted(set(written) ^ set(want))
+        raise CheckpointError(f"{url}: the LoRA file's keys differ from the adapters' (e.g. '{odd[0]}')")
+    for key, value in want.items():
+        if written[key].dtype != value.dtype or not torch.equal(written[key], value):
+            raise CheckpointError(f"{url}: '{key}' differs from the gathered adapter")
