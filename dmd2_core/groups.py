@@ -43,8 +43,15 @@ def init_ray(args: Args, num_groups: int = 1) -> None:
         resources = {} if args.resource_name == "GPU" else {args.resource_name: float(args.num_devices * (1 if args.colocate else num_groups))}
         # "local": a new Ray of its own, even where RAY_ADDRESS or a `ray start` cluster on this
         # machine would otherwise be joined (ray.init's default)
-        ray.init(address="local", namespace=args.run_name, resources=resources, include_dashboard=False,
-                 log_to_driver=True)
+        for attempt in (1, 2):
+            try:
+                ray.init(address="local", namespace=args.run_name, resources=resources, include_dashboard=False,
+                         log_to_driver=True)
+                break
+            except Exception as exc:  # noqa: BLE001 - Ray gives its raylet a fixed 30 s to register
+                if attempt == 2 or "timed out during startup" not in str(exc):
+                    raise
+                ray.shutdown()  # a loaded machine: stop what started and start once more
     if handler is not None:
         signal.signal(signal.SIGTERM, handler)
 

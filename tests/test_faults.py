@@ -277,7 +277,8 @@ def test_a_run_rides_out_an_s3_outage_during_a_checkpoint(ray_session, tiny_teac
     assert took >= OUTAGE_S  # the checkpoint waited the outage out
     assert ckpt.validate_resume(save, ["actor", "critic"]) == 1  # listing, sizes and sha256 of every file
 
-    uninterrupted = {role: Trainer(a, role) for role, a in preflight(args).items()}
+    fresh = tiny_args(tiny_teacher, f"{s3_bucket}/uninterrupted", run_name="dmd2-outage")  # no tracker: not a resume
+    uninterrupted = {role: Trainer(a, role) for role, a in preflight(fresh).items()}
     for i in (1, 2):
         pairs, _ = uninterrupted["actor"].rollout(i)
         scores, _ = uninterrupted["critic"].train(i, pairs)

@@ -327,3 +327,29 @@ def test_eval_holds_no_second_copy_of_the_model_and_its_decoder_sleeps(tiny_teac
     assert Decoder.moves == ["cpu"]
     assert torch.equal(actor.sample([0, 1, 2], seed=5), first)
     assert Decoder.moves == ["cpu", actor.device.type, "cpu"] and actor.asleep
+
+
+def test_a_local_ray_that_times_out_starting_is_started_once_more(monkeypatch, tiny_teacher, tmp_path):
+    """Ray gives a new node's raylet a fixed 30 s to register; on a loaded machine the start is
+    retried once (after stopping what started), any other failure is raised at once."""
+    from dmd2_core import groups
+
+    calls = []
+
+    def init(**kwargs):
+        calls.append(kwargs["address"])
+        if len(calls) == 1:
+            raise Exception("The current node timed out during startup. This could happen because ...")
+
+    monkeypatch.setattr(groups.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(groups.ray, "init", init)
+    monkeypatch.setattr(groups.ray, "shutdown", lambda: calls.append("shutdown"))
+    groups.init_ray(tiny_args(tiny_teacher, str(tmp_path / "run")))
+    assert calls == ["local", "shutdown", "local"]
+
+    def broken(**kwargs):
+        raise ConnectionError("GCS unreachable")
+
+    monkeypatch.setattr(groups.ray, "init", broken)
+    with pytest.raises(ConnectionError):
+        groups.init_ray(tiny_args(tiny_teacher, str(tmp_path / "run")))
