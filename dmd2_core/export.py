@@ -41,7 +41,7 @@ import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -49,7 +49,7 @@ from dmd2_core import flow_matching as fm
 from dmd2_core import lora_export, parallel, storage
 from dmd2_core.checkpoint.layout import EXPORT_MARKER_NAME
 from dmd2_core.models import CheckpointError, describe_checkpoint, family_of, write_transformer
-from dmd2_core.student_scheduler import SCHEDULER_CLASS, scheduler_sigmas, student_scheduler_config
+from dmd2_core.student_scheduler import SCHEDULER_CLASS, student_scheduler_config, verify_written_scheduler
 
 EXPORT_FORMAT = 1
 ONLINE_DIR = "transformer_online"
@@ -163,10 +163,7 @@ def write_export(url: str, model: torch.nn.Module, gathered: dict, *, teacher_ur
         t0 = time.perf_counter()
         for name, state in transformers.items():
             verify_transformer(storage.join(url, name), family, state, export_dtype)
-        got = scheduler_sigmas(json.loads(storage.read_text(storage.join(url, "scheduler", "scheduler_config.json"))),
-                               num_steps)
-        if max(abs(g - w) for g, w in zip(got, fm.student_sigmas(num_steps, shift))) > 1e-6:
-            raise CheckpointError(f"{storage.join(url, 'scheduler')}: the written scheduler does not give the student's sigmas")
+        verify_written_scheduler(url, num_steps, shift)
         verify_s = time.perf_counter() - t0
 
     size = _total_bytes(url)

@@ -30,7 +30,7 @@ from dmd2_core import flow_matching as fm
 from dmd2_core import lora, parallel, storage
 from dmd2_core.checkpoint.layout import EXPORT_MARKER_NAME
 from dmd2_core.models import CheckpointError, describe_checkpoint
-from dmd2_core.student_scheduler import SCHEDULER_CLASS, scheduler_sigmas, student_scheduler_config
+from dmd2_core.student_scheduler import SCHEDULER_CLASS, student_scheduler_config, verify_written_scheduler
 
 ONLINE_WEIGHT_NAME = "pytorch_lora_weights_online.safetensors"
 
@@ -105,10 +105,7 @@ def write(url: str, family, gathered: dict, *, teacher_url: str, shift: float, n
         for weight_name, state in files.items():
             _verify(storage.join(url, weight_name), state)
         if scheduler is not None:
-            got = scheduler_sigmas(json.loads(storage.read_text(storage.join(url, "scheduler", "scheduler_config.json"))),
-                                   num_steps)
-            if max(abs(g - w) for g, w in zip(got, fm.student_sigmas(num_steps, shift))) > 1e-6:
-                raise CheckpointError(f"{storage.join(url, 'scheduler')}: the written scheduler does not give the student's sigmas")
+            verify_written_scheduler(url, num_steps, shift)
         verify_s = time.perf_counter() - t0
     size = _total_bytes(url)
     marker = {

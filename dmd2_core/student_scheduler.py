@@ -58,3 +58,16 @@ def scheduler_sigmas(config: dict, num_steps: int) -> list[float]:
     scheduler = getattr(diffusers, SCHEDULER_CLASS)(**config)
     scheduler.set_timesteps(num_steps)
     return [float(s) for s in scheduler.sigmas[:-1]]
+
+
+def verify_written_scheduler(url: str, num_steps: int, shift: float) -> None:
+    """The scheduler written under ``url``/scheduler gives the student's sigmas; CheckpointError naming it if not."""
+    import json
+
+    from dmd2_core import storage
+    from dmd2_core.models import CheckpointError
+
+    got = scheduler_sigmas(json.loads(storage.read_text(storage.join(url, "scheduler", "scheduler_config.json"))),
+                           num_steps)
+    if max(abs(g - w) for g, w in zip(got, fm.student_sigmas(num_steps, shift))) > 1e-6:
+        raise CheckpointError(f"{storage.join(url, 'scheduler')}: the written scheduler does not give the student's sigmas")
