@@ -155,6 +155,21 @@ def tiny_args(teacher: str, save: str, **overrides):
     return load_args(None, values)
 
 
+def in_process_trainers(args) -> dict:
+    """The run's trainers (actor and critic), one rank each, in this process."""
+    from dmd2_core.distill import preflight
+    from dmd2_core.trainer import Trainer
+
+    return {role: Trainer(a, role) for role, a in preflight(args).items()}
+
+
+def iterate_in_process(trainers: dict, iteration: int) -> None:
+    """One DMD2 iteration of in-process trainers: rollout, the critic's train, the actor's train."""
+    pairs, _ = trainers["actor"].rollout(iteration)
+    scores, _ = trainers["critic"].train(iteration, pairs)
+    trainers["actor"].train(iteration, pairs, scores)
+
+
 @pytest.fixture(scope="session")
 def prefect_harness(s3_server):
     """Prefect's test harness (a temporary database and server) for the whole session."""

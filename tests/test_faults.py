@@ -17,7 +17,7 @@ from dmd2_core import checkpoint as ckpt
 from dmd2_core import storage
 from dmd2_core.distill import DistillRun
 from dmd2_core.finite import NonFiniteError
-from tests.conftest import tiny_args
+from tests.conftest import in_process_trainers, iterate_in_process, tiny_args
 
 HOOKS = "tests.hooks_fixture"
 
@@ -260,9 +260,6 @@ def test_a_run_rides_out_an_s3_outage_during_a_checkpoint(ray_session, tiny_teac
     every file written during the outage passes its sha256 check."""
     import time
 
-    from dmd2_core.distill import preflight
-    from dmd2_core.trainer import Trainer
-
     save = f"{s3_bucket}/run"
     args = tiny_args(tiny_teacher, save, run_name="dmd2-outage")
     with DistillRun(args) as run:
@@ -278,11 +275,9 @@ def test_a_run_rides_out_an_s3_outage_during_a_checkpoint(ray_session, tiny_teac
     assert ckpt.validate_resume(save, ["actor", "critic"]) == 1  # listing, sizes and sha256 of every file
 
     fresh = tiny_args(tiny_teacher, f"{s3_bucket}/uninterrupted", run_name="dmd2-outage")  # no tracker: not a resume
-    uninterrupted = {role: Trainer(a, role) for role, a in preflight(fresh).items()}
+    uninterrupted = in_process_trainers(fresh)
     for i in (1, 2):
-        pairs, _ = uninterrupted["actor"].rollout(i)
-        scores, _ = uninterrupted["critic"].train(i, pairs)
-        uninterrupted["actor"].train(i, pairs, scores)
+        iterate_in_process(uninterrupted, i)
     assert digests == {role: t.state_digest() for role, t in uninterrupted.items()}
 
 

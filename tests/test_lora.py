@@ -17,26 +17,16 @@ from dmd2_core import dmd2, lora, parallel
 from dmd2_core.args import ArgsError
 from dmd2_core.distill import DistillRun, preflight
 from dmd2_core.trainer import Trainer
-from tests.conftest import tiny_args
+from tests.conftest import in_process_trainers, iterate_in_process, tiny_args
 
 LORA = dict(lora_rank=4, lora_alpha=8.0, lr=1e-3, critic_lr=1e-3)
 
 
-def _in_process(args):
-    return {role: Trainer(a, role) for role, a in preflight(args).items()}
-
-
-def _iterate(trainers, iteration):
-    pairs, _ = trainers["actor"].rollout(iteration)
-    scores, _ = trainers["critic"].train(iteration, pairs)
-    trainers["actor"].train(iteration, pairs, scores)
-
-
 def test_only_the_adapters_move_the_base_is_bitwise_unchanged(tiny_teacher, tmp_path):
-    trainers = _in_process(tiny_args(tiny_teacher, str(tmp_path), **LORA))
+    trainers = in_process_trainers(tiny_args(tiny_teacher, str(tmp_path), **LORA))
     before = {role: t.weights() for role, t in trainers.items()}
     for i in (1, 2, 3):
-        _iterate(trainers, i)
+        iterate_in_process(trainers, i)
     for role, t in trainers.items():
         after = t.weights()
         base = [k for k in after if not lora.is_adapter(k)]
@@ -56,9 +46,9 @@ def test_real_score_under_the_shared_base_is_the_teachers_forward_bitwise(tiny_t
     """bf16 compute (FSDP on a mesh of one, base in bf16, adapters fp32): after training has moved
     the fake score's adapter, the real score equals a separately loaded, sharded teacher exactly."""
     args = tiny_args(tiny_teacher, str(tmp_path / "lora"), dtype="bfloat16", **LORA)
-    trainers = _in_process(args)
+    trainers = in_process_trainers(args)
     for i in (1, 2):
-        _iterate(trainers, i)
+        iterate_in_process(trainers, i)
     critic = trainers["critic"]
     assert {p.dtype for n, p in critic.model.named_parameters() if lora.is_adapter(n)} == {torch.float32}
     assert {p.dtype for n, p in critic.model.named_parameters() if not lora.is_adapter(n)} == {torch.bfloat16}
@@ -82,7 +72,7 @@ def test_real_score_under_the_shared_base_is_the_teachers_forward_bitwise(tiny_t
 
 def test_a_separate_teacher_when_the_fake_score_starts_elsewhere(tiny_teacher, tmp_path):
     args = tiny_args(tiny_teacher, str(tmp_path), critic_lora_rank=0, **{k: v for k, v in LORA.items()})
-    trainers = _in_process(args)
+    trainers = in_process_trainers(args)
     assert trainers["critic"].teacher is not None and not lora.has_adapters(trainers["critic"].model)
     assert lora.has_adapters(trainers["actor"].model)
 
@@ -94,7 +84,7 @@ def test_a_separate_teacher_when_the_fake_score_starts_elsewhere(tiny_teacher, t
 ])
 def test_bad_lora_settings_fail_in_one_line(tiny_teacher, tmp_path, overrides, needle):
     with pytest.raises((ArgsError, ValueError)) as err:
-        _in_process(tiny_args(tiny_teacher, str(tmp_path), **overrides))
+        in_process_trainers(tiny_args(tiny_teacher, str(tmp_path), **overrides))
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
@@ -111,7 +101,7 @@ def _run(tiny_teacher, save, n, iterations, **kw):
 def test_two_sharded_lora_ranks_equal_one_rank(ray_session, tiny_teacher, tmp_path):
     one = _run(tiny_teacher, str(tmp_path / "1"), 1, (1, 2, 3))
     two = _run(tiny_teacher, str(tmp_path / "2"), 2, (1, 2, 3))
-    fresh = _in_process(tiny_args(tiny_teacher, str(tmp_path / "0"), **LORA))["actor"].weights()
+    fresh = in_process_trainers(tiny_args(tiny_teacher, str(tmp_path / "0"), **LORA))["actor"].weights()
     for role in ("actor", "critic"):
         diff = max((one[role][k] - two[role][k]).abs().max().item() for k in one[role])
         assert diff < 2e-6, (role, diff)
@@ -154,9 +144,9 @@ def test_save_kill_resume_is_bitwise_and_elastic(ray_session, tiny_teacher, tmp_
 # ---- export ------------------------------------------------------------------------------------
 
 def _trained_student(tiny_teacher, tmp_path, **kw):
-    trainers = _in_process(tiny_args(tiny_teacher, str(tmp_path), **LORA, **kw))
+    trainers = in_process_trainers(tiny_args(tiny_teacher, str(tmp_path), **LORA, **kw))
     for i in (1, 2):
-        _iterate(trainers, i)
+        iterate_in_process(trainers, i)
     return trainers["actor"]
 
 

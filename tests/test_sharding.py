@@ -24,8 +24,7 @@ from dmd2_core import memory, parallel
 from dmd2_core.args import ArgsError, load_args
 from dmd2_core.distill import DistillRun, preflight
 from dmd2_core.models.standins import build_standin, standin_prompt_set
-from dmd2_core.trainer import Trainer
-from tests.conftest import tiny_args
+from tests.conftest import in_process_trainers, iterate_in_process, tiny_args
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "deployments" / "model_configs"
@@ -42,16 +41,6 @@ def sd3(tmp_path_factory):
     return url, prompts
 
 
-def _in_process(args):
-    return {role: Trainer(a, role) for role, a in preflight(args).items()}
-
-
-def _iterate(trainers, iteration):
-    pairs, _ = trainers["actor"].rollout(iteration)
-    scores, _ = trainers["critic"].train(iteration, pairs)
-    trainers["actor"].train(iteration, pairs, scores)
-
-
 # ---- precision ---------------------------------------------------------------------------------
 
 def test_bf16_recipe_moves_the_fp32_master_weights(sd3, tmp_path):
@@ -60,7 +49,7 @@ def test_bf16_recipe_moves_the_fp32_master_weights(sd3, tmp_path):
     url, prompts = sd3
     args = load_args("wan-video", dict(H3_CPU, hf_checkpoint=url, prompts=prompts, save=str(tmp_path)))
     assert args.dtype == "bfloat16" and args.lr == 2e-6 and args.gradient_checkpointing
-    trainers = _in_process(args)
+    trainers = in_process_trainers(args)
     actor, critic = trainers["actor"], trainers["critic"]
     assert {p.dtype for p in actor.model.parameters()} == {torch.float32}
     assert {p.dtype for p in critic.teacher.parameters()} == {torch.bfloat16}
@@ -71,7 +60,7 @@ def test_bf16_recipe_moves_the_fp32_master_weights(sd3, tmp_path):
     handle = block.register_forward_pre_hook(lambda m, a, kw: seen.append((a[0] if a else kw["hidden_states"]).dtype), with_kwargs=True)
     before = actor.weights()
     for i in range(1, 6):
-        _iterate(trainers, i)
+        iterate_in_process(trainers, i)
     handle.remove()
     after = actor.weights()
     moved = sum((before[k] != after[k]).sum().item() for k in before)
@@ -84,10 +73,10 @@ def test_bf16_recipe_moves_the_fp32_master_weights(sd3, tmp_path):
 def test_gradient_checkpointing_gives_the_same_update(tiny_teacher, tmp_path):
     weights = {}
     for on in (False, True):
-        trainers = _in_process(tiny_args(tiny_teacher, str(tmp_path / str(on)), gradient_checkpointing=on))
+        trainers = in_process_trainers(tiny_args(tiny_teacher, str(tmp_path / str(on)), gradient_checkpointing=on))
         assert trainers["actor"].model.is_gradient_checkpointing == on
         for i in (1, 2):
-            _iterate(trainers, i)
+            iterate_in_process(trainers, i)
         weights[on] = {role: t.weights() for role, t in trainers.items()}
     for role in ("actor", "critic"):
         a, b = weights[False][role], weights[True][role]
@@ -101,11 +90,11 @@ def test_fsdp_only_where_it_has_work(tiny_teacher, tmp_path):
     from torch.distributed.fsdp import FSDPModule
 
     for dtype, sharded in (("float32", False), ("bfloat16", True)):
-        trainers = _in_process(tiny_args(tiny_teacher, str(tmp_path / dtype), dtype=dtype))
+        trainers = in_process_trainers(tiny_args(tiny_teacher, str(tmp_path / dtype), dtype=dtype))
         assert isinstance(trainers["actor"].model, FSDPModule) == sharded, dtype
         assert isinstance(trainers["critic"].model, FSDPModule) == sharded, dtype
         assert not isinstance(trainers["critic"].teacher, FSDPModule), dtype  # frozen: stored in the compute dtype
-        _iterate(trainers, 1)
+        iterate_in_process(trainers, 1)
         assert any(isinstance(p, torch.distributed.tensor.DTensor) for p in trainers["actor"].model.parameters()) == sharded
 
 
@@ -125,7 +114,7 @@ def test_two_sharded_ranks_equal_one_rank(ray_session, tiny_teacher, tmp_path, s
     over ranks (gloo under FSDP2, pytorch issue 162338) would double every update."""
     one, _ = _run(tiny_teacher, str(tmp_path / "1"), 1, (1, 2, 3))
     two, _ = _run(tiny_teacher, str(tmp_path / "2"), 2, (1, 2, 3), fsdp_shard_size=shard_size)
-    fresh = _in_process(tiny_args(tiny_teacher, str(tmp_path / "0")))["actor"].weights()
+    fresh = in_process_trainers(tiny_args(tiny_teacher, str(tmp_path / "0")))["actor"].weights()
     for role in ("actor", "critic"):
         diff = max((one[role][k] - two[role][k]).abs().max().item() for k in one[role])
         assert diff < 2e-6, (role, diff)
@@ -257,7 +246,7 @@ def test_a_group_across_two_ray_nodes(tiny_teacher, tmp_path):
     procs = [head]
     script = f"""
 import json, time, ray, torch
-from tests.conftest import tiny_args
+from tests.conftest import in_process_trainers, iterate_in_process, tiny_args
 from dmd2_core.distill import DistillRun
 ray.init(address="127.0.0.1:{port}", namespace="two-nodes")  # the run joins this connection
 deadline = time.monotonic() + 180
@@ -289,8 +278,8 @@ with DistillRun(args) as run:
         out = json.loads(done.stdout.strip().splitlines()[-1])
         assert out["alive"] == 2 and len(set(out["nodes"])) == 2  # one rank on each node
         assert all(w["share"] == 0.5 for w in out["where"])
-        one = _in_process(tiny_args(tiny_teacher, str(tmp_path / "one")))  # the same iteration on one rank
-        _iterate(one, 1)
+        one = in_process_trainers(tiny_args(tiny_teacher, str(tmp_path / "one")))  # the same iteration on one rank
+        iterate_in_process(one, 1)
         two = torch.load(tmp_path / "weights.pt", weights_only=True)
         for role in ("actor", "critic"):
             want = one[role].weights()

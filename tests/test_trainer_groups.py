@@ -14,37 +14,26 @@ from dmd2_core.distill import DistillRun, preflight
 from dmd2_core.saves import SaveTracker
 from dmd2_core.trainer import Trainer
 from dmd2_core.trainer_config import TrainerConfig, compute_trainer_args
-from tests.conftest import tiny_args
-
-
-def _trainers(args):
-    roles = preflight(args)
-    return {role: Trainer(a, role) for role, a in roles.items()}
-
-
-def _iterate_in_process(trainers, iteration):
-    pairs, _ = trainers["actor"].rollout(iteration)
-    scores, _ = trainers["critic"].train(iteration, pairs)
-    trainers["actor"].train(iteration, pairs, scores)
+from tests.conftest import in_process_trainers, iterate_in_process, tiny_args
 
 
 def test_micro_batches_give_the_same_update_as_one_batch(tiny_teacher, tmp_path):
-    whole = _trainers(tiny_args(tiny_teacher, str(tmp_path / "a")))
-    micro = _trainers(tiny_args(tiny_teacher, str(tmp_path / "b"), micro_batch_size=3))
+    whole = in_process_trainers(tiny_args(tiny_teacher, str(tmp_path / "a")))
+    micro = in_process_trainers(tiny_args(tiny_teacher, str(tmp_path / "b"), micro_batch_size=3))
     for i in (1, 2):
-        _iterate_in_process(whole, i)
-        _iterate_in_process(micro, i)
+        iterate_in_process(whole, i)
+        iterate_in_process(micro, i)
     for role in ("actor", "critic"):
         a, b = whole[role].weights(), micro[role].weights()
         assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
     # and training moved the weights at all (the comparison above is not vacuous)
-    fresh = _trainers(tiny_args(tiny_teacher, str(tmp_path / "c")))["actor"].weights()
+    fresh = in_process_trainers(tiny_args(tiny_teacher, str(tmp_path / "c")))["actor"].weights()
     assert max((fresh[k] - whole["actor"].weights()[k]).abs().max().item() for k in fresh) > 1e-6
 
 
 def test_sleep_and_wake_restore_state_bitwise(tiny_teacher, tmp_path):
-    trainers = _trainers(tiny_args(tiny_teacher, str(tmp_path), ema_decay=0.9))
-    _iterate_in_process(trainers, 1)
+    trainers = in_process_trainers(tiny_args(tiny_teacher, str(tmp_path), ema_decay=0.9))
+    iterate_in_process(trainers, 1)
     for trainer in trainers.values():
         digest = trainer.state_digest()
         assert trainer.device_bytes() > 0
@@ -57,24 +46,24 @@ def test_sleep_and_wake_restore_state_bitwise(tiny_teacher, tmp_path):
         trainer.wake_up()
         assert trainer.state_digest() == digest
     # a woken group trains on exactly as one that never slept
-    awake = _trainers(tiny_args(tiny_teacher, str(tmp_path / "awake"), ema_decay=0.9))
-    _iterate_in_process(awake, 1)
+    awake = in_process_trainers(tiny_args(tiny_teacher, str(tmp_path / "awake"), ema_decay=0.9))
+    iterate_in_process(awake, 1)
     for t in trainers.values():
         t.sleep()
-    _iterate_in_process(trainers, 2)
-    _iterate_in_process(awake, 2)
+    iterate_in_process(trainers, 2)
+    iterate_in_process(awake, 2)
     assert trainers["actor"].state_digest() == awake["actor"].state_digest()
 
 
 def test_hook_runs_before_micro_batching_and_shapes_the_update(tiny_teacher, tmp_path):
-    hooked = _trainers(tiny_args(tiny_teacher, str(tmp_path / "a"), global_batch_size=4, micro_batch_size=1,
+    hooked = in_process_trainers(tiny_args(tiny_teacher, str(tmp_path / "a"), global_batch_size=4, micro_batch_size=1,
                                  train_input_hook_path="tests.hooks_fixture.require_whole_local_batch"))
-    _iterate_in_process(hooked, 1)  # the hook raises if it saw a micro-batch
-    zeroed = _trainers(tiny_args(tiny_teacher, str(tmp_path / "b"), global_batch_size=4, clip_grad=0,
+    iterate_in_process(hooked, 1)  # the hook raises if it saw a micro-batch
+    zeroed = in_process_trainers(tiny_args(tiny_teacher, str(tmp_path / "b"), global_batch_size=4, clip_grad=0,
                                  train_input_hook_path="tests.hooks_fixture.zero_dmd2_gradient",
                                  adam_beta1=0.9, weight_decay=0.0))
     before = zeroed["actor"].weights()
-    _iterate_in_process(zeroed, 1)
+    iterate_in_process(zeroed, 1)
     after = zeroed["actor"].weights()
     assert all(torch.equal(before[k], after[k]) for k in before), "a zero DMD gradient must not move the student"
 
