@@ -17,7 +17,7 @@ from dmd2_core.args import ArgsError
 from dmd2_core.distill import preflight
 from dmd2_core.reference import ReferenceLoop
 from dmd2_core.trainer import Trainer
-from tests.conftest import tiny_args
+from tests.conftest import in_process_trainers, iterate_in_process, tiny_args
 
 GAN = dict(real_data="digits", gan_weight=0.05, gan_critic_weight=0.1)
 
@@ -128,13 +128,11 @@ def test_critic_hands_over_g_dmd_plus_g_gan_and_the_actor_x0_gradient_is_their_s
 
 @pytest.mark.parametrize("scoring", ["fused", "original"])
 def test_reference_loop_is_the_oracle_of_the_trainers_with_the_head(tiny_teacher, tmp_path, scoring):
-    from tests.test_trainer_groups import _iterate_in_process, _trainers
-
     args = tiny_args(tiny_teacher, str(tmp_path), dmd2_critic_scoring=scoring, micro_batch_size=3, **GAN)
-    trainers = _trainers(args)
+    trainers = in_process_trainers(args)
     loop = ReferenceLoop(args)
     for i in (1, 2):
-        _iterate_in_process(trainers, i)
+        iterate_in_process(trainers, i)
         loop.iterate(i)
     for mine, theirs in ((trainers["actor"].weights(), loop.student), (trainers["critic"].weights(), loop.critic),
                          (trainers["critic"].disc.state_dict(), loop.disc)):
@@ -145,12 +143,10 @@ def test_reference_loop_is_the_oracle_of_the_trainers_with_the_head(tiny_teacher
 
 
 def test_sleep_save_and_resume_with_the_head_are_bitwise(tiny_teacher, tmp_path):
-    from tests.test_trainer_groups import _iterate_in_process, _trainers
-
     args = tiny_args(tiny_teacher, str(tmp_path), **GAN)
-    trainers = _trainers(args)
+    trainers = in_process_trainers(args)
     for i in (1, 2):
-        _iterate_in_process(trainers, i)
+        iterate_in_process(trainers, i)
     critic = trainers["critic"]
     digest = critic.state_digest()
     critic.sleep()
@@ -158,13 +154,13 @@ def test_sleep_save_and_resume_with_the_head_are_bitwise(tiny_teacher, tmp_path)
     assert critic.state_digest() == digest  # woken bit for bit, head and its optimizer included
     for t in trainers.values():
         t.save(2)
-    resumed = _trainers(args)
+    resumed = in_process_trainers(args)
     for role, t in resumed.items():
         t.load(2)
         assert t.state_digest() == trainers[role].state_digest(), role
     assert resumed["critic"].disc_optimizer.state  # the head's AdamW moments came back
-    _iterate_in_process(trainers, 3)
-    _iterate_in_process(resumed, 3)
+    iterate_in_process(trainers, 3)
+    iterate_in_process(resumed, 3)
     assert {r: t.state_digest() for r, t in resumed.items()} == {r: t.state_digest() for r, t in trainers.items()}
 
 

@@ -150,7 +150,8 @@ def test_nights_in_a_row(prefect_server, receiver, tiny_teacher, tmp_path):
         nights = _api(api, "/artifacts/latest/filter", {"artifacts": {"key": {"any_": ["dmd2-nights-tiny"]}}})
         from flows.nights import rows_of
 
-        rows = rows_of(nights[0]["data"])
+        # the server is shared with other test files whose tiny runs are nights too: ours are the last three
+        rows = rows_of(nights[0]["data"])[-3:]
         assert [r["run_id"] for r in rows] == [one["id"], two["id"], three["id"]]
         assert [r["outcome"] for r in rows] == ["completed", "completed (1 rerun)", "failed"]
         assert rows[1]["iteration"] == 4 and isinstance(rows[1]["fd"], float) and rows[1]["best_fd"] <= rows[1]["fd"]
