@@ -1,7 +1,7 @@
 """Nights in a row against one real Prefect server (tests/conftest.py) and one serve process with
 a failure webhook pointed at a local HTTP receiver: two nights of dmd2/tiny, the second killed
-(kill -9 of its flow-run process) after its first checkpoint and rerun by the server's automation,
-then a night that fails. Each night its own name and artifacts, a rerun that reads as one run, the
+(kill -9 of its flow-run process) after its first checkpoint and rerun by the server's automation
+to the weights of the uninterrupted first, then a night that fails. Each night its own name and artifacts, a rerun that reads as one run, the
 nights view holding every night, one webhook message per failed or crashed night, no ERROR line
 from the rerun machinery."""
 
@@ -19,7 +19,7 @@ import time
 import pytest
 
 from flows.environment import wait_http
-from tests.test_flow import FAST, REPO
+from tests.test_flow import FAST, REPO, assert_same_saved_state
 from tests.test_served import _api, _run_deployment, _stop, _wait_final
 
 FINAL = ("COMPLETED", "FAILED", "CANCELLED")
@@ -89,12 +89,13 @@ def test_nights_in_a_row(prefect_server, receiver, tiny_teacher, tmp_path):
                      "sleep_after_train": False, "summary_interval": 1}
         params = {"recipe": "tiny", "overrides": overrides, "hf_checkpoint": tiny_teacher}
 
-        # night 1: a plain run
-        one = _wait_final(api, _run_deployment(api, env, {**params, "num_iterations": 2, "save": str(tmp_path / "n1")})["id"],
+        # night 1: a plain run, the uninterrupted reference of night 2
+        one = _wait_final(api, _run_deployment(api, env, {**params, "num_iterations": 4, "save": str(tmp_path / "n1")})["id"],
                           240, log, until=lambda r: r["state"]["type"] in FINAL)
         assert one["state"]["type"] == "COMPLETED", one["state"]
 
-        # night 2: killed after its checkpoint at iteration 2, rerun by the automation, completes
+        # night 2: killed after its checkpoint at iteration 2, rerun by the automation, completes with
+        # the weights of the uninterrupted night 1
         save = tmp_path / "n2"
         two = _run_deployment(api, env, {**params, "num_iterations": 4, "save": str(save)})
         tracker = save / "latest_checkpointed_iteration.txt"
@@ -103,6 +104,7 @@ def test_nights_in_a_row(prefect_server, receiver, tiny_teacher, tmp_path):
         two = _wait_final(api, two["id"], 300, log, until=lambda r: r["state"]["type"] in FINAL and r["run_count"] > 1)
         assert two["state"]["type"] == "COMPLETED" and two["run_count"] == 2, two["state"]
         rerun_log = log.read_text()
+        assert_same_saved_state(save, tmp_path / "n1", 4)
 
         # night 3: fails at iteration 1 (a NaN gradient every step, one allowed)
         bad = {**overrides, "train_input_hook_path": "tests.hooks_fixture.nan_dmd2_gradient_always",

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from flows.environment import wait_http
-from tests.test_flow import FAST, REPO, assert_same_saved_state
+from tests.test_flow import FAST, REPO
 
 def _stop(proc: subprocess.Popen) -> None:
     """SIGTERM to a process this test started; if it lingers, SIGKILL its own session (it was
@@ -188,61 +188,17 @@ def test_served_minimax_h3_run_on_the_stand_in(served, tmp_path):
 
 
 @pytest.mark.server
-def test_killed_flow_run_process_reruns_itself_to_the_same_weights(served, harness, tiny_teacher, tmp_path):
-    """kill -9 of a served run's flow-run process after checkpoint 2: the serve process reports it
-    Crashed, the server's automation schedules it again, it resumes from the tracker and completes
-    on its own with the weights of an uninterrupted run."""
-    import psutil
-
-    from flows.dmd2 import dmd2
-
-    api, env, serve, log = served
-    overrides = {**FAST, "eval_interval": 0, "save_interval": 2}
-    reference = tmp_path / "reference"
-    state = dmd2(recipe="tiny", overrides=overrides, num_iterations=5, hf_checkpoint=tiny_teacher,
-                 save=str(reference), return_state=True)
-    assert state.is_completed(), state.message
-
-    save = tmp_path / "run"
-    run = _run_deployment(api, env, {"recipe": "tiny", "overrides": overrides, "num_iterations": 5,
-                                     "hf_checkpoint": tiny_teacher, "save": str(save)})
-    tracker = save / "latest_checkpointed_iteration.txt"
-    deadline = time.monotonic() + 180
-    while not (tracker.exists() and tracker.read_text().strip() == "2"):
-        assert time.monotonic() < deadline, log.read_text()[-4000:]
-        time.sleep(0.05)
-    def of_run(p) -> bool:
-        try:
-            return p.environ().get("PREFECT__FLOW_RUN_ID") == run["id"]
-        except psutil.Error:
-            return False
-
-    victims = [p for p in psutil.Process(serve.pid).children(recursive=True) if of_run(p)]
-    assert victims, log.read_text()[-3000:]
-    flow_process = min(victims, key=lambda p: p.create_time())  # the flow-run process, not its children
-    flow_process.send_signal(signal.SIGKILL)
-
-    run = _wait_final(api, run["id"], 300, log, until=lambda r: r["state"]["type"] in ("COMPLETED", "FAILED", "CANCELLED")
-                      and r["run_count"] > 1)
-    assert run["state"]["type"] == "COMPLETED", run["state"]
-    assert run["run_count"] == 2
-    states = _api(api, f"/flow_run_states/?flow_run_id={run['id']}")
-    assert [s["type"] for s in states].count("CRASHED") == 1
-    assert_same_saved_state(save, reference, 5)
-
-
-@pytest.mark.server
 def test_run_graphs_stay_small_at_hundreds_of_iterations(prefect_server):
-    """bench/orchestration.py (a zero-cost stand-in on the minimax-h3 recipe) for 60 iterations in
-    windows of 20 against the real server: the parent's graph holds a node per window (and the first
+    """bench/orchestration.py (a zero-cost stand-in on the minimax-h3 recipe) for 30 iterations in
+    windows of 10 against the real server: the parent's graph holds a node per window (and the first
     eval), each window ~5 per iteration, and the flow logs about one line per iteration (the
     benchmark's 1000 iterations show the same shape at scale)."""
     api, env = prefect_server
-    out = subprocess.run([sys.executable, "bench/orchestration.py", "--iterations", "60", "--window", "20",
+    out = subprocess.run([sys.executable, "bench/orchestration.py", "--iterations", "30", "--window", "10",
                           "--api-url", api], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     assert figures["graphs"] == 4 and figures["parent_graph_nodes"] == 4  # eval-media-0 + 3 windows
-    assert figures["task_runs"] >= 5 * 60
-    assert 5 * 20 <= figures["largest_graph_nodes"] <= 5 * 20 + 3  # + its evals and checkpoints
+    assert figures["task_runs"] >= 5 * 30
+    assert 5 * 10 <= figures["largest_graph_nodes"] <= 5 * 10 + 3  # + its evals and checkpoints
     assert figures["log_lines_per_iteration"] < 1.2

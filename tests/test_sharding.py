@@ -108,13 +108,23 @@ def _run(tiny_teacher, save, n, iterations, **kw):
         return {role: run.group_call(role, "weights")[0] for role in run.groups}, run
 
 
+@pytest.fixture(scope="module")
+def one_rank(tiny_teacher, tmp_path_factory):
+    """The 1-rank reference, in this process: the actor's initial weights, and both roles' weights
+    after 3 iterations."""
+    trainers = in_process_trainers(tiny_args(tiny_teacher, str(tmp_path_factory.mktemp("one-rank"))))
+    fresh = trainers["actor"].weights()
+    for i in (1, 2, 3):
+        iterate_in_process(trainers, i)
+    return fresh, {role: t.weights() for role, t in trainers.items()}
+
+
 @pytest.mark.parametrize("shard_size", [2, 1], ids=["fsdp", "hsdp-replicate"])
-def test_two_sharded_ranks_equal_one_rank(ray_session, tiny_teacher, tmp_path, shard_size):
+def test_two_sharded_ranks_equal_one_rank(ray_session, one_rank, tiny_teacher, tmp_path, shard_size):
     """Same weights after 3 iterations, actor and critic: a gradient summed instead of averaged
     over ranks (gloo under FSDP2, pytorch issue 162338) would double every update."""
-    one, _ = _run(tiny_teacher, str(tmp_path / "1"), 1, (1, 2, 3))
+    fresh, one = one_rank
     two, _ = _run(tiny_teacher, str(tmp_path / "2"), 2, (1, 2, 3), fsdp_shard_size=shard_size)
-    fresh = in_process_trainers(tiny_args(tiny_teacher, str(tmp_path / "0")))["actor"].weights()
     for role in ("actor", "critic"):
         diff = max((one[role][k] - two[role][k]).abs().max().item() for k in one[role])
         assert diff < 2e-6, (role, diff)
