@@ -260,13 +260,14 @@ def test_the_critic_s_shared_base_is_counted_once_and_a_full_fake_score_keeps_it
 
 @pytest.mark.parametrize("rank", [16, 64])
 def test_minimax_h3_5s_with_lora_fits_one_node_of_80_gib_within_the_headroom_and_full_fine_tuning_does_not(rank):
-    """MiniMax-H3 (33 B) at 5 s on 8 x 80 GiB: full fine-tuning is refused at every cp_size (its fp32
-    state alone is ~62 GiB per rank per group); a LoRA student and fake score over bf16 bases fit
-    already at cp 1, inside the 10% headroom."""
+    """MiniMax-H3 (33 B) at 5 s on 8 x 80 GiB: full fine-tuning is refused at cp 1 and at cp 8 (the
+    actor's fp32 state alone is ~62 GiB per rank); a LoRA student and fake score over one bf16 base
+    each fit already at cp 1, inside the 10% headroom (72 GiB usable)."""
     refused = _plan("minimax-h3", **H3_5S)
     assert not refused.fits and refused.device_peak > 2 * refused.usable
     with pytest.raises(ArgsError, match=r"^memory plan: "):
         memory.check(refused)
+    assert not _plan("minimax-h3", cp_size=8, **H3_5S).fits
     for cp in (1, 2):
         plan = _plan("minimax-h3", lora_rank=rank, cp_size=cp, **H3_5S)
         memory.check(plan)
