@@ -209,8 +209,8 @@ def lora_table(rows: dict) -> str:
             cells = [rows[f"{name} r{rank} cp{cp}"] for cp in LORA_CPS]
             first = cells[0]
             during = first["during"].split(" (")[0].replace("the ", "")
-            lines.append(f"| {name} | {rank or 'full FT'} | {first['adapters_m'] or '-'} | {first['base_gib'] or '-'} | "
-                         + " | ".join(cell(c) for c in cells)
+            lines.append(f"| {name} | {rank or 'full FT'} | {first['adapters_m'] or '-'} | "
+                         f"{first['base_gib'] or '-'} | " + " | ".join(cell(c) for c in cells)
                          + f" | {first['resident_gib']['critic']} / {first['resident_gib']['actor']} | {during} | "
                          f"{first['host_gib']} |")
     return "\n".join(lines)

@@ -100,7 +100,7 @@ class GroupPlan:
     guidance: int = 0  # the teacher's forward beside the fake score's activations (critic)
     rollout: int = 0  # the rank's rollout rows and conditions
     saved: int = 0  # the trainable state a checkpoint writes (weights, optimizer, EMA), wherever it lives
-    loaded: int = 0  # the weight shards a rank loads (trainable fp32 and the teacher)
+    loaded: int = 0  # the weight shards a rank loads (trainable fp32, a LoRA's base and the teacher)
     activation_source: str = ""
     cp_size: int = 1
     base: int = 0  # a LoRA's frozen base (dmd2_core.memory_lora); ``params`` etc. are then its adapters'
@@ -370,8 +370,8 @@ def _refuse_host(memory_plan: MemoryPlan) -> None:
 
 def _largest_part(g: GroupPlan) -> str:
     parts = {"weights": g.params, "gradients": g.grads, "optimizer": g.optimizer, "ema": g.ema,
-             "teacher": g.teacher, "frozen base": g.base, "activations": g.activations, "gather": g.gather, "cp buffers": g.cp_buffers,
-             "guidance transient": g.guidance, "rollout": g.rollout}
+             "teacher": g.teacher, "frozen base": g.base, "activations": g.activations, "gather": g.gather,
+             "cp buffers": g.cp_buffers, "guidance transient": g.guidance, "rollout": g.rollout}
     name = max(parts, key=parts.get)
     return f"{name} {_gib(parts[name])}"
 
