@@ -21,8 +21,14 @@ with the Wan and SD3.5 configs of deployments/model_configs (Wan at 81 frames of
 80 and 141 GiB devices: the fewest devices (of 8, 16, 32, 64) whose plan fits, and 8 devices with
 fsdp_cpu_offload.
 
+"lora_grid" (and ``--lora``, its markdown table alone: docs/scale.md's LoRA section) plans a LoRA
+student and fake score (rank 16 and 64, the default attention targets, one shared base in the
+critic) for MiniMax-H3 at 5 s and Wan 14B at 480p / 720p x 81 frames on 8 x 80 GiB, cp 1 and 2,
+beside the full-fine-tuning plan of the same run.
+
     python bench/memory.py
     python bench/memory.py --grid   # the README table only (no run)
+    python bench/memory.py --lora   # the LoRA table only (no run)
 """
 
 from __future__ import annotations
@@ -53,6 +59,10 @@ GRID = {"wan14b 480p": ("wan-video", {"hf_checkpoint": "wan2.1-t2v-14b", "latent
         "h3 5s": ("minimax-h3", {"hf_checkpoint": "minimax-h3", "num_frames": 124}),
         "h3 15s": ("minimax-h3", {"hf_checkpoint": "minimax-h3", "num_frames": 345})}
 GRID_DEVICES = {"wan14b": (8,), "h3": (16, 32)}
+LORA_RANKS = (16, 64)
+LORA_MODELS = ("h3 5s", "wan14b 480p", "wan14b 720p")
+LORA_CPS = (1, 2)
+LORA_GIB = 80
 GIB = 1024 ** 3
 
 
@@ -163,6 +173,49 @@ def grid() -> dict:
     return out
 
 
+def lora_grid() -> dict:
+    """The LoRA plans (and the full-fine-tuning plan of each cell) on one node of 8 x 80 GiB."""
+    from dmd2_core import memory_lora
+
+    out = {}
+    for name in LORA_MODELS:
+        recipe, extra = GRID[name]
+        for rank in (0, *LORA_RANKS):
+            for cp in LORA_CPS:
+                overrides = {**extra, "hf_checkpoint": os.path.join(CONFIGS, extra["hf_checkpoint"]), "cp_size": cp,
+                             "device_memory_gib": LORA_GIB, "num_devices": 8, "global_batch_size": 16,
+                             "lora_rank": rank}
+                plan, args = _plan(recipe, overrides)
+                groups = {g.role: g for g in plan.groups}
+                out[f"{name} r{rank} cp{cp}"] = {
+                    "device_peak_gib": round(plan.device_peak / GIB, 1), "usable_gib": round(plan.usable / GIB, 1),
+                    "fits": plan.device_fits, "during": plan.peak_during, "host_gib": round(plan.host.peak / GIB, 1),
+                    "adapters_m": round(memory_lora.size_of(args).adapters / 1e6, 1) if rank else None,
+                    "base_gib": round(groups["critic"].base / GIB, 2),
+                    "resident_gib": {r: round(g.resident / GIB, 2) for r, g in groups.items()},
+                    "peak_gib": {r: round(g.peak / GIB, 2) for r, g in groups.items()}}
+    return out
+
+
+def lora_table(rows: dict) -> str:
+    """The LoRA grid as markdown: the device peak GiB per cp, bold where it fits in the usable 72 GiB."""
+    cell = lambda c: f"**{c['device_peak_gib']}**" if c["fits"] else f"{c['device_peak_gib']}"  # noqa: E731
+    cps = " | ".join(f"cp {cp}" for cp in LORA_CPS)
+    lines = [f"| model, clip | LoRA rank | adapters per model (M) | base per rank (GiB) | {cps} | "
+             "resident per rank: critic / actor (GiB) | peak during (cp 1) | host per node (GiB) |",
+             "|---|---|---|---|" + "---|" * len(LORA_CPS) + "---|---|---|"]
+    for name in LORA_MODELS:
+        for rank in (0, *LORA_RANKS):
+            cells = [rows[f"{name} r{rank} cp{cp}"] for cp in LORA_CPS]
+            first = cells[0]
+            during = first["during"].split(" (")[0].replace("the ", "")
+            lines.append(f"| {name} | {rank or 'full FT'} | {first['adapters_m'] or '-'} | "
+                         f"{first['base_gib'] or '-'} | " + " | ".join(cell(c) for c in cells)
+                         + f" | {first['resident_gib']['critic']} / {first['resident_gib']['actor']} | {during} | "
+                         f"{first['host_gib']} |")
+    return "\n".join(lines)
+
+
 def _plan(recipe: str, overrides: dict):
     from dmd2_core import checks, memory
     from dmd2_core.args import load_args
@@ -229,9 +282,12 @@ def main() -> None:
     if "--grid" in sys.argv:  # the README table alone (configs only, seconds)
         print(grid_table(grid()))
         return
+    if "--lora" in sys.argv:  # docs/scale.md's LoRA table alone (configs only, seconds)
+        print(lora_table(lora_grid()))
+        return
     with tempfile.TemporaryDirectory(prefix="dmd2-memory-") as tmp:
         print(json.dumps({"standin": standin(tmp), "standin_activations": standin_activations(tmp),
-                          "real_size": real_size(), "grid": grid()}))
+                          "real_size": real_size(), "grid": grid(), "lora_grid": lora_grid()}))
 
 
 if __name__ == "__main__":

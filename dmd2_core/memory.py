@@ -6,6 +6,9 @@ Per rank, after sharding over ``S`` ranks (``fsdp_shard_size``, default the grou
 - trainable weights, gradients, AdamW's two moments and the EMA: fp32, ``4 * P / S`` bytes each;
 - the critic's frozen teacher: ``P_teacher * bytes(dtype) / S`` (its ``_keep_in_fp32_modules``, for
   the families that keep them, at 4 bytes);
+- a LoRA trainer (``lora_rank > 0``): its frozen base in ``dtype`` (``base``) and the fp32 state above
+  for its adapters alone; a critic whose fake score is a LoRA of the teacher holds that one base and
+  no teacher (``dmd2_core/memory_lora.py``);
 - buffers (e.g. SD3's positional table): replicated, whole on every rank;
 - the gather working set: two blocks unsharded in the compute dtype (the block running and the
   one FSDP prefetches) plus one block's fp32 gradients before their reduce-scatter, and the root's
@@ -28,7 +31,6 @@ above ``1 - memory_headroom`` of the device (or of ``host_memory_gib``) is refus
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
@@ -37,8 +39,9 @@ from typing import Optional
 import torch
 
 from dmd2_core import activations as acts
+from dmd2_core import lora, memory_lora
 from dmd2_core import memory_terms as terms
-from dmd2_core import parallel, storage
+from dmd2_core import parallel
 from dmd2_core.args import Args, ArgsError
 from dmd2_core.memory_table import ROWS, table  # noqa: F401 - the plan's printout, memory.table
 from dmd2_core.models import FAMILIES, describe_checkpoint
@@ -62,11 +65,8 @@ class ModelSize:
 def model_size(url: str) -> ModelSize:
     """Parameter counts of a checkpoint's transformer, built from its config on the meta device
     (cached per URL within a process: a checkpoint's config does not change under a plan)."""
-    info = describe_checkpoint(url)
-    family = FAMILIES[info["family"]]
-    config = json.loads(storage.read_text(storage.join(info["transformer_url"], "config.json")))
-    with torch.device("meta"):
-        model = family.model_class.from_config(config)
+    family = FAMILIES[describe_checkpoint(url)["family"]]
+    model = memory_lora.meta_model(url)
     blocks = parallel.blocks(model)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     fp32 = {id(p): p.numel() for m in (parallel.fp32_modules(model) if family.keep_fp32_modules else [])
@@ -100,14 +100,15 @@ class GroupPlan:
     guidance: int = 0  # the teacher's forward beside the fake score's activations (critic)
     rollout: int = 0  # the rank's rollout rows and conditions
     saved: int = 0  # the trainable state a checkpoint writes (weights, optimizer, EMA), wherever it lives
-    loaded: int = 0  # the weight shards a rank loads (trainable fp32 and the teacher)
+    loaded: int = 0  # the weight shards a rank loads (trainable fp32, a LoRA's base and the teacher)
     activation_source: str = ""
     cp_size: int = 1
+    base: int = 0  # a LoRA's frozen base (dmd2_core.memory_lora); ``params`` etc. are then its adapters'
 
     @property
     def resident(self) -> int:
         """On the device while awake and not training (gradients are freed after each step)."""
-        return self.params + self.optimizer + self.ema + self.teacher + self.buffers
+        return self.params + self.optimizer + self.ema + self.teacher + self.base + self.buffers
 
     @property
     def peak(self) -> int:
@@ -156,20 +157,25 @@ def _dtype_bytes(name: str) -> int:
     return torch.empty(0, dtype=getattr(torch, name)).element_size()
 
 
-def group_plan(role: str, args: Args, size: ModelSize, teacher: Optional[ModelSize], shard_size: int) -> GroupPlan:
+def group_plan(role: str, args: Args, size: ModelSize, teacher: Optional[ModelSize], shard_size: int,
+               scored: Optional[bool] = None) -> GroupPlan:
+    """``teacher``: the critic's separate frozen teacher; ``scored``: the group scores with a teacher
+    (default: it has one; a LoRA critic over a shared base has none of its own)."""
     family = FAMILIES[describe_checkpoint(args.hf_checkpoint)["family"]].bind(args.latent_shape)
     compute = _dtype_bytes(args.dtype)
     fp32 = 4
     shard = lambda n: -(-n // shard_size)  # noqa: E731 - ceil division, as FSDP pads shards
-    params = shard(size.params) * fp32
+    own = memory_lora.state(args, size, shard_size, compute) if args.lora_rank else None
+    params = own.params if own else shard(size.params) * fp32
+    base = own.base if own else 0
     grads = params
     optimizer = 2 * params
     ema = params if args.ema_decay else 0
     teacher_bytes = (shard(teacher.params) * compute + shard(teacher.fp32_params) * (fp32 - compute)) if teacher else 0
-    buffers = size.buffers_bytes + (teacher.buffers_bytes * compute // fp32 if teacher else 0)
-    largest = max(size.largest_block, teacher.largest_block if teacher else 0)
-    root = max(size.root_params, teacher.root_params if teacher else 0)
-    gather = (2 * largest + root) * compute + largest * fp32
+    buffers = (own.buffers if own else size.buffers_bytes) + (teacher.buffers_bytes * compute // fp32 if teacher else 0)
+    largest = max(own.largest_block if own else size.largest_block, teacher.largest_block if teacher else 0)
+    root = max(own.root if own else size.root_params, teacher.root_params if teacher else 0)
+    gather = (2 * largest + root) * compute + (own.block_grads if own else largest * fp32)
 
     act = sample_activations(family, size.config, args, compute)
     micro = args.micro_batch_size
@@ -181,21 +187,21 @@ def group_plan(role: str, args: Args, size: ModelSize, teacher: Optional[ModelSi
     cp_buffers = micro * terms.cp_buffers(args, tokens, family.default_text_tokens, inner, compute)
     sample_elements = _sample_elements(family, size.config, args.latent_shape)
     guidance = 0
-    if teacher is not None:
+    if (teacher is not None) if scored is None else scored:
         guidance = terms.guidance_transient(args, family.guidance_distilled, act.no_grad, sample_elements * fp32)
     cond_bytes = family.default_text_tokens * int(size.config.get("text_dim") or size.config.get(
         "joint_attention_dim") or hidden_size(size.config)) * fp32
     rollout = terms.rollout_buffers(args, sample_elements, cond_bytes)
-    loaded = params + teacher_bytes  # the weights a rank loads (load once, shard on arrival)
+    loaded = params + base + teacher_bytes  # the weights a rank loads (load once, shard on arrival)
 
-    saved = params + optimizer + ema
+    saved = params + optimizer + ema  # a LoRA's checkpoint holds its adapters alone
     offloaded = 0
     if args.fsdp_cpu_offload:
-        offloaded = params + grads + optimizer + ema + teacher_bytes
-        params = grads = optimizer = ema = teacher_bytes = 0
+        offloaded = params + grads + optimizer + ema + teacher_bytes + base
+        params = grads = optimizer = ema = teacher_bytes = base = 0
     return GroupPlan(role, params, grads, optimizer, ema, teacher_bytes, buffers, gather, activations,
                      without, with_ckpt, offloaded, cp_buffers, guidance, rollout, saved, loaded,
-                     act.source, args.cp_size or 1)
+                     act.source, args.cp_size or 1, base)
 
 
 def sample_activations(family, config: dict, args: Args, compute: int) -> acts.Activations:
@@ -245,8 +251,10 @@ def plan(trainer_args: dict[str, Args]) -> MemoryPlan:
 
     groups = []
     for role, targs in trainer_args.items():
-        teacher = size_of(targs.teacher_checkpoint or targs.hf_checkpoint) if targs.loss_type == "dmd2_critic" else None
-        groups.append(group_plan(role, targs, size_of(targs.hf_checkpoint), teacher, shard_size))
+        scored = targs.loss_type == "dmd2_critic"  # a LoRA of the teacher: one shared base, no teacher copy
+        teacher = size_of(targs.teacher_checkpoint or targs.hf_checkpoint) if scored and not lora.shares_base(
+            targs) else None
+        groups.append(group_plan(role, targs, size_of(targs.hf_checkpoint), teacher, shard_size, scored))
     by_role = {g.role: g for g in groups}
     notes = []
     if not args.colocate:
@@ -362,8 +370,8 @@ def _refuse_host(memory_plan: MemoryPlan) -> None:
 
 def _largest_part(g: GroupPlan) -> str:
     parts = {"weights": g.params, "gradients": g.grads, "optimizer": g.optimizer, "ema": g.ema,
-             "teacher": g.teacher, "activations": g.activations, "gather": g.gather, "cp buffers": g.cp_buffers,
-             "guidance transient": g.guidance, "rollout": g.rollout}
+             "teacher": g.teacher, "frozen base": g.base, "activations": g.activations, "gather": g.gather,
+             "cp buffers": g.cp_buffers, "guidance transient": g.guidance, "rollout": g.rollout}
     name = max(parts, key=parts.get)
     return f"{name} {_gib(parts[name])}"
 

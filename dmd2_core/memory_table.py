@@ -22,6 +22,8 @@ def table(memory_plan) -> str:
     lines = [f"{'GiB per rank':<{width}}" + "".join(f"{r:>12}" for r in roles)]
     lines.append(f"{'cp_size':<{width}}" + "".join(f"{g.cp_size:>12}" for g in memory_plan.groups))
     for row in ROWS:
+        if row == "teacher" and any(g.base for g in memory_plan.groups):  # LoRA: the frozen base (memory_lora)
+            lines.append(f"{'base':<{width}}" + "".join(f"{g.base / GIB:>12.2f}" for g in memory_plan.groups))
         values = [getattr(g, row) for g in memory_plan.groups]
         lines.append(f"{row:<{width}}" + "".join(f"{v / GIB:>12.2f}" for v in values))
     for g in memory_plan.groups:

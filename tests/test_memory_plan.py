@@ -176,3 +176,102 @@ def test_a_tiny_block_measures_its_carried_input_exactly():
     steps = [b["per_block"] - a["per_block"] for a, b in zip(rows, rows[1:])]
     assert steps[0] > 0 and abs(steps[1] - 2 * steps[0]) <= 0.1 * steps[1]
     assert 0 < rows[-1]["no_grad_peak"]
+
+
+# ---- LoRA (dmd2_core/memory_lora.py) ------------------------------------------------------------
+
+H3_5S = dict(hf_checkpoint=H3, num_frames=124, device_memory_gib=80)  # 124 frames of 768 x 1344, 8 devices
+
+
+@pytest.fixture(scope="module")
+def standins(tmp_path_factory, tiny_teacher):
+    from dmd2_core.models.standins import build_h3_standin, build_standin
+
+    tmp = tmp_path_factory.mktemp("lora-plan")
+    return {"sd3": tiny_teacher, "wan": build_standin(str(tmp / "wan"), "wan"), "h3": build_h3_standin(str(tmp / "h3"))}
+
+
+@pytest.mark.parametrize("kind", ["sd3", "wan", "h3"])
+@pytest.mark.parametrize("targets", [None, ["to_q", "ff.net.2", "proj_out"]])
+def test_the_adapter_count_is_peft_s_trainable_parameters_of_the_real_model(standins, kind, targets):
+    """The plan counts peft's adapters on the meta build by peft's own target rule; peft attached to
+    the real model (on CPU) trains exactly that many parameters, and the base the trainer builds (in
+    the compute dtype, its _keep_in_fp32_modules in fp32) is the plan's base, byte for byte."""
+    import torch
+
+    from dmd2_core import lora, memory_lora
+    from dmd2_core.models import load_checkpoint
+    from dmd2_core.models.loading import build_empty
+
+    url = standins[kind]
+    args = load_args(None, dict(hf_checkpoint=url, prompts="digits", lora_rank=4, lora_target_modules=targets,
+                                dtype="bfloat16"))
+    size = memory_lora.size_of(args)
+    model = lora.attach(load_checkpoint(url).model, args)
+    trained = [p for n, p in model.named_parameters() if p.requires_grad]
+    assert size.adapters == sum(p.numel() for p in trained) > 0
+    assert size.layers == len(trained) // 2
+    base = build_empty(url, torch.bfloat16).model
+    assert size.base_fp32 * 4 + size.base_compute * 2 == sum(p.numel() * p.element_size() for p in base.parameters())
+    if kind == "wan":  # its time embedder, norms and modulation tables stay fp32 in a LoRA's base
+        assert size.base_fp32 > 0
+
+
+def test_the_planned_lora_state_is_the_bytes_a_rank_holds(tiny_teacher, tmp_path):
+    """In-process trainers (one rank, bf16): the actor's and the critic's adapters (fp32 masters,
+    AdamW moments, the actor's EMA) and their frozen bases in bf16 are the plan's figures; the
+    critic holds one base and no teacher."""
+    from dmd2_core.distill import preflight
+    from tests.conftest import in_process_trainers, iterate_in_process, tiny_args
+
+    args = tiny_args(tiny_teacher, str(tmp_path), dtype="bfloat16", lora_rank=4, lr=1e-3, critic_lr=1e-3,
+                     ema_decay=0.99)
+    planned = _groups(memory.plan(preflight(args)))
+    trainers = in_process_trainers(args)
+    iterate_in_process(trainers, 1)  # the optimizer state exists after a step
+    for role, trainer in trainers.items():
+        held, plan = trainer.state_bytes(), planned[role]
+        assert plan.base > 0 and plan.params > 0
+        assert held["params"] == plan.params + plan.base, role
+        # AdamW's two moments, plus its step counters (one scalar per adapter)
+        assert 0 <= held["optimizer"] - plan.optimizer <= 8 * len(trainer.optimizer.state), role
+        assert held["ema"] == plan.ema and held["teacher"] == plan.teacher == 0, role
+    assert planned["actor"].ema == planned["actor"].params and planned["critic"].ema == 0
+    assert planned["critic"].guidance > 0  # the real score: the shared base with its adapter off
+
+
+def test_the_critic_s_shared_base_is_counted_once_and_a_full_fake_score_keeps_its_teacher():
+    full, lora16 = _groups(_plan(micro_batch_size=1, cp_size=8)), _groups(_plan(micro_batch_size=1, cp_size=8,
+                                                                                lora_rank=16))
+    critic, actor = lora16["critic"], lora16["actor"]
+    assert critic.teacher == 0 and critic.base == actor.base > 0
+    # the base: 14.3 B in bf16 (Wan's kept-fp32 norms and embedders at 4 bytes), an eighth per rank
+    assert full["critic"].teacher <= critic.base <= 1.01 * full["critic"].teacher
+    assert critic.resident < 0.25 * full["critic"].resident and critic.guidance == full["critic"].guidance
+    # to_q, to_k, to_v, to_out.0 of self- and cross-attention: 8 layers of 5120 x 5120 in each of 40 blocks
+    assert critic.params == actor.params == 16 * 40 * 8 * (2 * 5120) * 4 // 8
+    assert critic.saved == critic.params + critic.optimizer  # a checkpoint holds the adapters alone
+    assert _groups(_plan(micro_batch_size=1, cp_size=8, lora_rank=64))["critic"].params == 4 * critic.params
+    # a full-fine-tuning fake score beside a LoRA student: its fp32 state and its own teacher again
+    mixed = _groups(_plan(micro_batch_size=1, cp_size=8, lora_rank=16, critic_lora_rank=0))
+    assert mixed["critic"].teacher == full["critic"].teacher and mixed["critic"].params == full["critic"].params
+    assert mixed["critic"].base == 0 and mixed["actor"].base == actor.base
+
+
+@pytest.mark.parametrize("rank", [16, 64])
+def test_minimax_h3_5s_with_lora_fits_one_node_of_80_gib_within_the_headroom_and_full_fine_tuning_does_not(rank):
+    """MiniMax-H3 (33 B) at 5 s on 8 x 80 GiB: full fine-tuning is refused at cp 1 and at cp 8 (the
+    actor's fp32 state alone is ~62 GiB per rank); a LoRA student and fake score over one bf16 base
+    each fit already at cp 1, inside the 10% headroom (72 GiB usable)."""
+    refused = _plan("minimax-h3", **H3_5S)
+    assert not refused.fits and refused.device_peak > 2 * refused.usable
+    with pytest.raises(ArgsError, match=r"^memory plan: "):
+        memory.check(refused)
+    assert not _plan("minimax-h3", cp_size=8, **H3_5S).fits
+    for cp in (1, 2):
+        plan = _plan("minimax-h3", lora_rank=rank, cp_size=cp, **H3_5S)
+        memory.check(plan)
+        assert plan.fits and plan.device_peak <= plan.usable == int(0.9 * 80 * GIB)
+        critic = _groups(plan)["critic"]
+        assert critic.teacher == 0 and 7.5 * GIB < critic.base < 8 * GIB  # 33.1 B in bf16 over 8 ranks
+    assert "base" in memory.table(plan)
