@@ -330,6 +330,8 @@ def _refuse_device(memory_plan: MemoryPlan) -> None:
         knobs.append("more devices (num_devices)")
         if not worst.offloaded:
             knobs.append("critic_fsdp_cpu_offload" if worst.role == "critic" else "fsdp_cpu_offload")
+        if not worst.base:  # full fine-tuning: LoRA keeps fp32 state for the adapters alone
+            knobs.append("LoRA (critic_lora_rank)" if worst.role == "critic" else "LoRA (lora_rank)")
     if worst.activations and memory_plan.shard_size >= 2 * worst.cp_size:
         knobs.append(f"a larger cp_size (now {worst.cp_size}; it divides the {memory_plan.shard_size}-rank shard group)")
     if worst.activations == worst.activations_without_checkpointing:
