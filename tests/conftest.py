@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,9 +35,16 @@ def _restore_env(saved: dict) -> None:
 @pytest.fixture(scope="session", autouse=True)
 def _test_environment(tmp_path_factory):
     """Quiet, local, single-threaded settings every test and child process inherits."""
+    from filelock import FileLock
+
     saved: dict = {}
-    _set_env(saved, {**ENVIRONMENT_DEFAULTS, "DMD2_CACHE_DIR": str(tmp_path_factory.mktemp("dmd2-cache"))})
+    cache = session_shared(tmp_path_factory) / "dmd2-cache"  # the digits classifier, trained once per session
+    _set_env(saved, {**ENVIRONMENT_DEFAULTS, "DMD2_CACHE_DIR": str(cache)})
     torch.set_num_threads(1)
+    with FileLock(str(cache) + ".lock"):
+        from dmd2_core.evaluation import digits_classifier
+
+        digits_classifier()
     yield
     _restore_env(saved)
 
@@ -182,14 +190,32 @@ def prefect_harness(s3_server):
 SHORT_TEACHER_STEPS = 500
 
 
+def session_shared(tmp_path_factory) -> Path:
+    """A directory shared by every pytest-xdist worker of this session (this process's own base
+    temp without xdist): what is expensive to make is made once, under a file lock."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    shared.mkdir(exist_ok=True)
+    return shared
+
+
 @pytest.fixture(scope="session")
 def short_teacher(tmp_path_factory):
-    """A digits teacher trained for a short while (~20 s): (url, training info)."""
+    """A digits teacher trained for a short while (~20 s), once per session whatever the number of
+    workers: (url, training info without the model)."""
+    import json
+
+    from filelock import FileLock
+
     from dmd2_core import teacher
 
-    url = str(tmp_path_factory.mktemp("teacher") / "short")
-    info = teacher.train_teacher(url, seed=0, num_steps=SHORT_TEACHER_STEPS, batch_size=64, log=None)
-    return url, info
+    shared = session_shared(tmp_path_factory)
+    url, record = shared / "short-teacher", shared / "short-teacher.json"
+    with FileLock(str(shared / "short-teacher.lock")):
+        if not record.exists():
+            info = teacher.train_teacher(str(url), seed=0, num_steps=SHORT_TEACHER_STEPS, batch_size=64, log=None)
+            record.write_text(json.dumps({k: v for k, v in info.items() if k != "model"}))
+    return str(url), json.loads(record.read_text())
 
 
 @pytest.fixture(scope="session")

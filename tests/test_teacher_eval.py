@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,19 +21,10 @@ from tests.conftest import SHORT_TEACHER_STEPS
 
 torch.set_num_threads(1)
 
-@pytest.fixture(scope="module", autouse=True)
-def cache_dir(tmp_path_factory):
-    """A fresh classifier cache for this module, so nothing depends on ~/.cache state."""
-    path = tmp_path_factory.mktemp("dmd2-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DMD2_CACHE_DIR", str(path))
-        yield path
-
-
-def test_classifier_is_cached_and_reloaded(cache_dir):
+def test_classifier_is_cached_and_reloaded():
     images, _ = digits_tensors("test")
     feats = ev.features(images[:50])
-    assert ev.classifier_path().is_file() and ev.classifier_path().parent == cache_dir
+    assert ev.classifier_path().is_file() and ev.classifier_path().parent == Path(os.environ["DMD2_CACHE_DIR"])
     ev._CLASSIFIERS.clear()  # force the reload from disk
     np.testing.assert_array_equal(ev.features(images[:50]), feats)
     assert feats.shape == (50, ev.FEATURE_DIM)
@@ -118,8 +111,9 @@ def test_training_is_deterministic(monkeypatch):
     assert not all(torch.equal(sa[k], init[k]) for k in sa)
 
 
-def test_saved_teacher_reloads_with_identical_outputs(short_teacher):
-    url, info = short_teacher
+def test_saved_teacher_reloads_with_identical_outputs(tmp_path):
+    url = str(tmp_path / "teacher")
+    info = teacher_mod.train_teacher(url, seed=0, num_steps=4, batch_size=16, log=None)
     assert describe_checkpoint(url)["shift"] == 3.0
     loaded = load_checkpoint(url)
     prompts = digits_prompt_set()
