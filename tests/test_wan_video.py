@@ -17,7 +17,7 @@ from dmd2_core.distill import DistillRun
 from dmd2_core.models import describe_checkpoint
 from dmd2_core.models.standins import build_standin, standin_prompt_set
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+SAMPLER_DOC = Path(__file__).resolve().parent.parent / "docs" / "scale.md"
 CPU_OVERRIDES = dict(device="cpu", num_devices=1, dtype="float32", global_batch_size=4, micro_batch_size=2,
                      num_iterations=2, eval_interval=1, save_interval=2, eval_prompts=[0, 1],
                      eval_samples_per_prompt=2, torch_threads=1)
@@ -108,13 +108,14 @@ def test_wan_video_recipe_two_iterations_on_a_stand_in(prefect_harness, ray_sess
     assert all(re.fullmatch(r"[a-z0-9-]+", k) for k in keys if k)
 
 
-def _readme_sampler():
-    code = [c for c in re.findall(r"```python\n(.*?)```", README.read_text(), re.S) if "def sample" in c][0]
-    return code
+def _documented_sampler():
+    blocks = [c for c in re.findall(r"```python\n(.*?)```", SAMPLER_DOC.read_text(), re.S) if "def sample" in c]
+    assert len(blocks) == 1, f"{SAMPLER_DOC} should hold exactly one python block defining sample(), found {len(blocks)}"
+    return blocks[0]
 
 
 def test_exported_student_loads_with_diffusers_and_reproduces_the_sampler(ray_session, tiny_teacher, tmp_path):
-    """The README's 4-step snippet, run on a saved student, gives the project's own samples."""
+    """The documented 4-step snippet (docs/scale.md), run on a saved student, gives the project's own samples."""
     from tests.conftest import tiny_args
 
     save = str(tmp_path / "run")
@@ -122,9 +123,9 @@ def test_exported_student_loads_with_diffusers_and_reproduces_the_sampler(ray_se
         run.iterate(1)
         run.checkpoint(1)
         ours = run.sample([0, 1, 2], seed=11)
-    code = _readme_sampler().replace('"runs/tiny/exports/iter_0000200"', repr(f"{save}/exports/iter_0000001"))
+    code = _documented_sampler().replace('"runs/tiny/exports/iter_0000200"', repr(f"{save}/exports/iter_0000001"))
     namespace: dict = {}
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(code, str(SAMPLER_DOC), "exec"), namespace)
     from dmd2_core.data import digits_prompt_set
 
     cond = digits_prompt_set().cond(torch.tensor([0, 1, 2]))
