@@ -120,13 +120,13 @@ def h3_teacher():
     return av_teacher.ensure_av_teacher(url, log=None)
 
 
-def test_short_joint_distillation_improves_picture_and_sound_survives(h3_teacher, tmp_path):
-    """Tens of iterations improve the 4-step student's frames, and the sound survives the joint
-    update. The sound cannot improve: the untrained 4-step student already sounds like the
-    teacher at 50 steps, since audio's shift-3 schedule suits 4 steps (bench/quality_av.py). It
-    drifts down over longer runs (bench/README.md); 20 iterations here take it from 0.885 to
-    0.775. A broken audio path, such as rows out of order or a wrong schedule, would put it near
-    chance (0.1)."""
+def test_short_joint_distillation_improves_picture_and_sound(h3_teacher, tmp_path):
+    """Twenty iterations improve both the 4-step student's frames and its sound over its
+    initialisation (the teacher at 4 steps). Measured with the 2000-step teacher: frame FD 11.39 ->
+    10.81, sound accuracy 0.88 -> 0.93. When the reference loop noised and graded both modalities at
+    the shared u instead of each at its own sigma, the sound drifted down (0.885 -> 0.775 in 20
+    iterations of the earlier 700-step teacher). A broken
+    audio path, such as rows out of order or a wrong schedule, would put it near chance (0.1)."""
     from dmd2_core.reference import ReferenceLoop
 
     loop = ReferenceLoop(_h3_cpu_args(h3_teacher, str(tmp_path / "run")))
@@ -138,8 +138,8 @@ def test_short_joint_distillation_improves_picture_and_sound_survives(h3_teacher
     before = scores()
     loop.run(TEST_ITERATIONS)
     after = scores()
-    assert after["frame_fd"] < 0.9 * before["frame_fd"], (before, after)
-    assert before["sound_acc"] > 0.8 and after["sound_acc"] > 0.7, (before, after)
+    assert after["frame_fd"] < 0.97 * before["frame_fd"], (before, after)
+    assert before["sound_acc"] > 0.8 and after["sound_acc"] > before["sound_acc"], (before, after)
 
 
 TEST_ITERATIONS = 20
