@@ -125,8 +125,8 @@ def test_short_joint_distillation_improves_picture_and_sound(h3_teacher, tmp_pat
     initialisation (the teacher at 4 steps). Measured with the 2000-step teacher: frame FD 11.39 ->
     10.81, sound accuracy 0.88 -> 0.93. When the reference loop noised and graded both modalities at
     the shared u instead of each at its own sigma, the sound drifted down (0.885 -> 0.775 in 20
-    iterations of the earlier 700-step teacher). A broken
-    audio path, such as rows out of order or a wrong schedule, would put it near chance (0.1)."""
+    iterations of the earlier 700-step teacher). A broken audio path, such as rows out of order or
+    a wrong schedule, would put it near chance (0.1)."""
     from dmd2_core.reference import ReferenceLoop
 
     loop = ReferenceLoop(_h3_cpu_args(h3_teacher, str(tmp_path / "run")))
