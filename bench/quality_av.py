@@ -17,7 +17,7 @@ CPU sizes (the recipe's other values kept: backward simulation, critic ratio 5, 
 (the recipe's 2e-6 is the 33 B model's) and an EMA of 0.9 (the recipe's 0.99 averages over more
 iterations than a CPU run has).
 
-    python bench/quality_av.py [--iterations 40] [--seeds 0 1] [--workers 2] [--teacher runs/av-teacher]
+    python bench/quality_av.py [--iterations 240] [--eval-every 20] [--seeds 0 1] [--workers 2] [--teacher runs/av-teacher]
 """
 
 from __future__ import annotations
@@ -127,8 +127,8 @@ def targets(teacher: dict, student: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--teacher", default="runs/av-teacher")
-    parser.add_argument("--iterations", type=int, default=40)
-    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--iterations", type=int, default=240)
+    parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--num-samples", type=int, default=200)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--eval-seed", type=int, default=0)

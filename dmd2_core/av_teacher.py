@@ -9,11 +9,14 @@ shift(u, 3), and the family maps the model's data-ward velocity to the project's
 the teacher is trained in exactly the convention distillation uses. Loss: each modality's own
 flow-matching mse, averaged (``losses.flow_matching_loss`` with the family's segments).
 
-One forward holds one u (the family's layout rule), so a batch is split into ``U_GROUPS`` groups,
-each at its own u. Half the u are uniform (the sampling grid visits u uniformly); the other half
-put the *video* sigma logit-normal, since shift 12 leaves the video nearly pure noise for most u
-and its fine detail is made at small u. Labels are never dropped: the teacher is
-guidance-distilled (one forward per step), as MiniMax-H3 is.
+One forward holds one u (the family's layout rule), so a batch is split into ``U_GROUPS`` = 8
+groups, each at its own u, and each clip of the batch is seen at ``SIGMAS_PER_CLIP`` = 2 of them
+(16 clips, 32 rows): more noise levels per step, and several per clip, cut the variance of the
+loss over u (with 2 levels per step, 700 steps left frames that were not yet digits). Half the u
+are uniform (the sampling grid visits u uniformly); the other half put the *video* sigma
+logit-normal, since shift 12 leaves the video nearly pure noise for most u and its fine detail is
+made at small u. Labels are never dropped: the teacher is guidance-distilled (one forward per
+step), as MiniMax-H3 is.
 
 Saved as a diffusers directory: transformer/, scheduler/ (shift 12), audio_scheduler/ (shift 3),
 model_index.json, and the conditions of the ten digits in ``prompts.safetensors`` beside them.
@@ -39,23 +42,27 @@ from dmd2_core.models import CheckpointError, describe_checkpoint, load_checkpoi
 from dmd2_core.models.minimax_h3 import AUDIO_SHIFT, VIDEO_SHIFT, MiniMaxH3Family
 from dmd2_core.teacher import _ema_update, _lr_factor, logit_normal_sigmas
 
-DEFAULT_STEPS = 700
+DEFAULT_STEPS = 2000
 DEFAULT_BATCH_SIZE = 32
-U_GROUPS = 2
+U_GROUPS = 8  # noise levels per step, one forward each
+SIGMAS_PER_CLIP = 2  # each clip of a step is seen at this many of its noise levels
+ROPE_THETA = 100.0  # the rotary base: the grid is 4 frames x 4 x 8 patches and 8 audio rows, not thousands
 DEFAULT_LR = 1e-3
 DEFAULT_EMA_DECAY = 0.999
 PROMPTS_FILE = "prompts.safetensors"
 TABLE_STEPS = (50, 8, 4, 1)
 
 
-def tiny_h3_config(width: int = 64, layers: int = 3) -> dict:
-    """The default is ~0.3 M parameters: 3 blocks (plus a refiner) of width 64, two heads of 32."""
+def tiny_h3_config(width: int = 64, layers: int = 4) -> dict:
+    """The default is ~0.4 M parameters: 4 blocks (plus a refiner) of width 64, two heads of 32, and
+    a rotary base of ``ROPE_THETA`` (diffusers' 10000 is for long sequences: at this grid its
+    slower frequencies hardly turn from one position to the next)."""
     heads = 2
     return dict(num_attention_heads=heads, attention_head_dim=width // heads, hidden_size=width, num_layers=layers,
                 num_refiner_layers=1, ffn_dim=2 * width, in_channels=sd.VIDEO_LATENT_SHAPE[0],
                 audio_in_channels=sd.AUDIO_ROW, patch_size=(1, 2, 2),
                 text_dim=sd.prompt_set().embeds["prompt_embeds"].shape[-1], freq_dim=64, time_embed_hidden_dim=width,
-                time_embed_dim=32, rope_freq_dim=width // heads // 8)
+                time_embed_dim=32, rope_freq_dim=width // heads // 8, rope_theta=ROPE_THETA)
 
 
 def new_av_teacher_model(seed: int = 0, config: Optional[dict] = None) -> torch.nn.Module:
@@ -99,7 +106,10 @@ def train_av_teacher(save_url: Optional[str], seed: int = 0, num_steps: int = DE
     start = time.perf_counter()
     model.train()
     for step in range(num_steps):
-        idx = torch.randint(0, len(x_train), (per_group * U_GROUPS,), generator=g)
+        clips_idx = torch.randint(0, len(x_train), (per_group * U_GROUPS // SIGMAS_PER_CLIP,), generator=g)
+        # the copies of a clip land in different groups, hence at different noise levels
+        idx = torch.cat([clips_idx[torch.randperm(len(clips_idx), generator=g)] if r else clips_idx
+                         for r in range(SIGMAS_PER_CLIP)])
         x0, cond = x_train[idx], prompts.cond(y_train[idx])
         noise = torch.randn(x0.shape, generator=g)
         u = draw_u(U_GROUPS, g).repeat_interleave(per_group)

@@ -13,7 +13,6 @@ import time
 import torch
 
 from dmd2_core import dmd2, gan, lora
-from dmd2_core import flow_matching as fm
 from dmd2_core.args import Args
 from dmd2_core.data import load_prompt_set, load_real_set
 from dmd2_core.losses import dmd2_loss
@@ -76,7 +75,7 @@ class ReferenceLoop:
 
         def scores_at(stream, v_fake=None, noisy=None):
             sigma, noise = noisy or dmd2.noisy_inputs(args, iteration, stream, shape, everything)
-            x_t = fm.add_noise(x0, noise, sigma)
+            x_t = family.add_noise(x0, noise, sigma)  # each modality at its own sigma, as the critic
             return dmd2.score(family, self.teacher, self.critic, x0, x_t, sigma, cond, uncond,
                               args.dmd2_guidance_scale, v_fake=v_fake, weights=args.dmd2_modality_weights)
 
@@ -112,7 +111,7 @@ class ReferenceLoop:
                 _step(self.disc, self.disc_opt, args.clip_grad)
 
         v = family.predict_velocity(self.student, pairs["x_t"], pairs["sigma"], cond)
-        x0_graded = fm.velocity_to_x0(pairs["x_t"], v, pairs["sigma"])
+        x0_graded = family.velocity_to_x0(pairs["x_t"], v, pairs["sigma"])  # as the actor
         loss = dmd2_loss(x0_graded, scores["grad"] if gan_grad is None else scores["grad"] + gan_grad)
         loss.backward()
         student_norm = _step(self.student, self.student_opt, args.clip_grad)

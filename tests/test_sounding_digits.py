@@ -64,6 +64,46 @@ def test_patch_latents_are_lossless_and_laid_out_as_h3_expects():
     assert torch.allclose(audio_latents[1, 0, :, 2] * sd.AUDIO_SCALE, clips.audio[1, 0, 64:96])
 
 
+def _h3_cpu_args(teacher: str, save: str, **overrides):
+    from dmd2_core.args import load_args
+
+    return load_args("minimax-h3", {
+        "hf_checkpoint": teacher, "prompts": av_teacher.prompts_url(teacher), "save": save,
+        "device": "cpu", "num_devices": 1, "dtype": "float32", "gradient_checkpointing": False,
+        "sleep_after_train": False, "num_frames": None, "height": None, "width": None,
+        "latent_shape": sd.VIDEO_LATENT_SHAPE, "global_batch_size": 8, "micro_batch_size": 8, "lr": 1e-4,
+        "critic_lr": 1e-4, "ema_decay": None, "dmd2_update_ratio": 2, "seed": 0, **overrides})
+
+
+@pytest.mark.parametrize("scoring", ["fused", "original"])
+def test_reference_loop_is_the_oracle_of_the_trainers_for_a_joint_model(tmp_path, scoring):
+    """The reference loop (what the bench distils with) takes the trainers' steps on a small
+    MiniMax-H3 model (the tiny stand-in, a clip the trainers accept): each modality noised at its
+    own sigma (video shift 12, audio shift 3) when scored, and graded with the family's x0."""
+    from dmd2_core.args import load_args
+    from dmd2_core.models.standins import build_h3_standin, h3_prompt_set
+    from dmd2_core.reference import ReferenceLoop
+    from tests.conftest import in_process_trainers, iterate_in_process
+
+    teacher, prompts = build_h3_standin(str(tmp_path / "h3")), str(tmp_path / "prompts.safetensors")
+    h3_prompt_set().save(prompts)
+    args = load_args("minimax-h3", dict(
+        hf_checkpoint=teacher, prompts=prompts, save=str(tmp_path / "run"), device="cpu", num_devices=1,
+        dtype="float32", global_batch_size=4, micro_batch_size=3, torch_threads=1, lr=1e-4, critic_lr=1e-4,
+        dmd2_update_ratio=2, dmd2_critic_scoring=scoring, num_frames=None, height=None, width=None,
+        latent_shape=[24, 37, 2, 2]))  # the stand-in's clip (H3_GEOMETRY), as the reference loop takes it
+    trainers = in_process_trainers(args)
+    loop = ReferenceLoop(args)
+    fresh = {k: v.clone() for k, v in loop.student.state_dict().items()}
+    for i in (1, 2):
+        iterate_in_process(trainers, i)
+        loop.iterate(i)
+    for role, theirs in (("actor", loop.student), ("critic", loop.critic)):
+        a, b = trainers[role].weights(), theirs.state_dict()
+        assert max((a[k] - b[k].detach()).abs().max().item() for k in b) < 1e-5, role
+    assert max((fresh[k] - loop.student.state_dict()[k]).abs().max().item() for k in fresh) > 1e-5
+
+
 @pytest.fixture(scope="module")
 def h3_teacher():
     """The bench's teacher (``make av-teacher``) when this checkout has one, else the same recipe
@@ -80,23 +120,16 @@ def h3_teacher():
     return av_teacher.ensure_av_teacher(url, log=None)
 
 
-def test_short_joint_distillation_improves_picture_and_sound_survives(h3_teacher, tmp_path):
-    """Tens of iterations improve the 4-step student's frames, and the sound survives the joint
-    update. The sound cannot improve: the untrained 4-step student already sounds like the
-    teacher at 50 steps, since audio's shift-3 schedule suits 4 steps (bench/quality_av.py). It
-    drifts down over longer runs (bench/README.md); 20 iterations here take it from 0.885 to
-    0.775. A broken audio path, such as rows out of order or a wrong schedule, would put it near
-    chance (0.1)."""
-    from dmd2_core.args import load_args
+def test_short_joint_distillation_improves_picture_and_sound(h3_teacher, tmp_path):
+    """Twenty iterations improve both the 4-step student's frames and its sound over its
+    initialisation (the teacher at 4 steps). Measured with the 2000-step teacher: frame FD 11.39 ->
+    10.81, sound accuracy 0.88 -> 0.93. When the reference loop noised and graded both modalities at
+    the shared u instead of each at its own sigma, the sound drifted down (0.885 -> 0.775 in 20
+    iterations of the earlier 700-step teacher). A broken audio path, such as rows out of order or
+    a wrong schedule, would put it near chance (0.1)."""
     from dmd2_core.reference import ReferenceLoop
 
-    args = load_args("minimax-h3", {
-        "hf_checkpoint": h3_teacher, "prompts": av_teacher.prompts_url(h3_teacher), "save": str(tmp_path / "run"),
-        "device": "cpu", "num_devices": 1, "dtype": "float32", "gradient_checkpointing": False,
-        "sleep_after_train": False, "num_frames": None, "height": None, "width": None,
-        "latent_shape": sd.VIDEO_LATENT_SHAPE, "global_batch_size": 8, "micro_batch_size": 8, "lr": 1e-4,
-        "critic_lr": 1e-4, "ema_decay": None, "dmd2_update_ratio": 2, "seed": 0})
-    loop = ReferenceLoop(args)
+    loop = ReferenceLoop(_h3_cpu_args(h3_teacher, str(tmp_path / "run")))
     labels = av_evaluation.balanced_labels(200)
 
     def scores():
@@ -105,8 +138,8 @@ def test_short_joint_distillation_improves_picture_and_sound_survives(h3_teacher
     before = scores()
     loop.run(TEST_ITERATIONS)
     after = scores()
-    assert after["frame_fd"] < 0.9 * before["frame_fd"], (before, after)
-    assert before["sound_acc"] > 0.8 and after["sound_acc"] > 0.7, (before, after)
+    assert after["frame_fd"] < 0.97 * before["frame_fd"], (before, after)
+    assert before["sound_acc"] > 0.8 and after["sound_acc"] > before["sound_acc"], (before, after)
 
 
 TEST_ITERATIONS = 20
