@@ -6,6 +6,7 @@ by the ranks' hashes once they start, ends the run the same way, its traceback i
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -76,12 +77,24 @@ def test_a_truncated_prompt_set_or_real_set_is_named_before_any_actor(tiny_teach
     assert not save.exists()
 
 
-def test_a_corrupt_trainer_state_is_named_before_any_actor(ray_session, tiny_teacher, tmp_path, capsys, monkeypatch):
-    save = tmp_path / "run"
-    args = tiny_args(tiny_teacher, str(save), run_name="broken-state")
-    with DistillRun(args) as run:
+@pytest.fixture(scope="module")
+def saved_at_1(ray_session, tiny_teacher, tmp_path_factory) -> Path:
+    """One run of the tiny recipe that checkpointed iteration 1; each test damages its own copy."""
+    save = tmp_path_factory.mktemp("broken") / "run"
+    with DistillRun(tiny_args(tiny_teacher, str(save), run_name="broken-first")) as run:
         run.iterate(1)
         run.checkpoint(1)
+    return save
+
+
+def _copy_of(saved: Path, tmp_path: Path) -> Path:
+    save = tmp_path / "run"
+    shutil.copytree(saved, save, ignore=shutil.ignore_patterns(".lease.lock"))
+    return save
+
+
+def test_a_corrupt_trainer_state_is_named_before_any_actor(saved_at_1, tiny_teacher, tmp_path, capsys, monkeypatch):
+    save = _copy_of(saved_at_1, tmp_path)
     state = Path(ckpt.trainer_dir(str(save), "critic", 1)) / "trainer_state.pt"
     data = bytearray(state.read_bytes())
     data[len(data) // 2] ^= 0x01  # same size: the listing agrees, the content does not
@@ -94,13 +107,13 @@ def test_a_corrupt_trainer_state_is_named_before_any_actor(ray_session, tiny_tea
     assert _files(save) == before
 
 
-def test_a_corrupt_weight_shard_found_at_load_ends_the_run_in_one_line(ray_session, tiny_teacher, tmp_path):
+def test_a_corrupt_weight_shard_found_at_load_ends_the_run_in_one_line(saved_at_1, tiny_teacher, tmp_path):
     """The shards' hashes are the ranks' to check (in parallel, at any size): once they find a
     flipped bit the run still ends with exit 2 and one line naming the file; the traceback goes
     to the log file that line names, what the run started is stopped, nothing is touched."""
     import psutil
 
-    save = tmp_path / "run"
+    save = _copy_of(saved_at_1, tmp_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env.update({"PREFECT_HOME": str(tmp_path / "prefect-home"), "RAY_ADDRESS": "local", "PYTHONPATH": str(ROOT)})
 
@@ -112,9 +125,6 @@ def test_a_corrupt_weight_shard_found_at_load_ends_the_run_in_one_line(ray_sessi
              "--set", "gan_weight=0", "--set", "gan_critic_weight=0", "--set", "run_name=broken-shard"],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
-    with DistillRun(tiny_args(tiny_teacher, str(save), run_name="broken-shard-first")) as run:  # a checkpoint at 1
-        run.iterate(1)
-        run.checkpoint(1)
     shard = Path(ckpt.trainer_dir(str(save), "actor", 1)) / "dcp" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -140,3 +150,22 @@ def _session(pid: int):
         return os.getsid(pid)
     except OSError:
         return None
+
+
+def test_a_truncated_shard_and_a_load_url_without_a_checkpoint_fail_before_any_actor(saved_at_1, tiny_teacher, tmp_path,
+                                                                                      monkeypatch):
+    """Pre-flight checks the listing and the sizes (cheap at any size); an explicit load URL
+    that holds no checkpoint is an error, not a fresh start."""
+    save = _copy_of(saved_at_1, tmp_path)
+    shard = Path(ckpt.trainer_dir(str(save), "actor", 1)) / "dcp" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    before = _files(save)
+    started = []
+    monkeypatch.setattr("dmd2_core.groups.init_ray", lambda *a, **k: started.append(1))
+    with pytest.raises(ckpt.CheckpointLoadError, match=re.escape(f"{shard}: corrupt (100 bytes")):
+        DistillRun(tiny_args(tiny_teacher, str(save), run_name="broken-truncated"))
+    fresh = tiny_args(tiny_teacher, str(tmp_path / "fresh"), load=str(tmp_path / "rnu"))
+    with pytest.raises(ckpt.CheckpointLoadError, match=re.escape(f"load: no checkpoint at {tmp_path / 'rnu'} "
+                                                              f"(no latest_checkpointed_iteration.txt); did you mean")):
+        DistillRun(fresh)
+    assert not started and _files(save) == before

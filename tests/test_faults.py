@@ -1,13 +1,13 @@
 """Faults injected into tiny runs: nothing lost, nothing silent.
 
-Non-finite values (through train-input hooks), two runs on one save URL, corrupted checkpoints,
-storage outages (the moto server stopped and restarted on its port), and no processes left behind
-when the flow process dies. Bad input caught before any actor: test_preflight.py.
+Non-finite values (through train-input hooks), two runs on one save URL, storage outages (the
+moto server stopped and restarted on its port), and no processes left behind when the flow process
+dies. Bad input caught before any actor: test_preflight.py; damaged checkpoints:
+test_broken_checkpoints.py.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -199,53 +199,6 @@ def test_second_run_on_one_url_refuses_before_any_actor(ray_session, tiny_teache
         first.checkpoint(1)
     assert ckpt.read_tracker(save) == 1
     assert lease.read(save) is None  # released at the end
-
-
-# ---- checksummed checkpoints ------------------------------------------------------------------
-
-def _checkpointed_run(tiny_teacher, save, name):
-    """A run that saved iteration 1 at ``save``; returns its args."""
-    args = tiny_args(tiny_teacher, save, run_name=name)
-    with DistillRun(args) as run:
-        run.iterate(1)
-        run.checkpoint(1)
-    return args
-
-
-def test_a_flipped_byte_fails_the_resume_and_a_wrong_load_url_fails_in_preflight(ray_session, tiny_teacher, tmp_path,
-                                                                                monkeypatch):
-    """Pre-flight checks the listing and sizes (cheap at any size); the hashes of a sharded
-    checkpoint are checked by its ranks, in parallel, before anything is loaded: one line naming
-    the file, and nothing under the checkpoint touched."""
-    save = str(tmp_path / "run")
-    args = _checkpointed_run(tiny_teacher, save, "dmd2-flip")
-    weights = Path(ckpt.trainer_dir(save, "actor", 1)) / "dcp" / "__0_0.distcp"
-    data = bytearray(weights.read_bytes())
-    data[len(data) // 2] ^= 0x01  # same size, one bit
-    weights.write_bytes(bytes(data))
-    before = {p: p.read_bytes() for p in Path(save).rglob("*") if p.is_file() and p.name != ".lease.lock"}
-    run = DistillRun(args)
-    try:
-        with pytest.raises(ckpt.CheckpointLoadError) as info:
-            run.start()
-    finally:
-        run.shutdown()
-    assert str(info.value) == f"{weights}: corrupt (sha256 differs from the one recorded at save)"
-    assert {p: p.read_bytes() for p in Path(save).rglob("*") if p.is_file() and p.name != ".lease.lock"} == before
-
-    # a truncated file is caught before any actor
-    weights.write_bytes(bytes(data[:100]))
-    started = []
-    monkeypatch.setattr("dmd2_core.groups.init_ray", lambda *a, **k: started.append(1))
-    with pytest.raises(ckpt.CheckpointLoadError, match=re.escape(f"{weights}: corrupt (100 bytes")):
-        DistillRun(args)
-    assert not started
-
-    # an explicit load URL without a checkpoint is an error, not a fresh start
-    fresh = tiny_args(tiny_teacher, str(tmp_path / "fresh"), load=str(tmp_path / "rnu"))
-    with pytest.raises(ckpt.CheckpointLoadError, match=re.escape(f"load: no checkpoint at {tmp_path / 'rnu'} "
-                                                              f"(no latest_checkpointed_iteration.txt); did you mean")):
-        DistillRun(fresh)
 
 
 # ---- storage outages --------------------------------------------------------------------------
