@@ -1,5 +1,5 @@
-"""Checkpoints at real scale: sharded (DCP) saves written by every rank, asynchronous saves that
-training does not wait for, resume bitwise on the same number of ranks and across rank counts,
+"""Checkpoints at real scale: sharded (DCP) saves written by every rank (of shards that survive
+sleep/wake bitwise), asynchronous saves that training does not wait for, resume bitwise on the same number of ranks and across rank counts,
 retention in a run, and an S3 outage in the middle of an asynchronous save."""
 
 from __future__ import annotations
@@ -22,13 +22,18 @@ def _digests(run) -> dict:
 
 @pytest.mark.parametrize("where", ["s3"])  # local: test_resume_on_another_number_of_ranks_continues_smoothly
 def test_async_save_at_2_kill_resume_to_4_equals_4_straight(ray_session, tiny_teacher, tmp_path, request, where):
-    """2 sharded ranks, actor and critic: an asynchronous save at 2 while training goes on to 4;
-    new actors resume from it and reach the same bytes at 4 (weights, EMA, AdamW state)."""
+    """2 sharded ranks, actor and critic: every shard survives sleep/wake bitwise; an asynchronous
+    save at 2 while training goes on to 4; new actors resume from it with the saved bytes and reach
+    the same bytes at 4 (weights, EMA, AdamW state)."""
     save = str(tmp_path / "run") if where == "local" else request.getfixturevalue("s3_bucket") + "/run"
     args = tiny_args(tiny_teacher, save, num_devices=2, ema_decay=0.9, async_save=True, run_name=f"async-{where}")
     with DistillRun(args) as run:
         run.iterate(1)
         run.iterate(2)
+        saved = _digests(run)
+        assert saved["actor"][0] != saved["actor"][1]  # each rank holds its own shard
+        assert all(f["bytes_freed"] > 0 for f in run.group_call("actor", "sleep"))
+        assert _digests(run) == saved  # woke bitwise
         out = run.checkpoint(2)
         if "checkpoint_save_s" not in out:  # returned before the save was durable: not tracked yet
             assert run.pending_save == 2 and ckpt.read_tracker(save) is None
@@ -48,6 +53,7 @@ def test_async_save_at_2_kill_resume_to_4_equals_4_straight(ray_session, tiny_te
         assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(marker["sha256"])  # each rank wrote its shards
     with DistillRun(args) as again:
         assert again.start_iteration == 2
+        assert _digests(again) == saved
         again.iterate(3)
         again.iterate(4)
         assert _digests(again) == straight
