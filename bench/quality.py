@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from dmd2_core.args import load_args  # noqa: E402
+from dmd2_core.args import ArgsError, load_args, parse_set  # noqa: E402
 from dmd2_core.evaluation import balanced_labels, evaluate_digits, features, frechet_distance, teacher_table  # noqa: E402
 from dmd2_core.reference import ReferenceLoop  # noqa: E402
 from dmd2_core.teacher import ensure_teacher  # noqa: E402
@@ -58,6 +58,11 @@ def teacher_reference_features(teacher: str, num_samples: int, seed: int, guidan
 def distill(job: dict) -> dict:
     """One student: ``iterations`` DMD2 iterations, evaluated every ``eval_every``; or, for the
     job without a variant, the teacher's table."""
+    try:
+        sets = parse_set(ns.sets)
+        load_args("tiny", sets)
+    except ArgsError as err:
+        parser.exit(2, f"error: {err}\n")
     torch.set_num_threads(1)
     start = time.perf_counter()
     if job["variant"] is None:
@@ -139,12 +144,19 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=16, help="rank of student_lora's adapters (alpha = rank)")
     parser.add_argument("--lora-lr", type=float, default=5e-4, help="student_lora's lr (student and fake score)")
     parser.add_argument("--lora-targets", nargs="+", default=None, help="student_lora's lora_target_modules (default the flag's)")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="a tiny-recipe override for every student (repeatable), e.g. dmd2_update_ratio=10")
     parser.add_argument("--progress", default=None, help="append every evaluation to this JSONL file")
     parser.add_argument("--summarise", default=None, help="print the JSON line from a progress file (a run cut short) and exit")
     ns = parser.parse_args()
     if ns.summarise:
         done = summarise(ns.summarise)
         return report(done["table"], done["results"], argparse.Namespace(**done["meta"]["ns"]), done["meta"]["gan"], None)
+    try:
+        sets = parse_set(ns.sets)
+        load_args("tiny", sets)
+    except ArgsError as err:
+        parser.exit(2, f"error: {err}\n")
     torch.set_num_threads(1)
     start = time.perf_counter()
     teacher = ensure_teacher(ns.teacher, seed=0, log=lambda m: print(m, file=sys.stderr))
@@ -172,7 +184,8 @@ def main() -> None:
                              "eval_every": ns.eval_every, "num_samples": ns.num_samples, "eval_seed": ns.eval_seed,
                              "teacher": teacher, "guidance": guidance, "target": target, "progress": ns.progress, "overrides": {
                                  "hf_checkpoint": teacher, "save": "runs/bench-quality", "dmd2_student_steps": steps,
-                                 "dmd2_guidance_scale": guidance, "seed": seed, "ema_decay": ns.ema or None, **heads}})
+                                 "dmd2_guidance_scale": guidance, "seed": seed, "ema_decay": ns.ema or None, **sets,
+                                 **heads}})
     jobs = jobs[1:] + jobs[:1]  # the students first, the slower GAN ones leading; the table last
     with mp.get_context("spawn").Pool(ns.workers) as pool:
         results = []
@@ -210,7 +223,7 @@ def report(table, results, ns, gan, wall_s) -> None:
         out.update(lora_rank=getattr(ns, "lora_rank", None), lora_lr=getattr(ns, "lora_lr", None),
                    lora_targets=getattr(ns, "lora_targets", None))
     out.update({"iterations": ns.iterations, "eval_every": ns.eval_every, "seeds": ns.seeds, "guidance_scale": guidance,
-                "ema_decay": ns.ema or None, "gan": gan, "num_samples": ns.num_samples,
+                "ema_decay": ns.ema or None, "gan": gan, "num_samples": ns.num_samples, "set": getattr(ns, "sets", []),
                 "complete": all(r["final"]["iteration"] == ns.iterations for r in results),
                 "wall_s": None if wall_s is None else round(wall_s, 1)})
     print(json.dumps(out))
