@@ -58,11 +58,6 @@ def teacher_reference_features(teacher: str, num_samples: int, seed: int, guidan
 def distill(job: dict) -> dict:
     """One student: ``iterations`` DMD2 iterations, evaluated every ``eval_every``; or, for the
     job without a variant, the teacher's table."""
-    try:
-        sets = parse_set(ns.sets)
-        load_args("tiny", sets)
-    except ArgsError as err:
-        parser.exit(2, f"error: {err}\n")
     torch.set_num_threads(1)
     start = time.perf_counter()
     if job["variant"] is None:
