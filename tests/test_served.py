@@ -117,7 +117,8 @@ def served(prefect_server, receiver, tmp_path_factory):
         proc = subprocess.Popen([sys.executable, "-m", "deployments.serve"], env=env, cwd=REPO, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_http(f"{api}/deployments/name/dmd2/tiny", 90, proc, log)
+        # ~15 s on a quiet machine; a readiness wait, generous for a loaded one (it imports torch and the flow)
+        wait_http(f"{api}/deployments/name/dmd2/tiny", 240, proc, log)
         wait_http(f"{api}/deployments/name/dmd2/minimax-h3", 30, proc, log)
         yield api, env, proc, log
     finally:
