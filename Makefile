@@ -29,11 +29,12 @@ demo: $(STAMP)
 	$(PY) -m flows.demo
 
 # Test files run on TEST_WORKERS processes (pytest-xdist; most tests wait on Ray actors, servers and
-# subprocesses, so two workers use the two cores CI has). pytest exits 5 when it collects no test:
+# subprocesses, so two workers use the two cores CI has); the files that start multi-rank groups share
+# one worker (tests/conftest.py, MULTI_RANK_FILES). pytest exits 5 when it collects no test:
 # that is a failure of the suite, reported as such.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=15 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
 
 bench: $(STAMP)

@@ -17,6 +17,28 @@ import torch
 
 from flows.environment import ENVIRONMENT_DEFAULTS, free_port, local_prefect_server
 
+# Files whose tests start groups of 2+ ranks. Ranks wait on each other in every gloo collective, so
+# two such groups sharing two cores stall each other (a 2-rank test took 12x longer beside two busy
+# processes). Under `--dist loadscope` (make test) these files are one scope and run one after
+# another on one worker; every other file is a scope of its own, as with loadfile. (xdist's own
+# loadgroup cannot do this under pytest 9: its group suffix on the node id is ignored.)
+MULTI_RANK_FILES = {"test_checkpoints_at_scale.py", "test_context_parallel.py", "test_lora.py", "test_minimax_h3.py",
+                    "test_sharding.py", "test_trainer_groups.py"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class MultiRankFilesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "multi-rank" if Path(path).name in MULTI_RANK_FILES else path
+
+    return MultiRankFilesTogether(config, log)
+
 
 def _set_env(monkeypatch_env: dict, values: dict) -> None:
     for key, value in values.items():
