@@ -29,8 +29,8 @@ demo: $(STAMP)
 	$(PY) -m flows.demo
 
 # Test files run on TEST_WORKERS processes (pytest-xdist; most tests wait on Ray actors, servers and
-# subprocesses, so two workers use the two cores CI has); the files that start multi-rank groups share
-# one worker (tests/conftest.py, MULTI_RANK_FILES). pytest exits 5 when it collects no test:
+# subprocesses, so two workers use the two cores CI has); the tests marked multi_rank (groups of 2+
+# gloo ranks) run one after another on one worker (tests/conftest.py). pytest exits 5 when it collects no test:
 # that is a failure of the suite, reported as such.
 TEST_WORKERS ?= 2
 test: $(STAMP)

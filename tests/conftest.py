@@ -17,27 +17,47 @@ import torch
 
 from flows.environment import ENVIRONMENT_DEFAULTS, free_port, local_prefect_server
 
-# Files whose tests start groups of 2+ ranks. Ranks wait on each other in every gloo collective, so
-# two such groups sharing two cores stall each other (a 2-rank test took 12x longer beside two busy
-# processes). Under `--dist loadscope` (make test) these files are one scope and run one after
-# another on one worker; every other file is a scope of its own, as with loadfile. (xdist's own
-# loadgroup cannot do this under pytest 9: its group suffix on the node id is ignored.)
-MULTI_RANK_FILES = {"test_checkpoints_at_scale.py", "test_context_parallel.py", "test_lora.py", "test_minimax_h3.py",
-                    "test_sharding.py", "test_trainer_groups.py"}
+# Tests marked `multi_rank` start groups of 2+ ranks. Ranks wait on each other in every gloo
+# collective, so two such groups sharing two cores stall each other (a 2-rank test took 12x longer
+# beside two busy processes). Under `--dist loadscope` (make test) the marked tests are one scope
+# and run one after another on one worker; the other tests of a file are a scope of their own, as
+# with loadfile. The controller never imports the tests, so it reads the marker from each file's
+# source. (xdist's own loadgroup cannot do this under pytest 9: its suffix on the node id is ignored.)
+def multi_rank_tests(path: Path) -> set[str]:
+    """Names of the test functions of ``path`` decorated with ``pytest.mark.multi_rank``."""
+    import ast
+
+    def marked(decorator) -> bool:
+        node = decorator.func if isinstance(decorator, ast.Call) else decorator
+        return isinstance(node, ast.Attribute) and node.attr == "multi_rank"
+
+    tree = ast.parse(path.read_text())
+    return {node.name for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(map(marked, node.decorator_list))}
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadscope":
         return None
+    from functools import lru_cache
+
     from xdist.scheduler import LoadScopeScheduling
 
-    class MultiRankFilesTogether(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return "multi-rank" if Path(path).name in MULTI_RANK_FILES else path
+    marked_in = lru_cache(maxsize=None)(lambda path: multi_rank_tests(Path(config.rootpath) / path))
 
-    return MultiRankFilesTogether(config, log)
+    class MultiRankTestsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path, _, rest = nodeid.partition("::")
+            name = rest.split("[", 1)[0].split("::")[-1]
+            return "multi-rank" if name in marked_in(path) else path
+
+        def _assign_work_unit(self, node) -> None:
+            if "multi-rank" in self.workqueue:  # the longest scope starts first
+                self.workqueue.move_to_end("multi-rank", last=False)
+            super()._assign_work_unit(node)
+
+    return MultiRankTestsTogether(config, log)
 
 
 def _set_env(monkeypatch_env: dict, values: dict) -> None:

@@ -20,6 +20,7 @@ def _digests(run) -> dict:
     return {role: run.group_call(role, "state_digest") for role in run.groups}
 
 
+@pytest.mark.multi_rank
 @pytest.mark.parametrize("where", ["s3"])  # local: test_resume_on_another_number_of_ranks_continues_smoothly
 def test_async_save_at_2_kill_resume_to_4_equals_4_straight(ray_session, tiny_teacher, tmp_path, request, where):
     """2 sharded ranks, actor and critic: every shard survives sleep/wake bitwise; an asynchronous
@@ -59,10 +60,11 @@ def test_async_save_at_2_kill_resume_to_4_equals_4_straight(ray_session, tiny_te
         assert _digests(again) == straight
 
 
+@pytest.mark.multi_rank
 def test_resume_on_another_number_of_ranks_continues_smoothly(ray_session, tiny_teacher, tmp_path):
     """Saved on 2 ranks, resumed on 1 (and saved on 1, resumed on 2): the weights load exactly
     (DCP reshards) and training continues with the losses of an uninterrupted run, up to the
-    order of floating-point reductions."""
+    order of floating-point reductions. The 1-rank run keeps its newest two checkpoints."""
     save = str(tmp_path / "two")
     two = tiny_args(tiny_teacher, save, num_devices=2, ema_decay=0.9, run_name="reshard-two")
     with DistillRun(two) as run:
@@ -71,40 +73,33 @@ def test_resume_on_another_number_of_ranks_continues_smoothly(ray_session, tiny_
         run.checkpoint(2)
         whole = {role: run.group_call(role, "weights")[0] for role in run.groups}
         straight = [run.iterate(i) for i in (3, 4)]
-    one = tiny_args(tiny_teacher, str(tmp_path / "one"), load=save, ema_decay=0.9, run_name="reshard-one")
+    one = tiny_args(tiny_teacher, str(tmp_path / "one"), load=save, ema_decay=0.9, keep_last_n=2, run_name="reshard-one")
     with DistillRun(one) as run:
         assert run.start_iteration == 2
         for role in run.groups:
             got = run.group_call(role, "weights")[0]
             assert got.keys() == whole[role].keys() and all(got[k].equal(whole[role][k]) for k in got)
-        resumed = [run.iterate(i) for i in (3, 4)]
-        run.checkpoint(4)
+        resumed = []
+        for i in (3, 4, 5):
+            resumed.append(run.iterate(i))
+            out = run.checkpoint(i)
+        assert out["checkpoints_pruned"] == 2  # retention: iteration 3, actor and critic
         whole = {role: run.group_call(role, "weights")[0] for role in run.groups}
-        fifth = run.iterate(5)
+        sixth = run.iterate(6)
+    for role in ("actor", "critic"):  # the newest two, the tracked one among them
+        assert ckpt.saved_iterations(str(tmp_path / "one"), role) == {4: True, 5: True}
     for a, b in zip(straight, resumed):
         for key in ("dmd2_loss", "critic_loss"):
             assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (key, a[key], b[key])
     back = tiny_args(tiny_teacher, str(tmp_path / "one"), num_devices=2, ema_decay=0.9, run_name="reshard-back")
     with DistillRun(back) as run:
-        assert run.start_iteration == 4
+        assert run.start_iteration == 5
         for role in run.groups:
             got = run.group_call(role, "weights")[0]
             assert got.keys() == whole[role].keys() and all(got[k].equal(whole[role][k]) for k in got)
-        metrics = run.iterate(5)
+        metrics = run.iterate(6)
     for key in ("dmd2_loss", "critic_loss"):
-        assert abs(metrics[key] - fifth[key]) <= 1e-4 * max(1.0, abs(fifth[key])), (key, metrics[key], fifth[key])
-
-
-def test_retention_in_a_run_keeps_the_newest_and_the_tracked(ray_session, tiny_teacher, tmp_path):
-    save = str(tmp_path / "run")
-    args = tiny_args(tiny_teacher, save, keep_last_n=2, run_name="retention")
-    with DistillRun(args) as run:
-        for i in range(1, 5):
-            run.iterate(i)
-            out = run.checkpoint(i)
-        assert out["checkpoints_pruned"] == 2  # iteration 2, actor and critic
-    for role in ("actor", "critic"):
-        assert ckpt.saved_iterations(save, role) == {3: True, 4: True}
+        assert abs(metrics[key] - sixth[key]) <= 1e-4 * max(1.0, abs(sixth[key])), (key, metrics[key], sixth[key])
 
 
 def test_s3_stopped_in_the_middle_of_an_async_save(ray_session, tiny_teacher, s3_bucket, s3_outage):

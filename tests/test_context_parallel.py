@@ -138,6 +138,7 @@ def _same_as_one_rank(model: dict, one: dict, tmp_path, world_size: int, save: b
     return diffs
 
 
+@pytest.mark.multi_rank
 def test_wan_context_parallel_2_equals_1_rank(wan, wan_one, tmp_path):
     """And its checkpoint resumes on one rank without cp: FSDP shards over the same ranks whatever
     cp, so the saved state does not depend on it."""
@@ -152,10 +153,12 @@ def test_wan_context_parallel_2_equals_1_rank(wan, wan_one, tmp_path):
             assert (samples - many["samples"]).abs().max() < 1e-6
 
 
+@pytest.mark.multi_rank
 def test_h3_context_parallel_2_equals_1_rank(h3, tmp_path):
     _same_as_one_rank(h3, _one_rank(h3, tmp_path / "one"), tmp_path, 2, cp_size=2)
 
 
+@pytest.mark.multi_rank
 def test_wan_shard_2_by_context_2_equals_1_rank(wan, wan_one, tmp_path):
     """4 ranks: two data-parallel shards, each a context group of 2; the batch of 2 splits by rows."""
     _same_as_one_rank(wan, wan_one, tmp_path, 4, cp_size=2)

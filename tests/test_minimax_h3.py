@@ -213,6 +213,7 @@ def test_export_loads_in_diffusers_modular_pipeline_and_reproduces_eval_samples(
         torch.testing.assert_close(joined, ours[j:j + 1], atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.multi_rank
 def test_two_sharded_ranks_equal_one_rank_on_the_stand_in(ray_session, h3, tmp_path):
     """FSDP2 over 2 ranks (the fp32 modules as their own units, the root leaving its inputs' dtypes
     alone) trains the H3 stand-in to the weights 1 rank gets, student and fake score."""

@@ -119,6 +119,7 @@ def one_rank(tiny_teacher, tmp_path_factory):
     return fresh, {role: t.weights() for role, t in trainers.items()}
 
 
+@pytest.mark.multi_rank
 def test_two_replicas_equal_one_rank(ray_session, one_rank, tiny_teacher, tmp_path):
     """HSDP with a shard group of 1 (two replicas): the same weights as 1 rank after 3 iterations,
     actor and critic; a gradient summed instead of averaged over ranks (gloo under FSDP2, pytorch
@@ -139,6 +140,7 @@ def _planned(args):
     return {g.role: g for g in memory.plan(roles).groups}
 
 
+@pytest.mark.multi_rank
 @pytest.mark.parametrize("n", [1, 2])
 def test_plan_matches_the_bytes_ranks_hold(ray_session, sd3, tmp_path, n):
     url, prompts = sd3
@@ -217,6 +219,7 @@ def _wait_for_port(port: int, timeout_s: float) -> None:
             time.sleep(0.2)
 
 
+@pytest.mark.multi_rank
 def test_a_group_across_two_ray_nodes(one_rank, tiny_teacher, tmp_path):
     """A real two-node Ray cluster on this machine that the run did not start (a head and a worker
     node started with the CLI, one device each, token auth; joined through ray_address): the

@@ -111,6 +111,7 @@ def _equal_to_old_start(rank: int, world: int, cases: list) -> None:
         assert new.bytes_read == expected, what
 
 
+@pytest.mark.multi_rank
 @pytest.mark.parametrize("world", [1, 2])
 def test_start_equals_whole_load_then_shard(checkpoints, tmp_path, world):
     """Every family, fp32 and bf16 compute (fp32 masters, frozen bf16 teacher), gradient
@@ -165,6 +166,7 @@ def _peak_rss(rank: int, world: int, args) -> None:
         f"largest block {block_bytes / 2**20:.0f} MiB, whole model {whole / 2**20:.0f} MiB")
 
 
+@pytest.mark.multi_rank
 def test_two_rank_start_holds_its_shards_not_the_model(tmp_path):
     """A ~60 M-parameter Wan (~240 MB in fp32) on 2 ranks: each rank's peak host memory grows by at
     most its shards and one block (+10%) while it starts, never by the whole model."""

@@ -80,6 +80,7 @@ def test_bad_hook_fails_in_preflight_with_the_path(tiny_teacher, tmp_path, path,
     assert "train_input_hook_path" in str(err.value) and needle in str(err.value)
 
 
+@pytest.mark.multi_rank
 def test_two_colocated_groups_of_two_ranks(ray_session, tiny_teacher, tmp_path):
     args = tiny_args(tiny_teacher, str(tmp_path), num_devices=2, run_name="dmd2-coloc")
     with DistillRun(args) as run:
@@ -99,6 +100,7 @@ def test_two_colocated_groups_of_two_ranks(ray_session, tiny_teacher, tmp_path):
         assert all(torch.equal(whole[0][k], whole[1][k]) for k in whole[0])
 
 
+@pytest.mark.multi_rank
 def test_external_data_reaches_each_rank(ray_session, tiny_teacher, tmp_path):
     from dmd2_core.groups import TrainerGroup, create_placement_group
 
