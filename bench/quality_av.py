@@ -26,6 +26,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 
@@ -163,6 +164,9 @@ def main() -> None:
     jobs = [{"steps": k, "seed": s, "iterations": ns.iterations, "eval_every": ns.eval_every,
              "num_samples": ns.num_samples, "eval_seed": ns.eval_seed, "target": target, "progress": ns.progress,
              "overrides": cpu_overrides(teacher, k, s, ns)} for k in ns.steps for s in ns.seeds]
+    # a TERM (kill, timeout) leaves through the pool's exit, which stops the jobs, instead of
+    # leaving them running with no one to read their results
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with mp.get_context("spawn").Pool(ns.workers) as pool:
         results = []
         for r in pool.imap_unordered(distill, jobs):
