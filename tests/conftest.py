@@ -221,6 +221,20 @@ def tiny_args(teacher: str, save: str, **overrides):
     return load_args(None, values)
 
 
+def flow_cli_refusal(capsys, monkeypatch, *argv) -> str:
+    """flows.dmd2's CLI in process: its exit code must be 2, with one line on stderr and no Ray
+    started; returns that line."""
+    from flows.dmd2 import main
+
+    started = []
+    monkeypatch.setattr("dmd2_core.groups.init_ray", lambda *a, **k: started.append(1))
+    code = main(list(argv))
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    assert not started
+    return err
+
+
 def in_process_trainers(args) -> dict:
     """The run's trainers (actor and critic), one rank each, in this process."""
     from dmd2_core.distill import preflight

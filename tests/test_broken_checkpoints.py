@@ -17,7 +17,7 @@ import pytest
 from dmd2_core import checkpoint as ckpt
 from dmd2_core.data import digits_prompt_set
 from dmd2_core.distill import DistillRun
-from tests.conftest import tiny_args
+from tests.conftest import flow_cli_refusal, tiny_args
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,16 +28,7 @@ def _truncate(path: Path) -> None:
 
 
 def _cli(capsys, monkeypatch, *argv) -> str:
-    """flows.dmd2's CLI in process: its exit code must be 2, no Ray started; returns stderr."""
-    from flows.dmd2 import main
-
-    started = []
-    monkeypatch.setattr("dmd2_core.groups.init_ray", lambda *a, **k: started.append(1))
-    code = main(["--recipe", "tiny", *argv])
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
-    assert not started
-    return err
+    return flow_cli_refusal(capsys, monkeypatch, "--recipe", "tiny", *argv)
 
 
 def _files(root: Path) -> dict:
