@@ -17,6 +17,9 @@ CPU sizes (the recipe's other values kept: backward simulation, critic ratio 5, 
 (the recipe's 2e-6 is the 33 B model's) and an EMA of 0.9 (the recipe's 0.99 averages over more
 iterations than a CPU run has).
 
+``--set KEY=VALUE`` changes one recipe flag of every student; GAN weights (``--set gan_weight=2
+--set gan_critic_weight=0.1``) bring the teacher's real set, its train clips, as ``real_data``.
+
     python bench/quality_av.py [--iterations 240] [--eval-every 20] [--seeds 0 1] [--workers 2] [--teacher runs/av-teacher]
 """
 
@@ -36,7 +39,7 @@ import torch  # noqa: E402
 
 from dmd2_core import av_evaluation, av_teacher, evaluation  # noqa: E402
 from dmd2_core import sounding_digits as sd  # noqa: E402
-from dmd2_core.args import load_args  # noqa: E402
+from dmd2_core.args import ArgsError, load_args, parse_set  # noqa: E402
 from dmd2_core.models import load_checkpoint  # noqa: E402
 from dmd2_core.reference import ReferenceLoop  # noqa: E402
 
@@ -50,7 +53,8 @@ def frame_features(samples: torch.Tensor):
     return evaluation.features(crops.reshape(-1, 1, sd.DIGIT, sd.DIGIT))
 
 
-def cpu_overrides(teacher: str, steps: int, seed: int, ns) -> dict:
+def cpu_overrides(teacher: str, steps: int, seed: int, ns, sets: dict) -> dict:
+    heads = {"real_data": av_teacher.real_set_url(teacher)} if sets.get("gan_weight") or sets.get("gan_critic_weight") else {}
     return {"hf_checkpoint": teacher, "prompts": av_teacher.prompts_url(teacher), "save": "runs/bench-quality-av",
             "device": "cpu", "num_devices": 1, "dtype": "float32", "gradient_checkpointing": False,
             "sleep_after_train": False, "num_frames": None, "height": None, "width": None,
@@ -58,7 +62,7 @@ def cpu_overrides(teacher: str, steps: int, seed: int, ns) -> dict:
             "micro_batch_size": ns.batch_size, "lr": ns.lr, "critic_lr": ns.lr, "ema_decay": ns.ema or None,
             "dmd2_update_ratio": ns.update_ratio, "dmd2_student_steps": steps, "seed": seed, "torch_threads": 1,
             **({"dmd2_modality_weights": {"video": ns.video_weight, "audio": ns.audio_weight}}
-               if (ns.video_weight, ns.audio_weight) != (1.0, 1.0) else {})}
+               if (ns.video_weight, ns.audio_weight) != (1.0, 1.0) else {}), **heads, **sets}
 
 
 def distill(job: dict) -> dict:
@@ -141,14 +145,24 @@ def main() -> None:
     parser.add_argument("--update-ratio", type=int, default=5, help="critic steps per student step (the recipe's 5)")
     parser.add_argument("--video-weight", type=float, default=1.0)
     parser.add_argument("--audio-weight", type=float, default=1.0)
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="a minimax-h3 recipe override for every student (repeatable), e.g. gan_weight=0.5; "
+                             "GAN weights bring the teacher's real set (the train clips) as real_data")
     parser.add_argument("--progress", default=None, help="append every evaluation to this JSONL file")
     parser.add_argument("--summarise", default=None, help="print the JSON line from a progress file (a run cut short)")
     ns = parser.parse_args()
     if ns.summarise:
         return summarise(ns.summarise)
+    try:
+        sets = parse_set(ns.sets)
+        load_args("minimax-h3", {**cpu_overrides(ns.teacher, ns.steps[0], ns.seeds[0], ns, sets), "prompts": None})
+    except ArgsError as err:
+        parser.exit(2, f"error: {err}\n")
     torch.set_num_threads(1)
     start = time.perf_counter()
     teacher = av_teacher.ensure_av_teacher(ns.teacher, log=lambda m: print(m, file=sys.stderr))
+    if "real_data" in cpu_overrides(teacher, ns.steps[0], ns.seeds[0], ns, sets):
+        av_teacher.ensure_real_set(teacher)
     loaded = load_checkpoint(teacher)
     family = av_teacher.bound_family(loaded.model)
     labels = av_evaluation.balanced_labels(ns.num_samples)
@@ -163,7 +177,7 @@ def main() -> None:
         _log({"progress": ns.progress}, {"teacher": table, "ns": vars(ns)})
     jobs = [{"steps": k, "seed": s, "iterations": ns.iterations, "eval_every": ns.eval_every,
              "num_samples": ns.num_samples, "eval_seed": ns.eval_seed, "target": target, "progress": ns.progress,
-             "overrides": cpu_overrides(teacher, k, s, ns)} for k in ns.steps for s in ns.seeds]
+             "overrides": cpu_overrides(teacher, k, s, ns, sets)} for k in ns.steps for s in ns.seeds]
     # a TERM (kill, timeout) leaves through the pool's exit, which stops the jobs, instead of
     # leaving them running with no one to read their results
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -199,6 +213,7 @@ def report(table: dict, evals: list[dict], ns, wall_s) -> None:
            "iterations": ns.iterations, "eval_every": ns.eval_every, "seeds": ns.seeds, "num_samples": ns.num_samples,
            "batch_size": ns.batch_size, "lr": ns.lr, "ema_decay": ns.ema or None, "update_ratio": ns.update_ratio,
            "modality_weights": {"video": ns.video_weight, "audio": ns.audio_weight},
+           "set": getattr(ns, "sets", []),
            "wall_s": None if wall_s is None else round(wall_s, 1)}
     print(json.dumps(out))
 

@@ -19,7 +19,8 @@ made at small u. Labels are never dropped: the teacher is guidance-distilled (on
 step), as MiniMax-H3 is.
 
 Saved as a diffusers directory: transformer/, scheduler/ (shift 12), audio_scheduler/ (shift 3),
-model_index.json, and the conditions of the ten digits in ``prompts.safetensors`` beside them.
+model_index.json, the conditions of the ten digits in ``prompts.safetensors`` beside them, and the
+train clips as a real set for the GAN head (``real.safetensors``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Callable, Optional
 import torch
 
 from dmd2_core import dmd2, storage
+from dmd2_core.data import REAL_LATENTS
 from dmd2_core import sounding_digits as sd
 from dmd2_core.losses import flow_matching_loss
 from dmd2_core.models import CheckpointError, describe_checkpoint, load_checkpoint, save_checkpoint
@@ -50,6 +52,7 @@ ROPE_THETA = 100.0  # the rotary base: the grid is 4 frames x 4 x 8 patches and 
 DEFAULT_LR = 1e-3
 DEFAULT_EMA_DECAY = 0.999
 PROMPTS_FILE = "prompts.safetensors"
+REAL_FILE = "real.safetensors"  # the train clips as a real set: the GAN head's real_data
 TABLE_STEPS = (50, 8, 4, 1)
 
 
@@ -147,10 +150,36 @@ def save_av_teacher(model: torch.nn.Module, url: str) -> None:
         storage.write_bytes(storage.join(url, "audio_scheduler", "scheduler_config.json"),
                             (Path(tmp) / "scheduler_config.json").read_bytes())
     sd.prompt_set().save(prompts_url(url))
+    save_real_set(real_set_url(url))
 
 
 def prompts_url(teacher_url: str) -> str:
     return storage.join(teacher_url, PROMPTS_FILE)
+
+
+def real_set_url(teacher_url: str) -> str:
+    return storage.join(teacher_url, REAL_FILE)
+
+
+def save_real_set(url: str, data_seed: int = 0) -> None:
+    """The train clips (the teacher's own data) as a real set for the GAN head: their latents and,
+    per clip, its digit's condition. Deterministic from ``data_seed``."""
+    from safetensors.torch import save_file
+
+    clips = sd.make_clips("train", data_seed)
+    tensors = {REAL_LATENTS: sd.encode(clips.frames, clips.audio), **sd.prompt_set().cond(clips.labels)}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / REAL_FILE
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+        storage.write_bytes(url, path.read_bytes())
+
+
+def ensure_real_set(teacher_url: str) -> str:
+    """The teacher's real set, written beside it if an older teacher directory lacks one."""
+    url = real_set_url(teacher_url)
+    if not storage.exists(url):
+        save_real_set(url)
+    return url
 
 
 def ensure_av_teacher(url: str, seed: int = 0, log: Optional[Callable[[str], None]] = print, **train_kwargs) -> str:

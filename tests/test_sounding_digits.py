@@ -64,6 +64,24 @@ def test_patch_latents_are_lossless_and_laid_out_as_h3_expects():
     assert torch.allclose(audio_latents[1, 0, :, 2] * sd.AUDIO_SCALE, clips.audio[1, 0, 64:96])
 
 
+def test_real_set_is_the_train_clips_with_their_digits_conditions(tmp_path):
+    """The GAN head's real data for the joint model: every train clip's latents, each with its own
+    digit's condition, in the form the preflight check and the trainers read."""
+    from dmd2_core.data import check_real_set, load_real_set
+
+    url = str(tmp_path / "real.safetensors")
+    av_teacher.save_real_set(url)
+    family = av_teacher.bound_family()
+    prompts = str(tmp_path / "prompts.safetensors")
+    sd.prompt_set().save(prompts)
+    check_real_set(url, (sd.SAMPLE_SIZE,), prompts, family.cond_keys)
+    real, clips = load_real_set(url), sd.make_clips("train", 0)
+    assert torch.equal(real.latents, sd.encode(clips.frames, clips.audio))
+    _, cond = real.batch(torch.arange(len(clips.labels)))
+    assert torch.equal(cond["prompt_embeds"], sd.prompt_set().embeds["prompt_embeds"][clips.labels])
+    assert (cond["prompt_lengths"] == sd.DIGITS_TOKENS).all()
+
+
 def _h3_cpu_args(teacher: str, save: str, **overrides):
     from dmd2_core.args import load_args
 
