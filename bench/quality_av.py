@@ -13,14 +13,15 @@ evaluation closest (frame FD) to the teacher's 50-step frames (never the test sp
 the last. Figures are means over the training seeds.
 
 CPU sizes (the recipe's other values kept: backward simulation, critic ratio 5, AdamW betas
-(0, 0.999), clip 10, fused scoring, no GAN): device cpu, float32, batch 8, learning rates 1e-4
-(the recipe's 2e-6 is the 33 B model's) and an EMA of 0.9 (the recipe's 0.99 averages over more
-iterations than a CPU run has).
+(0, 0.999), clip 10, fused scoring): device cpu, float32, batch 8, learning rates 1e-4 (the
+recipe's 2e-6 is the 33 B model's), an EMA of 0.9 (the recipe's 0.99 averages over more
+iterations than a CPU run has), and the GAN head (the recipe's is off until measured at 33 B):
+``--gan-weight 2 --gan-critic-weight 0.1`` on the teacher's real set, its train clips
+(``--gan-weight 0 --gan-critic-weight 0`` for none).
 
-``--set KEY=VALUE`` changes one recipe flag of every student; GAN weights (``--set gan_weight=2
---set gan_critic_weight=0.1``) bring the teacher's real set, its train clips, as ``real_data``.
+``--set KEY=VALUE`` changes one recipe flag of every student.
 
-    python bench/quality_av.py [--iterations 240] [--eval-every 20] [--seeds 0 1] [--workers 2] [--teacher runs/av-teacher]
+    python bench/quality_av.py [--iterations 240] [--eval-every 40] [--num-samples 600] [--seeds 0 1] [--workers 2] [--teacher runs/av-teacher]
 """
 
 from __future__ import annotations
@@ -54,7 +55,10 @@ def frame_features(samples: torch.Tensor):
 
 
 def cpu_overrides(teacher: str, steps: int, seed: int, ns, sets: dict) -> dict:
-    heads = {"real_data": av_teacher.real_set_url(teacher)} if sets.get("gan_weight") or sets.get("gan_critic_weight") else {}
+    heads = {"gan_weight": sets.get("gan_weight", ns.gan_weight),
+             "gan_critic_weight": sets.get("gan_critic_weight", ns.gan_critic_weight)}
+    if any(heads.values()):
+        heads["real_data"] = sets.get("real_data") or av_teacher.real_set_url(teacher)
     return {"hf_checkpoint": teacher, "prompts": av_teacher.prompts_url(teacher), "save": "runs/bench-quality-av",
             "device": "cpu", "num_devices": 1, "dtype": "float32", "gradient_checkpointing": False,
             "sleep_after_train": False, "num_frames": None, "height": None, "width": None,
@@ -62,7 +66,7 @@ def cpu_overrides(teacher: str, steps: int, seed: int, ns, sets: dict) -> dict:
             "micro_batch_size": ns.batch_size, "lr": ns.lr, "critic_lr": ns.lr, "ema_decay": ns.ema or None,
             "dmd2_update_ratio": ns.update_ratio, "dmd2_student_steps": steps, "seed": seed, "torch_threads": 1,
             **({"dmd2_modality_weights": {"video": ns.video_weight, "audio": ns.audio_weight}}
-               if (ns.video_weight, ns.audio_weight) != (1.0, 1.0) else {}), **heads, **sets}
+               if (ns.video_weight, ns.audio_weight) != (1.0, 1.0) else {}), **sets, **heads}
 
 
 def distill(job: dict) -> dict:
@@ -133,8 +137,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--teacher", default="runs/av-teacher")
     parser.add_argument("--iterations", type=int, default=240)
-    parser.add_argument("--eval-every", type=int, default=20)
-    parser.add_argument("--num-samples", type=int, default=200)
+    parser.add_argument("--eval-every", type=int, default=40)
+    parser.add_argument("--num-samples", type=int, default=600, help="eval clips (at 200 one seed's agreement has a "
+                        "standard error of 3 points)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--eval-seed", type=int, default=0)
     parser.add_argument("--steps", type=int, nargs="+", default=[4, 1])
@@ -143,6 +148,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--ema", type=float, default=0.9, help="EMA decay of the students (0: none)")
     parser.add_argument("--update-ratio", type=int, default=5, help="critic steps per student step (the recipe's 5)")
+    parser.add_argument("--gan-weight", type=float, default=2.0, help="the GAN head on the train clips (0: none)")
+    parser.add_argument("--gan-critic-weight", type=float, default=0.1)
     parser.add_argument("--video-weight", type=float, default=1.0)
     parser.add_argument("--audio-weight", type=float, default=1.0)
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
@@ -213,6 +220,7 @@ def report(table: dict, evals: list[dict], ns, wall_s) -> None:
            "iterations": ns.iterations, "eval_every": ns.eval_every, "seeds": ns.seeds, "num_samples": ns.num_samples,
            "batch_size": ns.batch_size, "lr": ns.lr, "ema_decay": ns.ema or None, "update_ratio": ns.update_ratio,
            "modality_weights": {"video": ns.video_weight, "audio": ns.audio_weight},
+           "gan": {"gan_weight": getattr(ns, "gan_weight", 0.0), "gan_critic_weight": getattr(ns, "gan_critic_weight", 0.0)},
            "set": getattr(ns, "sets", []),
            "wall_s": None if wall_s is None else round(wall_s, 1)}
     print(json.dumps(out))

@@ -1,6 +1,6 @@
 """Sounding digits: the joint data set is deterministic and says what it shows, the patch latents
-are lossless, and a short joint DMD2 run of a small MiniMax-H3 teacher improves the 4-step
-student's picture and sound."""
+are lossless, the train clips make a real set, and a short joint DMD2 run of a small MiniMax-H3
+teacher improves the 1-step student's picture and sound."""
 
 from __future__ import annotations
 
@@ -82,6 +82,25 @@ def test_real_set_is_the_train_clips_with_their_digits_conditions(tmp_path):
     assert (cond["prompt_lengths"] == sd.DIGITS_TOKENS).all()
 
 
+def test_av_teacher_is_reused_as_it_is_and_says_when_trained_otherwise(tmp_path):
+    """A teacher already saved is reused, never overwritten; when it was trained for other steps
+    (the default changed from 2000 to 4000) or recorded none, the log says so instead of quietly
+    giving the bench other figures."""
+    import os
+
+    url, logs = str(tmp_path / "teacher"), []
+    av_teacher.ensure_av_teacher(url, num_steps=2, batch_size=8, log=None)
+    weights = next((tmp_path / "teacher" / "transformer").glob("*.safetensors"))
+    stamp = os.stat(weights).st_mtime_ns
+    assert av_teacher.differs(url, num_steps=2) is None
+    av_teacher.ensure_av_teacher(url, num_steps=3, batch_size=8, log=logs.append)
+    assert os.stat(weights).st_mtime_ns == stamp  # reused, not trained again
+    assert logs == [f"reusing av teacher at {url} (trained for 2 steps from seed 0, not 3 from 0; its figures are "
+                    "not the bench's: remove it to train this one)"]
+    (tmp_path / "teacher" / av_teacher.TRAINING_FILE).unlink()
+    assert "no training.json" in av_teacher.differs(url, num_steps=2)
+
+
 def _h3_cpu_args(teacher: str, save: str, **overrides):
     from dmd2_core.args import load_args
 
@@ -139,15 +158,17 @@ def h3_teacher():
 
 
 def test_short_joint_distillation_improves_picture_and_sound(h3_teacher, tmp_path):
-    """Twenty iterations improve both the 4-step student's frames and its sound over its
-    initialisation (the teacher at 4 steps). Measured with the 2000-step teacher: frame FD 11.39 ->
-    10.81, sound accuracy 0.88 -> 0.93. When the reference loop noised and graded both modalities at
-    the shared u instead of each at its own sigma, the sound drifted down (0.885 -> 0.775 in 20
-    iterations of the earlier 700-step teacher). A broken audio path, such as rows out of order or
-    a wrong schedule, would put it near chance (0.1)."""
+    """Twenty iterations improve both the 1-step student's frames and its sound over its
+    initialisation (the teacher at 1 step). Measured with the 4000-step teacher: frame FD 16.05 ->
+    9.74, sound accuracy 0.75 -> 0.905. The reference loop's old bug (both modalities noised and
+    graded at the shared u instead of each at its own sigma) fails it: frame FD 16.05 -> 14.55,
+    checked. A broken audio path (rows out of order, a wrong schedule) would leave the sound near
+    chance (0.1). The 4-step student is not the check here: its initialisation, the teacher at 4
+    steps, already sounds better than the teacher at 50 (0.90 against 0.85), so a student that
+    matches the teacher need not sound better than it started; the bench measures it."""
     from dmd2_core.reference import ReferenceLoop
 
-    loop = ReferenceLoop(_h3_cpu_args(h3_teacher, str(tmp_path / "run")))
+    loop = ReferenceLoop(_h3_cpu_args(h3_teacher, str(tmp_path / "run"), dmd2_student_steps=1))
     labels = av_evaluation.balanced_labels(200)
 
     def scores():
@@ -156,8 +177,8 @@ def test_short_joint_distillation_improves_picture_and_sound(h3_teacher, tmp_pat
     before = scores()
     loop.run(TEST_ITERATIONS)
     after = scores()
-    assert after["frame_fd"] < 0.97 * before["frame_fd"], (before, after)
-    assert before["sound_acc"] > 0.8 and after["sound_acc"] > before["sound_acc"], (before, after)
+    assert after["frame_fd"] < 0.8 * before["frame_fd"], (before, after)
+    assert after["sound_acc"] > before["sound_acc"] + 0.05, (before, after)
 
 
 TEST_ITERATIONS = 20
