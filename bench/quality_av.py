@@ -54,9 +54,13 @@ def frame_features(samples: torch.Tensor):
     return evaluation.features(crops.reshape(-1, 1, sd.DIGIT, sd.DIGIT))
 
 
+def gan_weights(ns, sets: dict) -> dict:
+    """The GAN head's weights every student runs with: the flags, unless ``--set`` names them."""
+    return {k: sets.get(k, getattr(ns, k, 0.0)) for k in ("gan_weight", "gan_critic_weight")}
+
+
 def cpu_overrides(teacher: str, steps: int, seed: int, ns, sets: dict) -> dict:
-    heads = {"gan_weight": sets.get("gan_weight", ns.gan_weight),
-             "gan_critic_weight": sets.get("gan_critic_weight", ns.gan_critic_weight)}
+    heads = gan_weights(ns, sets)
     if any(heads.values()):
         heads["real_data"] = sets.get("real_data") or av_teacher.real_set_url(teacher)
     return {"hf_checkpoint": teacher, "prompts": av_teacher.prompts_url(teacher), "save": "runs/bench-quality-av",
@@ -168,8 +172,8 @@ def main() -> None:
     torch.set_num_threads(1)
     start = time.perf_counter()
     teacher = av_teacher.ensure_av_teacher(ns.teacher, log=lambda m: print(m, file=sys.stderr))
-    if "real_data" in cpu_overrides(teacher, ns.steps[0], ns.seeds[0], ns, sets):
-        av_teacher.ensure_real_set(teacher)
+    if cpu_overrides(teacher, ns.steps[0], ns.seeds[0], ns, sets).get("real_data") == av_teacher.real_set_url(teacher):
+        av_teacher.ensure_real_set(teacher)  # a teacher saved before it carried one
     loaded = load_checkpoint(teacher)
     family = av_teacher.bound_family(loaded.model)
     labels = av_evaluation.balanced_labels(ns.num_samples)
@@ -220,7 +224,7 @@ def report(table: dict, evals: list[dict], ns, wall_s) -> None:
            "iterations": ns.iterations, "eval_every": ns.eval_every, "seeds": ns.seeds, "num_samples": ns.num_samples,
            "batch_size": ns.batch_size, "lr": ns.lr, "ema_decay": ns.ema or None, "update_ratio": ns.update_ratio,
            "modality_weights": {"video": ns.video_weight, "audio": ns.audio_weight},
-           "gan": {"gan_weight": getattr(ns, "gan_weight", 0.0), "gan_critic_weight": getattr(ns, "gan_critic_weight", 0.0)},
+           "gan": gan_weights(ns, parse_set(getattr(ns, "sets", []))),
            "set": getattr(ns, "sets", []),
            "wall_s": None if wall_s is None else round(wall_s, 1)}
     print(json.dumps(out))

@@ -37,7 +37,7 @@ from typing import Callable, Optional
 import torch
 
 from dmd2_core import dmd2, storage
-from dmd2_core.data import REAL_LATENTS
+from dmd2_core.data import REAL_LATENTS, write_safetensors
 from dmd2_core import sounding_digits as sd
 from dmd2_core.losses import flow_matching_loss
 from dmd2_core.models import CheckpointError, describe_checkpoint, load_checkpoint, save_checkpoint
@@ -168,14 +168,8 @@ def real_set_url(teacher_url: str) -> str:
 def save_real_set(url: str, data_seed: int = 0) -> None:
     """The train clips (the teacher's own data) as a real set for the GAN head: their latents and,
     per clip, its digit's condition. Deterministic from ``data_seed``."""
-    from safetensors.torch import save_file
-
     clips = sd.make_clips("train", data_seed)
-    tensors = {REAL_LATENTS: sd.encode(clips.frames, clips.audio), **sd.prompt_set().cond(clips.labels)}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / REAL_FILE
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
-        storage.write_bytes(url, path.read_bytes())
+    write_safetensors(url, {REAL_LATENTS: sd.encode(clips.frames, clips.audio), **sd.prompt_set().cond(clips.labels)})
 
 
 def ensure_real_set(teacher_url: str) -> str:

@@ -17,7 +17,7 @@ from typing import Optional
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from dmd2_core import storage
 
@@ -44,11 +44,13 @@ class PromptSet:
         return {k: v.expand(n, *v.shape[1:]).clone() for k, v in self.negative.items()}
 
     def save(self, url: str) -> None:
-        tensors = {**self.embeds, **{f"negative_{k}": v for k, v in self.negative.items()}}
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "prompts.safetensors"
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"prompts": json.dumps(self.prompts)})
-            storage.write_bytes(url, path.read_bytes())
+        write_safetensors(url, {**self.embeds, **{f"negative_{k}": v for k, v in self.negative.items()}},
+                          {"prompts": json.dumps(self.prompts)})
+
+
+def write_safetensors(url: str, tensors: dict[str, torch.Tensor], metadata: Optional[dict[str, str]] = None) -> None:
+    """Tensors as one safetensors file at any fsspec URL (a prompt set, a real set)."""
+    storage.write_bytes(url, save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata))
 
 
 def digits_prompt_set() -> PromptSet:

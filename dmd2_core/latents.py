@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import io
 import json
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -25,7 +24,7 @@ import torch
 
 from dmd2_core import storage
 from dmd2_core.args import ArgsError
-from dmd2_core.data import REAL_LATENTS, RealSet
+from dmd2_core.data import REAL_LATENTS, RealSet, write_safetensors
 from dmd2_core.models import FAMILIES, describe_checkpoint
 
 IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
@@ -192,11 +191,7 @@ def prepare_latents(hf_checkpoint: str, images: str, captions: str, out: str, la
         raise ArgsError(f"{hf_checkpoint}: its VAE gives latents {list(latents.shape[1:])}, the model samples {list(shape)}")
     prompt_set = prepare_prompts(hf_checkpoint, texts, None, negative_prompt, max_sequence_length)
     tensors = {REAL_LATENTS: latents, **prompt_set.embeds, **{f"negative_{k}": v for k, v in prompt_set.negative.items()}}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "real.safetensors"
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path),
-                  metadata={"prompts": json.dumps(texts), "files": json.dumps(names)})
-        storage.write_bytes(out, path.read_bytes())
+    write_safetensors(out, tensors, {"prompts": json.dumps(texts), "files": json.dumps(names)})
     return RealSet(latents, prompt_set.embeds)
 
 
