@@ -325,3 +325,18 @@ def root(request, tmp_path) -> str:
     if request.param == "local":
         return str(tmp_path / "store")
     return request.getfixturevalue("s3_bucket") + "/run"
+
+
+def leave_group_after(rank: int, job, *args) -> None:
+    """A spawned rank's entry: ``job(rank, *args)``, then every rank leaves the process group
+    together. A rank that exits still holding its gloo group can abort at teardown ("terminate
+    called without an active exception", seen once on a clean clone) and fail the test after
+    its work was done."""
+    import torch.distributed as dist
+
+    try:
+        job(rank, *args)
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()

@@ -16,6 +16,7 @@ from dmd2_core.data import PromptSet
 from dmd2_core.distill import preflight
 from dmd2_core.models.standins import H3_GEOMETRY, build_h3_standin, build_standin, h3_prompt_set, standin_prompt_set
 from dmd2_core.trainer import Trainer
+from tests.conftest import leave_group_after
 
 ITERATIONS = (1, 2, 3)
 EVAL_PROMPTS, EVAL_SEED = [0, 1], 11
@@ -115,8 +116,8 @@ def _ranks(trainer_args: dict, world_size: int, tmp_path, save: bool) -> dict:
     """The run on ``world_size`` trainer ranks, one process each (gloo); ``save``: each trainer
     then saves its checkpoint of the last iteration."""
     out = tmp_path / "ranks.pt"
-    mp.start_processes(_rank, args=(world_size, _free_port(), trainer_args, str(out), save), nprocs=world_size,
-                       join=True, start_method="spawn")
+    mp.start_processes(leave_group_after, args=(_rank, world_size, _free_port(), trainer_args, str(out), save),
+                       nprocs=world_size, join=True, start_method="spawn")
     return torch.load(out, weights_only=False)
 
 

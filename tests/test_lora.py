@@ -16,7 +16,7 @@ from dmd2_core import dmd2, lora, parallel
 from dmd2_core.args import ArgsError
 from dmd2_core.distill import DistillRun, preflight
 from dmd2_core.trainer import Trainer
-from tests.conftest import in_process_trainers, iterate_in_process, tiny_args
+from tests.conftest import in_process_trainers, iterate_in_process, leave_group_after, tiny_args
 
 LORA = dict(lora_rank=4, lora_alpha=8.0, lr=1e-3, critic_lr=1e-3)
 
@@ -231,7 +231,8 @@ def test_h3_real_score_is_the_sharded_teachers_forward_bitwise(tmp_path, cp_size
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "out.pt"
-    mp.start_processes(_h3_rank, args=(2, port, trainer_args, str(out)), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(leave_group_after, args=(_h3_rank, 2, port, trainer_args, str(out)), nprocs=2, join=True,
+                       start_method="spawn")
     got = torch.load(out, weights_only=False)
     assert not got["shared_copy"] and got["teacher_copy"]
     assert torch.equal(got["real"], got["teacher"])
