@@ -9,15 +9,13 @@ as the unconditional branch of classifier-free guidance; the prompt texts ride i
 from __future__ import annotations
 
 import json
-import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import load, save
 
 from dmd2_core import storage
 
@@ -53,6 +51,15 @@ def write_safetensors(url: str, tensors: dict[str, torch.Tensor], metadata: Opti
     storage.write_bytes(url, save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata))
 
 
+def read_safetensors(url: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """What ``write_safetensors`` wrote: the tensors and the metadata (from the header: 8 bytes of
+    its length, then its JSON), read straight from storage, no temp file."""
+    data = storage.read_bytes(url)
+    tensors = load(data)
+    header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+    return tensors, header.get("__metadata__") or {}
+
+
 def digits_prompt_set() -> PromptSet:
     """Ten prompts, one per digit, with fixed embeddings standing in for a text encoder's (seeded,
     so every process builds the same set), and an empty-prompt entry of its own."""
@@ -69,14 +76,7 @@ def digits_prompt_set() -> PromptSet:
 def load_prompt_set(url: str) -> PromptSet:
     if url == DIGITS:
         return digits_prompt_set()
-    from safetensors import safe_open
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "prompts.safetensors"
-        path.write_bytes(storage.read_bytes(url))
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-        tensors = load_file(str(path))
+    tensors, meta = read_safetensors(url)
     prompts = json.loads(meta.get("prompts", "[]"))
     embeds = {k: v for k, v in tensors.items() if not k.startswith("negative_")}
     negative = {k.removeprefix("negative_"): v for k, v in tensors.items() if k.startswith("negative_")}
@@ -133,10 +133,7 @@ def load_real_set(url: str) -> RealSet:
     if url == DIGITS:
         x, y = digits_tensors("train")
         return RealSet(x, digits_prompt_set().cond(y))
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "real.safetensors"
-        path.write_bytes(storage.read_bytes(url))
-        tensors = load_file(str(path))
+    tensors, _ = read_safetensors(url)
     latents = tensors.pop(REAL_LATENTS)
     return RealSet(latents.float(), {k: v.float() for k, v in tensors.items() if not k.startswith("negative_")})
 
