@@ -59,6 +59,13 @@ def gan_weights(ns, sets: dict) -> dict:
     return {k: sets.get(k, getattr(ns, k, 0.0)) for k in ("gan_weight", "gan_critic_weight")}
 
 
+def regression(ns, steps: int) -> dict:
+    """The regression pull of a student of fewer steps than the teacher's sampler it is pulled to
+    (a student of as many steps would only be pulled back to where it starts)."""
+    weight, n = getattr(ns, "regression_weight", 0.0), getattr(ns, "regression_steps", 4)
+    return {"dmd2_regression_weight": weight, "dmd2_regression_steps": n} if weight and steps < n else {}
+
+
 def cpu_overrides(teacher: str, steps: int, seed: int, ns, sets: dict) -> dict:
     heads = gan_weights(ns, sets)
     if any(heads.values()):
@@ -70,7 +77,7 @@ def cpu_overrides(teacher: str, steps: int, seed: int, ns, sets: dict) -> dict:
             "micro_batch_size": ns.batch_size, "lr": ns.lr, "critic_lr": ns.lr, "ema_decay": ns.ema or None,
             "dmd2_update_ratio": ns.update_ratio, "dmd2_student_steps": steps, "seed": seed, "torch_threads": 1,
             **({"dmd2_modality_weights": {"video": ns.video_weight, "audio": ns.audio_weight}}
-               if (ns.video_weight, ns.audio_weight) != (1.0, 1.0) else {}), **sets, **heads}
+               if (ns.video_weight, ns.audio_weight) != (1.0, 1.0) else {}), **regression(ns, steps), **sets, **heads}
 
 
 def distill(job: dict) -> dict:
@@ -157,6 +164,10 @@ def main() -> None:
     parser.add_argument("--gan-critic-weight", type=float, default=0.1)
     parser.add_argument("--video-weight", type=float, default=1.0)
     parser.add_argument("--audio-weight", type=float, default=1.0)
+    parser.add_argument("--regression-weight", type=float, default=0.0,
+                        help="DMD's regression pull towards the teacher's own --regression-steps sampler, for the "
+                             "students of fewer steps (0: none)")
+    parser.add_argument("--regression-steps", type=int, default=4)
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="a minimax-h3 recipe override for every student (repeatable), e.g. gan_weight=0.5; "
                              "GAN weights bring the teacher's real set (the train clips) as real_data")
@@ -167,7 +178,8 @@ def main() -> None:
         return summarise(ns.summarise)
     try:
         sets = parse_set(ns.sets)
-        load_args("minimax-h3", {**cpu_overrides(ns.teacher, ns.steps[0], ns.seeds[0], ns, sets), "prompts": None})
+        for k in ns.steps:
+            load_args("minimax-h3", {**cpu_overrides(ns.teacher, k, ns.seeds[0], ns, sets), "prompts": None})
     except ArgsError as err:
         parser.exit(2, f"error: {err}\n")
     torch.set_num_threads(1)
@@ -226,6 +238,7 @@ def report(table: dict, evals: list[dict], ns, wall_s) -> None:
            "batch_size": ns.batch_size, "lr": ns.lr, "ema_decay": ns.ema or None, "update_ratio": ns.update_ratio,
            "modality_weights": {"video": ns.video_weight, "audio": ns.audio_weight},
            "gan": gan_weights(ns, parse_set(getattr(ns, "sets", []))),
+           "regression": {str(k): regression(ns, k) for k in ns.steps if regression(ns, k)},
            "set": getattr(ns, "sets", []),
            "wall_s": None if wall_s is None else round(wall_s, 1)}
     print(json.dumps(out))

@@ -188,6 +188,13 @@ class Args(BaseModel):
         "critic's loss; each modality has its own normaliser either way. Default 1 each.")
     dmd2_min_sigma: float = _f(0.02, "dmd2", "Lower clamp of DMD/critic sigmas.", ge=0, lt=1)
     dmd2_max_sigma: float = _f(0.98, "dmd2", "Upper clamp of DMD/critic sigmas.", gt=0, le=1)
+    dmd2_regression_weight: float = _f(
+        0.0, "dmd2", "Weight of DMD's regression loss (0: off): the student's x0 pulled towards the frozen teacher's own "
+        "dmd2_regression_steps-step sample run on from the student's x_t, made by the critic group each iteration "
+        "(no stored pairs). It copies the teacher's few-step sampler where DMD only matches its distribution.", ge=0)
+    dmd2_regression_steps: int = _f(
+        4, "dmd2", "Steps of the teacher's sampler that makes the regression target (its grid on the DMD schedule, "
+        "continued from the student's stop step).", ge=1)
     gan_weight: float = _f(0.0, "dmd2", "GAN generator loss weight (softplus(-D(fake_t)), added to the DMD gradient; 0: off).", ge=0)
     gan_critic_weight: float = _f(0.0, "dmd2", "GAN discriminator loss weight in each critic step (0: no GAN head).", ge=0)
     gan_feature_block: Optional[int] = _f(None, "dmd2", "Fake-score block whose output feeds the GAN head; default the middle one.")

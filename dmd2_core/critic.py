@@ -95,6 +95,11 @@ class Critic:
             metrics["gan_grad_norm"] = gan_grad.flatten(1).norm(dim=1).mean().item()
             metrics["gan_dmd_grad_ratio"] = metrics["gan_grad_norm"] / max(metrics["dmd2_grad_norm"], 1e-12)
             grad = grad + gan_grad
+        if args.dmd2_regression_weight:  # handed over summed too: (g_dmd [+ g_gan] + g_reg) / numel
+            reg_grad = self._regression_gradient(pairs, x0, cond)
+            metrics["regression_grad_norm"] = reg_grad.flatten(1).norm(dim=1).mean().item()
+            metrics["regression_dmd_grad_ratio"] = metrics["regression_grad_norm"] / max(metrics["dmd2_grad_norm"], 1e-12)
+            grad = grad + reg_grad
         return {"dmd2_grad": grad}, metrics
 
     def score(self, x0, x_t, sigma, cond, v_fake=None, gan_grad=None) -> dict:
@@ -104,6 +109,17 @@ class Critic:
                          self.uncond(x0.shape[0]), self.args.dmd2_guidance_scale, v_fake=v_fake,
                          weights=self.modality_weights)
         return out if gan_grad is None else {**out, "gan_grad": gan_grad}
+
+    def _regression_gradient(self, pairs: dict, x0: torch.Tensor, cond: dict) -> torch.Tensor:
+        """The regression pull on the student's x0, one micro-batch of the teacher's sampler at a time
+        (each step a no-grad teacher forward, under the critic's own peak)."""
+        args, grads = self.args, []
+        for mb in micro_batches(self.local_batch, args.micro_batch_size):
+            target = dmd2.regression_target(
+                self.family, self.teacher, pairs["x_t"][mb], pairs["sigma"][mb], {k: v[mb] for k, v in cond.items()},
+                self.uncond(mb.stop - mb.start), args.dmd2_guidance_scale, args.dmd2_regression_steps, args.dmd2_shift)
+            grads.append(dmd2.regression_gradient(x0[mb], target, args.dmd2_regression_weight))
+        return torch.cat(grads)
 
     def _score_separately(self, iteration, x0, cond, global_shape) -> list[dict]:
         """The reference's scoring: its own sigma and noise, before the critic's last step."""

@@ -117,6 +117,36 @@ def score(
     return {"grad": grad, "x0_real": x0_real, "x0_fake": x0_fake}
 
 
+def regression_sigmas(sigma: float, num_steps: int, shift: float) -> list[float]:
+    """The teacher's own ``num_steps``-step grid (on the DMD schedule) continued from ``sigma``:
+    ``sigma``, the grid's sigmas below it, then 0."""
+    return [sigma, *(s for s in fm.student_sigmas(num_steps, shift) if s < sigma - 1e-6), 0.0]
+
+
+@torch.no_grad()
+def regression_target(family: ModelFamily, teacher, x_t: torch.Tensor, sigma: torch.Tensor, cond: dict,
+                      uncond: Optional[dict], guidance_scale: float, num_steps: int, shift: float) -> torch.Tensor:
+    """DMD's regression target, made on the fly instead of from stored pairs: the frozen teacher's
+    own ``num_steps``-step Euler sampler (with the real score's guidance), run on from the
+    student's ``x_t`` at ``sigma`` to 0. From pure noise it is the teacher's num_steps-step sample."""
+    levels = sigma.unique()
+    if levels.numel() != 1:  # the rollout stops every row of an iteration at one step
+        raise ValueError(f"regression target: rows at {levels.numel()} different sigmas, expected one")
+    x, n = x_t.float(), x_t.shape[0]
+    sigmas = regression_sigmas(float(levels), num_steps, shift)
+    for s, s_next in zip(sigmas[:-1], sigmas[1:]):
+        s_rows = x.new_full((n,), s)
+        x0 = family.velocity_to_x0(x, guided_velocity(family, teacher, x, s_rows, cond, uncond, guidance_scale), s_rows)
+        x = x0.float() if s_next == 0.0 else family.euler_step(x, x0, s_rows, x.new_full((n,), s_next))
+    return x
+
+
+def regression_gradient(x0: torch.Tensor, target: torch.Tensor, weight: float) -> torch.Tensor:
+    """weight * mse(x0, target) as a gradient for the actor's x0 beside the DMD one: dmd2_loss turns
+    g into g / numel, so this is 2 * weight * (x0 - target)."""
+    return 2.0 * weight * (x0.float() - target.float())
+
+
 @torch.no_grad()
 def eval_samples(family: ModelFamily, model, cond: dict, shape: tuple[int, ...], seed: int,
                  num_steps: int, shift: float, device=None) -> torch.Tensor:

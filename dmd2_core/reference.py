@@ -112,7 +112,12 @@ class ReferenceLoop:
 
         v = family.predict_velocity(self.student, pairs["x_t"], pairs["sigma"], cond)
         x0_graded = family.velocity_to_x0(pairs["x_t"], v, pairs["sigma"])  # as the actor
-        loss = dmd2_loss(x0_graded, scores["grad"] if gan_grad is None else scores["grad"] + gan_grad)
+        grad = scores["grad"] if gan_grad is None else scores["grad"] + gan_grad
+        if args.dmd2_regression_weight:
+            target = dmd2.regression_target(family, self.teacher, pairs["x_t"], pairs["sigma"], cond, uncond,
+                                            args.dmd2_guidance_scale, args.dmd2_regression_steps, args.dmd2_shift)
+            grad = grad + dmd2.regression_gradient(x0, target, args.dmd2_regression_weight)
+        loss = dmd2_loss(x0_graded, grad)
         loss.backward()
         student_norm = _step(self.student, self.student_opt, args.clip_grad)
         if self.ema is not None:
