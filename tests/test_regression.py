@@ -116,3 +116,21 @@ def test_reference_loop_is_the_oracle_of_the_trainers_with_the_regression(tiny_t
         assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5, role
     a, b = loop.student.state_dict(), plain.student.state_dict()
     assert max((a[k] - b[k]).abs().max().item() for k in a) > 1e-5  # the pull changed the student
+
+
+def test_on_the_joint_model_the_target_from_noise_is_the_clip_the_bench_calls_the_teachers_4_steps():
+    """MiniMax-H3 (velocity sign reversed, video and audio each at its own sigma of one u): from the
+    eval noise at u = 1 the target is the sounding-digits bench's "teacher at 4 steps" clip."""
+    from dmd2_core import av_teacher
+    from dmd2_core import sounding_digits as sd
+
+    torch.manual_seed(0)
+    model = av_teacher.new_av_teacher_model(seed=0).eval()
+    family = av_teacher.bound_family(model)
+    labels = torch.arange(6) % 10
+    bench_clips = av_teacher.sample_clips(family, model, labels, 4, seed=5)
+    noise = family.eval_noise(len(labels), 5)
+    target = dmd2.regression_target(family, model, noise, torch.ones(len(labels)), sd.prompt_set().cond(labels), None,
+                                    1.0, 4, 1.0)
+    torch.testing.assert_close(target, bench_clips, atol=1e-5, rtol=1e-5)
+    assert (target - av_teacher.sample_clips(family, model, labels, 1, seed=5)).abs().max() > 1e-3
