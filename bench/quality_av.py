@@ -17,7 +17,9 @@ CPU sizes (the recipe's other values kept: backward simulation, critic ratio 5, 
 recipe's 2e-6 is the 33 B model's), an EMA of 0.9 (the recipe's 0.99 averages over more
 iterations than a CPU run has), and the GAN head (the recipe's is off until measured at 33 B):
 ``--gan-weight 2 --gan-critic-weight 0.1`` on the teacher's real set, its train clips
-(``--gan-weight 0 --gan-critic-weight 0`` for none).
+(``--gan-weight 0 --gan-critic-weight 0`` for none). The 1-step student also takes DMD's regression
+pull towards the teacher's own 4-step samples (``--regression-weight 0.25``; 0 for none), which
+a 4-step student would not move with.
 
 ``--set KEY=VALUE`` changes one recipe flag of every student.
 
@@ -164,9 +166,9 @@ def main() -> None:
     parser.add_argument("--gan-critic-weight", type=float, default=0.1)
     parser.add_argument("--video-weight", type=float, default=1.0)
     parser.add_argument("--audio-weight", type=float, default=1.0)
-    parser.add_argument("--regression-weight", type=float, default=0.0,
+    parser.add_argument("--regression-weight", type=float, default=0.25,
                         help="DMD's regression pull towards the teacher's own --regression-steps sampler, for the "
-                             "students of fewer steps (0: none)")
+                             "students of fewer steps: the 1-step one (0: none)")
     parser.add_argument("--regression-steps", type=int, default=4)
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="a minimax-h3 recipe override for every student (repeatable), e.g. gan_weight=0.5; "
