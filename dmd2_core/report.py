@@ -15,6 +15,7 @@ import math
 from typing import Any, Iterable, Optional
 
 from dmd2_core import storage
+from dmd2_core.args import Args
 from dmd2_core.images import data_uri, thumbnail
 
 METRICS_NAME = "metrics.jsonl"
@@ -231,6 +232,7 @@ def embed(url: str, data: bytes, browser_url: Optional[str], embed_limit: int = 
 
 # ---- the run summary --------------------------------------------------------------------------
 
+# shown even at their defaults; any other shared key is shown when the run sets it off its default
 SHOWN_SHARED = ("num_iterations", "lr", "critic_lr", "device", "num_devices", "dtype", "global_batch_size",
                 "micro_batch_size", "dmd2_student_steps", "dmd2_guidance_scale", "dmd2_update_ratio",
                 "dmd2_critic_scoring", "dmd2_shift", "ema_decay", "eval_interval", "save_interval", "seed",
@@ -239,7 +241,9 @@ SHOWN_SHARED = ("num_iterations", "lr", "critic_lr", "device", "num_devices", "d
 
 def config_rows(trainer_args: dict[str, dict]) -> tuple[list[str], list[tuple[str, list[Any]]], list[tuple[str, Any]]]:
     """(roles, differing keys [(key, [value per role])], shared keys [(key, value)]) of the
-    resolved per-trainer arguments (role -> dict)."""
+    resolved per-trainer arguments (role -> dict): the shared ones are ``SHOWN_SHARED`` and those the
+    run set off their defaults (a loss weight, the GAN head, the regression pull)."""
+    defaults = Args.model_construct().model_dump(mode="json")
     roles = list(trainer_args)
     keys = list(dict.fromkeys(k for a in trainer_args.values() for k in a))
     differing, shared = [], []
@@ -247,7 +251,7 @@ def config_rows(trainer_args: dict[str, dict]) -> tuple[list[str], list[tuple[st
         values = [trainer_args[r].get(k) for r in roles]
         if any(v != values[0] for v in values):
             differing.append((k, values))
-        elif k in SHOWN_SHARED:
+        elif k in SHOWN_SHARED or (k in defaults and values[0] != defaults[k]):
             shared.append((k, values[0]))
     return roles, differing, shared
 

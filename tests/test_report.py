@@ -99,7 +99,8 @@ def test_summary_markdown_reads_top_down():
     from dmd2_core.args import load_args
     from dmd2_core.trainer_config import compute_trainer_args, compute_trainer_configs
 
-    args = load_args("minimax-h3", {"hf_checkpoint": "s3://m/h3", "prompts": "s3://d/p.safetensors", "save": "s3://r/h3"})
+    args = load_args("minimax-h3", {"hf_checkpoint": "s3://m/h3", "prompts": "s3://d/p.safetensors", "save": "s3://r/h3",
+                                    "dmd2_regression_weight": 0.25})
     trainer_args = {c.role: compute_trainer_args(args, c).model_dump(mode="json") for c in compute_trainer_configs(args)}
     evals = [{"iteration": 0, "fd": 1.0, "acc": 0.9}, {"iteration": 100, "fd": 0.3, "acc": 0.99},
              {"iteration": 200, "fd": 0.4, "acc": 0.98}]
@@ -124,6 +125,8 @@ def test_summary_markdown_reads_top_down():
     assert text.index("| 200 | 0.4") < text.index("| 100 | 0.3")  # newest first
     assert "| loss_type | `dmd2_critic` | `dmd2` |" in text  # the differing keys, side by side
     assert "| dmd2_guidance_scale | 1 | 1 |" in text and "| num_devices | 8 | 8 |" in text and "| ema_decay |" in text
+    # a loss term the run turned on is in the table; a key left at its default is not
+    assert "| dmd2_regression_weight | 0.25 | 0.25 |" in text and "| export_merged |" not in text
     assert "`s3://r/h3/trainers/actor/iter_0000200/model`" in text
 
 
