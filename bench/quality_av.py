@@ -17,7 +17,8 @@ CPU sizes (the recipe's other values kept: backward simulation, critic ratio 5, 
 recipe's 2e-6 is the 33 B model's), an EMA of 0.9 (the recipe's 0.99 averages over more
 iterations than a CPU run has), and the GAN head (the recipe's is off until measured at 33 B):
 ``--gan-weight 2 --gan-critic-weight 0.1`` on the teacher's real set, its train clips
-(``--gan-weight 0 --gan-critic-weight 0`` for none). The 1-step student also takes DMD's regression
+(``--gan-weight 0 --gan-critic-weight 0`` for none), and a noise floor of 0.2 for the DMD gradient and
+the critic (``--min-sigma``; the recipe's 0.02 is DMD2's). The 1-step student also takes DMD's regression
 pull towards the teacher's own 4-step samples (``--regression-weight 0.25``; 0 for none), which
 a 4-step student would not move with.
 
@@ -77,7 +78,7 @@ def cpu_overrides(teacher: str, steps: int, seed: int, ns, sets: dict) -> dict:
             "sleep_after_train": False, "num_frames": None, "height": None, "width": None,
             "latent_shape": sd.VIDEO_LATENT_SHAPE, "global_batch_size": ns.batch_size,
             "micro_batch_size": ns.batch_size, "lr": ns.lr, "critic_lr": ns.lr, "ema_decay": ns.ema or None,
-            "dmd2_update_ratio": ns.update_ratio, "dmd2_student_steps": steps, "seed": seed, "torch_threads": 1,
+            "dmd2_update_ratio": ns.update_ratio, "dmd2_min_sigma": ns.min_sigma, "dmd2_student_steps": steps, "seed": seed, "torch_threads": 1,
             **({"dmd2_modality_weights": {"video": ns.video_weight, "audio": ns.audio_weight}}
                if (ns.video_weight, ns.audio_weight) != (1.0, 1.0) else {}), **regression(ns, steps), **sets, **heads}
 
@@ -166,6 +167,9 @@ def main() -> None:
     parser.add_argument("--gan-critic-weight", type=float, default=0.1)
     parser.add_argument("--video-weight", type=float, default=1.0)
     parser.add_argument("--audio-weight", type=float, default=1.0)
+    parser.add_argument("--min-sigma", type=float, default=0.2,
+                        help="the noise floor of the DMD gradient and the critic (dmd2_min_sigma; the recipe's "
+                        "0.02): at 0.2 both students agree with their pictures more often")
     parser.add_argument("--regression-weight", type=float, default=0.25,
                         help="DMD's regression pull towards the teacher's own --regression-steps sampler, for the "
                              "students of fewer steps: the 1-step one (0: none)")
@@ -238,6 +242,7 @@ def report(table: dict, evals: list[dict], ns, wall_s) -> None:
            and len(student) == len(ns.steps),
            "iterations": ns.iterations, "eval_every": ns.eval_every, "seeds": ns.seeds, "num_samples": ns.num_samples,
            "batch_size": ns.batch_size, "lr": ns.lr, "ema_decay": ns.ema or None, "update_ratio": ns.update_ratio,
+           "min_sigma": getattr(ns, "min_sigma", 0.02),
            "modality_weights": {"video": ns.video_weight, "audio": ns.audio_weight},
            "gan": gan_weights(ns, parse_set(getattr(ns, "sets", []))),
            "regression": {str(k): regression(ns, k) for k in ns.steps if regression(ns, k)},
