@@ -78,7 +78,8 @@ def cpu_overrides(teacher: str, steps: int, seed: int, ns, sets: dict) -> dict:
             "sleep_after_train": False, "num_frames": None, "height": None, "width": None,
             "latent_shape": sd.VIDEO_LATENT_SHAPE, "global_batch_size": ns.batch_size,
             "micro_batch_size": ns.batch_size, "lr": ns.lr, "critic_lr": ns.lr, "ema_decay": ns.ema or None,
-            "dmd2_update_ratio": ns.update_ratio, "dmd2_min_sigma": ns.min_sigma, "dmd2_student_steps": steps, "seed": seed, "torch_threads": 1,
+            "dmd2_update_ratio": ns.update_ratio, "dmd2_min_sigma": ns.min_sigma, "dmd2_student_steps": steps,
+            "seed": seed, "torch_threads": 1,
             **({"dmd2_modality_weights": {"video": ns.video_weight, "audio": ns.audio_weight}}
                if (ns.video_weight, ns.audio_weight) != (1.0, 1.0) else {}), **regression(ns, steps), **sets, **heads}
 
