@@ -19,11 +19,11 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 teacher: $(STAMP)
-	$(PY) -m dmd2_core.teacher --save runs/teacher --reuse --table
+	$(PY) -m dmd2_core.toys.digits_teacher --save runs/teacher --reuse --table
 
 # the small MiniMax-H3 teacher of sounding digits (bench/quality_av.py), reused when present
 av-teacher: $(STAMP)
-	$(PY) -m dmd2_core.av_teacher --save runs/av-teacher --reuse --table
+	$(PY) -m dmd2_core.toys.sounding_digits_teacher --save runs/av-teacher --reuse --table
 
 demo: $(STAMP)
 	$(PY) -m flows.demo

@@ -21,7 +21,7 @@ in bf16, and run forward at a few small token counts with the pipeline's text le
 Each is fitted as ``a * tokens + b`` (least squares; a quadratic term is fitted too and recorded:
 with SDPA it is ~0, no score matrix is kept); the no-grad peak through its two largest counts. ``tokens`` is the family's own count (patches, and
 for MiniMax-H3 the audio rows; text tokens are fixed at the pipeline's length and land in ``b``).
-The plan (dmd2_core/activations.py) reads the fits from dmd2_core/activation_calibration.json,
+The plan (dmd2_core/memory/activations.py) reads the fits from dmd2_core/memory/activation_calibration.json,
 which this script rewrites:
 
     python bench/activations.py            # every config, ~5 min on 2 cores
@@ -45,7 +45,8 @@ import torch  # noqa: E402
 from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from dmd2_core import activations, parallel  # noqa: E402
+from dmd2_core import parallel
+from dmd2_core.memory import activations  # noqa: E402
 from dmd2_core.models import FAMILIES  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

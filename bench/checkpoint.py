@@ -48,7 +48,7 @@ def build_teacher(url: str, width: int, layers: int) -> dict:
 
 def measure(teacher: str, save: str, ranks: int, asynchronous: bool, saves: int) -> dict:
     from dmd2_core.args import load_args
-    from dmd2_core.distill import DistillRun
+    from dmd2_core.run.distill_run import DistillRun
 
     args = load_args(None, dict(hf_checkpoint=teacher, prompts="digits", save=save, global_batch_size=4,
                                 micro_batch_size=4, num_devices=ranks, dmd2_update_ratio=1, seed=3, ema_decay=0.99,

@@ -93,11 +93,11 @@ def main() -> None:
 
     from torch.utils.flop_counter import FlopCounterMode
 
-    from dmd2_core import memory
+    from dmd2_core.memory import planner
     from dmd2_core.args import load_args
-    from dmd2_core.distill import preflight
+    from dmd2_core.run.distill_run import preflight
     from dmd2_core.models import FAMILIES, describe_checkpoint
-    from dmd2_core.trainer import Trainer
+    from dmd2_core.train.trainer import Trainer
 
     family = FAMILIES[describe_checkpoint(ns.config)["family"]]
     text_tokens = ns.text_tokens or family.default_text_tokens
@@ -109,7 +109,7 @@ def main() -> None:
             eval_interval=0, save_interval=0, eval_prompts=[0, 1], torch_threads=max(1, os.cpu_count() // 2),
             device_memory_gib=1e6))
         roles = preflight(args)
-        plan = memory.plan(roles)
+        plan = planner.plan(roles)
         critic, actor = Trainer(roles["critic"], "critic"), Trainer(roles["actor"], "actor")
         sleeps: dict[str, list[int]] = {"critic": [], "actor": []}
 
@@ -141,7 +141,7 @@ def main() -> None:
     median = statistics.median(times)
     name = torch.cuda.get_device_name() if ns.device == "cuda" else "cpu"
     peak = peak_tflops(name, ns.peak_tflops)
-    planned = plan.device_peak - (memory.CUDA_RESERVE if ns.device == "cuda" else 0)
+    planned = plan.device_peak - (planner.CUDA_RESERVE if ns.device == "cuda" else 0)
     print(json.dumps({
         "config": os.path.basename(ns.config.rstrip("/")), "params_b": round(params_b, 3),
         "latent_shape": ns.latent_shape, "text_tokens": text_tokens, "micro_batch": ns.micro_batch,

@@ -69,10 +69,10 @@ GIB = 1024 ** 3
 def standin(tmp: str) -> dict:
     import ray
 
-    from dmd2_core import memory
+    from dmd2_core.memory import planner
     from dmd2_core.args import load_args
-    from dmd2_core.distill import DistillRun, preflight
-    from dmd2_core.models.standins import H3_GEOMETRY, build_h3_standin, h3_prompt_set
+    from dmd2_core.run.distill_run import DistillRun, preflight
+    from dmd2_core.toys.standins import H3_GEOMETRY, build_h3_standin, h3_prompt_set
 
     url = build_h3_standin(f"{tmp}/h3")
     h3_prompt_set().save(f"{tmp}/prompts.safetensors")
@@ -84,7 +84,7 @@ def standin(tmp: str) -> dict:
                 hf_checkpoint=url, prompts=f"{tmp}/prompts.safetensors", save=f"{tmp}/run{n}", device="cpu",
                 num_devices=n, global_batch_size=4, micro_batch_size=2, eval_interval=0, save_interval=0,
                 run_name=f"bench-memory-{n}", **H3_GEOMETRY))
-            planned = {g.role: g for g in memory.plan(preflight(args)).groups}
+            planned = {g.role: g for g in planner.plan(preflight(args)).groups}
             with DistillRun(args) as run:
                 run.iterate(1)
                 held = {role: run.group_call(role, "state_bytes") for role in run.groups}
@@ -108,18 +108,19 @@ def standin_activations(tmp: str) -> dict:
     import torch
 
     from bench.activations import no_grad_peak
-    from dmd2_core import checks, memory
+    from dmd2_core.run import checks
+    from dmd2_core.memory import planner
     from dmd2_core.args import load_args
     from dmd2_core.models import describe_checkpoint, load_checkpoint
-    from dmd2_core.models.standins import H3_GEOMETRY, build_h3_standin
+    from dmd2_core.toys.standins import H3_GEOMETRY, build_h3_standin
 
     url = build_h3_standin(f"{tmp}/h3-act")
     args = checks.check_family_args(load_args("minimax-h3", dict(hf_checkpoint=url, device="cpu", **H3_GEOMETRY)),
                                     describe_checkpoint(url))
     loaded = load_checkpoint(url, dtype=torch.bfloat16)
     model, family = loaded.model, loaded.family.bind(args.latent_shape, loaded.model)
-    size = memory.model_size(url)
-    act = memory.sample_activations(family, size.config, args, 2)
+    size = planner.model_size(url)
+    act = planner.sample_activations(family, size.config, args, 2)
     x = torch.randn(1, *family.sample_shape(model, args.latent_shape))
     text = family.default_text_tokens
     cond = {"prompt_embeds": torch.randn(1, text, size.config["text_dim"]), "prompt_lengths": torch.tensor([text])}
@@ -175,7 +176,7 @@ def grid() -> dict:
 
 def lora_grid() -> dict:
     """The LoRA plans (and the full-fine-tuning plan of each cell) on one node of 8 x 80 GiB."""
-    from dmd2_core import memory_lora
+    from dmd2_core.memory import lora_terms
 
     out = {}
     for name in LORA_MODELS:
@@ -190,7 +191,7 @@ def lora_grid() -> dict:
                 out[f"{name} r{rank} cp{cp}"] = {
                     "device_peak_gib": round(plan.device_peak / GIB, 1), "usable_gib": round(plan.usable / GIB, 1),
                     "fits": plan.device_fits, "during": plan.peak_during, "host_gib": round(plan.host.peak / GIB, 1),
-                    "adapters_m": round(memory_lora.size_of(args).adapters / 1e6, 1) if rank else None,
+                    "adapters_m": round(lora_terms.size_of(args).adapters / 1e6, 1) if rank else None,
                     "base_gib": round(groups["critic"].base / GIB, 2),
                     "resident_gib": {r: round(g.resident / GIB, 2) for r, g in groups.items()},
                     "peak_gib": {r: round(g.peak / GIB, 2) for r, g in groups.items()}}
@@ -217,14 +218,15 @@ def lora_table(rows: dict) -> str:
 
 
 def _plan(recipe: str, overrides: dict):
-    from dmd2_core import checks, memory
+    from dmd2_core.run import checks
+    from dmd2_core.memory import planner
     from dmd2_core.args import load_args
     from dmd2_core.models import describe_checkpoint
-    from dmd2_core.trainer_config import compute_trainer_args, compute_trainer_configs
+    from dmd2_core.train.trainer_config import compute_trainer_args, compute_trainer_configs
 
     args = load_args(recipe, overrides)
     args = checks.check_family_args(args, describe_checkpoint(args.hf_checkpoint))
-    return memory.plan({cfg.role: compute_trainer_args(args, cfg) for cfg in compute_trainer_configs(args)}), args
+    return planner.plan({cfg.role: compute_trainer_args(args, cfg) for cfg in compute_trainer_configs(args)}), args
 
 
 def _row(plan) -> dict:
@@ -236,14 +238,14 @@ def _row(plan) -> dict:
 
 
 def real_size() -> dict:
-    from dmd2_core import memory
+    from dmd2_core.memory import planner
 
     out = {}
     for name, extra in REAL.items():
         plan, args = _plan("wan-video", dict(hf_checkpoint=os.path.join(CONFIGS, name), **extra))
-        out[name] = {"params_b": round(memory.model_size(args.hf_checkpoint).params / 1e9, 3), **_row(plan)}
+        out[name] = {"params_b": round(planner.model_size(args.hf_checkpoint).params / 1e9, 3), **_row(plan)}
     h3 = os.path.join(CONFIGS, "minimax-h3")
-    out["minimax-h3"] = {"params_b": round(memory.model_size(h3).params / 1e9, 3)}
+    out["minimax-h3"] = {"params_b": round(planner.model_size(h3).params / 1e9, 3)}
     for frames in H3_FRAMES:
         for gib in DEVICE_GIB:
             key = f"{frames}f_{gib}gib"

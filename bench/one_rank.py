@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 
 def main() -> None:
-    from dmd2_core.groups import CPU_ALLOCATOR_ENV
+    from dmd2_core.run.groups import CPU_ALLOCATOR_ENV
 
     if any(os.environ.get(k) != v for k, v in CPU_ALLOCATOR_ENV.items()):
         # the allocator settings of the trainers' processes apply from a process's start
@@ -42,9 +42,9 @@ def main() -> None:
 
     from dmd2_core import parallel
     from dmd2_core.args import load_args
-    from dmd2_core.distill import preflight
-    from dmd2_core.reference import ReferenceLoop
-    from dmd2_core.trainer import Trainer
+    from dmd2_core.run.distill_run import preflight
+    from dmd2_core.train.reference import ReferenceLoop
+    from dmd2_core.train.trainer import Trainer
     from bench.workload import random_digits_teacher, timed_tiny_overrides
 
     tmp, teacher = random_digits_teacher("dmd2-one-rank-")

@@ -62,7 +62,7 @@ class StandIn:
     """A DistillRun with the same interface whose work costs nothing."""
 
     def __init__(self, args, owner=None):
-        from dmd2_core.trainer_config import compute_trainer_args, compute_trainer_configs
+        from dmd2_core.train.trainer_config import compute_trainer_args, compute_trainer_configs
 
         self.trainer_args = {c.role: compute_trainer_args(args, c) for c in compute_trainer_configs(args)}
         self.args = self.trainer_args["actor"]
@@ -100,8 +100,8 @@ class StandIn:
 def stand_in_eval(run, iteration):
     import torch
 
-    from dmd2_core.images import image_grid, png_bytes
-    from dmd2_core.media import _publish, media_stem
+    from dmd2_core.media.images import image_grid, png_bytes
+    from dmd2_core.media.eval_media import _publish, media_stem
 
     data = png_bytes(image_grid(torch.zeros(8, 3, 32, 32), nrow=4))
     return {"iteration": int(iteration), "metrics": {"eval_media_s": 0.0},

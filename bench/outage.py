@@ -43,7 +43,7 @@ def main() -> None:
 
     from dmd2_core import checkpoint as ckpt
     from dmd2_core.args import load_args
-    from dmd2_core.distill import DistillRun
+    from dmd2_core.run.distill_run import DistillRun
     from bench.workload import random_digits_teacher
 
     torch.set_num_threads(1)

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 def plain_loop(args, conn) -> None:
     """The plain reference loop, in its own process: run as many iterations as asked, reply with
     their times; 0 ends it."""
-    from dmd2_core.reference import ReferenceLoop
+    from dmd2_core.train.reference import ReferenceLoop
 
     loop = ReferenceLoop(args)
     done = 0
@@ -57,8 +57,8 @@ def main() -> None:
     configure_environment()  # before Prefect and Ray are imported
     from flows.dmd2 import dmd2
     from dmd2_core.args import load_args
-    from dmd2_core.distill import DistillRun
-    from dmd2_core.groups import CPU_ALLOCATOR_ENV
+    from dmd2_core.run.distill_run import DistillRun
+    from dmd2_core.run.groups import CPU_ALLOCATOR_ENV
     from bench.workload import random_digits_teacher, timed_tiny_overrides
 
     tmp, teacher = random_digits_teacher("dmd2-overhead-")

@@ -38,9 +38,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from dmd2_core.args import ArgsError, load_args, parse_set  # noqa: E402
-from dmd2_core.evaluation import balanced_labels, evaluate_digits, features, frechet_distance, teacher_table  # noqa: E402
-from dmd2_core.reference import ReferenceLoop  # noqa: E402
-from dmd2_core.teacher import ensure_teacher  # noqa: E402
+from dmd2_core.toys.digits_metrics import balanced_labels, evaluate_digits, features, frechet_distance, teacher_table  # noqa: E402
+from dmd2_core.train.reference import ReferenceLoop  # noqa: E402
+from dmd2_core.toys.digits_teacher import ensure_teacher  # noqa: E402
 
 TEACHER_STEPS = (50, 8, 4, 2, 1)
 METRICS = ("fd", "acc", "diversity")
@@ -50,7 +50,7 @@ def teacher_reference_features(teacher: str, num_samples: int, seed: int, guidan
     """Features of the teacher's 50-step samples: the selection target (no test data)."""
     from dmd2_core import flow_matching as fm
     from dmd2_core.data import digits_prompt_set
-    from dmd2_core.evaluation import eval_noise
+    from dmd2_core.toys.digits_metrics import eval_noise
     from dmd2_core.models import load_checkpoint
     from dmd2_core.sampling import euler_sample
 

@@ -1,12 +1,12 @@
 """Does joint DMD2 work? Distill the small MiniMax-H3 teacher of sounding digits
-(``dmd2_core.av_teacher``) into 4-step and 1-step students with the ``minimax-h3`` recipe at CPU
+(``dmd2_core.toys.sounding_digits_teacher``) into 4-step and 1-step students with the ``minimax-h3`` recipe at CPU
 sizes, through the reference loop (the trainers' DMD2 steps), and print one JSON line:
 
   {"teacher": {"50": {frame_fd, frame_acc, sound_acc, agreement, ..}, "8": .., "4": .., "1": ..},
    "real": {..}, "student": {"4": {"best": {..}, "final": {..}, "per_seed": [..]}, "1": ..},
    "targets": {..}, "iterations": .., "wall_s": ..}
 
-Metrics: ``dmd2_core.av_evaluation`` (frames against the held-out digits, sound class, agreement
+Metrics: ``dmd2_core.toys.sounding_digits_metrics`` (frames against the held-out digits, sound class, agreement
 of sound and picture, diversity), every sampler from the same eval noise; ``real`` is the train
 clips' own figures. Each student is evaluated every ``--eval-every`` iterations: ``best`` is the
 evaluation closest (frame FD) to the teacher's 50-step frames (never the test split), ``final``
@@ -41,20 +41,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from dmd2_core import av_evaluation, av_teacher, evaluation  # noqa: E402
-from dmd2_core import sounding_digits as sd  # noqa: E402
+from dmd2_core.toys import sounding_digits_metrics
+from dmd2_core.toys import sounding_digits_teacher
+from dmd2_core.toys import digits_metrics  # noqa: E402
+from dmd2_core.toys import sounding_digits as sd  # noqa: E402
 from dmd2_core.args import ArgsError, load_args, parse_set  # noqa: E402
 from dmd2_core.models import load_checkpoint  # noqa: E402
-from dmd2_core.reference import ReferenceLoop  # noqa: E402
+from dmd2_core.train.reference import ReferenceLoop  # noqa: E402
 
 TEACHER_STEPS = (50, 8, 4, 1)
-METRICS = av_evaluation.METRICS
+METRICS = sounding_digits_metrics.METRICS
 
 
 def frame_features(samples: torch.Tensor):
     frames, _ = sd.decode(samples)
-    _, crops = av_evaluation.locate_digits(frames)
-    return evaluation.features(crops.reshape(-1, 1, sd.DIGIT, sd.DIGIT))
+    _, crops = sounding_digits_metrics.locate_digits(frames)
+    return digits_metrics.features(crops.reshape(-1, 1, sd.DIGIT, sd.DIGIT))
 
 
 def gan_weights(ns, sets: dict) -> dict:
@@ -72,8 +74,8 @@ def regression(ns, steps: int) -> dict:
 def cpu_overrides(teacher: str, steps: int, seed: int, ns, sets: dict) -> dict:
     heads = gan_weights(ns, sets)
     if any(heads.values()):
-        heads["real_data"] = sets.get("real_data") or av_teacher.real_set_url(teacher)
-    return {"hf_checkpoint": teacher, "prompts": av_teacher.prompts_url(teacher), "save": "runs/bench-quality-av",
+        heads["real_data"] = sets.get("real_data") or sounding_digits_teacher.real_set_url(teacher)
+    return {"hf_checkpoint": teacher, "prompts": sounding_digits_teacher.prompts_url(teacher), "save": "runs/bench-quality-av",
             "device": "cpu", "num_devices": 1, "dtype": "float32", "gradient_checkpointing": False,
             "sleep_after_train": False, "num_frames": None, "height": None, "width": None,
             "latent_shape": sd.VIDEO_LATENT_SHAPE, "global_batch_size": ns.batch_size,
@@ -88,14 +90,14 @@ def distill(job: dict) -> dict:
     torch.set_num_threads(1)
     start = time.perf_counter()
     loop = ReferenceLoop(load_args("minimax-h3", job["overrides"]))
-    labels = av_evaluation.balanced_labels(job["num_samples"])
+    labels = sounding_digits_metrics.balanced_labels(job["num_samples"])
     evals = []
 
     def evaluate(iteration):
         samples = loop.sample(labels.tolist(), job["eval_seed"])
-        selection = evaluation.frechet_distance(frame_features(samples), job["target"])
+        selection = digits_metrics.frechet_distance(frame_features(samples), job["target"])
         line = {"steps": job["steps"], "seed": job["seed"], "iteration": iteration, "selection_fd": selection,
-                **av_evaluation.evaluate_clips(samples, labels)}
+                **sounding_digits_metrics.evaluate_clips(samples, labels)}
         evals.append(line)
         _log(job, line)
 
@@ -191,16 +193,16 @@ def main() -> None:
         parser.exit(2, f"error: {err}\n")
     torch.set_num_threads(1)
     start = time.perf_counter()
-    teacher = av_teacher.ensure_av_teacher(ns.teacher, log=lambda m: print(m, file=sys.stderr))
-    if cpu_overrides(teacher, ns.steps[0], ns.seeds[0], ns, sets).get("real_data") == av_teacher.real_set_url(teacher):
-        av_teacher.ensure_real_set(teacher)  # a teacher saved before it carried one
+    teacher = sounding_digits_teacher.ensure_av_teacher(ns.teacher, log=lambda m: print(m, file=sys.stderr))
+    if cpu_overrides(teacher, ns.steps[0], ns.seeds[0], ns, sets).get("real_data") == sounding_digits_teacher.real_set_url(teacher):
+        sounding_digits_teacher.ensure_real_set(teacher)  # a teacher saved before it carried one
     loaded = load_checkpoint(teacher)
-    family = av_teacher.bound_family(loaded.model)
-    labels = av_evaluation.balanced_labels(ns.num_samples)
+    family = sounding_digits_teacher.bound_family(loaded.model)
+    labels = sounding_digits_metrics.balanced_labels(ns.num_samples)
     table, target = {}, None
     for k in TEACHER_STEPS:
-        samples = av_teacher.sample_clips(family, loaded.model.eval(), labels, k, ns.eval_seed)
-        table[str(k)] = {m: round(v, 4) for m, v in av_evaluation.evaluate_clips(samples, labels).items()}
+        samples = sounding_digits_teacher.sample_clips(family, loaded.model.eval(), labels, k, ns.eval_seed)
+        table[str(k)] = {m: round(v, 4) for m, v in sounding_digits_metrics.evaluate_clips(samples, labels).items()}
         if k == 50:
             target = frame_features(samples)
     print(f"teacher table: {json.dumps(table)} ({time.perf_counter() - start:.0f}s)", file=sys.stderr)
@@ -237,7 +239,7 @@ def report(table: dict, evals: list[dict], ns, wall_s) -> None:
                       key=lambda r: r["seed"])
         if rows:
             student[str(k)] = {"best": _mean(rows, "best"), "final": _mean(rows, "final"), "per_seed": rows}
-    out = {"teacher": table, "real": {m: round(v, 4) for m, v in av_evaluation.real_clip_stats(ns.num_samples).items()},
+    out = {"teacher": table, "real": {m: round(v, 4) for m, v in sounding_digits_metrics.real_clip_stats(ns.num_samples).items()},
            "student": student, "targets": targets(table, student),
            "complete": all(r["final"]["iteration"] == ns.iterations for v in student.values() for r in v["per_seed"])
            and len(student) == len(ns.steps),

@@ -32,11 +32,11 @@ def main() -> None:
     torch.set_num_threads(1)
 
     from dmd2_core.args import load_args
-    from dmd2_core.distill import preflight
+    from dmd2_core.run.distill_run import preflight
     from dmd2_core.models import save_checkpoint
     from dmd2_core.models.sd3 import SD3ImageFamily
-    from dmd2_core.models.standins import standin_prompt_set
-    from dmd2_core.trainer import Trainer
+    from dmd2_core.toys.standins import standin_prompt_set
+    from dmd2_core.train.trainer import Trainer
 
     tmp = tempfile.mkdtemp(prefix="dmd2-sleep-")
     config = dict(sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=ns.layers,

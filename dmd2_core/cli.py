@@ -8,7 +8,7 @@ import sys
 from typing import Optional
 
 from dmd2_core.args import ArgParser, ArgsError, add_arg_flags, load_args, parse_set, recipe_names
-from dmd2_core.trainer_config import compute_trainer_args, compute_trainer_configs
+from dmd2_core.train.trainer_config import compute_trainer_args, compute_trainer_configs
 
 
 def build_parser() -> ArgParser:
@@ -57,7 +57,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print("\n".join(recipe_names()))
             return 0
         if ns.command == "prepare-prompts":
-            from dmd2_core.prompts import prepare_prompts, read_prompt_list
+            from dmd2_core.prepare.prompts import prepare_prompts, read_prompt_list
 
             prompt_set = prepare_prompts(ns.hf_checkpoint, read_prompt_list(ns.prompts_file), ns.out,
                                          ns.negative_prompt, ns.max_sequence_length)
@@ -65,7 +65,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(json.dumps({"out": ns.out, "prompts": len(prompt_set), "shapes": shapes}))
             return 0
         if ns.command == "prepare-latents":
-            from dmd2_core.latents import prepare_latents
+            from dmd2_core.prepare.latents import prepare_latents
 
             geometry = (ns.num_frames, ns.height, ns.width)
             if any(v is not None for v in geometry) and None in geometry:
@@ -81,18 +81,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         overrides.update(parse_set(getattr(ns, "set_items", [])))
         args = load_args(ns.recipe, overrides)
         if ns.command == "plan":
-            from dmd2_core import checks, memory
+            from dmd2_core.run import checks
+            from dmd2_core.memory import planner
             from dmd2_core.models import describe_checkpoint
 
             if args.hf_checkpoint:  # a clip's geometry becomes its latents, as in preflight
                 args = checks.check_family_args(args, describe_checkpoint(args.hf_checkpoint))
             trainers = {cfg.role: compute_trainer_args(args, cfg) for cfg in compute_trainer_configs(args)}
-            memory_plan = memory.plan(trainers)
-            print(json.dumps(memory_plan.as_dict(), indent=1) if ns.json else memory.table(memory_plan))
-            memory.check(memory_plan)
+            memory_plan = planner.plan(trainers)
+            print(json.dumps(memory_plan.as_dict(), indent=1) if ns.json else planner.table(memory_plan))
+            planner.check(memory_plan)
             return 0
         if ns.deep:
-            from dmd2_core.preflight import preflight
+            from dmd2_core.run.preflight import preflight
 
             trainers = preflight(args)
         else:

@@ -134,7 +134,7 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, compute_dtype: torch.d
     plain module where ``needs_fsdp`` finds nothing to do. ``keep_fp32``: the model's
     ``_keep_in_fp32_modules`` are stored and computed in fp32 (their own FSDP units), and the root
     leaves its inputs' dtypes alone (such a model casts them itself; position tables stay fp64).
-    A trainable model with frozen parameters (a LoRA, see dmd2_core.lora) keeps its base as it was
+    A trainable model with frozen parameters (a LoRA, see dmd2_core.models.lora) keeps its base as it was
     built (in the compute dtype, as the frozen teacher: buffers and ``keep_fp32`` modules alike),
     and its trained parameters (the adapters) in fp32, in the same FSDP units."""
     dtype = MASTER_DTYPE if trainable else compute_dtype

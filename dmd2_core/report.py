@@ -16,7 +16,7 @@ from typing import Any, Iterable, Optional
 
 from dmd2_core import storage
 from dmd2_core.args import Args
-from dmd2_core.images import data_uri, thumbnail
+from dmd2_core.media.images import data_uri, thumbnail
 
 METRICS_NAME = "metrics.jsonl"
 SEGMENTS_DIR = "metrics"

@@ -19,7 +19,7 @@ from flows.dmd2 import dmd2  # noqa: E402
 from flows.teacher import teacher  # noqa: E402
 
 from dmd2_core.args import load_args  # noqa: E402
-from dmd2_core.evaluation import format_table  # noqa: E402
+from dmd2_core.toys.digits_metrics import format_table  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -49,9 +49,9 @@ import torch  # noqa: E402
 from prefect import flow, get_run_logger, tags  # noqa: E402
 
 from dmd2_core.args import Args, ArgsError, load_args, parse_set  # noqa: E402
-from dmd2_core.distill import DistillRun  # noqa: E402
+from dmd2_core.run.distill_run import DistillRun  # noqa: E402
 from dmd2_core.finite import NonFiniteError  # noqa: E402
-from dmd2_core.lease import LeaseLostError  # noqa: E402
+from dmd2_core.run.lease import LeaseLostError  # noqa: E402
 from dmd2_core.models import CheckpointError  # noqa: E402
 from dmd2_core.storage import StorageUnavailableError  # noqa: E402
 from dmd2_core.report import METRICS_NAME, QUALITY_KEYS, MetricsLog  # noqa: E402,F401
@@ -312,7 +312,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--prompts")
     parser.add_argument("--seed", type=int)
     ns = parser.parse_args(argv)
-    from dmd2_core import reaper
+    from dmd2_core.run import reaper
     from flows.console import tracebacks_to_file
 
     console = tracebacks_to_file()

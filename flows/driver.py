@@ -14,9 +14,9 @@ from typing import Any, Optional
 
 from dmd2_core import checkpoint as ckpt
 from dmd2_core.args import Args
-from dmd2_core.distill import DistillRun
+from dmd2_core.run.distill_run import DistillRun
 from dmd2_core.report import GAN_KEYS, QUALITY_KEYS, MetricsLog
-from dmd2_core.schedule import Schedule
+from dmd2_core.run.schedule import Schedule
 from flows import artifacts, runs
 from tasks.checkpoint import checkpoint
 from tasks.eval import eval_media

@@ -17,9 +17,9 @@ from prefect import flow, get_run_logger, task  # noqa: E402
 from prefect.artifacts import create_table_artifact  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 
-from dmd2_core import evaluation  # noqa: E402
+from dmd2_core.toys import digits_metrics  # noqa: E402
 from dmd2_core.models import CheckpointError, describe_checkpoint  # noqa: E402
-from dmd2_core.teacher import DEFAULT_STEPS, train_teacher  # noqa: E402
+from dmd2_core.toys.digits_teacher import DEFAULT_STEPS, train_teacher  # noqa: E402
 
 ARTIFACT_KEY = "teacher-quality"
 
@@ -41,7 +41,7 @@ def train_teacher_task(save: str, seed: int, num_steps: int, reuse: bool) -> dic
 
 @task(name="evaluate-teacher", cache_policy=NO_CACHE)
 def evaluate_teacher_task(save: str, num_samples: int, eval_seed: int, guidance_scale: float) -> dict:
-    return evaluation.teacher_table(save, num_samples=num_samples, seed=eval_seed, guidance_scale=guidance_scale)
+    return digits_metrics.teacher_table(save, num_samples=num_samples, seed=eval_seed, guidance_scale=guidance_scale)
 
 
 @flow(name="teacher")
@@ -60,7 +60,7 @@ def teacher(
     torch.set_num_threads(torch_threads)
     info = train_teacher_task(save, seed, num_steps, reuse)
     table = evaluate_teacher_task(save, num_samples, eval_seed, guidance_scale)
-    reference = evaluation.reference_stats()
+    reference = digits_metrics.reference_stats()
     rows = [{"euler_steps": steps, **{k: round(v, 4) for k, v in vals.items()}} for steps, vals in table.items()]
     rows.append({"euler_steps": "real (train vs test)", **{k: round(v, 4) for k, v in reference.items()}})
     trained = "reused" if info["reused"] else f"trained {info['steps']} steps in {info['train_time_s']:.0f}s"
@@ -70,7 +70,7 @@ def teacher(
         description=(f"Teacher {save} ({trained}): Fréchet distance to held-out digits, class accuracy and "
                      f"within-prompt diversity; Euler sampler, guidance {guidance_scale}, {num_samples} samples."),
     )
-    get_run_logger().info("teacher quality:\n%s", evaluation.format_table(table, reference))
+    get_run_logger().info("teacher quality:\n%s", digits_metrics.format_table(table, reference))
     return table
 
 

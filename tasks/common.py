@@ -9,7 +9,7 @@ from prefect.cache_policies import NO_CACHE
 
 from dmd2_core.args import ArgsError
 from dmd2_core.finite import NonFiniteError
-from dmd2_core.lease import LeaseLostError
+from dmd2_core.run.lease import LeaseLostError
 from dmd2_core.models import CheckpointError
 
 # Configuration errors fail the same way every time: ArgsError and CheckpointError are ValueErrors,

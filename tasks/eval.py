@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from dmd2_core.media import run_eval
+from dmd2_core.media.eval_media import run_eval
 from tasks.common import TASK_OPTIONS
 from tasks.registry import get_run
 

@@ -100,7 +100,7 @@ def _test_environment(tmp_path_factory):
     _set_env(saved, {**ENVIRONMENT_DEFAULTS, "DMD2_CACHE_DIR": str(cache)})
     torch.set_num_threads(1)
     with FileLock(str(cache) + ".lock"):
-        from dmd2_core.evaluation import digits_classifier
+        from dmd2_core.toys.digits_metrics import digits_classifier
 
         digits_classifier()
     yield
@@ -227,7 +227,7 @@ def flow_cli_refusal(capsys, monkeypatch, *argv) -> str:
     from flows.dmd2 import main
 
     started = []
-    monkeypatch.setattr("dmd2_core.groups.init_ray", lambda *a, **k: started.append(1))
+    monkeypatch.setattr("dmd2_core.run.groups.init_ray", lambda *a, **k: started.append(1))
     code = main(list(argv))
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
@@ -237,8 +237,8 @@ def flow_cli_refusal(capsys, monkeypatch, *argv) -> str:
 
 def in_process_trainers(args) -> dict:
     """The run's trainers (actor and critic), one rank each, in this process."""
-    from dmd2_core.distill import preflight
-    from dmd2_core.trainer import Trainer
+    from dmd2_core.run.distill_run import preflight
+    from dmd2_core.train.trainer import Trainer
 
     return {role: Trainer(a, role) for role, a in preflight(args).items()}
 
@@ -279,13 +279,13 @@ def short_teacher(tmp_path_factory):
 
     from filelock import FileLock
 
-    from dmd2_core import teacher
+    from dmd2_core.toys import digits_teacher
 
     shared = session_shared(tmp_path_factory)
     url, record = shared / "short-teacher", shared / "short-teacher.json"
     with FileLock(str(shared / "short-teacher.lock")):
         if not record.exists():
-            info = teacher.train_teacher(str(url), seed=0, num_steps=SHORT_TEACHER_STEPS, batch_size=64, log=None)
+            info = digits_teacher.train_teacher(str(url), seed=0, num_steps=SHORT_TEACHER_STEPS, batch_size=64, log=None)
             record.write_text(json.dumps({k: v for k, v in info.items() if k != "model"}))
     return str(url), json.loads(record.read_text())
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from dmd2_core.hooks import join_external_data
+from dmd2_core.train.input_hook import join_external_data
 
 EXPECTED_LOCAL_BATCH = 4
 

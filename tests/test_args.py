@@ -3,7 +3,7 @@
 import pytest
 
 from dmd2_core.args import ARG_NAMES, ArgsError, load_args
-from dmd2_core.trainer_config import TrainerConfig, compute_trainer_args, compute_trainer_configs
+from dmd2_core.train.trainer_config import TrainerConfig, compute_trainer_args, compute_trainer_configs
 
 STACK_FLAGS = ["hf_checkpoint", "load", "save", "lr", "seed", "num_iterations", "num_steps_per_rollout",
                "global_batch_size", "micro_batch_size", "loss_type", "train_input_hook_path", "eval_interval",

@@ -1,4 +1,4 @@
-"""Eval media with sound (dmd2_core/av_media.py): MP4s that play picture and sound in sync, and the
+"""Eval media with sound (dmd2_core/media/av_clips.py): MP4s that play picture and sound in sync, and the
 PNG/GIF views of them the Prefect UI shows."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from dmd2_core import av_media
-from dmd2_core.images import data_uri
+from dmd2_core.media import av_clips
+from dmd2_core.media.images import data_uri
 
 FPS = 24
 SAMPLE_RATE = 32_000
@@ -60,7 +60,7 @@ def dominant_hz(wave: np.ndarray, sample_rate: int) -> float:
 @pytest.fixture(scope="module")
 def clip_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("av") / "clip.mp4"
-    av_media.write_mp4(path, moving_square(), torch.from_numpy(left_tone()), fps=FPS, sample_rate=SAMPLE_RATE)
+    av_clips.write_mp4(path, moving_square(), torch.from_numpy(left_tone()), fps=FPS, sample_rate=SAMPLE_RATE)
     return path
 
 
@@ -87,11 +87,11 @@ def test_mp4_has_h264_video_and_stereo_aac_that_decode_to_the_input(clip_file):
         assert container.streams.audio[0].layout.name == "stereo"
     data = clip_file.read_bytes()
     assert data.find(b"moov") < data.find(b"mdat")  # index first (faststart): plays while downloading
-    clip = av_media.read_mp4(clip_file)
+    clip = av_clips.read_mp4(clip_file)
     assert_tone_clip(clip)
     # 32x32 frames are upscaled x4 (nearest) so players show them; the square moves as it did.
     assert clip["frames"].shape[1:] == (4 * SIZE, 4 * SIZE, 3)
-    expected = centroids(av_media.video_uint8(moving_square())) * 4 + 1.5  # pixel centres after x4
+    expected = centroids(av_clips.video_uint8(moving_square())) * 4 + 1.5  # pixel centres after x4
     got = centroids(clip["frames"][:N_FRAMES])
     assert np.abs(got - expected[:len(got)]).max() < 2.0
     assert got[-1, 1] - got[0, 1] > 60
@@ -99,10 +99,10 @@ def test_mp4_has_h264_video_and_stereo_aac_that_decode_to_the_input(clip_file):
 
 def test_mp4_to_bytesio_gives_the_same_streams():
     buf = io.BytesIO()
-    av_media.write_mp4(buf, moving_square(), left_tone(), fps=FPS, sample_rate=SAMPLE_RATE)
+    av_clips.write_mp4(buf, moving_square(), left_tone(), fps=FPS, sample_rate=SAMPLE_RATE)
     data = buf.getvalue()
     assert data[4:8] == b"ftyp"
-    assert_tone_clip(av_media.read_mp4(io.BytesIO(data)))
+    assert_tone_clip(av_clips.read_mp4(io.BytesIO(data)))
 
 
 def test_sound_and_picture_are_in_sync():
@@ -114,8 +114,8 @@ def test_sound_and_picture_are_in_sync():
     start = SAMPLE_RATE // 2
     audio[:, start:start + 800] = 0.8 * np.sin(2 * np.pi * 1000 * np.arange(800) / SAMPLE_RATE)
     buf = io.BytesIO()
-    av_media.write_mp4(buf, frames, audio, fps=FPS, sample_rate=SAMPLE_RATE)
-    clip = av_media.read_mp4(io.BytesIO(buf.getvalue()))
+    av_clips.write_mp4(buf, frames, audio, fps=FPS, sample_rate=SAMPLE_RATE)
+    clip = av_clips.read_mp4(io.BytesIO(buf.getvalue()))
     assert int(np.argmax(clip["frames"].mean(axis=(1, 2, 3)))) == 12
     onset = int(np.nonzero(np.abs(clip["audio"][0]) > 0.3)[0][0])
     assert abs(onset - start) / SAMPLE_RATE < 0.005
@@ -126,8 +126,8 @@ def test_odd_sizes_are_padded_and_mono_stays_mono():
     frames = np.zeros((6, 21, 31, 3), np.uint8)
     frames[:, :, -1] = 255  # bright last column: edge replication keeps the padded column bright
     av_buf = io.BytesIO()
-    av_media.write_mp4(av_buf, frames, left_tone(0.25)[:1], fps=FPS, sample_rate=SAMPLE_RATE, min_side=0, video_codec="mpeg4")
-    clip = av_media.read_mp4(io.BytesIO(av_buf.getvalue()))
+    av_clips.write_mp4(av_buf, frames, left_tone(0.25)[:1], fps=FPS, sample_rate=SAMPLE_RATE, min_side=0, video_codec="mpeg4")
+    clip = av_clips.read_mp4(io.BytesIO(av_buf.getvalue()))
     assert clip["frames"].shape[1:] == (22, 32, 3)
     assert clip["frames"][:, :, -2:].mean() > 200
     assert clip["audio_channels"] == 1 and clip["audio"].shape[0] == 1
@@ -137,15 +137,15 @@ def test_odd_sizes_are_padded_and_mono_stays_mono():
 def test_spectrogram_shows_the_tone_in_the_left_panel_only():
     audio = left_tone()
     n_fft, hop = 1024, 256
-    img = Image.open(io.BytesIO(av_media.spectrogram_png(audio, SAMPLE_RATE, n_fft=n_fft, hop=hop)))
+    img = Image.open(io.BytesIO(av_clips.spectrogram_png(audio, SAMPLE_RATE, n_fft=n_fft, hop=hop)))
     img.verify()
-    img = Image.open(io.BytesIO(av_media.spectrogram_png(audio, SAMPLE_RATE, n_fft=n_fft, hop=hop)))
+    img = Image.open(io.BytesIO(av_clips.spectrogram_png(audio, SAMPLE_RATE, n_fft=n_fft, hop=hop)))
     panel = n_fft // 2 + 1
     assert img.format == "PNG" and img.mode == "RGB"
-    assert img.size == (1 + audio.shape[1] // hop, 2 * panel + av_media.SPECTROGRAM_SEPARATOR_PX)
+    assert img.size == (1 + audio.shape[1] // hop, 2 * panel + av_clips.SPECTROGRAM_SEPARATOR_PX)
     pixels = np.asarray(img, np.float64).sum(axis=-1)
     left = pixels[:panel]
-    right = pixels[panel + av_media.SPECTROGRAM_SEPARATOR_PX:]
+    right = pixels[panel + av_clips.SPECTROGRAM_SEPARATOR_PX:]
     brightest_bin = panel - 1 - int(np.argmax(left.mean(axis=1)))  # frequency increases upwards
     assert abs(brightest_bin - TONE_HZ * n_fft / SAMPLE_RATE) <= 2
     assert right.mean() < left.mean()
@@ -153,21 +153,21 @@ def test_spectrogram_shows_the_tone_in_the_left_panel_only():
 
 def test_spectrogram_of_silence_is_finite_and_uniform():
     silence = torch.zeros(2, SAMPLE_RATE // 4)
-    db = av_media.spectrogram_db(silence)
+    db = av_clips.spectrogram_db(silence)
     assert torch.isfinite(db).all() and (db == -80.0).all()
-    pixels = np.asarray(Image.open(io.BytesIO(av_media.spectrogram_png(silence, SAMPLE_RATE))))
+    pixels = np.asarray(Image.open(io.BytesIO(av_clips.spectrogram_png(silence, SAMPLE_RATE))))
     panel = pixels[:513]
     assert (panel == panel[0, 0]).all()
 
 
 def test_frame_strip_shows_evenly_spaced_frames_side_by_side():
     frames = moving_square()
-    strip = Image.open(io.BytesIO(av_media.frame_strip_png(frames, max_frames=8, height=64)))
+    strip = Image.open(io.BytesIO(av_clips.frame_strip_png(frames, max_frames=8, height=64)))
     assert strip.format == "PNG" and strip.size == (8 * 64, 64)
     cells = np.asarray(strip).reshape(64, 8, 64, 3).transpose(1, 0, 2, 3)
     xs = centroids(cells)[:, 1]
     assert xs[0] < 20 and xs[-1] > 44 and (np.diff(xs) > 0).all()  # first and last frame, in order
-    short = Image.open(io.BytesIO(av_media.frame_strip_png(frames[:5], max_frames=8, height=64)))
+    short = Image.open(io.BytesIO(av_clips.frame_strip_png(frames[:5], max_frames=8, height=64)))
     assert short.size == (5 * 64, 64)
 
 
@@ -183,18 +183,18 @@ def gif_frames(data: bytes) -> tuple[Image.Image, list[int]]:
 
 def test_gif_has_every_frame_and_plays_in_real_time():
     ramp = torch.linspace(-1, 1, N_FRAMES).view(N_FRAMES, 1, 1, 1).expand(N_FRAMES, 3, SIZE, SIZE)
-    gif, delays = gif_frames(av_media.animated_gif(ramp, fps=FPS))
+    gif, delays = gif_frames(av_clips.animated_gif(ramp, fps=FPS))
     assert gif.format == "GIF" and gif.n_frames == N_FRAMES and gif.info["loop"] == 0
     assert gif.size == (4 * SIZE, 4 * SIZE)  # small frames upscaled
     assert set(delays) <= {40, 50} and sum(delays) == pytest.approx(1000 * N_FRAMES / FPS, abs=10)
     # Repeated frames (the square does not move every frame) merge, keeping the running time.
-    _, delays = gif_frames(av_media.animated_gif(moving_square(), fps=FPS))
+    _, delays = gif_frames(av_clips.animated_gif(moving_square(), fps=FPS))
     assert sum(delays) == pytest.approx(1000 * N_FRAMES / FPS, abs=10)
 
 
 def test_long_gif_keeps_every_kth_frame_shown_k_periods():
     ramp = torch.linspace(-1, 1, 100).view(100, 1, 1, 1).expand(100, 3, 8, 8)
-    gif, delays = gif_frames(av_media.animated_gif(ramp, fps=FPS))
+    gif, delays = gif_frames(av_clips.animated_gif(ramp, fps=FPS))
     assert gif.n_frames == 34  # every 3rd of 100 (at most 48)
     assert sum(delays) == pytest.approx(1000 * 34 * 3 / FPS, abs=10)
 
@@ -202,11 +202,11 @@ def test_long_gif_keeps_every_kth_frame_shown_k_periods():
 def test_stereo_balance_and_data_uri():
     tone = left_tone(0.1)[0]
     silent = np.zeros_like(tone)
-    assert av_media.stereo_balance(np.stack([tone, silent])) == pytest.approx(-1.0, abs=1e-3)
-    assert av_media.stereo_balance(torch.from_numpy(np.stack([silent, tone]))) == pytest.approx(1.0, abs=1e-3)
-    assert av_media.stereo_balance(np.stack([tone, tone])) == pytest.approx(0.0, abs=1e-6)
-    assert av_media.stereo_balance(np.stack([tone, 0.5 * tone])) == pytest.approx(-1 / 3, abs=1e-3)
-    png = av_media.frame_strip_png(moving_square(4))
-    uri = data_uri(png)  # the one data-URI helper (dmd2_core.images)
+    assert av_clips.stereo_balance(np.stack([tone, silent])) == pytest.approx(-1.0, abs=1e-3)
+    assert av_clips.stereo_balance(torch.from_numpy(np.stack([silent, tone]))) == pytest.approx(1.0, abs=1e-3)
+    assert av_clips.stereo_balance(np.stack([tone, tone])) == pytest.approx(0.0, abs=1e-6)
+    assert av_clips.stereo_balance(np.stack([tone, 0.5 * tone])) == pytest.approx(-1 / 3, abs=1e-3)
+    png = av_clips.frame_strip_png(moving_square(4))
+    uri = data_uri(png)  # the one data-URI helper (dmd2_core.media.images)
     assert uri.startswith("data:image/png;base64,")
     assert base64.b64decode(uri.split(",", 1)[1]) == png

@@ -16,7 +16,7 @@ import pytest
 
 from dmd2_core import checkpoint as ckpt
 from dmd2_core.data import digits_prompt_set
-from dmd2_core.distill import DistillRun
+from dmd2_core.run.distill_run import DistillRun
 from tests.conftest import flow_cli_refusal, tiny_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,7 +152,7 @@ def test_a_truncated_shard_and_a_load_url_without_a_checkpoint_fail_before_any_a
     shard.write_bytes(shard.read_bytes()[:100])
     before = _files(save)
     started = []
-    monkeypatch.setattr("dmd2_core.groups.init_ray", lambda *a, **k: started.append(1))
+    monkeypatch.setattr("dmd2_core.run.groups.init_ray", lambda *a, **k: started.append(1))
     with pytest.raises(ckpt.CheckpointLoadError, match=re.escape(f"{shard}: corrupt (100 bytes")):
         DistillRun(tiny_args(tiny_teacher, str(save), run_name="broken-truncated"))
     fresh = tiny_args(tiny_teacher, str(tmp_path / "fresh"), load=str(tmp_path / "rnu"))

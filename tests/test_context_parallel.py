@@ -13,9 +13,9 @@ import torch.multiprocessing as mp
 
 from dmd2_core.args import ArgsError, load_args
 from dmd2_core.data import PromptSet
-from dmd2_core.distill import preflight
-from dmd2_core.models.standins import H3_GEOMETRY, build_h3_standin, build_standin, h3_prompt_set, standin_prompt_set
-from dmd2_core.trainer import Trainer
+from dmd2_core.run.distill_run import preflight
+from dmd2_core.toys.standins import H3_GEOMETRY, build_h3_standin, build_standin, h3_prompt_set, standin_prompt_set
+from dmd2_core.train.trainer import Trainer
 from tests.conftest import leave_group_after
 
 ITERATIONS = (1, 2, 3)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dmd2_core.device_stash import DeviceStash, distinct_storages
+from dmd2_core.train.device_stash import DeviceStash, distinct_storages
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The student export (dmd2_core/export.py): a diffusers directory that loads with diffusers alone
+"""The student export (dmd2_core/export/pipeline.py): a diffusers directory that loads with diffusers alone
 and reproduces the project's own samples."""
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from dmd2_core import dmd2, storage
+from dmd2_core import storage
+from dmd2_core.train import dmd2_method
 from dmd2_core import flow_matching as fm
 from dmd2_core.checkpoint import export_url, exports_root, latest_exports, prune_exports
-from dmd2_core.export import export_student
-from dmd2_core.student_scheduler import scheduler_sigmas, student_scheduler_config
+from dmd2_core.export.pipeline import export_student
+from dmd2_core.export.scheduler import scheduler_sigmas, student_scheduler_config
 from dmd2_core.models import CheckpointError, describe_checkpoint, load_checkpoint
-from dmd2_core.models.standins import build_standin, standin_prompt_set
+from dmd2_core.toys.standins import build_standin, standin_prompt_set
 
 WAN_SHIFT = 5.0  # the Wan stand-in's scheduler shift
 WAN_LATENTS = (4, 3, 8, 8)  # [C, F, H, W]: 9 frames of 64x64 pixels for WanPipeline (VAE factors 4, 8)
@@ -106,7 +107,7 @@ def test_wan_export_is_a_wan_pipeline_that_reproduces_eval_samples(wan_teacher, 
     embeds, _ = pipe.encode_prompt(prompt=PROMPTS, do_classifier_free_guidance=False, max_sequence_length=8,
                                    device="cpu")
     seed, shape = 11, (len(PROMPTS), *WAN_LATENTS)
-    ours = dmd2.eval_samples(loaded.family, ema_model, {"prompt_embeds": embeds}, shape, seed, 4, WAN_SHIFT)
+    ours = dmd2_method.eval_samples(loaded.family, ema_model, {"prompt_embeds": embeds}, shape, seed, 4, WAN_SHIFT)
     call = dict(prompt=PROMPTS, num_inference_steps=4, guidance_scale=1.0, output_type="latent",
                 height=64, width=64, num_frames=9, max_sequence_length=8)
     torch.manual_seed(seed)  # WanPipeline's steps draw from the global RNG (see export.py)
@@ -189,12 +190,12 @@ def test_bare_sd3_export_reproduces_eval_samples_with_the_manual_loop(tmp_path):
                             pooled_projections=cond["pooled_prompt_embeds"], timestep=t.expand(shape[0]),
                             return_dict=False)[0]
             x = scheduler.step(v, t, x, generator=generator, return_dict=False)[0]
-    ours = dmd2.eval_samples(loaded.family, loaded.model, cond, shape, seed, 4, 3.0)
+    ours = dmd2_method.eval_samples(loaded.family, loaded.model, cond, shape, seed, 4, 3.0)
     torch.testing.assert_close(x, ours, atol=1e-5, rtol=0)
 
 
 def test_verification_catches_a_corrupted_write(wan_teacher, tmp_path, monkeypatch):
-    import dmd2_core.export as export
+    import dmd2_core.export.pipeline as export
 
     model = perturbed_student(wan_teacher).model
     real = export.write_transformer
@@ -270,8 +271,8 @@ def test_export_to_s3_from_an_s3_teacher_reloads(wan_teacher, s3_bucket, tmp_pat
 def test_a_trainer_save_exports_its_ema_student(tiny_teacher, tmp_path, async_save):
     """What a run ships: Trainer.save(export=True) writes, through export_student, a pipeline whose
     transformer holds the EMA weights (and transformer_online the trained ones)."""
-    from dmd2_core.distill import preflight
-    from dmd2_core.trainer import Trainer
+    from dmd2_core.run.distill_run import preflight
+    from dmd2_core.train.trainer import Trainer
     from tests.conftest import tiny_args
 
     args = tiny_args(tiny_teacher, str(tmp_path), loss_type="flow_matching", ema_decay=0.5, async_save=async_save)

@@ -15,7 +15,7 @@ import torch
 
 from dmd2_core import checkpoint as ckpt
 from dmd2_core import storage
-from dmd2_core.distill import DistillRun
+from dmd2_core.run.distill_run import DistillRun
 from dmd2_core.finite import NonFiniteError
 from tests.conftest import in_process_trainers, iterate_in_process, tiny_args
 
@@ -69,8 +69,8 @@ def test_nonfinite_steps_are_skipped_counted_and_never_saved(ray_session, tiny_t
 def test_too_many_nonfinite_steps_in_a_row_fail_in_one_line(tiny_teacher, tmp_path):
     import ray
 
-    from dmd2_core.distill import _as_ray_error, preflight
-    from dmd2_core.trainer import Trainer
+    from dmd2_core.run.distill_run import _as_ray_error, preflight
+    from dmd2_core.train.trainer import Trainer
 
     args = tiny_args(tiny_teacher, str(tmp_path / "run"), max_nonfinite_steps=2,
                      train_input_hook_path=f"{HOOKS}.nan_dmd2_gradient_always")
@@ -108,7 +108,7 @@ def test_lease_one_owner_at_a_time(root):
     import subprocess
     import sys
 
-    from dmd2_core import lease
+    from dmd2_core.run import lease
 
     a = lease.Lease.acquire(root, "run-a", timeout_s=60)
     with pytest.raises(lease.LeaseHeldError, match=r"save: .* is in use by run 'run-a' \(host .*, pid \d+\), last seen \d+ s ago"):
@@ -159,7 +159,7 @@ def test_a_lease_that_cannot_renew_stops_writing_once_another_run_may_take_it(tm
     and write again once a renewal succeeds while it still holds the lease."""
     import time
 
-    from dmd2_core import lease
+    from dmd2_core.run import lease
 
     root = str(tmp_path)
     held = lease.Lease.acquire(root, "run-a", timeout_s=1.0)
@@ -185,7 +185,7 @@ def test_second_run_on_one_url_refuses_before_any_actor(ray_session, tiny_teache
     save = str(tmp_path / "run")
     args = tiny_args(tiny_teacher, save, run_name="dmd2-lease-a", num_iterations=1)
     with DistillRun(args, owner="flow-run-a") as first:
-        from dmd2_core import lease
+        from dmd2_core.run import lease
 
         with pytest.raises(lease.LeaseHeldError, match="run 'flow-run-a'"):
             DistillRun(tiny_args(tiny_teacher, save, run_name="dmd2-lease-b", seed=1), owner="flow-run-b")
@@ -280,8 +280,8 @@ def test_no_orphans_after_sigkill_of_the_flow_process(tiny_teacher, tmp_path):
     import sys
     import time
 
-    from dmd2_core import lease
-    from dmd2_core.reaper import _alive, descendants
+    from dmd2_core.run import lease
+    from dmd2_core.run.reaper import _alive, descendants
 
     save = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}

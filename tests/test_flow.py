@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dmd2_core.images import data_uri, image_grid, png_bytes, video_media
-from dmd2_core.media import media_url
+from dmd2_core.media.images import data_uri, image_grid, png_bytes, video_media
+from dmd2_core.media.eval_media import media_url
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -41,7 +41,7 @@ FAST = {
 @contextlib.contextmanager
 def capture_digests():
     """Record every trainer's state_digest when a DistillRun shuts down (the final weights)."""
-    from dmd2_core.distill import DistillRun
+    from dmd2_core.run.distill_run import DistillRun
 
     digests: list[dict] = []
     original = DistillRun.shutdown
@@ -159,7 +159,7 @@ def test_media_helpers(tmp_path):
 
 def test_media_url_presigns_s3(s3_bucket):
     from dmd2_core import storage
-    from dmd2_core.media import save_png
+    from dmd2_core.media.eval_media import save_png
 
     url = f"{s3_bucket}/media/iter_0000001.png"
     save_png(image_grid(torch.zeros(2, 1, 8, 8), nrow=2), url)
@@ -175,7 +175,7 @@ def test_retry_condition():
     from prefect.states import Failed
 
     from dmd2_core.args import ArgsError
-    from dmd2_core.distill import RayWorkError
+    from dmd2_core.run.distill_run import RayWorkError
     from dmd2_core.models import CheckpointError
     from tasks.common import retry_runtime_failures
 
@@ -194,7 +194,7 @@ def test_retry_condition():
 def test_bad_parameters_fail_before_any_actor(harness, tiny_teacher, tmp_path, monkeypatch, bad, expected):
     import ray
 
-    from dmd2_core.distill import DistillRun
+    from dmd2_core.run.distill_run import DistillRun
     from flows.dmd2 import dmd2
 
     ray_before = ray.is_initialized()
@@ -258,7 +258,7 @@ def test_actor_killed_mid_run_recovers_to_same_weights(reference, tiny_teacher, 
     the groups from checkpoint 1 and replays; the final weights equal the uninterrupted run's."""
     import ray
 
-    from dmd2_core.distill import DistillRun
+    from dmd2_core.run.distill_run import DistillRun
 
     _, ref_summary, ref_digests, ref_save = reference
     original = DistillRun.critic_train_and_score

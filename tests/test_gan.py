@@ -11,12 +11,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dmd2_core import dmd2, gan
+from dmd2_core.train import dmd2_method
+from dmd2_core.train import gan
 from dmd2_core import flow_matching as fm
 from dmd2_core.args import ArgsError
-from dmd2_core.distill import preflight
-from dmd2_core.reference import ReferenceLoop
-from dmd2_core.trainer import Trainer
+from dmd2_core.run.distill_run import preflight
+from dmd2_core.train.reference import ReferenceLoop
+from dmd2_core.train.trainer import Trainer
 from tests.conftest import in_process_trainers, iterate_in_process, tiny_args
 
 GAN = dict(real_data="digits", gan_weight=0.05, gan_critic_weight=0.1)
@@ -93,9 +94,9 @@ def test_critic_hands_over_g_dmd_plus_g_gan_and_the_actor_x0_gradient_is_their_s
     # the critic and head weights of the last step = after one step of the same streams
     one_step = _critic(tiny_teacher, str(tmp_path), scoring, 1)
     one_step.train(1, pairs)
-    stream = dmd2.critic_stream(1) if scoring == "fused" else dmd2.SCORING_STREAM
+    stream = dmd2_method.critic_stream(1) if scoring == "fused" else dmd2_method.SCORING_STREAM
     x0 = pairs["x0"]
-    sigma, noise = dmd2.noisy_inputs(two_steps.args, 1, stream, tuple(x0.shape), slice(None))
+    sigma, noise = dmd2_method.noisy_inputs(two_steps.args, 1, stream, tuple(x0.shape), slice(None))
     cond = one_step._cond(pairs["prompt_index"])
     g_dmd = one_step.learner.score(x0, fm.add_noise(x0, noise, sigma), sigma, cond)["grad"]
     # g_gan written out: a hook on the middle block, the head, softplus(-D), d/dx0 through the noising
@@ -112,7 +113,7 @@ def test_critic_hands_over_g_dmd_plus_g_gan_and_the_actor_x0_gradient_is_their_s
     assert not torch.allclose(outputs["dmd2_grad"], g_dmd, atol=1e-6)
 
     # the actor's loss gradient w.r.t. its graded x0 is exactly (g_dmd + g_gan) / numel
-    import dmd2_core.actor as actor_module
+    import dmd2_core.train.actor as actor_module
 
     grads = []
     real_loss = actor_module.dmd2_loss
@@ -253,9 +254,9 @@ def test_prepare_latents_encodes_clips_and_captions_into_a_real_set_the_critic_t
 
     from dmd2_core.args import load_args
     from dmd2_core.data import PromptSet, load_real_set
-    from dmd2_core.latents import read_media
+    from dmd2_core.prepare.latents import read_media
     from dmd2_core.models import FAMILIES
-    from dmd2_core.models.standins import build_standin
+    from dmd2_core.toys.standins import build_standin
     from tests.test_wan_video import CPU_OVERRIDES
 
     url = build_standin(str(tmp_path / "wan"), "wan", with_text_encoder=True)
@@ -301,9 +302,9 @@ def test_prepare_latents_encodes_clips_and_captions_into_a_real_set_the_critic_t
 def test_image_latents_round_trip_the_sd3_scaling(tmp_path):
     from PIL import Image
 
-    from dmd2_core.latents import pixel_size, read_media
+    from dmd2_core.prepare.latents import pixel_size, read_media
     from dmd2_core.models import FAMILIES
-    from dmd2_core.models.standins import build_standin
+    from dmd2_core.toys.standins import build_standin
 
     url = build_standin(str(tmp_path / "sd3"), "sd3")
     family = FAMILIES["SD3Transformer2DModel"]

@@ -1,4 +1,4 @@
-"""LoRA students and fake scores (dmd2_core.lora): only the adapters train, over a frozen base in
+"""LoRA students and fake scores (dmd2_core.models.lora): only the adapters train, over a frozen base in
 the compute dtype; the critic group holds one base whose adapter-off forward is the teacher's,
 bit for bit; sharded ranks equal one rank; checkpoints hold the adapters and resume bitwise; the
 export is a diffusers LoRA that reproduces the eval samples, or merged, a full student."""
@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from dmd2_core import checkpoint as ckpt
-from dmd2_core import dmd2, lora, parallel
+from dmd2_core import parallel
+from dmd2_core.train import dmd2_method
+from dmd2_core.models import lora
 from dmd2_core.args import ArgsError
-from dmd2_core.distill import DistillRun, preflight
-from dmd2_core.trainer import Trainer
+from dmd2_core.run.distill_run import DistillRun, preflight
+from dmd2_core.train.trainer import Trainer
 from tests.conftest import in_process_trainers, iterate_in_process, leave_group_after, tiny_args
 
 LORA = dict(lora_rank=4, lora_alpha=8.0, lr=1e-3, critic_lr=1e-3)
@@ -158,10 +160,10 @@ def test_exported_lora_loads_with_diffusers_and_reproduces_eval_samples(tiny_tea
     assert metadata["transformer.r"] == 4 and metadata["transformer.lora_alpha"] == 8.0
     # what pipe.load_lora_weights(url) runs on the pipeline's transformer
     StableDiffusion3Pipeline.load_lora_into_transformer(state, transformer=transformer, metadata=metadata)
-    theirs = dmd2.eval_samples(actor.family, transformer, actor._cond(torch.tensor([0, 1, 2, 3])), tuple(ours.shape), 7,
+    theirs = dmd2_method.eval_samples(actor.family, transformer, actor._cond(torch.tensor([0, 1, 2, 3])), tuple(ours.shape), 7,
                                actor.args.dmd2_student_steps, actor.shift)
     assert (theirs - ours).abs().max().item() < 1e-6
-    plain = dmd2.eval_samples(actor.family, _teacher_transformer(tiny_teacher), actor._cond(torch.tensor([0, 1, 2, 3])),
+    plain = dmd2_method.eval_samples(actor.family, _teacher_transformer(tiny_teacher), actor._cond(torch.tensor([0, 1, 2, 3])),
                               tuple(ours.shape), 7, actor.args.dmd2_student_steps, actor.shift)
     assert (plain - ours).abs().max().item() > 1e-4  # the LoRA is what makes them match
 
@@ -174,7 +176,7 @@ def test_merged_export_is_a_full_student_that_reproduces_eval_samples(tiny_teach
     merged = SD3Transformer2DModel.from_pretrained(url, subfolder="transformer")
     assert not any("lora" in n for n, _ in merged.named_parameters())
     ours = actor.sample([0, 1], seed=3, decode=False)
-    theirs = dmd2.eval_samples(actor.family, merged, actor._cond(torch.tensor([0, 1])), tuple(ours.shape), 3,
+    theirs = dmd2_method.eval_samples(actor.family, merged, actor._cond(torch.tensor([0, 1])), tuple(ours.shape), 3,
                                actor.args.dmd2_student_steps, actor.shift)
     assert (theirs - ours).abs().max().item() < 1e-4
     assert parallel.full(next(iter(lora.trained_parameters(actor.model)))).abs().sum() > 0
@@ -217,7 +219,7 @@ def test_h3_real_score_is_the_sharded_teachers_forward_bitwise(tmp_path, cp_size
     import torch.multiprocessing as mp
 
     from dmd2_core.args import load_args
-    from dmd2_core.models.standins import H3_GEOMETRY, build_h3_standin
+    from dmd2_core.toys.standins import H3_GEOMETRY, build_h3_standin
     from tests.test_context_parallel import _h3_prompts
 
     prompts = str(tmp_path / "prompts.safetensors")
@@ -246,9 +248,9 @@ def test_each_family_exports_a_lora_its_own_loader_takes(tmp_path, kind):
     MiniMax-H3's ``MiniMaxH3LoraLoaderMixin``) onto the teacher's transformer computes what the
     student does."""
     from dmd2_core.args import load_args
-    from dmd2_core.export import export_student
+    from dmd2_core.export.pipeline import export_student
     from dmd2_core.models import describe_checkpoint, load_checkpoint
-    from dmd2_core.models.standins import build_h3_standin, build_standin
+    from dmd2_core.toys.standins import build_h3_standin, build_standin
 
     url = build_h3_standin(str(tmp_path / "t")) if kind == "h3" else build_standin(str(tmp_path / "t"), kind)
     args = load_args(None, dict(hf_checkpoint=url, prompts="digits", save=str(tmp_path), **LORA))

@@ -9,26 +9,29 @@ import sys
 
 import pytest
 
-from dmd2_core import activations, checks, memory, memory_terms
+from dmd2_core.memory import activations
+from dmd2_core.run import checks
+from dmd2_core.memory import planner
+from dmd2_core.memory import terms
 from dmd2_core.args import ArgsError, load_args
 from dmd2_core.models import describe_checkpoint
-from dmd2_core.trainer_config import compute_trainer_args, compute_trainer_configs
+from dmd2_core.train.trainer_config import compute_trainer_args, compute_trainer_configs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "deployments", "model_configs")
 WAN14 = os.path.join(CONFIGS, "wan2.1-t2v-14b")
 H3 = os.path.join(CONFIGS, "minimax-h3")
 P720 = [16, 21, 90, 160]  # 81 frames of 720 x 1280
-GIB = memory.GIB
+GIB = planner.GIB
 
 
-def _plan(recipe: str = "wan-video", **overrides) -> memory.MemoryPlan:
+def _plan(recipe: str = "wan-video", **overrides) -> planner.MemoryPlan:
     overrides.setdefault("hf_checkpoint", WAN14)
     if recipe == "wan-video":
         overrides.setdefault("latent_shape", P720)
     args = load_args(recipe, overrides)
     args = checks.check_family_args(args, describe_checkpoint(args.hf_checkpoint))
-    return memory.plan({c.role: compute_trainer_args(args, c) for c in compute_trainer_configs(args)})
+    return planner.plan({c.role: compute_trainer_args(args, c) for c in compute_trainer_configs(args)})
 
 
 def _groups(plan):
@@ -44,16 +47,16 @@ def test_wan_14b_720p_on_8_devices_of_80_gib_needs_cp_and_the_critic_offloaded_w
     refused = _plan(**base)
     with pytest.raises(ArgsError, match=r"^memory plan: .* less the 10% headroom \(memory_headroom\)\); try .*"
                                         r"a larger cp_size \(now 1;") as exc:
-        memory.check(refused)
+        planner.check(refused)
     assert "\n" not in str(exc.value) and "memory_headroom (at" not in str(exc.value)  # beyond the device itself
     inside = _plan(cp_size=8, **base)
     assert 0.9 * 80 * GIB < inside.device_peak <= 0.95 * 80 * GIB and inside.usable == int(80 * GIB * 0.9)
     with pytest.raises(ArgsError, match=r"critic_fsdp_cpu_offload.*a smaller memory_headroom"):
-        memory.check(inside)
+        planner.check(inside)
     fitting = [cp for cp in (1, 2, 4, 8) if _plan(cp_size=cp, critic_fsdp_cpu_offload=True, **base).fits]
     assert fitting == [4, 8]
-    memory.check(_plan(cp_size=4, critic_fsdp_cpu_offload=True, **base))
-    assert "calibrated (wan2.1-t2v-14b)" in memory.table(inside)
+    planner.check(_plan(cp_size=4, critic_fsdp_cpu_offload=True, **base))
+    assert "calibrated (wan2.1-t2v-14b)" in planner.table(inside)
 
 
 def test_cp_splits_activations_and_adds_all_to_all_buffers_while_state_stays_sharded_over_the_group():
@@ -71,14 +74,14 @@ def test_cp_splits_activations_and_adds_all_to_all_buffers_while_state_stays_sha
 def test_headroom_refuses_a_plan_inside_it_and_names_memory_headroom():
     plan = _plan(device_memory_gib=80, micro_batch_size=1, cp_size=8)
     gib = plan.device_peak / GIB / 0.94  # fits with no headroom, not within 10%
-    memory.check(_plan(device_memory_gib=gib, micro_batch_size=1, cp_size=8, memory_headroom=0.0))
+    planner.check(_plan(device_memory_gib=gib, micro_batch_size=1, cp_size=8, memory_headroom=0.0))
     with pytest.raises(ArgsError, match=r"less the 10% headroom \(memory_headroom\).*a smaller memory_headroom"):
-        memory.check(_plan(device_memory_gib=gib, micro_batch_size=1, cp_size=8))
+        planner.check(_plan(device_memory_gib=gib, micro_batch_size=1, cp_size=8))
 
 
 def test_every_process_on_a_device_has_its_own_reserve():
     colocated = _plan(cp_size=2)
-    per_process = memory_terms.process_reserve(load_args("wan-video", {"cp_size": 2}), colocated.shard_size)
+    per_process = terms.process_reserve(load_args("wan-video", {"cp_size": 2}), colocated.shard_size)
     assert colocated.reserve == 2 * per_process  # actor and critic: two processes, two contexts
     assert _plan(cp_size=2, colocate=False).reserve == per_process
     assert _plan(cp_size=1).reserve < colocated.reserve  # one NCCL communicator fewer without cp
@@ -102,7 +105,7 @@ def test_rollout_buffers_and_the_eval_decoder_are_planned_and_a_large_eval_is_re
     assert big.peak_during.startswith("the eval")
     with pytest.raises(ArgsError, match=r"^memory plan: the eval .* try fewer eval clips \(eval_prompts, "
                                         r"eval_samples_per_prompt\), eval_interval=0"):
-        memory.check(big)
+        planner.check(big)
 
 
 def test_host_memory_per_node_is_planned_and_refused_naming_the_part_and_the_knob():
@@ -113,11 +116,11 @@ def test_host_memory_per_node_is_planned_and_refused_naming_the_part_and_the_kno
     assert host.parts["async_save_staging"] == sum(g.saved for g in groups)  # the recipe saves in the background
     assert _plan(micro_batch_size=1, cp_size=8, async_save=False).host.parts["async_save_staging"] == 0
     need = host.peak / GIB
-    memory.check(_plan(micro_batch_size=1, cp_size=8, device_memory_gib=141, host_memory_gib=need / 0.85))
+    planner.check(_plan(micro_batch_size=1, cp_size=8, device_memory_gib=141, host_memory_gib=need / 0.85))
     with pytest.raises(ArgsError, match=r"^memory plan: host memory while training needs .* per node \(8 ranks; "
                                         r"per rank sleep stash .*host_memory_gib less the 10% headroom.*"
                                         r"sleep_after_train=false"):
-        memory.check(_plan(micro_batch_size=1, cp_size=8, device_memory_gib=141, host_memory_gib=need / 1.2))
+        planner.check(_plan(micro_batch_size=1, cp_size=8, device_memory_gib=141, host_memory_gib=need / 1.2))
 
 
 def test_offloaded_shards_move_from_the_device_plan_to_the_host_plan():
@@ -178,14 +181,14 @@ def test_a_tiny_block_measures_its_carried_input_exactly():
     assert 0 < rows[-1]["no_grad_peak"]
 
 
-# ---- LoRA (dmd2_core/memory_lora.py) ------------------------------------------------------------
+# ---- LoRA (dmd2_core/memory/lora_terms.py) ------------------------------------------------------------
 
 H3_5S = dict(hf_checkpoint=H3, num_frames=124, device_memory_gib=80)  # 124 frames of 768 x 1344, 8 devices
 
 
 @pytest.fixture(scope="module")
 def standins(tmp_path_factory, tiny_teacher):
-    from dmd2_core.models.standins import build_h3_standin, build_standin
+    from dmd2_core.toys.standins import build_h3_standin, build_standin
 
     tmp = tmp_path_factory.mktemp("lora-plan")
     return {"sd3": tiny_teacher, "wan": build_standin(str(tmp / "wan"), "wan"), "h3": build_h3_standin(str(tmp / "h3"))}
@@ -199,14 +202,15 @@ def test_the_adapter_count_is_peft_s_trainable_parameters_of_the_real_model(stan
     the compute dtype, its _keep_in_fp32_modules in fp32) is the plan's base, byte for byte."""
     import torch
 
-    from dmd2_core import lora, memory_lora
+    from dmd2_core.models import lora
+    from dmd2_core.memory import lora_terms
     from dmd2_core.models import load_checkpoint
     from dmd2_core.models.loading import build_empty
 
     url = standins[kind]
     args = load_args(None, dict(hf_checkpoint=url, prompts="digits", lora_rank=4, lora_target_modules=targets,
                                 dtype="bfloat16"))
-    size = memory_lora.size_of(args)
+    size = lora_terms.size_of(args)
     model = lora.attach(load_checkpoint(url).model, args)
     trained = [p for n, p in model.named_parameters() if p.requires_grad]
     assert size.adapters == sum(p.numel() for p in trained) > 0
@@ -221,12 +225,12 @@ def test_the_planned_lora_state_is_the_bytes_a_rank_holds(tiny_teacher, tmp_path
     """In-process trainers (one rank, bf16): the actor's and the critic's adapters (fp32 masters,
     AdamW moments, the actor's EMA) and their frozen bases in bf16 are the plan's figures; the
     critic holds one base and no teacher."""
-    from dmd2_core.distill import preflight
+    from dmd2_core.run.distill_run import preflight
     from tests.conftest import in_process_trainers, iterate_in_process, tiny_args
 
     args = tiny_args(tiny_teacher, str(tmp_path), dtype="bfloat16", lora_rank=4, lr=1e-3, critic_lr=1e-3,
                      ema_decay=0.99)
-    planned = _groups(memory.plan(preflight(args)))
+    planned = _groups(planner.plan(preflight(args)))
     trainers = in_process_trainers(args)
     iterate_in_process(trainers, 1)  # the optimizer state exists after a step
     for role, trainer in trainers.items():
@@ -266,12 +270,12 @@ def test_minimax_h3_5s_with_lora_fits_one_node_of_80_gib_within_the_headroom_and
     refused = _plan("minimax-h3", **H3_5S)
     assert not refused.fits and refused.device_peak > 2 * refused.usable
     with pytest.raises(ArgsError, match=r"^memory plan: .*try .*LoRA \((critic_)?lora_rank\)"):
-        memory.check(refused)
+        planner.check(refused)
     assert not _plan("minimax-h3", cp_size=8, **H3_5S).fits
     for cp in (1, 2):
         plan = _plan("minimax-h3", lora_rank=rank, cp_size=cp, **H3_5S)
-        memory.check(plan)
+        planner.check(plan)
         assert plan.fits and plan.device_peak <= plan.usable == int(0.9 * 80 * GIB)
         critic = _groups(plan)["critic"]
         assert critic.teacher == 0 and 7.5 * GIB < critic.base < 8 * GIB  # 33.1 B in bf16 over 8 ranks
-    assert "base" in memory.table(plan)
+    assert "base" in planner.table(plan)

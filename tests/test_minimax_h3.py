@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dmd2_core.args import ArgsError, load_args
-from dmd2_core.distill import preflight
+from dmd2_core.run.distill_run import preflight
 from dmd2_core.models import describe_checkpoint, load_checkpoint
-from dmd2_core.models.standins import H3_GEOMETRY, build_h3_standin, h3_prompt_set
+from dmd2_core.toys.standins import H3_GEOMETRY, build_h3_standin, h3_prompt_set
 
 CPU = dict(device="cpu", num_devices=1, dtype="float32", global_batch_size=4, micro_batch_size=2, torch_threads=1,
            **H3_GEOMETRY)
@@ -128,7 +128,7 @@ def test_joint_dmd2_gradient_has_a_normaliser_per_modality():
 def test_one_iteration_trains_both_modalities(h3, tmp_path):
     """Rollout, critic train and score, student train on the stand-in: per-modality losses,
     gradients and gaps, the student moves, and the eval decodes to video and stereo sound."""
-    from dmd2_core.trainer import Trainer
+    from dmd2_core.train.trainer import Trainer
 
     args = load_args("minimax-h3", dict(CPU, hf_checkpoint=h3["url"], prompts=h3["prompts"], save=str(tmp_path / "run")))
     roles = preflight(args)
@@ -187,7 +187,7 @@ def test_export_loads_in_diffusers_modular_pipeline_and_reproduces_eval_samples(
     sample j, video and audio latents both."""
     from dmd2_core import checkpoint
     from dmd2_core.models.h3_repository import run_t2va
-    from dmd2_core.trainer import Trainer
+    from dmd2_core.train.trainer import Trainer
 
     save = tmp_path / "run"
     args = load_args("minimax-h3", dict(CPU, hf_checkpoint=h3["url"], prompts=h3["prompts"], save=str(save),
@@ -219,7 +219,7 @@ def test_two_sharded_ranks_equal_one_rank_on_the_stand_in(ray_session, h3, tmp_p
     alone) trains the H3 stand-in to the weights 1 rank gets, student and fake score."""
     import secrets
 
-    from dmd2_core.distill import DistillRun
+    from dmd2_core.run.distill_run import DistillRun
 
     weights = {}
     for n in (1, 2):
@@ -243,7 +243,7 @@ def test_prepare_prompts_encodes_with_the_qwen3_vl_conditioner(tmp_path):
     to the longest with the true lengths, and the same embeddings diffusers' own text step gives."""
     from dmd2_core.data import load_prompt_set
     from dmd2_core.models.h3_repository import run_t2va_with_prompt
-    from dmd2_core.prompts import prepare_prompts
+    from dmd2_core.prepare.prompts import prepare_prompts
 
     url = build_h3_standin(str(tmp_path / "h3"), with_conditioner=True)
     out = str(tmp_path / "prompts.safetensors")
@@ -261,7 +261,7 @@ def _clip(path, fps, seconds, sample_rate, channels):
     (mono: on its one channel)."""
     import numpy as np
 
-    from dmd2_core.av_media import write_mp4
+    from dmd2_core.media.av_clips import write_mp4
 
     n = int(round(fps * seconds))
     frames = np.stack([np.full((32, 32, 3), 8 * (i % 30), np.uint8) for i in range(n)])
@@ -276,10 +276,10 @@ def test_prepare_latents_encodes_clips_with_their_soundtrack_for_the_gan_head(h3
     of video at 24 fps and stereo audio at the audio VAE's rate, encoded by both VAEs into the
     flat latents the model samples; the set passes preflight as the GAN head's real_data and a
     critic step trains the head on it. A clip without sound, or too short, is named in one line."""
-    from dmd2_core.av_media import stereo_balance
-    from dmd2_core.latents import prepare_latents, read_clip_with_sound
-    from dmd2_core.prompts import prepare_prompts
-    from dmd2_core.trainer import Trainer
+    from dmd2_core.media.av_clips import stereo_balance
+    from dmd2_core.prepare.latents import prepare_latents, read_clip_with_sound
+    from dmd2_core.prepare.prompts import prepare_prompts
+    from dmd2_core.train.trainer import Trainer
 
     url = build_h3_standin(str(tmp_path / "h3"), with_conditioner=True)  # captions need its conditioner
     prompts = str(tmp_path / "prompts.safetensors")
@@ -321,7 +321,7 @@ def test_prepare_latents_encodes_clips_with_their_soundtrack_for_the_gan_head(h3
     silent.mkdir()
     import numpy as np
 
-    from dmd2_core.av_media import write_mp4
+    from dmd2_core.media.av_clips import write_mp4
 
     write_mp4(str(silent / "a.mp4"), np.zeros((132, 32, 32, 3), np.uint8), None, fps=24, sample_rate=32000, min_side=32)
     with pytest.raises(ArgsError, match=r"images: clip a.mp4 has no soundtrack"):
@@ -347,8 +347,9 @@ def test_real_size_plan_from_the_shipped_config(tmp_path):
 
     from diffusers import MiniMaxH3Transformer3DModel
 
-    from dmd2_core import checks, memory
-    from dmd2_core.trainer_config import compute_trainer_args, compute_trainer_configs
+    from dmd2_core.run import checks
+    from dmd2_core.memory import planner
+    from dmd2_core.train.trainer_config import compute_trainer_args, compute_trainer_configs
 
     root = Path(__file__).resolve().parent.parent
     url = str(root / "deployments" / "model_configs" / "minimax-h3")
@@ -359,13 +360,13 @@ def test_real_size_plan_from_the_shipped_config(tmp_path):
     assert {k: v for k, v in shipped.items() if not k.startswith("_")} == {
         k: list(v) if isinstance(v, tuple) else v for k, v in reference.config.items() if not k.startswith("_")}
     assert default["num_layers"] == 50
-    size = memory.model_size(url)
+    size = planner.model_size(url)
     assert 33.0e9 < size.params < 33.2e9 and 645e6 < size.largest_block < 647e6  # 50 blocks of 646 M
 
     def plan(**overrides):
         args = load_args("minimax-h3", dict(hf_checkpoint=url, **overrides))
         args = checks.check_family_args(args, describe_checkpoint(url))
-        return memory.plan({c.role: compute_trainer_args(args, c) for c in compute_trainer_configs(args)}), args
+        return planner.plan({c.role: compute_trainer_args(args, c) for c in compute_trainer_configs(args)}), args
 
     fits, args = plan(device_memory_gib=141, num_devices=16)
     assert args.latent_shape == [24, 37, 48, 84] and fits.fits
@@ -374,7 +375,7 @@ def test_real_size_plan_from_the_shipped_config(tmp_path):
     refused, _ = plan(device_memory_gib=141, num_devices=8)
     with pytest.raises(ArgsError, match=r"memory plan: .* more than the 126.9 GiB of one device \(device_memory_gib less "
                                         r"the 10% headroom \(memory_headroom\)\); try more devices \(num_devices\)"):
-        memory.check(refused)
+        planner.check(refused)
     cmd = [sys.executable, "-m", "dmd2_core", "plan", "--recipe", "minimax-h3", "--set", f"hf_checkpoint={url}",
            "--set", "num_frames=345", "--set", "device_memory_gib=24", "--set", "num_devices=64", "--set", "cp_size=8",
            "--set", "global_batch_size=64", "--set", "eval_interval=0"]

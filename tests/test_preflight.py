@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from dmd2_core.distill import DistillRun
+from dmd2_core.run.distill_run import DistillRun
 from tests.conftest import tiny_args
 
 
@@ -65,7 +65,7 @@ def test_bad_input_fails_in_preflight_in_one_line(case, tiny_teacher, tmp_path, 
         request.getfixturevalue("s3_server")
     (tmp_path / "afile").write_text("not a directory")
     started = []
-    monkeypatch.setattr("dmd2_core.groups.init_ray", lambda *a, **k: started.append(1))
+    monkeypatch.setattr("dmd2_core.run.groups.init_ray", lambda *a, **k: started.append(1))
     values = {"save": str(tmp_path / "run"), **make(tiny_teacher, tmp_path)}
     args = tiny_args(tiny_teacher, values.pop("save"), **values)
     t = time.monotonic()
@@ -97,11 +97,11 @@ def test_duplicate_recipe_keys_are_rejected(tmp_path):
 
 
 def test_missing_device_resource_fails_before_a_placement_group(ray_session, tiny_teacher, tmp_path, monkeypatch):
-    from dmd2_core import lease
+    from dmd2_core.run import lease
     from dmd2_core.args import ArgsError
 
     requested = []
-    monkeypatch.setattr("dmd2_core.groups.placement_group", lambda *a, **k: requested.append(1))
+    monkeypatch.setattr("dmd2_core.run.groups.placement_group", lambda *a, **k: requested.append(1))
     save = str(tmp_path / "run")
     run = DistillRun(tiny_args(tiny_teacher, save, device_resource="dmd2_devcie", ray_timeout_s=600))
     with pytest.raises(ArgsError, match=r"^device_resource: the Ray cluster has 0 'dmd2_devcie' of the 1 needed "

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmd2_core import dmd2
+from dmd2_core.train import dmd2_method
 from dmd2_core import flow_matching as fm
-from dmd2_core.distill import preflight
+from dmd2_core.run.distill_run import preflight
 from dmd2_core.losses import dmd2_loss
-from dmd2_core.reference import ReferenceLoop
+from dmd2_core.train.reference import ReferenceLoop
 from dmd2_core.sampling import euler_sample
-from dmd2_core.trainer import Trainer
+from dmd2_core.train.trainer import Trainer
 from tests.conftest import in_process_trainers, iterate_in_process, tiny_args
 
 WEIGHT = 0.3
@@ -42,7 +42,7 @@ def test_target_is_the_teachers_own_sampler_from_noise_and_from_a_stop_step(tiny
     four_steps = _teacher_sample(critic, noise, cond, grid)
 
     def target(x, sigma):
-        return dmd2.regression_target(family, critic.learner.teacher, x, torch.full((5,), sigma), cond,
+        return dmd2_method.regression_target(family, critic.learner.teacher, x, torch.full((5,), sigma), cond,
                                       critic._uncond(5), args.dmd2_guidance_scale, 4, args.dmd2_shift)
 
     torch.testing.assert_close(target(noise, 1.0), four_steps, atol=1e-5, rtol=1e-5)
@@ -60,7 +60,7 @@ def test_rows_at_different_sigmas_are_refused(tiny_teacher, tmp_path):
     critic = _critic(tiny_teacher, str(tmp_path))
     x = torch.zeros(2, *critic.family.sample_shape(critic.model, None))
     with pytest.raises(ValueError, match="2 different sigmas"):
-        dmd2.regression_target(critic.family, critic.learner.teacher, x, torch.tensor([1.0, 0.5]),
+        dmd2_method.regression_target(critic.family, critic.learner.teacher, x, torch.tensor([1.0, 0.5]),
                                critic._cond(torch.arange(2)), None, 1.0, 4, 3.0)
 
 
@@ -69,7 +69,7 @@ def test_critic_hands_over_g_dmd_plus_g_reg_and_the_actor_x0_gradient_is_the_sum
         tiny_teacher, tmp_path, scoring, monkeypatch):
     kw = dict(dmd2_critic_scoring=scoring, dmd2_student_steps=4)
     plain_args = tiny_args(tiny_teacher, str(tmp_path), **kw)
-    iteration = next(i for i in range(1, 100) if dmd2.draw_stop_step(plain_args, i) > 0)  # mid-rollout
+    iteration = next(i for i in range(1, 100) if dmd2_method.draw_stop_step(plain_args, i) > 0)  # mid-rollout
     actor = Trainer(preflight(tiny_args(tiny_teacher, str(tmp_path), dmd2_regression_weight=WEIGHT, **kw))["actor"], "actor")
     pairs, _ = actor.rollout(iteration)
     assert pairs["sigma"][0].item() < 1.0
@@ -86,7 +86,7 @@ def test_critic_hands_over_g_dmd_plus_g_reg_and_the_actor_x0_gradient_is_the_sum
     assert (pulled["dmd2_grad"] - plain["dmd2_grad"]).abs().max() > 1e-3
 
     # the actor's gradient w.r.t. its graded x0 is that of 0.5 mse(x0, sg(x0 - g_dmd)) + w mse(x0, target)
-    import dmd2_core.actor as actor_module
+    import dmd2_core.train.actor as actor_module
 
     grads, graded = [], []
     real_loss = actor_module.dmd2_loss
@@ -121,16 +121,16 @@ def test_reference_loop_is_the_oracle_of_the_trainers_with_the_regression(tiny_t
 def test_on_the_joint_model_the_target_from_noise_is_the_clip_the_bench_calls_the_teachers_4_steps():
     """MiniMax-H3 (velocity sign reversed, video and audio each at its own sigma of one u): from the
     eval noise at u = 1 the target is the sounding-digits bench's "teacher at 4 steps" clip."""
-    from dmd2_core import av_teacher
-    from dmd2_core import sounding_digits as sd
+    from dmd2_core.toys import sounding_digits_teacher
+    from dmd2_core.toys import sounding_digits as sd
 
     torch.manual_seed(0)
-    model = av_teacher.new_av_teacher_model(seed=0).eval()
-    family = av_teacher.bound_family(model)
+    model = sounding_digits_teacher.new_av_teacher_model(seed=0).eval()
+    family = sounding_digits_teacher.bound_family(model)
     labels = torch.arange(6) % 10
-    bench_clips = av_teacher.sample_clips(family, model, labels, 4, seed=5)
+    bench_clips = sounding_digits_teacher.sample_clips(family, model, labels, 4, seed=5)
     noise = family.eval_noise(len(labels), 5)
-    target = dmd2.regression_target(family, model, noise, torch.ones(len(labels)), sd.prompt_set().cond(labels), None,
+    target = dmd2_method.regression_target(family, model, noise, torch.ones(len(labels)), sd.prompt_set().cond(labels), None,
                                     1.0, 4, 1.0)
     torch.testing.assert_close(target, bench_clips, atol=1e-5, rtol=1e-5)
-    assert (target - av_teacher.sample_clips(family, model, labels, 1, seed=5)).abs().max() > 1e-3
+    assert (target - sounding_digits_teacher.sample_clips(family, model, labels, 1, seed=5)).abs().max() > 1e-3

@@ -12,8 +12,9 @@ import pytest
 import torch
 from PIL import Image
 
-from dmd2_core import images, report, storage
-from dmd2_core.images import image_grid, png_bytes
+from dmd2_core import report, storage
+from dmd2_core.media import images
+from dmd2_core.media.images import image_grid, png_bytes
 
 
 def test_metrics_log_is_strict_json_with_constant_cost_segments(tmp_path, monkeypatch):
@@ -97,7 +98,7 @@ def test_embedding_rules():
 
 def test_summary_markdown_reads_top_down():
     from dmd2_core.args import load_args
-    from dmd2_core.trainer_config import compute_trainer_args, compute_trainer_configs
+    from dmd2_core.train.trainer_config import compute_trainer_args, compute_trainer_configs
 
     args = load_args("minimax-h3", {"hf_checkpoint": "s3://m/h3", "prompts": "s3://d/p.safetensors", "save": "s3://r/h3",
                                     "dmd2_regression_weight": 0.25})

@@ -1,8 +1,8 @@
-"""Which iterations evaluate, save and export (dmd2_core/schedule.py)."""
+"""Which iterations evaluate, save and export (dmd2_core/run/schedule.py)."""
 
 from __future__ import annotations
 
-from dmd2_core.schedule import Schedule
+from dmd2_core.run.schedule import Schedule
 from tests.conftest import tiny_args
 
 

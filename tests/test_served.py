@@ -166,8 +166,9 @@ def test_served_minimax_h3_run_on_the_stand_in(served, tmp_path):
     MiniMax-H3 stand-in: it completes; both modalities' metrics every iteration; per eval prompt an
     MP4 that plays with stereo sound, a frame strip and a spectrogram; a checkpoint and an export
     laid out as a MiniMax-H3 repository (that diffusers loads it: tests/test_minimax_h3.py)."""
-    from dmd2_core import av_media, checkpoint
-    from dmd2_core.models.standins import H3_GEOMETRY, build_h3_standin, h3_prompt_set
+    from dmd2_core import checkpoint
+    from dmd2_core.media import av_clips
+    from dmd2_core.toys.standins import H3_GEOMETRY, build_h3_standin, h3_prompt_set
 
     api, env, _, log = served
     url = build_h3_standin(str(tmp_path / "h3"))
@@ -187,7 +188,7 @@ def test_served_minimax_h3_run_on_the_stand_in(served, tmp_path):
         assert all(key in r for r in trained), key
     clips = sorted((save / "media").glob("iter_0000002_*.mp4"))
     assert [c.name for c in clips] == ["iter_0000002_p0.mp4", "iter_0000002_p1.mp4"]  # one per eval prompt
-    clip = av_media.read_mp4(str(clips[0]))
+    clip = av_clips.read_mp4(str(clips[0]))
     assert clip["audio_channels"] == 2 and clip["sample_rate"] == 32000
     assert abs(clip["duration_s"] - 124 / 24) < 0.15 and abs(clip["fps"] - 24) < 1e-6
     assert len(clip["frames"]) == 124 and clip["audio"].shape[1] > 5 * 32000

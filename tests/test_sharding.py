@@ -20,10 +20,11 @@ import pytest
 import torch
 
 from dmd2_core import checkpoint as ckpt
-from dmd2_core import memory, parallel
+from dmd2_core import parallel
+from dmd2_core.memory import planner
 from dmd2_core.args import ArgsError, load_args
-from dmd2_core.distill import DistillRun, preflight
-from dmd2_core.models.standins import build_standin, standin_prompt_set
+from dmd2_core.run.distill_run import DistillRun, preflight
+from dmd2_core.toys.standins import build_standin, standin_prompt_set
 from tests.conftest import flow_cli_refusal, in_process_trainers, iterate_in_process, tiny_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,7 +138,7 @@ def test_two_replicas_equal_one_rank(ray_session, one_rank, tiny_teacher, tmp_pa
 
 def _planned(args):
     roles = preflight(args)
-    return {g.role: g for g in memory.plan(roles).groups}
+    return {g.role: g for g in planner.plan(roles).groups}
 
 
 @pytest.mark.multi_rank
@@ -175,7 +176,7 @@ def test_plan_refuses_a_model_that_does_not_fit_before_any_actor(tmp_path, capsy
     out = capsys.readouterr()
     assert code == 0, out.err
     out = json.loads(out.out)
-    assert out["num_devices"] == 8 and out["device_peak"] <= 0.9 * 80 * memory.GIB and out["fits"]
+    assert out["num_devices"] == 8 and out["device_peak"] <= 0.9 * 80 * planner.GIB and out["fits"]
     actor = next(g for g in out["groups"] if g["role"] == "actor")
     assert 14e9 * 4 / 8 <= actor["params"] <= 14.6e9 * 4 / 8  # 14.3 B fp32 master weights, 1/8 per rank
 
@@ -236,7 +237,7 @@ def test_a_group_across_two_ray_nodes(one_rank, tiny_teacher, tmp_path):
     script = f"""
 import json, time, ray, torch
 from tests.conftest import tiny_args
-from dmd2_core.distill import DistillRun
+from dmd2_core.run.distill_run import DistillRun
 ray.init(address="127.0.0.1:{port}", namespace="two-nodes")  # the run joins this connection
 deadline = time.monotonic() + 180
 while ray.cluster_resources().get("dmd2_device", 0) < 2:  # until the worker node has joined

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from dmd2_core import av_evaluation, av_teacher
-from dmd2_core import sounding_digits as sd
+from dmd2_core.toys import sounding_digits_metrics
+from dmd2_core.toys import sounding_digits_teacher
+from dmd2_core.toys import sounding_digits as sd
 
 
 def _digest(clips: sd.Clips) -> str:
@@ -42,19 +43,19 @@ def test_labels_agree_with_content():
     # the digit moves; the right channel's share of the energy moves with it
     motion = clips.columns[:, -1] - clips.columns[:, 0]
     assert (motion.abs() == sd.SPEED * (sd.FRAMES - 1)).all()
-    trend = av_evaluation.balance(clips.audio)
+    trend = sounding_digits_metrics.balance(clips.audio)
     assert ((trend[:, -1] - trend[:, 0]).sign() == motion.sign()).all()
     # the metrics see it: real clips agree, clips with another clip's sound do not
-    real = av_evaluation.evaluate_decoded(clips.frames, clips.audio, clips.labels)
+    real = sounding_digits_metrics.evaluate_decoded(clips.frames, clips.audio, clips.labels)
     assert real["sound_acc"] == 1.0 and real["stereo_agreement"] == 1.0 and real["agreement"] > 0.9
-    swapped = av_evaluation.evaluate_decoded(clips.frames, clips.audio.flip(0), clips.labels)
+    swapped = sounding_digits_metrics.evaluate_decoded(clips.frames, clips.audio.flip(0), clips.labels)
     assert swapped["agreement"] < 0.3
 
 
 def test_patch_latents_are_lossless_and_laid_out_as_h3_expects():
     clips = sd.make_clips("test", 0)
     x = sd.encode(clips.frames[:4], clips.audio[:4])
-    family = av_teacher.bound_family()
+    family = sounding_digits_teacher.bound_family()
     assert x.shape == (4, family.segments["audio"].stop)
     frames, audio = sd.decode(x)
     assert torch.equal(frames, clips.frames[:4]) and torch.allclose(audio, clips.audio[:4])
@@ -70,8 +71,8 @@ def test_real_set_is_the_train_clips_with_their_digits_conditions(tmp_path):
     from dmd2_core.data import check_real_set, load_real_set
 
     url = str(tmp_path / "real.safetensors")
-    av_teacher.save_real_set(url)
-    family = av_teacher.bound_family()
+    sounding_digits_teacher.save_real_set(url)
+    family = sounding_digits_teacher.bound_family()
     prompts = str(tmp_path / "prompts.safetensors")
     sd.prompt_set().save(prompts)
     check_real_set(url, (sd.SAMPLE_SIZE,), prompts, family.cond_keys)
@@ -89,23 +90,23 @@ def test_av_teacher_is_reused_as_it_is_and_says_when_trained_otherwise(tmp_path)
     import os
 
     url, logs = str(tmp_path / "teacher"), []
-    av_teacher.ensure_av_teacher(url, num_steps=2, batch_size=8, log=None)
+    sounding_digits_teacher.ensure_av_teacher(url, num_steps=2, batch_size=8, log=None)
     weights = next((tmp_path / "teacher" / "transformer").glob("*.safetensors"))
     stamp = os.stat(weights).st_mtime_ns
-    assert av_teacher.differs(url, num_steps=2) is None
-    av_teacher.ensure_av_teacher(url, num_steps=3, batch_size=8, log=logs.append)
+    assert sounding_digits_teacher.differs(url, num_steps=2) is None
+    sounding_digits_teacher.ensure_av_teacher(url, num_steps=3, batch_size=8, log=logs.append)
     assert os.stat(weights).st_mtime_ns == stamp  # reused, not trained again
     assert logs == [f"reusing av teacher at {url} (trained for 2 steps from seed 0, not 3 from 0; its figures are "
                     "not the bench's: remove it to train this one)"]
-    (tmp_path / "teacher" / av_teacher.TRAINING_FILE).unlink()
-    assert "no training.json" in av_teacher.differs(url, num_steps=2)
+    (tmp_path / "teacher" / sounding_digits_teacher.TRAINING_FILE).unlink()
+    assert "no training.json" in sounding_digits_teacher.differs(url, num_steps=2)
 
 
 def _h3_cpu_args(teacher: str, save: str, **overrides):
     from dmd2_core.args import load_args
 
     return load_args("minimax-h3", {
-        "hf_checkpoint": teacher, "prompts": av_teacher.prompts_url(teacher), "save": save,
+        "hf_checkpoint": teacher, "prompts": sounding_digits_teacher.prompts_url(teacher), "save": save,
         "device": "cpu", "num_devices": 1, "dtype": "float32", "gradient_checkpointing": False,
         "sleep_after_train": False, "num_frames": None, "height": None, "width": None,
         "latent_shape": sd.VIDEO_LATENT_SHAPE, "global_batch_size": 8, "micro_batch_size": 8, "lr": 1e-4,
@@ -118,8 +119,8 @@ def test_reference_loop_is_the_oracle_of_the_trainers_for_a_joint_model(tmp_path
     MiniMax-H3 model (the tiny stand-in, a clip the trainers accept): each modality noised at its
     own sigma (video shift 12, audio shift 3) when scored, and graded with the family's x0."""
     from dmd2_core.args import load_args
-    from dmd2_core.models.standins import build_h3_standin, h3_prompt_set
-    from dmd2_core.reference import ReferenceLoop
+    from dmd2_core.toys.standins import build_h3_standin, h3_prompt_set
+    from dmd2_core.train.reference import ReferenceLoop
     from tests.conftest import in_process_trainers, iterate_in_process
 
     teacher, prompts = build_h3_standin(str(tmp_path / "h3")), str(tmp_path / "prompts.safetensors")
@@ -148,13 +149,13 @@ def h3_teacher():
     sound to keep, measured, so it would test nothing)."""
     import os
 
-    from dmd2_core import evaluation
+    from dmd2_core.toys import digits_metrics
 
     here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "av-teacher")
-    url = os.environ.get("DMD2_AV_TEACHER") or (here if os.path.isdir(here) else str(evaluation.cache_dir() / "av-teacher"))
+    url = os.environ.get("DMD2_AV_TEACHER") or (here if os.path.isdir(here) else str(digits_metrics.cache_dir() / "av-teacher"))
     if os.environ.get("CI") and not os.path.isdir(url):  # ~10 min of a 2-core CI box: the suite's whole budget
         pytest.skip("needs the sounding-digits teacher: `make av-teacher` (or DMD2_AV_TEACHER), then this test")
-    return av_teacher.ensure_av_teacher(url, log=None)
+    return sounding_digits_teacher.ensure_av_teacher(url, log=None)
 
 
 def test_short_joint_distillation_improves_picture_and_sound(h3_teacher, tmp_path):
@@ -166,13 +167,13 @@ def test_short_joint_distillation_improves_picture_and_sound(h3_teacher, tmp_pat
     chance (0.1). The 4-step student is not the check here: its initialisation, the teacher at 4
     steps, already sounds better than the teacher at 50 (0.90 against 0.85), so a student that
     matches the teacher need not sound better than it started; the bench measures it."""
-    from dmd2_core.reference import ReferenceLoop
+    from dmd2_core.train.reference import ReferenceLoop
 
     loop = ReferenceLoop(_h3_cpu_args(h3_teacher, str(tmp_path / "run"), dmd2_student_steps=1))
-    labels = av_evaluation.balanced_labels(200)
+    labels = sounding_digits_metrics.balanced_labels(200)
 
     def scores():
-        return av_evaluation.evaluate_clips(loop.sample(labels.tolist(), 0), labels)
+        return sounding_digits_metrics.evaluate_clips(loop.sample(labels.tolist(), 0), labels)
 
     before = scores()
     loop.run(TEST_ITERATIONS)

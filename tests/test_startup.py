@@ -1,4 +1,4 @@
-"""A trainer's start (dmd2_core.startup): models built on the meta device, sharded, each rank reading
+"""A trainer's start (dmd2_core.train.rank_models): models built on the meta device, sharded, each rank reading
 only its own rows of each tensor. The shards equal the old whole-load-then-shard path's bit for bit
 (1 and 2 ranks, fp32 and bf16 compute, a frozen bf16 teacher, kept-fp32 modules, rotary tables,
 sharded safetensors); a rank's peak host memory is its shards plus a block; an s3:// checkpoint is
@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 from dmd2_core import parallel, storage
 from dmd2_core.models import FAMILIES, describe_checkpoint, load_checkpoint, write_transformer
-from dmd2_core.models.standins import build_h3_standin, build_standin
+from dmd2_core.toys.standins import build_h3_standin, build_standin
 
 WAN_60M = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=64, in_channels=4, out_channels=4,
                text_dim=64, freq_dim=64, ffn_dim=3072, num_layers=6, rope_max_seq_len=64)
@@ -85,7 +85,7 @@ def _assert_bitwise(new: torch.nn.Module, old: torch.nn.Module, what: str) -> No
 
 
 def _old_start(url: str, mesh, dtype: torch.dtype, gradient_checkpointing: bool):
-    """The path before dmd2_core.startup: every rank loads both models whole, then shards them."""
+    """The path before dmd2_core.train.rank_models: every rank loads both models whole, then shards them."""
     family = FAMILIES[describe_checkpoint(url)["family"]]
     model = load_checkpoint(url, "cpu", parallel.MASTER_DTYPE).model
     parallel.shard_model(model, mesh, dtype, trainable=True, keep_fp32=family.keep_fp32_modules,
@@ -96,7 +96,7 @@ def _old_start(url: str, mesh, dtype: torch.dtype, gradient_checkpointing: bool)
 
 
 def _equal_to_old_start(rank: int, world: int, cases: list) -> None:
-    from dmd2_core.startup import TrainerModels
+    from dmd2_core.train.rank_models import TrainerModels
 
     mesh = _mesh(world)
     for args, dtype in cases:
@@ -125,7 +125,7 @@ def test_start_equals_whole_load_then_shard(checkpoints, tmp_path, world):
 def test_kept_fp32_modules_of_a_bf16_teacher_hold_the_checkpoint_values(checkpoints, tmp_path):
     """MiniMax-H3's _keep_in_fp32_modules stay fp32 in the bf16 teacher, with the checkpoint's fp32
     values (never rounded through bf16 on the way)."""
-    from dmd2_core.startup import TrainerModels
+    from dmd2_core.train.rank_models import TrainerModels
 
     parallel.ensure_process_group(0, 1, torch.device("cpu"))
     url = checkpoints["h3"]
@@ -141,7 +141,7 @@ def test_kept_fp32_modules_of_a_bf16_teacher_hold_the_checkpoint_values(checkpoi
 
 def _peak_rss(rank: int, world: int, args) -> None:
     from dmd2_core.models.loading import build_empty
-    from dmd2_core.startup import TrainerModels
+    from dmd2_core.train.rank_models import TrainerModels
 
     mesh = _mesh(world)
     build_empty(args.hf_checkpoint)  # the runtime's baseline: diffusers and the model class imported
@@ -183,7 +183,7 @@ def test_two_rank_start_holds_its_shards_not_the_model(tmp_path):
 def test_s3_checkpoint_is_read_in_ranges_never_copied(checkpoints, tmp_path, s3_bucket, monkeypatch):
     """An s3:// checkpoint starts without any local copy: the shards equal the local start's and
     the rows were read once for the fake score and the teacher."""
-    from dmd2_core.startup import TrainerModels
+    from dmd2_core.train.rank_models import TrainerModels
 
     parallel.ensure_process_group(0, 1, torch.device("cpu"))
     url = storage.join(s3_bucket, "sd3")
@@ -208,8 +208,8 @@ def test_resume_reads_no_weight_of_the_diffusers_checkpoint(tiny_teacher, tmp_pa
     byte of the diffusers weights is read, the trainer refuses to run until it is loaded, and the
     loaded state is the saved one."""
     from dmd2_core import checkpoint
-    from dmd2_core.distill import preflight
-    from dmd2_core.trainer import Trainer
+    from dmd2_core.run.distill_run import preflight
+    from dmd2_core.train.trainer import Trainer
 
     args = preflight(_args(tiny_teacher, str(tmp_path / "run")))["actor"]
     first = Trainer(args, "actor")
@@ -239,7 +239,7 @@ def test_resume_reads_no_weight_of_the_diffusers_checkpoint(tiny_teacher, tmp_pa
 @pytest.mark.parametrize("damage", ["truncated", "missing"])
 def test_a_broken_weights_file_fails_in_one_line_naming_it(checkpoints, tmp_path, damage):
     from dmd2_core.models import CheckpointError
-    from dmd2_core.startup import TrainerModels
+    from dmd2_core.train.rank_models import TrainerModels
 
     parallel.ensure_process_group(0, 1, torch.device("cpu"))
     broken = tmp_path / "broken"

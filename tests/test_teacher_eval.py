@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from dmd2_core import evaluation as ev
+from dmd2_core.toys import digits_metrics as ev
 from dmd2_core import flow_matching as fm
-from dmd2_core import teacher as teacher_mod
+from dmd2_core.toys import digits_teacher as teacher_mod
 from dmd2_core.data import digits_prompt_set, digits_tensors
 from dmd2_core.models import LoadedModel, describe_checkpoint, load_checkpoint
 from dmd2_core.models.sd3 import SD3ImageFamily

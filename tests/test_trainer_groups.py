@@ -11,10 +11,10 @@ import torch
 
 from dmd2_core import checkpoint, parallel
 from dmd2_core.args import ArgsError
-from dmd2_core.distill import DistillRun, preflight
-from dmd2_core.saves import SaveTracker
-from dmd2_core.trainer import Trainer
-from dmd2_core.trainer_config import TrainerConfig, compute_trainer_args
+from dmd2_core.run.distill_run import DistillRun, preflight
+from dmd2_core.run.save_tracker import SaveTracker
+from dmd2_core.train.trainer import Trainer
+from dmd2_core.train.trainer_config import TrainerConfig, compute_trainer_args
 from tests.conftest import in_process_trainers, iterate_in_process, tiny_args
 
 
@@ -102,7 +102,7 @@ def test_two_colocated_groups_of_two_ranks(ray_session, tiny_teacher, tmp_path):
 
 @pytest.mark.multi_rank
 def test_external_data_reaches_each_rank(ray_session, tiny_teacher, tmp_path):
-    from dmd2_core.groups import TrainerGroup, create_placement_group
+    from dmd2_core.run.groups import TrainerGroup, create_placement_group
 
     args = tiny_args(tiny_teacher, str(tmp_path), num_devices=2, loss_type="flow_matching",
                      train_input_hook_path="tests.hooks_fixture.record_external_data")
@@ -122,7 +122,7 @@ def test_external_data_reaches_each_rank(ray_session, tiny_teacher, tmp_path):
             group.get([m for _, m in group.train_async(3, pairs, {"tag": torch.full((3,), 7)})])
     finally:
         group.kill()
-        from dmd2_core.groups import shutdown_placement_group
+        from dmd2_core.run.groups import shutdown_placement_group
 
         shutdown_placement_group(pg)
 
@@ -130,7 +130,7 @@ def test_external_data_reaches_each_rank(ray_session, tiny_teacher, tmp_path):
 def test_crash_between_two_trainers_saves_keeps_the_tracker(ray_session, tiny_teacher, tmp_path):
     import ray
 
-    from dmd2_core.distill import RayWorkError
+    from dmd2_core.run.distill_run import RayWorkError
 
     save = str(tmp_path / "run")
     with DistillRun(tiny_args(tiny_teacher, save, run_name="dmd2-crash")) as run:
@@ -247,7 +247,7 @@ def test_a_phase_failing_after_others_started_ahead_breaks_the_run():
 def test_metrics_merged_over_ranks_keep_their_meaning():
     """Two ranks' metrics as a group reports them: bad rows add up, times and maxima are the
     slowest / largest rank's, minima the smallest's, losses the mean."""
-    from dmd2_core.distill import _merge
+    from dmd2_core.run.distill_run import _merge
 
     ranks = [{"dmd2_grad_nonfinite": 1, "actor_dmd2_grad_nonfinite": 0, "critic_nonfinite_steps": 1,
               "graded_x0_drift": 0.5, "critic_train_s": 2.0, "critic_sigma_max": 0.9, "critic_sigma_min": 0.2,
@@ -308,7 +308,7 @@ def test_eval_holds_no_second_copy_of_the_model_and_its_decoder_sleeps(tiny_teac
 def test_a_local_ray_that_times_out_starting_is_started_once_more(monkeypatch, tiny_teacher, tmp_path):
     """Ray gives a new node's raylet a fixed 30 s to register; on a loaded machine the start is
     retried once (after stopping what started), any other failure is raised at once."""
-    from dmd2_core import groups
+    from dmd2_core.run import groups
 
     calls = []
 

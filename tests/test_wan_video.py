@@ -13,9 +13,9 @@ import torch
 from PIL import Image
 
 from dmd2_core.args import ArgsError, load_args
-from dmd2_core.distill import DistillRun
+from dmd2_core.run.distill_run import DistillRun
 from dmd2_core.models import describe_checkpoint
-from dmd2_core.models.standins import build_standin, standin_prompt_set
+from dmd2_core.toys.standins import build_standin, standin_prompt_set
 
 SAMPLER_DOC = Path(__file__).resolve().parent.parent / "docs" / "scale.md"
 CPU_OVERRIDES = dict(device="cpu", num_devices=1, dtype="float32", global_batch_size=4, micro_batch_size=2,
@@ -141,8 +141,8 @@ def test_prepare_prompts_uses_the_pipelines_own_text_encoder(tmp_path):
     from diffusers import WanPipeline
 
     from dmd2_core.data import load_prompt_set
-    from dmd2_core.trainer import Trainer
-    from dmd2_core.distill import preflight
+    from dmd2_core.train.trainer import Trainer
+    from dmd2_core.run.distill_run import preflight
 
     url = build_standin(str(tmp_path / "wan"), "wan", with_text_encoder=True)
     listing = tmp_path / "prompts.txt"

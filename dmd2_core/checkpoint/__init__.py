@@ -10,7 +10,7 @@ Layout under the run's ``save`` URL (format 3)::
                            .metadata last (rank 0, after every rank's files are written)
         trainer_state.pt   {'format', 'param_groups' (settings keyed by parameter name), 'extra'}
         complete.json      written LAST by rank 0: every file with its size and its sha256
-    {save}/exports/iter_{iteration:07d}/    the student as a diffusers pipeline (dmd2_core.export)
+    {save}/exports/iter_{iteration:07d}/    the student as a diffusers pipeline (dmd2_core.export.pipeline)
 
 No rank ever holds the whole model: a 14B trainer on 8 ranks writes 1/8 of its state per rank.
 DCP records the global shape and offsets of every shard, so a checkpoint loads on any number of

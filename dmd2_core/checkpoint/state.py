@@ -8,7 +8,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from dmd2_core import lora
+from dmd2_core.models import lora
 
 
 def sharded_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],

@@ -87,7 +87,7 @@ def describe_checkpoint(url: str) -> dict[str, Any]:
         if family.has_audio:  # a schedule per modality: video's scheduler/, audio's audio_scheduler/
             modality_shifts = (shift, _scheduler_shift(url, "audio_scheduler", 3.0))
         export_url = storage.join(url, "export.json")
-        try:  # a student export (dmd2_core.export): its scheduler's shift is solved for
+        try:  # a student export (dmd2_core.export.pipeline): its scheduler's shift is solved for
             # set_timesteps(K), not the training shift, which export.json records
             if storage.exists(export_url):
                 shift = float(_read_json(export_url)["shift"])

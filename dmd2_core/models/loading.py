@@ -77,7 +77,7 @@ def build_empty(url: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
 def stored_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint holds for ``model``: its parameters and persistent buffers, by
     name (FSDP keeps the diffusers names), as the model holds them (shards or whole)."""
-    from dmd2_core import lora
+    from dmd2_core.models import lora
 
     out = lora.base_names(model.named_parameters())  # a LoRA's base under its diffusers names, no adapters
     for module_name, module in model.named_modules():

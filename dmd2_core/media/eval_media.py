@@ -17,9 +17,9 @@ from typing import Any, Optional
 from PIL import Image
 
 from dmd2_core import storage
-from dmd2_core.checks import eval_prompt_indices
+from dmd2_core.run.checks import eval_prompt_indices
 from dmd2_core.data import prompt_texts
-from dmd2_core.images import image_grid, mime_type, png_bytes, video_media
+from dmd2_core.media.images import image_grid, mime_type, png_bytes, video_media
 from dmd2_core.report import embed
 
 PRESIGN_EXPIRES_S = 7 * 24 * 3600  # the SigV4 maximum
@@ -87,12 +87,12 @@ def run_eval(run, iteration: int, embed_limit: int = 512 * 1024) -> dict[str, An
         media.append(_publish(f"{stem}.png", data, caption, embed_limit))
     metrics: dict[str, float] = {"eval_media_s": time.perf_counter() - start}
     if args.prompts == "digits":
-        from dmd2_core import evaluation
+        from dmd2_core.toys import digits_metrics
 
         t = time.perf_counter()
-        labels = evaluation.balanced_labels(args.eval_num_samples, len(texts))
+        labels = digits_metrics.balanced_labels(args.eval_num_samples, len(texts))
         images = run.sample(labels.tolist(), args.eval_seed)
-        metrics.update(evaluation.evaluate_digits(images, labels))
+        metrics.update(digits_metrics.evaluate_digits(images, labels))
         metrics["eval_quality_s"] = time.perf_counter() - t
     return {"iteration": int(iteration), "metrics": metrics, "media": media}
 
@@ -103,18 +103,18 @@ FPS_OF_SOUNDING_VIDEO = 24  # MiniMax-H3's frame rate; its clips play at it
 def av_media_of(samples: dict, j: int, stem: str, caption: str, embed_limit: int) -> list[dict[str, Any]]:
     """Sample ``j`` of decoded video + sound ({'video' [N, 3, F, H, W], 'audio' [N, C, S],
     'sample_rate'}): the MP4 with its soundtrack (linked), a frame strip and the spectrogram (shown)."""
-    from dmd2_core import av_media
+    from dmd2_core.media import av_clips
 
     frames = samples["video"][j].permute(1, 0, 2, 3)  # [F, 3, H, W]
     audio, rate = samples["audio"][j], int(samples["sample_rate"])
     buf = io.BytesIO()
-    av_media.write_mp4(buf, frames, audio, fps=FPS_OF_SOUNDING_VIDEO, sample_rate=rate)
+    av_clips.write_mp4(buf, frames, audio, fps=FPS_OF_SOUNDING_VIDEO, sample_rate=rate)
     mp4_url = f"{stem}.mp4"
     storage.write_bytes(mp4_url, buf.getvalue(), content_type="video/mp4")
     play = media_url(mp4_url) or mp4_url
-    strip = _publish(f"{stem}_frames.png", av_media.frame_strip_png(frames), f"{caption}: frames", embed_limit)
-    spectrum = _publish(f"{stem}_spectrogram.png", av_media.spectrogram_png(audio, rate),
-                        f"{caption}: soundtrack (left above right, balance {av_media.stereo_balance(audio):+.2f})",
+    strip = _publish(f"{stem}_frames.png", av_clips.frame_strip_png(frames), f"{caption}: frames", embed_limit)
+    spectrum = _publish(f"{stem}_spectrogram.png", av_clips.spectrogram_png(audio, rate),
+                        f"{caption}: soundtrack (left above right, balance {av_clips.stereo_balance(audio):+.2f})",
                         embed_limit)
     strip.update(video_url=mp4_url, play=play)
     return [strip, spectrum]

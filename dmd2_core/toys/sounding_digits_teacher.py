@@ -1,6 +1,6 @@
 """Pretrain a small MiniMax-H3 teacher (``MiniMaxH3Transformer3DModel``) on sounding digits.
 
-    python -m dmd2_core.av_teacher --save runs/av-teacher [--steps N] [--seed S] [--reuse] [--table]
+    python -m dmd2_core.toys.sounding_digits_teacher --save runs/av-teacher [--steps N] [--seed S] [--reuse] [--table]
 
 The model is the flagship's class at a CPU size, in its packed layout (video patches, stereo audio
 rows and text tokens in one sequence) and with both schedules: through ``MiniMaxH3Family`` the
@@ -36,13 +36,14 @@ from typing import Callable, Optional
 
 import torch
 
-from dmd2_core import dmd2, storage
+from dmd2_core import storage
+from dmd2_core.train import dmd2_method
 from dmd2_core.data import REAL_LATENTS, write_safetensors
-from dmd2_core import sounding_digits as sd
+from dmd2_core.toys import sounding_digits as sd
 from dmd2_core.losses import flow_matching_loss
 from dmd2_core.models import CheckpointError, describe_checkpoint, load_checkpoint, save_checkpoint
 from dmd2_core.models.minimax_h3 import AUDIO_SHIFT, VIDEO_SHIFT, MiniMaxH3Family
-from dmd2_core.teacher import _ema_update, _lr_factor, logit_normal_sigmas
+from dmd2_core.toys.digits_teacher import _ema_update, _lr_factor, logit_normal_sigmas
 
 DEFAULT_STEPS = 4000  # measured: 2000 steps (loss 0.29) agree on sound and picture in 25% of
 # 50-step clips, 4000 (loss 0.25) in 39%; the teacher bounds every student's agreement
@@ -224,21 +225,21 @@ def sample_clips(family, model, labels: torch.Tensor, num_steps: int, seed: int)
     """K Euler steps on MiniMax-H3's grid u = 1, (K-1)/K, .., 1/K, 0 from the pipeline's noise of
     ``seed`` (sample j from seed + j): for a teacher, its K-step samples; for a student, its own."""
     cond = sd.prompt_set().cond(labels)
-    return dmd2.eval_samples(family, model, cond, (len(labels), sd.SAMPLE_SIZE), seed, num_steps, 1.0)
+    return dmd2_method.eval_samples(family, model, cond, (len(labels), sd.SAMPLE_SIZE), seed, num_steps, 1.0)
 
 
 def av_teacher_table(url: str, steps=TABLE_STEPS, num_samples: int = 500, seed: int = 0) -> dict:
-    from dmd2_core import av_evaluation
+    from dmd2_core.toys import sounding_digits_metrics
 
     loaded = load_checkpoint(url)
     family = bound_family(loaded.model)
-    labels = av_evaluation.balanced_labels(num_samples)
-    return {str(k): av_evaluation.evaluate_clips(sample_clips(family, loaded.model.eval(), labels, k, seed), labels)
+    labels = sounding_digits_metrics.balanced_labels(num_samples)
+    return {str(k): sounding_digits_metrics.evaluate_clips(sample_clips(family, loaded.model.eval(), labels, k, seed), labels)
             for k in steps}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dmd2_core.av_teacher", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m dmd2_core.toys.sounding_digits_teacher", description=__doc__.splitlines()[0])
     parser.add_argument("--save", required=True, help="Storage URL of the teacher (path, file:// or s3://).")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     parser.add_argument("--seed", type=int, default=0)

@@ -14,7 +14,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dmd2_core import parallel
 from dmd2_core.args import Args
-from dmd2_core.trainer import Trainer
+from dmd2_core.train.trainer import Trainer
 
 RemoteTrainer = ray.remote(Trainer)
 

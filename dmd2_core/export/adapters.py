@@ -1,5 +1,5 @@
 """The export of a LoRA student: its adapters in the family's diffusers LoRA format, to load onto
-the teacher's pipeline; or, merged, a full export (``dmd2_core.export``).
+the teacher's pipeline; or, merged, a full export (``dmd2_core.export.pipeline``).
 
 Layout of a LoRA export (``{save}/exports/iter_{iteration:07d}/``)::
 
@@ -14,7 +14,7 @@ Layout of a LoRA export (``{save}/exports/iter_{iteration:07d}/``)::
 
 Loading it: the teacher's pipeline, then ``pipe.load_lora_weights(export)`` and, where there is
 one, ``pipe.scheduler = FlowMatchLCMScheduler.from_pretrained(export, subfolder="scheduler")``;
-sampling as for a full export (``dmd2_core.export``). The base is the teacher's checkpoint: it is
+sampling as for a full export (``dmd2_core.export.pipeline``). The base is the teacher's checkpoint: it is
 never gathered for a LoRA export, only the adapters are (a few MB where the base is 33 B).
 """
 
@@ -27,10 +27,11 @@ from typing import Optional
 import torch
 
 from dmd2_core import flow_matching as fm
-from dmd2_core import lora, parallel, storage
+from dmd2_core import parallel, storage
+from dmd2_core.models import lora
 from dmd2_core.checkpoint.layout import EXPORT_MARKER_NAME
 from dmd2_core.models import CheckpointError, describe_checkpoint
-from dmd2_core.student_scheduler import SCHEDULER_CLASS, student_scheduler_config, verify_written_scheduler
+from dmd2_core.export.scheduler import SCHEDULER_CLASS, student_scheduler_config, verify_written_scheduler
 
 ONLINE_WEIGHT_NAME = "pytorch_lora_weights_online.safetensors"
 
@@ -56,7 +57,7 @@ def gather(model: torch.nn.Module, export_dtype: torch.dtype, metadata: dict, em
     online = _gather(lora.trained(model), writer, torch.float32)
     averaged = _gather(zip(names, ema), writer, torch.float32) if ema is not None else None
     if merged:
-        from dmd2_core.export import _persistent
+        from dmd2_core.export.pipeline import _persistent
 
         base = _persistent(model, _gather(((n, t) for n, t in model.state_dict().items() if not lora.is_adapter(n)),
                                           writer, None))
@@ -74,7 +75,7 @@ def write(url: str, family, gathered: dict, *, teacher_url: str, shift: float, n
           started: Optional[float] = None) -> dict:
     """The writer's half (no collective): the adapters at ``url`` through the family's
     ``save_lora_weights``, the student's scheduler, a read-back check, export.json last."""
-    from dmd2_core.export import EXPORT_FORMAT, _total_bytes, _writable_dir
+    from dmd2_core.export.pipeline import EXPORT_FORMAT, _total_bytes, _writable_dir
 
     started = time.perf_counter() if started is None else started
     teacher = describe_checkpoint(teacher_url)

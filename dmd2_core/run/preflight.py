@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from dmd2_core import checkpoint, checks, lease, memory, storage
+from dmd2_core import checkpoint, storage
+from dmd2_core.run import checks
+from dmd2_core.run import lease
+from dmd2_core.memory import planner
 from dmd2_core.args import Args, ArgsError
 from dmd2_core.data import check_real_set, prompt_texts
-from dmd2_core.hooks import load_hook
+from dmd2_core.train.input_hook import load_hook
 from dmd2_core.models import FAMILIES, check_weight_files, describe_checkpoint
-from dmd2_core.trainer_config import compute_trainer_args, compute_trainer_configs
+from dmd2_core.train.trainer_config import compute_trainer_args, compute_trainer_configs
 
 
 def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
@@ -51,8 +54,8 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
     checks.eval_prompt_indices(args, len(prompt_texts(args.prompts)))
     if "critic" in trainer_args and args.gan_critic_weight:
         _check_gan(trainer_args["critic"])
-    if memory.device_limit(args) is not None or args.host_memory_gib:
-        memory.check(memory.plan(trainer_args))
+    if planner.device_limit(args) is not None or args.host_memory_gib:
+        planner.check(planner.plan(trainer_args))
     checkpoints = {t.hf_checkpoint for t in trainer_args.values()}
     checkpoints |= {t.teacher_checkpoint or t.hf_checkpoint for t in trainer_args.values() if t.loss_type == "dmd2_critic"}
     for url in sorted(checkpoints):  # headers only: a cut-off download is named before any actor

@@ -1,6 +1,6 @@
 """No orphans: a watchdog process that outlives the flow process by a few seconds at most.
 
-``watch()`` (called by a CLI entry point) starts ``python -m dmd2_core.reaper <pid>`` in a session
+``watch()`` (called by a CLI entry point) starts ``python -m dmd2_core.run.reaper <pid>`` in a session
 of its own (so Ctrl-C to the terminal's process group does not reach it). While the watched
 process lives, the reaper records its descendants every ``POLL_S`` (pid and start time, from
 /proc); once it is gone -- SIGKILL, SIGTERM, SIGINT or a normal exit -- every recorded process still
@@ -104,7 +104,7 @@ def watch() -> Optional[subprocess.Popen]:
     if not Path("/proc/self/stat").exists():
         return None
     return subprocess.Popen(
-        [sys.executable, "-m", "dmd2_core.reaper", str(os.getpid())],
+        [sys.executable, "-m", "dmd2_core.run.reaper", str(os.getpid())],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True, close_fds=True,
     )

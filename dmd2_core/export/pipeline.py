@@ -46,10 +46,11 @@ from typing import Iterator, Optional
 import torch
 
 from dmd2_core import flow_matching as fm
-from dmd2_core import lora_export, parallel, storage
+from dmd2_core import parallel, storage
+from dmd2_core.export import adapters
 from dmd2_core.checkpoint.layout import EXPORT_MARKER_NAME
 from dmd2_core.models import CheckpointError, describe_checkpoint, family_of, write_transformer
-from dmd2_core.student_scheduler import SCHEDULER_CLASS, student_scheduler_config, verify_written_scheduler
+from dmd2_core.export.scheduler import SCHEDULER_CLASS, student_scheduler_config, verify_written_scheduler
 
 EXPORT_FORMAT = 1
 ONLINE_DIR = "transformer_online"
@@ -89,13 +90,13 @@ def export_student(
     ``run_write``: how the writer's half (no collective) runs, given it as a function of no
     arguments; its return value is returned instead (the trainer runs it in a background thread
     and gets a future). A LoRA student (``lora_metadata``: ``lora.adapter_metadata``) is written in
-    the family's diffusers LoRA format (``dmd2_core.lora_export``), or with ``merged`` merged into
+    the family's diffusers LoRA format (``dmd2_core.export.adapters``), or with ``merged`` merged into
     its base as a full export.
     """
     started = time.perf_counter()
     student_scheduler_config(shift, num_steps)  # fails alike on every rank, before the gather
     if lora_metadata is not None:
-        gathered = lora_export.gather(model, export_dtype, lora_metadata, ema=ema, writer=writer, merged=merged)
+        gathered = adapters.gather(model, export_dtype, lora_metadata, ema=ema, writer=writer, merged=merged)
     else:
         gathered = gather_student(model, export_dtype, ema=ema, writer=writer)
     if gathered is None:
@@ -126,7 +127,7 @@ def write_export(url: str, model: torch.nn.Module, gathered: dict, *, teacher_ur
     family = family_of(model)
     scheduler_config = student_scheduler_config(shift, num_steps)
     if gathered.get("lora") is not None:  # the adapters alone, in the family's diffusers LoRA format
-        return lora_export.write(url, family, gathered, teacher_url=teacher_url, shift=shift, num_steps=num_steps,
+        return adapters.write(url, family, gathered, teacher_url=teacher_url, shift=shift, num_steps=num_steps,
                                  export_dtype=export_dtype, verify=verify, iteration=iteration, started=started)
     online = _cast(gathered["online"], export_dtype)
     averaged = _cast(gathered["ema"], export_dtype) if gathered.get("ema") is not None else None

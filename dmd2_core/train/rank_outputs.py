@@ -10,8 +10,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from dmd2_core import checkpoint, lora
-from dmd2_core import export as exporting
+from dmd2_core import checkpoint
+from dmd2_core.models import lora
+from dmd2_core.export import pipeline as exporting
 from dmd2_core.args import Args
 
 

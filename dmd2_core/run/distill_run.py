@@ -14,13 +14,15 @@ import uuid
 from statistics import fmean
 from typing import Any, Callable, Optional
 
-from dmd2_core import checkpoint, checks, lease
+from dmd2_core import checkpoint
+from dmd2_core.run import checks
+from dmd2_core.run import lease
 from dmd2_core.args import Args
 from dmd2_core.finite import NonFiniteError
 from dmd2_core.models import CheckpointError
-from dmd2_core.preflight import preflight, resume_url
-from dmd2_core.saves import SaveTracker
-from dmd2_core.schedule import Schedule
+from dmd2_core.run.preflight import preflight, resume_url
+from dmd2_core.run.save_tracker import SaveTracker
+from dmd2_core.run.schedule import Schedule
 
 log = logging.getLogger("dmd2")
 
@@ -55,7 +57,7 @@ class DistillRun:
     def start(self) -> int:
         """Start or join Ray, create the groups, resume from the tracker. Returns the iteration
         the run resumes after (0 for a fresh start)."""
-        from dmd2_core.groups import TrainerGroup, create_placement_group, init_ray
+        from dmd2_core.run.groups import TrainerGroup, create_placement_group, init_ray
 
         init_ray(self.args, num_groups=len(self.trainer_args))
         checks.check_cluster_resources(self.args, len(self.trainer_args))  # not a placement-group timeout
@@ -100,7 +102,7 @@ class DistillRun:
             self.lease = None
 
     def _stop_groups(self) -> None:
-        from dmd2_core.groups import shutdown_placement_group
+        from dmd2_core.run.groups import shutdown_placement_group
 
         for group in self.groups.values():
             group.kill()

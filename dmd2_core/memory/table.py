@@ -3,7 +3,7 @@ lines (``python -m dmd2_core plan``)."""
 
 from __future__ import annotations
 
-from dmd2_core.memory_terms import GIB
+from dmd2_core.memory.terms import GIB
 
 
 def _gib(n) -> str:

@@ -9,12 +9,13 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from dmd2_core import dmd2, gan
+from dmd2_core.train import dmd2_method
+from dmd2_core.train import gan
 from dmd2_core.args import Args
 from dmd2_core.data import RealSet
-from dmd2_core.dmd2 import micro_batches
+from dmd2_core.train.dmd2_method import micro_batches
 from dmd2_core.finite import is_finite, nonfinite_rows
-from dmd2_core.model_update import ModelUpdate
+from dmd2_core.train.model_update import ModelUpdate
 
 SCORED = "dmd2_critic"  # the loss type whose train also scores the student's samples
 
@@ -48,7 +49,7 @@ class Critic:
         for step in range(args.num_steps_per_rollout):
             if scoring and step == last and args.dmd2_critic_scoring == "original":
                 scores = self._score_separately(iteration, x0, cond, global_shape)
-            sigma, noise = dmd2.noisy_inputs(args, iteration, dmd2.critic_stream(step), global_shape, self.rows)
+            sigma, noise = dmd2_method.noisy_inputs(args, iteration, dmd2_method.critic_stream(step), global_shape, self.rows)
             sigma, noise = sigma.to(self.device), noise.to(self.device)
             sigmas.append(sigma)
             fuse = scoring and step == last and args.dmd2_critic_scoring == "fused"
@@ -105,7 +106,7 @@ class Critic:
     def score(self, x0, x_t, sigma, cond, v_fake=None, gan_grad=None) -> dict:
         """The teacher's and the fake score's view of ``x0`` noised to ``x_t`` (``dmd2.score``),
         with the GAN head's generator gradient ``gan_grad`` alongside when there is one."""
-        out = dmd2.score(self.family, self.teacher, self.model, x0, x_t, sigma, cond,
+        out = dmd2_method.score(self.family, self.teacher, self.model, x0, x_t, sigma, cond,
                          self.uncond(x0.shape[0]), self.args.dmd2_guidance_scale, v_fake=v_fake,
                          weights=self.modality_weights)
         return out if gan_grad is None else {**out, "gan_grad": gan_grad}
@@ -115,15 +116,15 @@ class Critic:
         (each step a no-grad teacher forward, under the critic's own peak)."""
         args, grads = self.args, []
         for mb in micro_batches(self.local_batch, args.micro_batch_size):
-            target = dmd2.regression_target(
+            target = dmd2_method.regression_target(
                 self.family, self.teacher, pairs["x_t"][mb], pairs["sigma"][mb], {k: v[mb] for k, v in cond.items()},
                 self.uncond(mb.stop - mb.start), args.dmd2_guidance_scale, args.dmd2_regression_steps, args.dmd2_shift)
-            grads.append(dmd2.regression_gradient(x0[mb], target, args.dmd2_regression_weight))
+            grads.append(dmd2_method.regression_gradient(x0[mb], target, args.dmd2_regression_weight))
         return torch.cat(grads)
 
     def _score_separately(self, iteration, x0, cond, global_shape) -> list[dict]:
         """The reference's scoring: its own sigma and noise, before the critic's last step."""
-        sigma, noise = dmd2.noisy_inputs(self.args, iteration, dmd2.SCORING_STREAM, global_shape, self.rows)
+        sigma, noise = dmd2_method.noisy_inputs(self.args, iteration, dmd2_method.SCORING_STREAM, global_shape, self.rows)
         sigma, noise = sigma.to(self.device), noise.to(self.device)
         scores = []
         for mb in micro_batches(self.local_batch, self.args.micro_batch_size):

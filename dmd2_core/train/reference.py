@@ -12,7 +12,9 @@ import time
 
 import torch
 
-from dmd2_core import dmd2, gan, lora
+from dmd2_core.train import dmd2_method
+from dmd2_core.train import gan
+from dmd2_core.models import lora
 from dmd2_core.args import Args
 from dmd2_core.data import load_prompt_set, load_real_set
 from dmd2_core.losses import dmd2_loss
@@ -39,7 +41,7 @@ class ReferenceLoop:
         # a joint model (MiniMax-H3) needs its clip geometry and its two schedules bound
         self.family = teacher.family.bind(args.latent_shape, teacher.model, teacher.modality_shifts)
         self.student = lora.attach(load_checkpoint(args.hf_checkpoint).model, args)
-        from dmd2_core.trainer_config import TrainerConfig, compute_trainer_args, critic_overrides
+        from dmd2_core.train.trainer_config import TrainerConfig, compute_trainer_args, critic_overrides
 
         critic_args = compute_trainer_args(args, TrainerConfig("critic", critic_overrides(args)))
         self.critic = lora.attach(load_checkpoint(critic_args.hf_checkpoint).model, critic_args)
@@ -63,9 +65,9 @@ class ReferenceLoop:
     def iterate(self, iteration: int) -> dict:
         args, family, everything = self.args, self.family, slice(None)
         start = time.perf_counter()
-        plan = dmd2.plan_rollout(args, iteration, len(self.prompts), self.shape, everything,
+        plan = dmd2_method.plan_rollout(args, iteration, len(self.prompts), self.shape, everything,
                                  self.family.deterministic_student)
-        pairs = dmd2.rollout_pairs(family, self.student, self.cond, plan)
+        pairs = dmd2_method.rollout_pairs(family, self.student, self.cond, plan)
         x0, cond = pairs["x0"], self.cond(pairs["prompt_index"])
         uncond = self.prompts.uncond(x0.shape[0]) if args.dmd2_guidance_scale != 1.0 else None
         shape = tuple(x0.shape)
@@ -74,16 +76,16 @@ class ReferenceLoop:
         gan_grad = None
 
         def scores_at(stream, v_fake=None, noisy=None):
-            sigma, noise = noisy or dmd2.noisy_inputs(args, iteration, stream, shape, everything)
+            sigma, noise = noisy or dmd2_method.noisy_inputs(args, iteration, stream, shape, everything)
             x_t = family.add_noise(x0, noise, sigma)  # each modality at its own sigma, as the critic
-            return dmd2.score(family, self.teacher, self.critic, x0, x_t, sigma, cond, uncond,
+            return dmd2_method.score(family, self.teacher, self.critic, x0, x_t, sigma, cond, uncond,
                               args.dmd2_guidance_scale, v_fake=v_fake, weights=args.dmd2_modality_weights)
 
         scores = None
         last = args.dmd2_update_ratio - 1
         for step in range(args.dmd2_update_ratio):
             if step == last and args.dmd2_critic_scoring == "original":
-                noisy = dmd2.noisy_inputs(args, iteration, dmd2.SCORING_STREAM, shape, everything)
+                noisy = dmd2_method.noisy_inputs(args, iteration, dmd2_method.SCORING_STREAM, shape, everything)
                 if gen_weight is not None:  # g_gan at the scoring pass's own sigma and noise
                     out = gan.critic_forward(family, self.critic, self.disc, args.gan_feature_block, x0, noisy[1],
                                              noisy[0], cond, gen_weight=gen_weight,
@@ -91,7 +93,7 @@ class ReferenceLoop:
                     scores, gan_grad = scores_at(None, v_fake=out["v"], noisy=noisy), out["gan_grad"]
                 else:
                     scores = scores_at(None, noisy=noisy)
-            sigma, noise = dmd2.noisy_inputs(args, iteration, dmd2.critic_stream(step), shape, everything)
+            sigma, noise = dmd2_method.noisy_inputs(args, iteration, dmd2_method.critic_stream(step), shape, everything)
             real = None
             if self.disc is not None:
                 index, noise_real = gan.real_inputs(args, iteration, step, len(self.real), shape, everything)
@@ -114,9 +116,9 @@ class ReferenceLoop:
         x0_graded = family.velocity_to_x0(pairs["x_t"], v, pairs["sigma"])  # as the actor
         grad = scores["grad"] if gan_grad is None else scores["grad"] + gan_grad
         if args.dmd2_regression_weight:
-            target = dmd2.regression_target(family, self.teacher, pairs["x_t"], pairs["sigma"], cond, uncond,
+            target = dmd2_method.regression_target(family, self.teacher, pairs["x_t"], pairs["sigma"], cond, uncond,
                                             args.dmd2_guidance_scale, args.dmd2_regression_steps, args.dmd2_shift)
-            grad = grad + dmd2.regression_gradient(x0, target, args.dmd2_regression_weight)
+            grad = grad + dmd2_method.regression_gradient(x0, target, args.dmd2_regression_weight)
         loss = dmd2_loss(x0_graded, grad)
         loss.backward()
         student_norm = _step(self.student, self.student_opt, args.clip_grad)
@@ -136,6 +138,6 @@ class ReferenceLoop:
     def sample(self, prompt_index, seed: int) -> torch.Tensor:
         """K-step samples (EMA weights when kept), the same noise as Trainer.sample."""
         model = self.ema if self.ema is not None else self.student
-        return dmd2.eval_samples(self.family, model, self.cond(torch.as_tensor(prompt_index)),
+        return dmd2_method.eval_samples(self.family, model, self.cond(torch.as_tensor(prompt_index)),
                                  (len(prompt_index), *self.shape), seed, self.args.dmd2_student_steps,
                                  self.args.dmd2_shift)

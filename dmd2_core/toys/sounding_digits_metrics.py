@@ -1,4 +1,4 @@
-"""What a person would see and hear in generated sounding-digit clips (``dmd2_core.sounding_digits``).
+"""What a person would see and hear in generated sounding-digit clips (``dmd2_core.toys.sounding_digits``).
 
 Every metric works on decoded clips: frames in [-1, 1] and stereo waveforms in [-1, 1].
 
@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from dmd2_core import evaluation
-from dmd2_core import sounding_digits as sd
+from dmd2_core.toys import digits_metrics
+from dmd2_core.toys import sounding_digits as sd
 from dmd2_core.data import digits_tensors
 
 SOUND_CLASSIFIER_VERSION = "spectrum-mlp-64-v1"
@@ -73,7 +73,7 @@ class SoundClassifier(torch.nn.Module):
 
 
 def sound_classifier_path() -> Path:
-    return evaluation.cache_dir() / f"sound-classifier-{SOUND_CLASSIFIER_VERSION}.safetensors"
+    return digits_metrics.cache_dir() / f"sound-classifier-{SOUND_CLASSIFIER_VERSION}.safetensors"
 
 
 @torch.enable_grad()
@@ -144,9 +144,9 @@ _TEST_FEATURES: dict[str, np.ndarray] = {}
 
 
 def _test_features() -> np.ndarray:
-    key = str(evaluation.classifier_path())
+    key = str(digits_metrics.classifier_path())
     if key not in _TEST_FEATURES:
-        _TEST_FEATURES[key] = evaluation.features(digits_tensors("test")[0])
+        _TEST_FEATURES[key] = digits_metrics.features(digits_tensors("test")[0])
     return _TEST_FEATURES[key]
 
 
@@ -163,9 +163,9 @@ def evaluate_decoded(frames: torch.Tensor, audio: torch.Tensor, labels) -> dict[
     columns, crops = locate_digits(frames)
     n, f = columns.shape
     digits = crops.reshape(n * f, 1, sd.DIGIT, sd.DIGIT)
-    feats = evaluation.features(digits)
+    feats = digits_metrics.features(digits)
     frame_labels = np.repeat(labels, f)
-    logits = evaluation.digits_classifier()(digits.clamp(-1, 1)).reshape(n, f, 10)
+    logits = digits_metrics.digits_classifier()(digits.clamp(-1, 1)).reshape(n, f, 10)
     picture = logits.log_softmax(-1).sum(1).argmax(-1).numpy()
     sound = sound_classes(audio)
     motion = (columns[:, -1] - columns[:, 0]).sign()
@@ -174,13 +174,13 @@ def evaluate_decoded(frames: torch.Tensor, audio: torch.Tensor, labels) -> dict[
     stereo = ((trend.abs() > BALANCE_MIN_CHANGE) & (trend.sign() == motion) & (motion != 0)).numpy()
     same_class = sound == picture
     return {
-        "frame_fd": evaluation.frechet_distance(feats, _test_features()),
-        "frame_acc": float((evaluation.predict(digits) == frame_labels).mean()),
+        "frame_fd": digits_metrics.frechet_distance(feats, _test_features()),
+        "frame_acc": float((digits_metrics.predict(digits) == frame_labels).mean()),
         "sound_acc": float((sound == labels).mean()),
         "agreement": float((same_class & stereo).mean()),
         "class_agreement": float(same_class.mean()),
         "stereo_agreement": float(stereo.mean()),
-        "diversity": evaluation._diversity(feats, frame_labels),
+        "diversity": digits_metrics._diversity(feats, frame_labels),
     }
 
 

@@ -1,4 +1,4 @@
-"""The memory plan of a LoRA trainer (``lora_rank > 0``, see ``dmd2_core/lora.py``).
+"""The memory plan of a LoRA trainer (``lora_rank > 0``, see ``dmd2_core/models/lora.py``).
 
 A LoRA trainer holds, per rank, after sharding over ``S`` ranks:
 
@@ -30,7 +30,8 @@ from typing import Optional
 
 import torch
 
-from dmd2_core import lora, parallel, storage
+from dmd2_core import parallel, storage
+from dmd2_core.models import lora
 from dmd2_core.args import Args, ArgsError
 from dmd2_core.models import FAMILIES, describe_checkpoint
 

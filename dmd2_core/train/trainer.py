@@ -17,18 +17,21 @@ from typing import Optional, Union
 
 import torch
 
-from dmd2_core import checkpoint, context_parallel, dmd2, gan, lora, parallel
-from dmd2_core.actor import Actor
+from dmd2_core import checkpoint, context_parallel, parallel
+from dmd2_core.train import dmd2_method
+from dmd2_core.train import gan
+from dmd2_core.models import lora
+from dmd2_core.train.actor import Actor
 from dmd2_core.args import Args
-from dmd2_core.critic import SCORED, Critic
+from dmd2_core.train.critic import SCORED, Critic
 from dmd2_core.data import load_prompt_set, load_real_set
-from dmd2_core.device_stash import DeviceStash, distinct_storages, slot
+from dmd2_core.train.device_stash import DeviceStash, distinct_storages, slot
 from dmd2_core.finite import NonFiniteCounter
-from dmd2_core.hooks import batch_size, train_input_hook
-from dmd2_core.model_update import ModelUpdate
+from dmd2_core.train.input_hook import batch_size, train_input_hook
+from dmd2_core.train.model_update import ModelUpdate
 from dmd2_core.models import describe_checkpoint
-from dmd2_core.rank_saves import Saves
-from dmd2_core.startup import TrainerModels
+from dmd2_core.train.rank_outputs import Saves
+from dmd2_core.train.rank_models import TrainerModels
 
 
 def pick_device(args: Args) -> torch.device:
@@ -40,7 +43,7 @@ def pick_device(args: Args) -> torch.device:
 class Trainer:
     """One rank. Models are built on the meta device in ``__init__``; once the rank has joined its
     group (``init_process_group``; at once for a group of one rank) they are sharded, each rank
-    reads its own shards (``dmd2_core.startup``), and the optimizer and EMA are built on them."""
+    reads its own shards (``dmd2_core.train.rank_models``), and the optimizer and EMA are built on them."""
 
     def __init__(self, args: Args, role: str, rank: int = 0, world_size: int = 1):
         torch.set_num_threads(args.torch_threads)
@@ -53,8 +56,8 @@ class Trainer:
         self.device = pick_device(args)
         self.dtype = getattr(torch, args.dtype)  # the compute dtype; trained weights stay fp32
         self.hook = train_input_hook(args.train_input_hook_path)
-        # built on the meta device; sharding fills each rank's shards (dmd2_core.startup). A LoRA
-        # critic whose fake score is the teacher's LoRA has no teacher: one base (dmd2_core.lora)
+        # built on the meta device; sharding fills each rank's shards (dmd2_core.train.rank_models). A LoRA
+        # critic whose fake score is the teacher's LoRA has no teacher: one base (dmd2_core.models.lora)
         teacher = args.teacher_checkpoint or args.hf_checkpoint
         self.models = TrainerModels(args, self.dtype, teacher if args.loss_type == SCORED and not lora.shares_base(args)
                                     else None)
@@ -149,9 +152,9 @@ class Trainer:
         DMD2 step strategy drew. Returns (train pairs, metrics)."""
         woke = self.wake_up()
         start = time.perf_counter()
-        plan = dmd2.plan_rollout(self.args, iteration, len(self.prompts), self.shape, self.rows,
+        plan = dmd2_method.plan_rollout(self.args, iteration, len(self.prompts), self.shape, self.rows,
                                  self.family.deterministic_student)
-        pairs = dmd2.rollout_pairs(self.family, self.model, self._cond, _on(plan, self.device))
+        pairs = dmd2_method.rollout_pairs(self.family, self.model, self._cond, _on(plan, self.device))
         self._reshard()
         metrics = {"stop_step": plan.stop_step, "rollout_sigma": plan.sigmas[plan.stop_step],
                    "rollout_s": time.perf_counter() - start, **_wake_metric(self.role, woke)}
@@ -186,7 +189,7 @@ class Trainer:
         was_asleep = self.asleep
         self.wake_up()
         with self._ema_weights():
-            x0 = dmd2.eval_samples(self.family, self.model, self._cond(torch.tensor(prompt_index)),
+            x0 = dmd2_method.eval_samples(self.family, self.model, self._cond(torch.tensor(prompt_index)),
                                    (len(prompt_index), *self.shape), seed, self.args.dmd2_student_steps,
                                    self.shift, self.device)
         self._reshard()
@@ -328,7 +331,7 @@ class Trainer:
         """Every rank writes its own shards (DCP); rank 0 the marker. With ``async_save`` the
         state is staged to host memory and the call returns while it is written; an earlier
         save still in flight is waited for first. ``export``: the student (and its EMA) is also
-        gathered to rank 0 and written as a diffusers pipeline (dmd2_core.export), in the
+        gathered to rank 0 and written as a diffusers pipeline (dmd2_core.export.pipeline), in the
         background too. Returns ``{'url', 'iteration', 'blocked_s'}`` plus, once durable,
         ``'save_s'``, ``'bytes'`` (this rank's) and the export's ``'export_url'``, ``'export_s'``."""
         start = time.perf_counter()
@@ -390,6 +393,6 @@ def _cpu(d: dict) -> dict:
     return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in d.items()}
 
 
-def _on(plan: dmd2.RolloutPlan, device: torch.device) -> dmd2.RolloutPlan:
-    return dmd2.RolloutPlan(plan.stop_step, plan.sigmas, plan.prompt_index, plan.noise.to(device),
+def _on(plan: dmd2_method.RolloutPlan, device: torch.device) -> dmd2_method.RolloutPlan:
+    return dmd2_method.RolloutPlan(plan.stop_step, plan.sigmas, plan.prompt_index, plan.noise.to(device),
                             [r.to(device) for r in plan.renoise])

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from dmd2_core.images import png_bytes
+from dmd2_core.media.images import png_bytes
 
 MIN_SIDE_PX = 128  # tiny frames are upscaled (nearest) so that players show them
 AUDIO_BIT_RATE_PER_CHANNEL = 96_000

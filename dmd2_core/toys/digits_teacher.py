@@ -1,6 +1,6 @@
 """Pretrain a small prompt-conditioned flow-matching teacher on the digits train split.
 
-    python -m dmd2_core.teacher --save runs/teacher [--steps N] [--seed S] [--reuse] [--table]
+    python -m dmd2_core.toys.digits_teacher --save runs/teacher [--steps N] [--seed S] [--reuse] [--table]
 
 Rectified-flow training as in SD3: x_t = (1 - s) x0 + s eps, target v = eps - x0, sigmas drawn
 logit-normal (SD3's best-performing ``rf/lognorm(0, 1)``: it concentrates training on the middle
@@ -153,7 +153,7 @@ def ensure_teacher(url: str, seed: int = 0, log: Optional[Callable[[str], None]]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dmd2_core.teacher", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m dmd2_core.toys.digits_teacher", description=__doc__.splitlines()[0])
     parser.add_argument("--save", required=True, help="Storage URL of the teacher checkpoint (path, file:// or s3://).")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="Training steps.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the init and every training draw.")
@@ -183,15 +183,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         result.update(info)
     result["reused"] = reused
     if ns.table:
-        from dmd2_core import evaluation
+        from dmd2_core.toys import digits_metrics
 
         start = time.perf_counter()
-        table = evaluation.teacher_table(ns.save, num_samples=ns.num_samples, seed=ns.eval_seed,
+        table = digits_metrics.teacher_table(ns.save, num_samples=ns.num_samples, seed=ns.eval_seed,
                                          guidance_scale=ns.guidance_scale)
-        reference = evaluation.reference_stats()
+        reference = digits_metrics.reference_stats()
         print(f"\nteacher quality, Euler steps, guidance {ns.guidance_scale}, {ns.num_samples} samples "
               f"(FD against the held-out test split; 'real' = train vs test digits)")
-        print(evaluation.format_table(table, reference))
+        print(digits_metrics.format_table(table, reference))
         result.update(table=table, reference=reference, guidance_scale=ns.guidance_scale,
                       eval_time_s=round(time.perf_counter() - start, 2))
     print(json.dumps(result))

@@ -102,7 +102,7 @@ def read_clip_with_sound(data: bytes, name: str, num_frames: int, height: int, w
     ``sample_rate`` (a mono track on both channels)."""
     from PIL import Image
 
-    from dmd2_core.av_media import read_mp4
+    from dmd2_core.media.av_clips import read_mp4
 
     try:
         clip = read_mp4(io.BytesIO(data), sample_rate=sample_rate)
@@ -150,7 +150,7 @@ def prepare_latents(hf_checkpoint: str, images: str, captions: str, out: str, la
 
     from safetensors.torch import save_file
 
-    from dmd2_core.prompts import prepare_prompts
+    from dmd2_core.prepare.prompts import prepare_prompts
 
     info = describe_checkpoint(hf_checkpoint)
     family = FAMILIES[info["family"]]
@@ -170,7 +170,7 @@ def prepare_latents(hf_checkpoint: str, images: str, captions: str, out: str, la
     vae = family.load_vae(info["vae_url"], torch.float32).eval()
     latents = []
     if family.has_audio:
-        from dmd2_core.checks import spatial_ratio
+        from dmd2_core.run.checks import spatial_ratio
         from dmd2_core.models.minimax_h3 import FPS
 
         ratio = spatial_ratio(info)
@@ -197,7 +197,7 @@ def prepare_latents(hf_checkpoint: str, images: str, captions: str, out: str, la
 
 def _clip_latent_shape(info: dict, clip: Optional[tuple[int, int, int]], latent_shape: Optional[list[int]]) -> list[int]:
     """A joint video + audio model's video latents [C, F, H, W], from the clip's geometry."""
-    from dmd2_core.checks import clip_latent_shape_agreeing
+    from dmd2_core.run.checks import clip_latent_shape_agreeing
 
     if clip is None:
         if latent_shape:

@@ -8,14 +8,14 @@ Per rank, after sharding over ``S`` ranks (``fsdp_shard_size``, default the grou
   the families that keep them, at 4 bytes);
 - a LoRA trainer (``lora_rank > 0``): its frozen base in ``dtype`` (``base``) and the fp32 state above
   for its adapters alone; a critic whose fake score is a LoRA of the teacher holds that one base and
-  no teacher (``dmd2_core/memory_lora.py``);
+  no teacher (``dmd2_core/memory/lora_terms.py``);
 - buffers (e.g. SD3's positional table): replicated, whole on every rank;
 - the gather working set: two blocks unsharded in the compute dtype (the block running and the
   one FSDP prefetches) plus one block's fp32 gradients before their reduce-scatter, and the root's
   own parameters (embeddings, final layer), unsharded while it runs;
 - activations: ``micro_batch_size`` samples through every block (or, with gradient
   checkpointing, every block's carried input plus one block recomputed), from the calibration of
-  the family's real blocks (``dmd2_core/activations.py``) at the rank's ``tokens / cp_size``
+  the family's real blocks (``dmd2_core/memory/activations.py``) at the rank's ``tokens / cp_size``
   tokens (context parallelism splits the sequence), plus the all-to-all buffers of one block;
 - the critic's guidance transient (the teacher's cond + uncond forward beside the fake score's
   activations) and every group's rollout buffers; the eval decoder on the actor's rank 0.
@@ -38,12 +38,13 @@ from typing import Optional
 
 import torch
 
-from dmd2_core import activations as acts
-from dmd2_core import lora, memory_lora
-from dmd2_core import memory_terms as terms
+from dmd2_core.memory import activations as acts
+from dmd2_core.models import lora
+from dmd2_core.memory import lora_terms
+from dmd2_core.memory import terms as terms
 from dmd2_core import parallel
 from dmd2_core.args import Args, ArgsError
-from dmd2_core.memory_table import ROWS, table  # noqa: F401 - the plan's printout, memory.table
+from dmd2_core.memory.table import ROWS, table  # noqa: F401 - the plan's printout, memory.table
 from dmd2_core.models import FAMILIES, describe_checkpoint
 
 GIB = 1024 ** 3
@@ -66,7 +67,7 @@ def model_size(url: str) -> ModelSize:
     """Parameter counts of a checkpoint's transformer, built from its config on the meta device
     (cached per URL within a process: a checkpoint's config does not change under a plan)."""
     family = FAMILIES[describe_checkpoint(url)["family"]]
-    model = memory_lora.meta_model(url)
+    model = lora_terms.meta_model(url)
     blocks = parallel.blocks(model)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     fp32 = {id(p): p.numel() for m in (parallel.fp32_modules(model) if family.keep_fp32_modules else [])
@@ -103,7 +104,7 @@ class GroupPlan:
     loaded: int = 0  # the weight shards a rank loads (trainable fp32, a LoRA's base and the teacher)
     activation_source: str = ""
     cp_size: int = 1
-    base: int = 0  # a LoRA's frozen base (dmd2_core.memory_lora); ``params`` etc. are then its adapters'
+    base: int = 0  # a LoRA's frozen base (dmd2_core.memory.lora_terms); ``params`` etc. are then its adapters'
 
     @property
     def resident(self) -> int:
@@ -165,7 +166,7 @@ def group_plan(role: str, args: Args, size: ModelSize, teacher: Optional[ModelSi
     compute = _dtype_bytes(args.dtype)
     fp32 = 4
     shard = lambda n: -(-n // shard_size)  # noqa: E731 - ceil division, as FSDP pads shards
-    own = memory_lora.state(args, size, shard_size, compute) if args.lora_rank else None
+    own = lora_terms.state(args, size, shard_size, compute) if args.lora_rank else None
     params = own.params if own else shard(size.params) * fp32
     base = own.base if own else 0
     grads = params

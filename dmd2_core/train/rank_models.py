@@ -18,7 +18,8 @@ from typing import Optional
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from dmd2_core import lora, parallel
+from dmd2_core import parallel
+from dmd2_core.models import lora
 from dmd2_core.args import Args
 from dmd2_core.models.loading import build_empty, fill, load_dtype, weight_files
 
@@ -27,7 +28,7 @@ class TrainerModels:
     def __init__(self, args: Args, compute_dtype: torch.dtype, teacher_url: Optional[str] = None,
                  resume: Optional[bool] = None):
         self.args, self.dtype = args, compute_dtype
-        # a LoRA (dmd2_core.lora): its frozen base built in the compute dtype, as the teacher is
+        # a LoRA (dmd2_core.models.lora): its frozen base built in the compute dtype, as the teacher is
         loaded = build_empty(args.hf_checkpoint, compute_dtype if args.lora_rank else parallel.MASTER_DTYPE)
         loaded.model = lora.attach(loaded.model, args)
         self.model, self.family, self.shift, self.modality_shifts = (loaded.model, loaded.family, loaded.shift,
@@ -77,7 +78,7 @@ def _resuming(args: Args) -> bool:
     """Whether the driver will load a checkpoint into this trainer: the run's tracker names one
     (``preflight.resume_url``, as ``DistillRun.start`` decides)."""
     from dmd2_core import checkpoint
-    from dmd2_core.preflight import resume_url
+    from dmd2_core.run.preflight import resume_url
 
     if not (args.save or args.load):
         return False
