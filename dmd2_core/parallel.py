@@ -269,3 +269,17 @@ def rank_bundles(bundle_nodes: Sequence[str]) -> list[int]:
     for index, node in enumerate(bundle_nodes):
         first.setdefault(node, index)
     return sorted(range(len(bundle_nodes)), key=lambda i: (first[bundle_nodes[i]], i))
+
+
+def shard_rows(name: str, value: torch.Tensor) -> tuple[int, int]:
+    """The rows (first dimension) of the whole tensor that this rank holds of ``value``."""
+    if not value.dim():
+        return 0, 1
+    if isinstance(value, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+        if tuple(shape[1:]) != tuple(value.shape[1:]):
+            raise NotImplementedError(f"{name}: sharded along a dimension other than the first")
+        return offset[0], offset[0] + shape[0]
+    return 0, value.shape[0]

@@ -31,6 +31,7 @@ from dmd2_core import parallel, storage
 from dmd2_core.models import lora
 from dmd2_core.checkpoint.layout import EXPORT_MARKER_NAME
 from dmd2_core.models import CheckpointError, describe_checkpoint
+from dmd2_core.export.files import EXPORT_FORMAT, cast, persistent, total_bytes, writable_dir
 from dmd2_core.export.scheduler import SCHEDULER_CLASS, student_scheduler_config, verify_written_scheduler
 
 ONLINE_WEIGHT_NAME = "pytorch_lora_weights_online.safetensors"
@@ -57,9 +58,7 @@ def gather(model: torch.nn.Module, export_dtype: torch.dtype, metadata: dict, em
     online = _gather(lora.trained(model), writer, torch.float32)
     averaged = _gather(zip(names, ema), writer, torch.float32) if ema is not None else None
     if merged:
-        from dmd2_core.export.pipeline import _persistent
-
-        base = _persistent(model, _gather(((n, t) for n, t in model.state_dict().items() if not lora.is_adapter(n)),
+        base = persistent(model, _gather(((n, t) for n, t in model.state_dict().items() if not lora.is_adapter(n)),
                                           writer, None))
         if not writer:
             return None
@@ -75,20 +74,18 @@ def write(url: str, family, gathered: dict, *, teacher_url: str, shift: float, n
           started: Optional[float] = None) -> dict:
     """The writer's half (no collective): the adapters at ``url`` through the family's
     ``save_lora_weights``, the student's scheduler, a read-back check, export.json last."""
-    from dmd2_core.export.pipeline import EXPORT_FORMAT, _total_bytes, _writable_dir
-
     started = time.perf_counter() if started is None else started
     teacher = describe_checkpoint(teacher_url)
     if teacher["family"] != family.class_name:
         raise CheckpointError(f"{teacher_url}: the teacher is a {teacher['family']}, the student a {family.class_name}")
     metadata, loader = gathered["lora"], lora.lora_loader(family)
-    online = _cast(lora.diffusers_lora_state(gathered["online"]), export_dtype)
-    averaged = _cast(lora.diffusers_lora_state(gathered["ema"]), export_dtype) if gathered.get("ema") is not None else None
+    online = cast(lora.diffusers_lora_state(gathered["online"]), export_dtype)
+    averaged = cast(lora.diffusers_lora_state(gathered["ema"]), export_dtype) if gathered.get("ema") is not None else None
     files = {lora.LORA_WEIGHT_NAME: averaged if averaged is not None else online,
              **({ONLINE_WEIGHT_NAME: online} if averaged is not None else {})}
     storage.remove(storage.join(url, EXPORT_MARKER_NAME))
     storage.remove(url)
-    with _writable_dir(url) as directory:
+    with writable_dir(url) as directory:
         for weight_name, state in files.items():
             loader.save_lora_weights(str(directory), transformer_lora_layers=state, weight_name=weight_name,
                                      transformer_lora_adapter_metadata=dict(metadata))
@@ -97,7 +94,7 @@ def write(url: str, family, gathered: dict, *, teacher_url: str, shift: float, n
         import diffusers
 
         scheduler = student_scheduler_config(shift, num_steps)
-        with _writable_dir(storage.join(url, "scheduler")) as directory:
+        with writable_dir(storage.join(url, "scheduler")) as directory:
             getattr(diffusers, SCHEDULER_CLASS)(**scheduler).save_pretrained(str(directory))
     export_s = time.perf_counter() - started
     verify_s = 0.0
@@ -108,7 +105,7 @@ def write(url: str, family, gathered: dict, *, teacher_url: str, shift: float, n
         if scheduler is not None:
             verify_written_scheduler(url, num_steps, shift)
         verify_s = time.perf_counter() - t0
-    size = _total_bytes(url)
+    size = total_bytes(url)
     marker = {
         "format": EXPORT_FORMAT, "iteration": None if iteration is None else int(iteration),
         "num_steps": int(num_steps), "shift": float(shift), "sigmas": fm.student_sigmas(num_steps, shift),
@@ -124,10 +121,6 @@ def write(url: str, family, gathered: dict, *, teacher_url: str, shift: float, n
     }
     storage.write_text(storage.join(url, EXPORT_MARKER_NAME), json.dumps(marker, indent=2) + "\n")
     return {"url": url, "bytes": size, "export_s": export_s, "verify_s": verify_s, "pipeline": False}
-
-
-def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    return {k: v.to(dtype) for k, v in state.items()}
 
 
 def _verify(url: str, expected: dict[str, torch.Tensor]) -> None:

@@ -39,20 +39,19 @@ import json
 import re
 import shutil
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
 from dmd2_core import flow_matching as fm
 from dmd2_core import parallel, storage
 from dmd2_core.export import adapters
+from dmd2_core.export.files import EXPORT_FORMAT, cast, persistent, total_bytes, writable_dir
 from dmd2_core.checkpoint.layout import EXPORT_MARKER_NAME
 from dmd2_core.models import CheckpointError, describe_checkpoint, family_of, write_transformer
 from dmd2_core.export.scheduler import SCHEDULER_CLASS, student_scheduler_config, verify_written_scheduler
 
-EXPORT_FORMAT = 1
 ONLINE_DIR = "transformer_online"
 
 
@@ -112,8 +111,8 @@ def gather_student(model: torch.nn.Module, export_dtype: torch.dtype, ema=None,
     """The collective half of an export: the whole weights (and EMA), cast to ``export_dtype``
     tensor by tensor, kept on the ``writer`` rank's host ({'online', 'ema'}); None elsewhere.
     Every rank of the group calls it, on the training process group, in the training thread."""
-    online = _persistent(model, parallel.full_state_dict(model, keep=writer, dtype=export_dtype))
-    averaged = _persistent(model, parallel.full_state_dict(model, ema, keep=writer, dtype=export_dtype)) \
+    online = persistent(model, parallel.full_state_dict(model, keep=writer, dtype=export_dtype))
+    averaged = persistent(model, parallel.full_state_dict(model, ema, keep=writer, dtype=export_dtype)) \
         if ema is not None else None
     return {"online": online, "ema": averaged} if writer else None
 
@@ -129,8 +128,8 @@ def write_export(url: str, model: torch.nn.Module, gathered: dict, *, teacher_ur
     if gathered.get("lora") is not None:  # the adapters alone, in the family's diffusers LoRA format
         return adapters.write(url, family, gathered, teacher_url=teacher_url, shift=shift, num_steps=num_steps,
                                  export_dtype=export_dtype, verify=verify, iteration=iteration, started=started)
-    online = _cast(gathered["online"], export_dtype)
-    averaged = _cast(gathered["ema"], export_dtype) if gathered.get("ema") is not None else None
+    online = cast(gathered["online"], export_dtype)
+    averaged = cast(gathered["ema"], export_dtype) if gathered.get("ema") is not None else None
     primary = averaged if averaged is not None else online
 
     teacher = describe_checkpoint(teacher_url)
@@ -148,11 +147,11 @@ def write_export(url: str, model: torch.nn.Module, gathered: dict, *, teacher_ur
     if averaged is not None:
         transformers[ONLINE_DIR] = online
     for name, state in transformers.items():
-        with _writable_dir(storage.join(url, name)) as directory:
+        with writable_dir(storage.join(url, name)) as directory:
             write_transformer(family, model.config, state, directory)
     import diffusers
 
-    with _writable_dir(storage.join(url, "scheduler")) as directory:
+    with writable_dir(storage.join(url, "scheduler")) as directory:
         getattr(diffusers, SCHEDULER_CLASS)(**scheduler_config).save_pretrained(str(directory))
     for name in components:
         _copy_tree(storage.join(teacher_url, name), storage.join(url, name))
@@ -167,7 +166,7 @@ def write_export(url: str, model: torch.nn.Module, gathered: dict, *, teacher_ur
         verify_written_scheduler(url, num_steps, shift)
         verify_s = time.perf_counter() - t0
 
-    size = _total_bytes(url)
+    size = total_bytes(url)
     marker = {
         "format": EXPORT_FORMAT,
         "iteration": None if iteration is None else int(iteration),
@@ -223,7 +222,7 @@ def _write_modular_export(url: str, model, family, online: dict, averaged: Optio
     primary = averaged if averaged is not None else online
     transformers = {"transformer": primary, **({ONLINE_DIR: online} if averaged is not None else {})}
     for name, state in transformers.items():
-        with _writable_dir(storage.join(url, name)) as directory:
+        with writable_dir(storage.join(url, name)) as directory:
             write_transformer(family, model.config, state, directory)
     for name in components:
         _copy_tree(storage.join(teacher_url, name), storage.join(url, name))
@@ -240,7 +239,7 @@ def _write_modular_export(url: str, model, family, online: dict, averaged: Optio
         for name, state in transformers.items():
             verify_transformer(storage.join(url, name), family, state, export_dtype)
         verify_s = time.perf_counter() - t0
-    size = _total_bytes(url)
+    size = total_bytes(url)
     marker = {
         "format": EXPORT_FORMAT, "iteration": None if iteration is None else int(iteration),
         "num_steps": int(num_steps), "num_inference_steps": int(num_steps) + 1, "shift": float(family.fixed_shift or 1.0),
@@ -297,17 +296,6 @@ def verify_transformer(url: str, family, expected: dict[str, torch.Tensor], dtyp
 
 
 # ---- helpers ---------------------------------------------------------------------------------
-def _persistent(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop non-persistent buffers (e.g. Wan's rope tables): not in a diffusers state dict."""
-    skip = {f"{prefix}.{name}" if prefix else name
-            for prefix, module in model.named_modules() for name in module._non_persistent_buffers_set}
-    return {k: v for k, v in state.items() if k not in skip}
-
-
-def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-
-
 def _safetensors_dtype(dtype: torch.dtype) -> str:
     names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
     if dtype not in names:
@@ -351,18 +339,6 @@ def _is_component(value) -> bool:
     return isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value)
 
 
-@contextmanager
-def _writable_dir(url: str) -> Iterator[Path]:
-    """A directory to write into: ``url`` itself when local, else staged and uploaded."""
-    if storage.is_local(url):
-        _, path = storage.filesystem(url)
-        Path(path).mkdir(parents=True, exist_ok=True)
-        yield Path(path)
-        return
-    with storage.staged_dir(url) as tmp:
-        yield tmp
-
-
 def _copy_tree(src: str, dst: str) -> None:
     """Copy a directory file by file: locally, server-side within one object store, else
     through a local copy."""
@@ -384,8 +360,3 @@ def _copy_tree(src: str, dst: str) -> None:
             storage.upload_dir(local, dst)
 
 
-def _total_bytes(url: str) -> int:
-    def run():
-        fs, path = storage.filesystem(url)
-        return sum(int(info.get("size") or 0) for info in fs.find(path, detail=True).values())
-    return storage.retrying(run, f"list {url}")

@@ -18,7 +18,6 @@ import json
 from typing import Callable
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from dmd2_core import parallel, storage
 from dmd2_core.models import FAMILIES, CheckpointError, LoadedModel, describe_checkpoint
@@ -87,20 +86,6 @@ def stored_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _rows(name: str, value: torch.Tensor) -> tuple[int, int]:
-    """The rows (first dimension) of the whole tensor that this rank holds of ``value``."""
-    if not value.dim():
-        return 0, 1
-    if isinstance(value, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-        if tuple(shape[1:]) != tuple(value.shape[1:]):
-            raise NotImplementedError(f"{name}: sharded along a dimension other than the first")
-        return offset[0], offset[0] + shape[0]
-    return 0, value.shape[0]
-
-
 @torch.no_grad()
 def fill(targets: list[tuple[torch.nn.Module, LoadDtype]], files: WeightFiles) -> int:
     """Fill each model's parameters and persistent buffers (this rank's shards, or whole for a
@@ -113,7 +98,7 @@ def fill(targets: list[tuple[torch.nn.Module, LoadDtype]], files: WeightFiles) -
             if tuple(stored.shape) != tuple(value.shape):
                 raise WeightFilesError(f"{stored.file_url}: '{name}' has shape {stored.shape}, the model "
                                        f"{tuple(value.shape)}")
-            wanted.setdefault(name, []).append((parallel.local(value), rule, *_rows(name, value)))
+            wanted.setdefault(name, []).append((parallel.local(value), rule, *parallel.shard_rows(name, value)))
     spans = [(name, min(p[2] for p in places), max(p[3] for p in places)) for name, places in wanted.items()]
     spans = [s for s in spans if s[2] > s[1]]
     largest = max((files.tensor(n).row_bytes() * (hi - lo) for n, lo, hi in spans if files.shape(n)), default=0)

@@ -76,7 +76,6 @@ def init_adapters(model: torch.nn.Module, seed: int) -> None:
     import math
 
     from dmd2_core import parallel
-    from dmd2_core.models.loading import _rows
 
     g = torch.Generator().manual_seed(seed)
     for name, param in trained(model):
@@ -84,7 +83,7 @@ def init_adapters(model: torch.nn.Module, seed: int) -> None:
         if ".lora_A." in name:
             bound = math.sqrt(6.0 / ((1 + 5.0) * whole.shape[1]))  # kaiming_uniform_(a=sqrt(5)), fan_in
             whole.uniform_(-bound, bound, generator=g)
-        start, stop = _rows(name, param)
+        start, stop = parallel.shard_rows(name, param)
         parallel.local(param).copy_(whole[start:stop].to(param.dtype))
 
 

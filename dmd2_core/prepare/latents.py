@@ -148,7 +148,6 @@ def prepare_latents(hf_checkpoint: str, images: str, captions: str, out: str, la
     ``latent_shape``)."""
     from types import SimpleNamespace
 
-    from safetensors.torch import save_file
 
     from dmd2_core.prepare.prompts import prepare_prompts
 
