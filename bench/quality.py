@@ -37,7 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from dmd2_core.args import ArgsError, load_args, parse_set  # noqa: E402
+from dmd2_core.args import load_args, parse_set  # noqa: E402
+from dmd2_core.errors import ArgsError
 from dmd2_core.toys.digits_metrics import balanced_labels, evaluate_digits, features, frechet_distance, teacher_table  # noqa: E402
 from dmd2_core.train.reference import ReferenceLoop  # noqa: E402
 from dmd2_core.toys.digits_teacher import ensure_teacher  # noqa: E402

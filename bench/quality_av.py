@@ -45,7 +45,8 @@ from dmd2_core.toys import sounding_digits_metrics
 from dmd2_core.toys import sounding_digits_teacher
 from dmd2_core.toys import digits_metrics  # noqa: E402
 from dmd2_core.toys import sounding_digits as sd  # noqa: E402
-from dmd2_core.args import ArgsError, load_args, parse_set  # noqa: E402
+from dmd2_core.args import load_args, parse_set  # noqa: E402
+from dmd2_core.errors import ArgsError
 from dmd2_core.models import load_checkpoint  # noqa: E402
 from dmd2_core.train.reference import ReferenceLoop  # noqa: E402
 

@@ -38,7 +38,8 @@ if __name__ == "__main__":  # Prefect and Ray read these settings when they are 
 from flows.alerts import WEBHOOK_ENV, ensure_failure_alert  # noqa: E402
 from flows.dmd2 import dmd2  # noqa: E402
 
-from dmd2_core.args import ArgsError, read_recipe, resolve_recipe  # noqa: E402
+from dmd2_core.args import read_recipe, resolve_recipe  # noqa: E402
+from dmd2_core.errors import ArgsError
 
 NIGHTLY_CRON = "0 2 * * *"
 TIMEZONE = "UTC"

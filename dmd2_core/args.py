@@ -14,12 +14,9 @@ from typing import Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from dmd2_core.errors import ArgsError
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "deployments" / "recipes"
-
-
-class ArgsError(ValueError):
-    """Bad configuration input; its message is one line that names the key or path."""
 
 
 def _f(default, group: str, help: str, **kw):

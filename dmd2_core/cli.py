@@ -7,7 +7,8 @@ import json
 import sys
 from typing import Optional
 
-from dmd2_core.args import ArgParser, ArgsError, add_arg_flags, load_args, parse_set, recipe_names
+from dmd2_core.args import ArgParser, add_arg_flags, load_args, parse_set, recipe_names
+from dmd2_core.errors import ArgsError
 from dmd2_core.train.trainer_config import compute_trainer_args, compute_trainer_configs
 
 
@@ -100,7 +101,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             trainers = {cfg.role: compute_trainer_args(args, cfg) for cfg in compute_trainer_configs(args)}
         print(json.dumps({role: a.model_dump() for role, a in trainers.items()}, indent=2))
         return 0
-    except ValueError as exc:  # ArgsError, CheckpointError: one clear line, no traceback
+    except ValueError as exc:  # ArgsError, StoredFilesError: one clear line, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -12,14 +12,9 @@ import math
 from typing import Iterable, Optional
 
 import torch
+from dmd2_core.errors import NonFiniteError
 
 log = logging.getLogger("dmd2")
-
-
-class NonFiniteError(RuntimeError):
-    """The run produced non-finite values it cannot recover from (too many skipped steps in a
-    row, or a non-finite weight at save). Not retried: a replay from the checkpoint would repeat
-    it exactly. The message is one line naming the trainer and the iteration."""
 
 
 def is_finite(value: float) -> bool:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, TypeVar
 
 import fsspec
+from dmd2_core.errors import SafetensorsHeaderError, StorageUnavailableError, one_line
 
 log = logging.getLogger("dmd2")
 T = TypeVar("T")
@@ -40,11 +41,6 @@ T = TypeVar("T")
 RETRY_S = float(os.environ.get("DMD2_STORAGE_RETRY_S", "300"))
 RETRY_FIRST_DELAY_S = 0.5
 RETRY_MAX_DELAY_S = 10.0
-
-
-class StorageUnavailableError(RuntimeError):
-    """Storage kept failing with transient errors for longer than the retry budget. A runtime
-    failure (worth a retry of the task), not bad input."""
 
 
 _TRANSIENT_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT,
@@ -84,11 +80,6 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
-
-
 def retrying(fn: Callable[[], T], what: str, budget_s: float | None = None) -> T:
     """``fn()``, retried with exponential backoff while it fails with transient errors."""
     budget = RETRY_S if budget_s is None else budget_s
@@ -104,8 +95,8 @@ def retrying(fn: Callable[[], T], what: str, budget_s: float | None = None) -> T
             attempt += 1
             if time.monotonic() + delay > deadline:
                 raise StorageUnavailableError(
-                    f"{what}: storage unavailable for {budget:.0f} s ({_one_line(exc)})") from exc
-            log.warning(f"storage: {what}: {_one_line(exc)}; retry {attempt} in {delay:.1f} s")
+                    f"{what}: storage unavailable for {budget:.0f} s ({one_line(exc)})") from exc
+            log.warning(f"storage: {what}: {one_line(exc)}; retry {attempt} in {delay:.1f} s")
             time.sleep(delay)
             delay = min(delay * 2, RETRY_MAX_DELAY_S)
 
@@ -169,10 +160,6 @@ def read_bytes(url: str) -> bytes:
     return retrying(run, f"read {url}")
 
 
-class SafetensorsHeaderError(ValueError):
-    """A file whose safetensors header is missing or unreadable; the message says why."""
-
-
 MAX_SAFETENSORS_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
 
 
@@ -209,7 +196,7 @@ def safetensors_layout(url: str) -> tuple[dict, int, int]:
         if not isinstance(entries, dict):
             raise ValueError("header is not a JSON object")
     except ValueError as exc:
-        raise SafetensorsHeaderError(f"unreadable header: {_one_line(exc)}") from None
+        raise SafetensorsHeaderError(f"unreadable header: {one_line(exc)}") from None
     data_size = size - 8 - len(header)
     for key, info in entries.items():
         if key == "__metadata__":

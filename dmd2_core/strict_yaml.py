@@ -6,10 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
-
-
-class DuplicateKeyError(yaml.YAMLError):
-    pass
+from dmd2_core.errors import DuplicateKeyError
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

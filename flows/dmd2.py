@@ -48,12 +48,9 @@ from typing import Any, Optional  # noqa: E402
 import torch  # noqa: E402
 from prefect import flow, get_run_logger, tags  # noqa: E402
 
-from dmd2_core.args import Args, ArgsError, load_args, parse_set  # noqa: E402
+from dmd2_core.args import Args, load_args, parse_set  # noqa: E402
+from dmd2_core.errors import ArgsError, LeaseLostError, NonFiniteError, StorageUnavailableError, StoredFilesError  # noqa: E402
 from dmd2_core.run.distill_run import DistillRun  # noqa: E402
-from dmd2_core.finite import NonFiniteError  # noqa: E402
-from dmd2_core.run.lease import LeaseLostError  # noqa: E402
-from dmd2_core.models import CheckpointError  # noqa: E402
-from dmd2_core.storage import StorageUnavailableError  # noqa: E402
 from dmd2_core.report import METRICS_NAME, QUALITY_KEYS, MetricsLog  # noqa: E402,F401
 from flows import artifacts, nights, runs  # noqa: E402
 from flows.driver import LOGGED_KEYS, DriverBase, fmt as _fmt  # noqa: E402,F401
@@ -330,7 +327,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             reaper.watch()
             reaper.raise_on_signals()
         summary = dmd2(recipe=ns.recipe, overrides=overrides or None, **flat)
-    except (ArgsError, CheckpointError) as exc:
+    except (ArgsError, StoredFilesError) as exc:
         print(line(exc), file=sys.stderr)
         return 2
     except BaseException as exc:  # noqa: BLE001 - signals and runtime failures: one line each

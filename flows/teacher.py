@@ -18,7 +18,8 @@ from prefect.artifacts import create_table_artifact  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 
 from dmd2_core.toys import digits_metrics  # noqa: E402
-from dmd2_core.models import CheckpointError, describe_checkpoint  # noqa: E402
+from dmd2_core.models import describe_checkpoint  # noqa: E402
+from dmd2_core.errors import ModelDirError
 from dmd2_core.toys.digits_teacher import DEFAULT_STEPS, train_teacher  # noqa: E402
 
 ARTIFACT_KEY = "teacher-quality"
@@ -32,7 +33,7 @@ def train_teacher_task(save: str, seed: int, num_steps: int, reuse: bool) -> dic
             describe_checkpoint(save)
             logger.info("reusing teacher at %s", save)
             return {"url": save, "reused": True}
-        except CheckpointError:
+        except ModelDirError:
             pass
     info = train_teacher(save, seed=seed, num_steps=num_steps, log=logger.info)
     info.pop("model")

@@ -7,16 +7,7 @@ from typing import Any
 
 from prefect.cache_policies import NO_CACHE
 
-from dmd2_core.args import ArgsError
-from dmd2_core.finite import NonFiniteError
-from dmd2_core.run.lease import LeaseLostError
-from dmd2_core.models import CheckpointError
-
-# Configuration errors fail the same way every time: ArgsError and CheckpointError are ValueErrors,
-# and so is a ValueError raised inside a trainer (Ray re-raises it as an instance of its cause).
-# NonFiniteError: a replay from the checkpoint would hit the same non-finite values again;
-# LeaseLostError: another run owns the save URL now.
-NEVER_RETRY = (ArgsError, CheckpointError, ValueError, NonFiniteError, LeaseLostError)
+from dmd2_core.errors import NEVER_RETRY
 
 
 def failure_of(state: Any) -> BaseException | None:

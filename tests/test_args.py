@@ -2,7 +2,8 @@
 
 import pytest
 
-from dmd2_core.args import ARG_NAMES, ArgsError, load_args
+from dmd2_core.args import ARG_NAMES, load_args
+from dmd2_core.errors import ArgsError
 from dmd2_core.train.trainer_config import TrainerConfig, compute_trainer_args, compute_trainer_configs
 
 STACK_FLAGS = ["hf_checkpoint", "load", "save", "lr", "seed", "num_iterations", "num_steps_per_rollout",

@@ -16,6 +16,7 @@ import pytest
 
 from dmd2_core import checkpoint as ckpt
 from dmd2_core.data import digits_prompt_set
+from dmd2_core.errors import CheckpointError
 from dmd2_core.run.distill_run import DistillRun
 from tests.conftest import flow_cli_refusal, tiny_args
 
@@ -128,7 +129,7 @@ def test_a_corrupt_weight_shard_found_at_load_ends_the_run_in_one_line(saved_at_
     last = errors[0]
     assert last.startswith(f"error: {shard}: corrupt (sha256 differs from the one recorded at save) (traceback in "), last
     log = Path(last.rsplit("traceback in ", 1)[1].rstrip(")"))
-    assert "Traceback" in log.read_text() and "CheckpointLoadError" in log.read_text()
+    assert "Traceback" in log.read_text() and "CheckpointError" in log.read_text()
     assert "Traceback" not in out + err
     assert _files(save) == before and ckpt.read_tracker(str(save)) == 1
     left = [p for p in psutil.process_iter(["pid"]) if _session(p.pid) == second.pid]
@@ -153,10 +154,10 @@ def test_a_truncated_shard_and_a_load_url_without_a_checkpoint_fail_before_any_a
     before = _files(save)
     started = []
     monkeypatch.setattr("dmd2_core.run.groups.init_ray", lambda *a, **k: started.append(1))
-    with pytest.raises(ckpt.CheckpointLoadError, match=re.escape(f"{shard}: corrupt (100 bytes")):
+    with pytest.raises(CheckpointError, match=re.escape(f"{shard}: corrupt (100 bytes")):
         DistillRun(tiny_args(tiny_teacher, str(save), run_name="broken-truncated"))
     fresh = tiny_args(tiny_teacher, str(tmp_path / "fresh"), load=str(tmp_path / "rnu"))
-    with pytest.raises(ckpt.CheckpointLoadError, match=re.escape(f"load: no checkpoint at {tmp_path / 'rnu'} "
+    with pytest.raises(CheckpointError, match=re.escape(f"load: no checkpoint at {tmp_path / 'rnu'} "
                                                               f"(no latest_checkpointed_iteration.txt); did you mean")):
         DistillRun(fresh)
     assert not started and _files(save) == before

@@ -13,7 +13,7 @@ import torch
 
 from dmd2_core import checkpoint as ckpt
 from dmd2_core import storage
-from dmd2_core.checkpoint import CheckpointLoadError
+from dmd2_core.errors import CheckpointError, StorageUnavailableError
 from tests.checkpoint_helpers import (
     assert_same_optimizer, assert_same_state, fresh, optimizer_of, save, saved, tiny_model, train_step, weights_url,
 )
@@ -23,7 +23,7 @@ from tests.checkpoint_helpers import (
 
 def test_missing_checkpoint(root):
     d = ckpt.trainer_dir(root, "student", 5)
-    with pytest.raises(CheckpointLoadError, match=re.escape(f"{d}: checkpoint directory does not exist")):
+    with pytest.raises(CheckpointError, match=re.escape(f"{d}: checkpoint directory does not exist")):
         ckpt.load_trainer(root, "student", 5, *fresh())
 
 
@@ -39,7 +39,7 @@ def test_corrupt_checkpoint(tmp_path, damage, target):
     else:  # same size: the listing's sizes agree, the content does not
         data = b"\xff" * 64 + data[64:]
     storage.write_bytes(url, data)
-    with pytest.raises(CheckpointLoadError, match=re.escape(url)) as info:
+    with pytest.raises(CheckpointError, match=re.escape(url)) as info:
         ckpt.load_trainer(root, "student", 1, *fresh())
     assert "corrupt" in str(info.value) and "\n" not in str(info.value)
 
@@ -49,27 +49,27 @@ def test_corrupt_checkpoint_on_s3(s3_bucket):
     d = saved(root)
     url = weights_url(d)
     storage.write_bytes(url, storage.read_bytes(url)[:100])
-    with pytest.raises(CheckpointLoadError, match=re.escape(f"{url}: corrupt")):
+    with pytest.raises(CheckpointError, match=re.escape(f"{url}: corrupt")):
         ckpt.load_trainer(root, "student", 1, *fresh())
     storage.remove(url)
-    with pytest.raises(CheckpointLoadError, match=re.escape(f"{url}: missing")):
+    with pytest.raises(CheckpointError, match=re.escape(f"{url}: missing")):
         ckpt.load_trainer(root, "student", 1, *fresh())
 
 
 def test_unreadable_marker_and_mismatched_model(tmp_path):
     root = str(tmp_path)
     d = saved(root)
-    with pytest.raises(CheckpointLoadError, match=re.escape(f"{d}/dcp: weights do not fit")):
+    with pytest.raises(CheckpointError, match=re.escape(f"{d}/dcp: weights do not fit")):
         ckpt.load_trainer(root, "student", 1, tiny_model(0, num_layers=2), None)
     other = tiny_model(0, num_layers=2)
-    with pytest.raises(CheckpointLoadError, match=re.escape("trainer_state.pt: optimizer state does not fit")):
+    with pytest.raises(CheckpointError, match=re.escape("trainer_state.pt: optimizer state does not fit")):
         ckpt.load_trainer(root, "student", 1, tiny_model(0), optimizer_of(other))
 
     storage.write_text(storage.join(d, "complete.json"), "{not json")
-    with pytest.raises(CheckpointLoadError, match=re.escape(f"{d}/complete.json: unreadable")):
+    with pytest.raises(CheckpointError, match=re.escape(f"{d}/complete.json: unreadable")):
         ckpt.load_trainer(root, "student", 1, *fresh())
     ckpt.write_tracker(root, 1)
-    with pytest.raises(CheckpointLoadError, match=re.escape(f"{d}/complete.json: unreadable")):
+    with pytest.raises(CheckpointError, match=re.escape(f"{d}/complete.json: unreadable")):
         ckpt.validate_resume(root, ["student"])
 
 
@@ -117,7 +117,7 @@ def _rank_main(rank: int, store: str, scenario: str, root: str, outcome: Path) -
         if scenario == "save" and rank == 0:  # rank 0 cannot write its part before the barrier
             storage.write_bytes = lambda url, data: (_ for _ in ()).throw(OSError("disk gone on rank 0"))
         if scenario == "load" and rank == 1:  # rank 1 cannot read the files it hashes
-            storage.sha256 = lambda url: (_ for _ in ()).throw(storage.StorageUnavailableError(f"{url}: down"))
+            storage.sha256 = lambda url: (_ for _ in ()).throw(StorageUnavailableError(f"{url}: down"))
         if scenario == "save":
             ckpt.save_trainer(root, "student", 2, model, opt, process_group=dist.group.WORLD).result()
         else:
@@ -159,4 +159,4 @@ def test_a_failure_on_one_rank_reaches_every_rank_of_the_group(tmp_path, scenari
     assert len(outcomes) == 2, f"a rank hung in a collective: {outcomes}"
     failing, other = (0, 1) if scenario == "save" else (1, 0)
     assert outcomes[failing].startswith("OSError: disk gone" if scenario == "save" else "StorageUnavailableError")
-    assert outcomes[other].startswith("CheckpointError") and f"rank {failing}" in outcomes[other], outcomes[other]
+    assert outcomes[other].startswith("StoredFilesError") and f"rank {failing}" in outcomes[other], outcomes[other]

@@ -15,8 +15,8 @@ import torch
 
 from dmd2_core import checkpoint as ckpt
 from dmd2_core import storage
-from dmd2_core.checkpoint import CheckpointLoadError
-from dmd2_core.models import CheckpointError, describe_checkpoint, load_checkpoint, save_checkpoint
+from dmd2_core.errors import CheckpointError, ModelDirError
+from dmd2_core.models import describe_checkpoint, load_checkpoint, save_checkpoint
 from tests.checkpoint_helpers import (
     SHIFT, assert_same_optimizer, assert_same_state, fresh, local_path, optimizer_of, output, save, saved, tiny_model, train_step,
 )
@@ -43,19 +43,19 @@ def test_model_round_trip(root):
 
 def test_describe_checkpoint_errors(tmp_path, s3_bucket):
     (tmp_path / "notes.txt").write_text("not a model")
-    with pytest.raises(CheckpointError, match=re.escape(str(tmp_path))):
+    with pytest.raises(ModelDirError, match=re.escape(str(tmp_path))):
         describe_checkpoint(str(tmp_path))
     missing = s3_bucket + "/nothing/here"
-    with pytest.raises(CheckpointError, match=re.escape(missing)):
+    with pytest.raises(ModelDirError, match=re.escape(missing)):
         describe_checkpoint(missing)
-    with pytest.raises(CheckpointError, match=re.escape("hf_checkpoint")):
+    with pytest.raises(ModelDirError, match=re.escape("hf_checkpoint")):
         describe_checkpoint("")
     # a typo in the path: the nearest existing entry beside it is named, locally and on S3
     (tmp_path / "teacher").mkdir()
-    with pytest.raises(CheckpointError, match=re.escape(f"did you mean '{tmp_path}/teacher'?")):
+    with pytest.raises(ModelDirError, match=re.escape(f"did you mean '{tmp_path}/teacher'?")):
         describe_checkpoint(str(tmp_path / "teachr"))
     storage.write_text(s3_bucket + "/models/teacher/config.json", "{}")
-    with pytest.raises(CheckpointError, match=re.escape(f"did you mean '{s3_bucket}/models/teacher'?")):
+    with pytest.raises(ModelDirError, match=re.escape(f"did you mean '{s3_bucket}/models/teacher'?")):
         describe_checkpoint(s3_bucket + "/models/teacher2")
 
 
@@ -136,7 +136,7 @@ def test_save_over_existing_iteration_replaces_it(tmp_path):
     assert ckpt.load_trainer(root, "critic", 3, fresh, fresh_opt) == {"iteration": 3}
     assert_same_state(second.state_dict(), fresh.state_dict())
     assert_same_optimizer(opt, fresh_opt)
-    with pytest.raises(CheckpointLoadError, match=re.escape("no ema")):
+    with pytest.raises(CheckpointError, match=re.escape("no ema")):
         ckpt.load_trainer(root, "critic", 3, tiny_model(9), None, ema=list(tiny_model(9).parameters()))
 
 
@@ -162,7 +162,7 @@ def test_a_checkpoint_in_another_format_fails_in_one_line(tmp_path, found, verdi
     calls = (lambda: ckpt.validate_resume(root, ["student"]), lambda: ckpt.load_trainer(root, "student", 1, *fresh()),
              lambda: ckpt.read_weights(root, "student", 1))
     for call in calls:
-        with pytest.raises(CheckpointLoadError, match=re.escape(f"{d}: checkpoint format {found or 1} is {verdict}")) as info:
+        with pytest.raises(CheckpointError, match=re.escape(f"{d}: checkpoint format {found or 1} is {verdict}")) as info:
             call()
         assert "\n" not in str(info.value)
     assert {p: p.read_bytes() for p in Path(root).rglob("*") if p.is_file() and p.name != "latest_checkpointed_iteration.txt"} == \
@@ -205,9 +205,9 @@ def test_tracker(root):
     assert ckpt.validate_resume(storage.join(root, "elsewhere"), ["student"]) is None
 
     storage.write_text(ckpt.tracker_url(root), "twelve\n")
-    with pytest.raises(CheckpointLoadError, match=re.escape("latest_checkpointed_iteration.txt")):
+    with pytest.raises(CheckpointError, match=re.escape("latest_checkpointed_iteration.txt")):
         ckpt.read_tracker(root)
-    with pytest.raises(CheckpointLoadError, match=re.escape("latest_checkpointed_iteration.txt")):
+    with pytest.raises(CheckpointError, match=re.escape("latest_checkpointed_iteration.txt")):
         ckpt.validate_resume(root, ["student"])
 
 
@@ -242,16 +242,16 @@ def test_crash_during_save_keeps_tracker(root, monkeypatch):
     assert ckpt.validate_resume(root, trainers) == 1
     critic_dir = ckpt.trainer_dir(root, "critic", 2)
     assert storage.exists(storage.join(critic_dir, "dcp", ".metadata"))  # written, all but the marker
-    with pytest.raises(CheckpointLoadError, match=re.escape(f"{critic_dir}: incomplete")):
+    with pytest.raises(CheckpointError, match=re.escape(f"{critic_dir}: incomplete")):
         ckpt.load_trainer(root, "critic", 2, tiny_model(0), None)
     ckpt.load_trainer(root, "student", 2, tiny_model(0), None)  # the student's save did finish
 
-    with pytest.raises(CheckpointLoadError, match=re.escape(f"{critic_dir}/complete.json: missing")):
+    with pytest.raises(CheckpointError, match=re.escape(f"{critic_dir}/complete.json: missing")):
         ckpt.write_tracker(root, 2, roles=list(trainers))
     assert ckpt.read_tracker(root) == 1
 
     ckpt.write_tracker(root, 2)  # a tracker that runs ahead of the checkpoints it names
-    with pytest.raises(CheckpointLoadError, match=re.escape(f"{critic_dir}: incomplete")):
+    with pytest.raises(CheckpointError, match=re.escape(f"{critic_dir}: incomplete")):
         ckpt.validate_resume(root, trainers)
-    with pytest.raises(CheckpointLoadError, match=re.escape(ckpt.trainer_dir(root, "ema_student", 2))):
+    with pytest.raises(CheckpointError, match=re.escape(ckpt.trainer_dir(root, "ema_student", 2))):
         ckpt.validate_resume(root, ["student", "ema_student"])

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from dmd2_core.args import ArgsError, load_args
+from dmd2_core.args import load_args
+from dmd2_core.errors import ArgsError
 from dmd2_core.data import PromptSet
 from dmd2_core.run.distill_run import preflight
 from dmd2_core.toys.standins import H3_GEOMETRY, build_h3_standin, build_standin, h3_prompt_set, standin_prompt_set

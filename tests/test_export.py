@@ -17,7 +17,8 @@ from dmd2_core import flow_matching as fm
 from dmd2_core.checkpoint import export_url, exports_root, latest_exports, prune_exports
 from dmd2_core.export.pipeline import export_student
 from dmd2_core.export.scheduler import scheduler_sigmas, student_scheduler_config
-from dmd2_core.models import CheckpointError, describe_checkpoint, load_checkpoint
+from dmd2_core.models import describe_checkpoint, load_checkpoint
+from dmd2_core.errors import ModelDirError
 from dmd2_core.toys.standins import build_standin, standin_prompt_set
 
 WAN_SHIFT = 5.0  # the Wan stand-in's scheduler shift
@@ -139,7 +140,7 @@ def test_bf16_export_without_ema_and_non_writer_ranks(wan_teacher, tmp_path):
     reloaded = WanTransformer3DModel.from_pretrained(url, subfolder="transformer", torch_dtype=torch.bfloat16)
     assert_same_weights(reloaded, copy.deepcopy(model).to(torch.bfloat16))
     (Path(url) / "export.json").write_text("{")  # a broken marker is one line naming it
-    with pytest.raises(CheckpointError, match=re.escape(f"{url}/export.json: unreadable export marker")):
+    with pytest.raises(ModelDirError, match=re.escape(f"{url}/export.json: unreadable export marker")):
         describe_checkpoint(url)
 
 
@@ -207,7 +208,7 @@ def test_verification_catches_a_corrupted_write(wan_teacher, tmp_path, monkeypat
 
     monkeypatch.setattr(export, "write_transformer", corrupting)
     url = export_url(str(tmp_path / "run"), 3)
-    with pytest.raises(CheckpointError) as failed:
+    with pytest.raises(ModelDirError) as failed:
         export_student(url, model, teacher_url=wan_teacher, shift=WAN_SHIFT, num_steps=4,
                        export_dtype=torch.float32)
     message = str(failed.value)

@@ -16,7 +16,7 @@ import torch
 from dmd2_core import checkpoint as ckpt
 from dmd2_core import storage
 from dmd2_core.run.distill_run import DistillRun
-from dmd2_core.finite import NonFiniteError
+from dmd2_core.errors import LeaseHeldError, LeaseLostError, NonFiniteError
 from tests.conftest import in_process_trainers, iterate_in_process, tiny_args
 
 HOOKS = "tests.hooks_fixture"
@@ -111,9 +111,9 @@ def test_lease_one_owner_at_a_time(root):
     from dmd2_core.run import lease
 
     a = lease.Lease.acquire(root, "run-a", timeout_s=60)
-    with pytest.raises(lease.LeaseHeldError, match=r"save: .* is in use by run 'run-a' \(host .*, pid \d+\), last seen \d+ s ago"):
+    with pytest.raises(LeaseHeldError, match=r"save: .* is in use by run 'run-a' \(host .*, pid \d+\), last seen \d+ s ago"):
         lease.Lease.acquire(root, "run-b", timeout_s=60)
-    with pytest.raises(lease.LeaseHeldError):
+    with pytest.raises(LeaseHeldError):
         lease.check(root, None, 60)
     lease.check(root, "run-a", 60)  # its own retries pass
     again = lease.Lease.acquire(root, "run-a", timeout_s=60)  # and take it over
@@ -131,7 +131,7 @@ def test_lease_one_owner_at_a_time(root):
     # a live owner elsewhere whose heartbeat stopped: stale after the timeout
     record = {**lease._record("run-b"), "host": "elsewhere"}
     storage.write_text(lease.lease_url(root), json.dumps({**record, "heartbeat": record["heartbeat"] - 5}))
-    with pytest.raises(lease.LeaseHeldError, match="run 'run-b'"):
+    with pytest.raises(LeaseHeldError, match="run 'run-b'"):
         lease.Lease.acquire(root, "run-c", timeout_s=60)
     c = lease.Lease.acquire(root, "run-c", timeout_s=3)
     assert lease.read(root)["owner"] == "run-c"
@@ -147,7 +147,7 @@ def test_lease_one_owner_at_a_time(root):
     deadline = time.monotonic() + 10
     while d.lost is None and time.monotonic() < deadline:
         time.sleep(0.1)
-    with pytest.raises(lease.LeaseLostError, match="this run's lease was taken over by run 'run-e'"):
+    with pytest.raises(LeaseLostError, match="this run's lease was taken over by run 'run-e'"):
         d.ensure()
     d.release()
     assert lease.read(root)["owner"] == "run-e"  # the new owner's lease is left alone
@@ -172,7 +172,7 @@ def test_a_lease_that_cannot_renew_stops_writing_once_another_run_may_take_it(tm
     held.ensure()
     time.sleep(1.3)
     assert lease.stale_reason(lease.read(root), 1.0) is not None  # another run would take it over now
-    with pytest.raises(lease.LeaseLostError, match=r"last renewed \d+ s ago \(timeout 1 s\)") as info:
+    with pytest.raises(LeaseLostError, match=r"last renewed \d+ s ago \(timeout 1 s\)") as info:
         held.ensure()
     assert "\n" not in str(info.value)
     monkeypatch.setattr(held.backend, "renew", renew)  # storage is back, nobody took the lease
@@ -187,7 +187,7 @@ def test_second_run_on_one_url_refuses_before_any_actor(ray_session, tiny_teache
     with DistillRun(args, owner="flow-run-a") as first:
         from dmd2_core.run import lease
 
-        with pytest.raises(lease.LeaseHeldError, match="run 'flow-run-a'"):
+        with pytest.raises(LeaseHeldError, match="run 'flow-run-a'"):
             DistillRun(tiny_args(tiny_teacher, save, run_name="dmd2-lease-b", seed=1), owner="flow-run-b")
         from flows.dmd2 import main  # the CLI: one line, exit 2, before Prefect or Ray start
 
@@ -238,7 +238,8 @@ def test_transient_and_permanent_storage_errors(s3_bucket, s3_outage, monkeypatc
     """Transient errors are retried and never become bad input; permanent ones fail at once."""
     import time
 
-    from dmd2_core.storage import StorageUnavailableError, is_transient
+    from dmd2_core.storage import is_transient
+    from dmd2_core.errors import StorageUnavailableError
 
     url = f"{s3_bucket}/x.txt"
     storage.write_text(url, "1")

@@ -174,15 +174,15 @@ def test_media_url_presigns_s3(s3_bucket):
 def test_retry_condition():
     from prefect.states import Failed
 
-    from dmd2_core.args import ArgsError
-    from dmd2_core.run.distill_run import RayWorkError
-    from dmd2_core.models import CheckpointError
+    from dmd2_core.errors import ArgsError
+    from dmd2_core.errors import RayWorkError
+    from dmd2_core.errors import ModelDirError
     from tasks.common import retry_runtime_failures
 
     assert retry_runtime_failures(None, None, Failed(data=RayWorkError("actor died")))
     assert retry_runtime_failures(None, None, Failed(data=RuntimeError("boom")))
     assert not retry_runtime_failures(None, None, Failed(data=ArgsError("unknown key 'lrr'")))
-    assert not retry_runtime_failures(None, None, Failed(data=CheckpointError("/x: missing")))
+    assert not retry_runtime_failures(None, None, Failed(data=ModelDirError("/x: missing")))
 
 
 # ---- the flow ---------------------------------------------------------------------------------

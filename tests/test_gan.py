@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from dmd2_core.train import dmd2_method
 from dmd2_core.train import gan
 from dmd2_core import flow_matching as fm
-from dmd2_core.args import ArgsError
+from dmd2_core.errors import ArgsError
 from dmd2_core.run.distill_run import preflight
 from dmd2_core.train.reference import ReferenceLoop
 from dmd2_core.train.trainer import Trainer
@@ -168,7 +168,7 @@ def test_sleep_save_and_resume_with_the_head_are_bitwise(tiny_teacher, tmp_path)
 def test_a_nonfinite_critic_step_leaves_the_head_alone_and_a_nonfinite_head_is_never_saved(tiny_teacher, tmp_path):
     """NaN in the samples the critic trains on: the critic's steps are skipped, and so are the
     head's (weights and AdamW moments untouched). A head that holds NaN is refused at save."""
-    from dmd2_core.finite import NonFiniteError
+    from dmd2_core.errors import NonFiniteError
 
     roles = preflight(tiny_args(tiny_teacher, str(tmp_path), **GAN))
     actor, critic = Trainer(roles["actor"], "actor"), Trainer(roles["critic"], "critic")

@@ -15,7 +15,7 @@ from dmd2_core import checkpoint as ckpt
 from dmd2_core import parallel
 from dmd2_core.train import dmd2_method
 from dmd2_core.models import lora
-from dmd2_core.args import ArgsError
+from dmd2_core.errors import ArgsError
 from dmd2_core.run.distill_run import DistillRun, preflight
 from dmd2_core.train.trainer import Trainer
 from tests.conftest import in_process_trainers, iterate_in_process, leave_group_after, tiny_args

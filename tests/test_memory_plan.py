@@ -13,7 +13,8 @@ from dmd2_core.memory import activations
 from dmd2_core.run import checks
 from dmd2_core.memory import planner
 from dmd2_core.memory import terms
-from dmd2_core.args import ArgsError, load_args
+from dmd2_core.args import load_args
+from dmd2_core.errors import ArgsError
 from dmd2_core.models import describe_checkpoint
 from dmd2_core.train.trainer_config import compute_trainer_args, compute_trainer_configs
 

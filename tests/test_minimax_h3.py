@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from dmd2_core.args import ArgsError, load_args
+from dmd2_core.args import load_args
+from dmd2_core.errors import ArgsError
 from dmd2_core.run.distill_run import preflight
 from dmd2_core.models import describe_checkpoint, load_checkpoint
 from dmd2_core.toys.standins import H3_GEOMETRY, build_h3_standin, h3_prompt_set
@@ -172,12 +173,12 @@ def test_bad_clip_input_fails_before_any_actor_in_one_line(h3, tmp_path, overrid
 def test_a_checkpoint_without_its_audio_vae_is_named(h3, tmp_path):
     import shutil
 
-    from dmd2_core.models import CheckpointError
+    from dmd2_core.errors import ModelDirError
 
     broken = tmp_path / "h3"
     shutil.copytree(h3["url"], broken)
     shutil.rmtree(broken / "audio_vae")
-    with pytest.raises(CheckpointError, match=r"audio_vae: missing: MiniMaxH3Transformer3DModel generates sound"):
+    with pytest.raises(ModelDirError, match=r"audio_vae: missing: MiniMaxH3Transformer3DModel generates sound"):
         describe_checkpoint(str(broken))
 
 

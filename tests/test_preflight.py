@@ -38,7 +38,7 @@ PREFLIGHT_CASES = {
                       r"^prompts: .* is not a safetensors prompt set \(0 bytes"),
     "prompts header not json": (lambda t, p: {"prompts": _prompt_file(p, (4).to_bytes(8, "little") + b"{{{{")},
                                 "ArgsError", r"^prompts: .* \(unreadable header: JSONDecodeError"),
-    "scheduler config broken": (lambda t, p: {"hf_checkpoint": _broken_scheduler(t, p)}, "CheckpointError",
+    "scheduler config broken": (lambda t, p: {"hf_checkpoint": _broken_scheduler(t, p)}, "ModelDirError",
                                 r"^.*/teacher/scheduler/scheduler_config.json: unreadable scheduler config \(JSONDecodeError"),
     "hook raises on import": (lambda t, p: {"train_input_hook_path": "tests.hooks_raising.hook"}, "ArgsError",
                               r"^train_input_hook_path: importing module 'tests.hooks_raising' of .* raised "
@@ -88,7 +88,8 @@ def test_the_flow_cli_reports_bad_input_in_one_line_with_exit_2(tiny_teacher, tm
 
 
 def test_duplicate_recipe_keys_are_rejected(tmp_path):
-    from dmd2_core.args import ArgsError, load_args
+    from dmd2_core.args import load_args
+    from dmd2_core.errors import ArgsError
 
     recipe = tmp_path / "dup.yaml"
     recipe.write_text("seed: 0\nlr: 1.0e-4\nnum_iterations: 5\nlr: 1.0e-3\n")
@@ -98,7 +99,7 @@ def test_duplicate_recipe_keys_are_rejected(tmp_path):
 
 def test_missing_device_resource_fails_before_a_placement_group(ray_session, tiny_teacher, tmp_path, monkeypatch):
     from dmd2_core.run import lease
-    from dmd2_core.args import ArgsError
+    from dmd2_core.errors import ArgsError
 
     requested = []
     monkeypatch.setattr("dmd2_core.run.groups.placement_group", lambda *a, **k: requested.append(1))

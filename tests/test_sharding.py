@@ -22,7 +22,8 @@ import torch
 from dmd2_core import checkpoint as ckpt
 from dmd2_core import parallel
 from dmd2_core.memory import planner
-from dmd2_core.args import ArgsError, load_args
+from dmd2_core.args import load_args
+from dmd2_core.errors import ArgsError
 from dmd2_core.run.distill_run import DistillRun, preflight
 from dmd2_core.toys.standins import build_standin, standin_prompt_set
 from tests.conftest import flow_cli_refusal, in_process_trainers, iterate_in_process, tiny_args

@@ -238,7 +238,7 @@ def test_resume_reads_no_weight_of_the_diffusers_checkpoint(tiny_teacher, tmp_pa
 
 @pytest.mark.parametrize("damage", ["truncated", "missing"])
 def test_a_broken_weights_file_fails_in_one_line_naming_it(checkpoints, tmp_path, damage):
-    from dmd2_core.models import CheckpointError
+    from dmd2_core.errors import ModelDirError
     from dmd2_core.train.rank_models import TrainerModels
 
     parallel.ensure_process_group(0, 1, torch.device("cpu"))
@@ -250,7 +250,7 @@ def test_a_broken_weights_file_fails_in_one_line_naming_it(checkpoints, tmp_path
     else:
         weights.unlink()
     models = TrainerModels(_args(str(broken), str(tmp_path / "run")), torch.float32, resume=False)
-    with pytest.raises(CheckpointError) as err:
+    with pytest.raises(ModelDirError) as err:
         models.shard(_mesh(1))
     message = str(err.value)
     assert "\n" not in message and str(weights if damage == "truncated" else weights.parent) in message

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dmd2_core import checkpoint, parallel
-from dmd2_core.args import ArgsError
+from dmd2_core.errors import ArgsError
 from dmd2_core.run.distill_run import DistillRun, preflight
 from dmd2_core.run.save_tracker import SaveTracker
 from dmd2_core.train.trainer import Trainer
@@ -130,7 +130,7 @@ def test_external_data_reaches_each_rank(ray_session, tiny_teacher, tmp_path):
 def test_crash_between_two_trainers_saves_keeps_the_tracker(ray_session, tiny_teacher, tmp_path):
     import ray
 
-    from dmd2_core.run.distill_run import RayWorkError
+    from dmd2_core.errors import RayWorkError
 
     save = str(tmp_path / "run")
     with DistillRun(tiny_args(tiny_teacher, save, run_name="dmd2-crash")) as run:

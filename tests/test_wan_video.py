@@ -12,7 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from dmd2_core.args import ArgsError, load_args
+from dmd2_core.args import load_args
+from dmd2_core.errors import ArgsError
 from dmd2_core.run.distill_run import DistillRun
 from dmd2_core.models import describe_checkpoint
 from dmd2_core.toys.standins import build_standin, standin_prompt_set

@@ -9,8 +9,7 @@ import time
 import torch.distributed as dist
 
 from dmd2_core import storage
-from dmd2_core.checkpoint.integrity import CheckpointLoadError, one_line
-from dmd2_core.models import CheckpointError
+from dmd2_core.errors import CheckpointError, StorageUnavailableError, StoredFilesError, one_line
 
 
 def checkpoint_group():
@@ -22,8 +21,8 @@ def checkpoint_group():
 
 def all_or_none(fn, what: str, process_group, gather: bool = False):
     """``fn()`` on every rank of the group (a collective; ``fn`` itself must not be one). When
-    any rank fails, every rank raises: the failing one its error, the others a CheckpointError (a
-    CheckpointLoadError for a checkpoint that cannot be resumed from) naming that rank, so no
+    any rank fails, every rank raises: the failing one its error, the others a StoredFilesError (a
+    CheckpointError for a checkpoint that cannot be resumed from) naming that rank, so no
     rank is left waiting in a later collective for one that gave up. Returns this rank's result,
     or with ``gather`` every rank's (a list by rank)."""
     error, result = None, None
@@ -32,7 +31,7 @@ def all_or_none(fn, what: str, process_group, gather: bool = False):
     except Exception as exc:  # noqa: BLE001 - shared with the group, then raised
         error = exc
     mine = (result if gather else None,
-            None if error is None else (isinstance(error, CheckpointLoadError), one_line(error)))
+            None if error is None else (isinstance(error, CheckpointError), one_line(error)))
     if process_group is None:
         gathered = [mine]
     else:
@@ -44,8 +43,8 @@ def all_or_none(fn, what: str, process_group, gather: bool = False):
     if failed is not None:
         rank, (load_error, line) = failed
         if load_error:
-            raise CheckpointLoadError(line.split(": ", 1)[-1])
-        raise CheckpointError(f"{what}: failed on rank {rank} of the group ({line})")
+            raise CheckpointError(line.split(": ", 1)[-1])
+        raise StoredFilesError(f"{what}: failed on rank {rank} of the group ({line})")
     return [r for r, _ in gathered] if gather else result
 
 
@@ -76,9 +75,9 @@ def collective_retrying(fn, what: str, process_group) -> None:
             delay = min(delay * 2, storage.RETRY_MAX_DELAY_S)
             continue
         if error is None:
-            raise CheckpointError(f"{what}: failed on another rank of the group")
+            raise StoredFilesError(f"{what}: failed on another rank of the group")
         if all(transient for _, transient in votes):
-            raise storage.StorageUnavailableError(
+            raise StorageUnavailableError(
                 f"{what}: storage unavailable for {storage.RETRY_S:.0f} s ({one_line(error)})") from error
         raise error
 

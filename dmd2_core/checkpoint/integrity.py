@@ -13,18 +13,8 @@ import torch
 
 from dmd2_core import parallel, storage
 from dmd2_core.checkpoint.layout import COMPLETE_NAME, FORMAT
-from dmd2_core.finite import NonFiniteError, first_nonfinite
-from dmd2_core.models import CheckpointError
-
-
-class CheckpointLoadError(CheckpointError):
-    """A trainer checkpoint or tracker that cannot be resumed from (a ValueError); the message is
-    one line naming the path."""
-
-
-def one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+from dmd2_core.finite import first_nonfinite
+from dmd2_core.errors import CheckpointError, NonFiniteError, StorageUnavailableError, one_line
 
 
 # ---- hashing while writing -----------------------------------------------------------------------
@@ -94,23 +84,23 @@ def listing(url: str) -> dict[str, int]:
 
 
 def read_marker(d: str) -> dict:
-    """The parsed complete.json of a trainer dir; CheckpointLoadError when missing or unreadable."""
+    """The parsed complete.json of a trainer dir; CheckpointError when missing or unreadable."""
     marker_url = storage.join(d, COMPLETE_NAME)
     try:
         if not storage.exists(marker_url):
             if not storage.exists(d):
-                raise CheckpointLoadError(f"{d}: checkpoint directory does not exist")
-            raise CheckpointLoadError(
+                raise CheckpointError(f"{d}: checkpoint directory does not exist")
+            raise CheckpointError(
                 f"{d}: incomplete checkpoint (no {COMPLETE_NAME}; its save was interrupted)"
             )
         marker = json.loads(storage.read_text(marker_url))
         if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
             raise ValueError("not a checkpoint marker")
         return marker
-    except (CheckpointLoadError, storage.StorageUnavailableError):
+    except (CheckpointError, StorageUnavailableError):
         raise
     except Exception as exc:  # noqa: BLE001
-        raise CheckpointLoadError(f"{marker_url}: unreadable checkpoint marker ({one_line(exc)})") from None
+        raise CheckpointError(f"{marker_url}: unreadable checkpoint marker ({one_line(exc)})") from None
 
 
 def read_current_marker(d: str) -> dict:
@@ -118,10 +108,10 @@ def read_current_marker(d: str) -> dict:
     marker = read_marker(d)
     found = int(marker.get("format", 1))
     if found > FORMAT:
-        raise CheckpointLoadError(f"{d}: checkpoint format {found} is newer than this dmd2 reads "
+        raise CheckpointError(f"{d}: checkpoint format {found} is newer than this dmd2 reads "
                                   f"({FORMAT}); resume it with the version that wrote it")
     if found < FORMAT:
-        raise CheckpointLoadError(f"{d}: checkpoint format {found} is older than this dmd2 reads "
+        raise CheckpointError(f"{d}: checkpoint format {found} is older than this dmd2 reads "
                                   f"({FORMAT}); formats before {FORMAT} are no longer read")
     return marker
 
@@ -131,16 +121,16 @@ def check_files(d: str, marker: dict, hashes: bool | tuple[str, ...] = True) -> 
     ``True`` every file, a tuple only those files (the small ones the driver reads cheaply)."""
     try:
         present = listing(d)
-    except storage.StorageUnavailableError:
+    except StorageUnavailableError:
         raise
     except Exception as exc:  # noqa: BLE001
-        raise CheckpointLoadError(f"{d}: cannot list checkpoint ({one_line(exc)})") from None
+        raise CheckpointError(f"{d}: cannot list checkpoint ({one_line(exc)})") from None
     for rel, size in marker["files"].items():
         url = storage.join(d, rel)
         if rel not in present:
-            raise CheckpointLoadError(f"{url}: missing from checkpoint")
+            raise CheckpointError(f"{url}: missing from checkpoint")
         if present[rel] != int(size):
-            raise CheckpointLoadError(f"{url}: corrupt ({present[rel]} bytes, {size} recorded at save)")
+            raise CheckpointError(f"{url}: corrupt ({present[rel]} bytes, {size} recorded at save)")
     if not hashes:
         return
     for rel, digest in (marker.get("sha256") or {}).items():
@@ -149,12 +139,12 @@ def check_files(d: str, marker: dict, hashes: bool | tuple[str, ...] = True) -> 
         url = storage.join(d, rel)
         try:
             actual = storage.sha256(url)
-        except storage.StorageUnavailableError:
+        except StorageUnavailableError:
             raise
         except Exception as exc:  # noqa: BLE001
-            raise CheckpointLoadError(f"{url}: cannot read ({one_line(exc)})") from None
+            raise CheckpointError(f"{url}: cannot read ({one_line(exc)})") from None
         if actual != digest:
-            raise CheckpointLoadError(f"{url}: corrupt (sha256 differs from the one recorded at save)")
+            raise CheckpointError(f"{url}: corrupt (sha256 differs from the one recorded at save)")
 
 
 # ---- finite state --------------------------------------------------------------------------------

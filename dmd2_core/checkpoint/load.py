@@ -14,10 +14,10 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from dmd2_core import parallel, storage
 from dmd2_core.checkpoint.collective import all_or_none, collective_retrying
-from dmd2_core.checkpoint.integrity import CheckpointLoadError, check_files, one_line, read_current_marker
+from dmd2_core.checkpoint.integrity import check_files, read_current_marker
+from dmd2_core.errors import CheckpointError, StorageUnavailableError, StoredFilesError, one_line
 from dmd2_core.checkpoint.layout import DCP_DIR, STATE_NAME, trainer_dir
 from dmd2_core.checkpoint.state import apply_param_groups, sharded_state, torch_load
-from dmd2_core.models import CheckpointError
 
 
 def load_trainer(
@@ -32,13 +32,13 @@ def load_trainer(
     """Load a trainer checkpoint INTO ``model`` (strict), ``optimizer`` (skipped when None) and
     ``ema`` (tensors in parameter order), each rank into its own shards, so any number of ranks
     loads any checkpoint; returns the saved ``extra``. A collective: every rank of the group
-    calls it (``process_group`` as for save_trainer). Raises CheckpointLoadError naming the path
+    calls it (``process_group`` as for save_trainer). Raises CheckpointError naming the path
     when the directory is missing, incomplete, in another format, corrupt or does not fit;
     nothing under the checkpoint is modified."""
     d = trainer_dir(load_url, role, iteration)
     marker = read_current_marker(d)
     if ema is not None and not marker.get("has_ema"):
-        raise CheckpointLoadError(f"{d}: checkpoint has no ema weights but the trainer keeps an EMA")
+        raise CheckpointError(f"{d}: checkpoint has no ema weights but the trainer keeps an EMA")
     all_or_none(lambda: check_files(d, marker, hashes=False), f"load {d}", process_group)
     _check_hashes_shared(d, marker, process_group)
     meta = all_or_none(lambda: _read_state(d, marker), f"load {d}", process_group)
@@ -74,20 +74,20 @@ def _read_state(d: str, marker: dict) -> dict:
     state_url = storage.join(d, STATE_NAME)
     try:
         data = storage.read_bytes(state_url)
-    except storage.StorageUnavailableError:
+    except StorageUnavailableError:
         raise
     except Exception as exc:  # noqa: BLE001
-        raise CheckpointLoadError(f"{state_url}: cannot read ({one_line(exc)})") from None
+        raise CheckpointError(f"{state_url}: cannot read ({one_line(exc)})") from None
     digest = (marker.get("sha256") or {}).get(STATE_NAME)
     if digest and hashlib.sha256(data).hexdigest() != digest:
-        raise CheckpointLoadError(f"{state_url}: corrupt (sha256 differs from the one recorded at save)")
+        raise CheckpointError(f"{state_url}: corrupt (sha256 differs from the one recorded at save)")
     try:
         state = torch_load(data)
         if not isinstance(state, dict):
             raise ValueError("not a dict")
         return state
     except Exception as exc:  # noqa: BLE001
-        raise CheckpointLoadError(f"{state_url}: corrupt trainer state ({one_line(exc)})") from None
+        raise CheckpointError(f"{state_url}: corrupt trainer state ({one_line(exc)})") from None
 
 
 def _load_sharded(d: str, model, optimizer, ema, meta: dict, process_group) -> None:
@@ -99,25 +99,25 @@ def _load_sharded(d: str, model, optimizer, ema, meta: dict, process_group) -> N
             try:
                 apply_param_groups(model, optimizer, meta.get("param_groups") or [])
             except ValueError as exc:
-                raise CheckpointLoadError(f"{state_url}: optimizer state does not fit ({one_line(exc)})") from None
+                raise CheckpointError(f"{state_url}: optimizer state does not fit ({one_line(exc)})") from None
         target = sharded_state(model, optimizer, ema, init_optimizer=True)
         reader = FsspecReader(dcp_url)
         try:
             saved = storage.retrying(reader.read_metadata, f"read {dcp_url}/.metadata").state_dict_metadata
-        except storage.StorageUnavailableError:
+        except StorageUnavailableError:
             raise
         except Exception as exc:  # noqa: BLE001
-            raise CheckpointLoadError(f"{dcp_url}/.metadata: corrupt ({one_line(exc)})") from None
+            raise CheckpointError(f"{dcp_url}/.metadata: corrupt ({one_line(exc)})") from None
         _check_fits(dcp_url, saved, target)
         return target, reader
     target, reader = all_or_none(prepare, f"load {d}", process_group)
     try:
         collective_retrying(lambda: dcp.load(target, storage_reader=reader, process_group=process_group,
                                              no_dist=process_group is None), f"load {dcp_url}", process_group)
-    except (storage.StorageUnavailableError, CheckpointError):
+    except (StorageUnavailableError, StoredFilesError):
         raise
     except Exception as exc:  # noqa: BLE001 - DCP wraps every rank's failure in one exception
-        raise CheckpointLoadError(f"{dcp_url}: does not fit the trainer ({_dcp_reason(exc)})") from None
+        raise CheckpointError(f"{dcp_url}: does not fit the trainer ({_dcp_reason(exc)})") from None
     loaded = sharded_state(model, optimizer, ema)
     for key, value in target.items():  # DCP loads in place; a tensor it replaced is copied back
         if loaded[key] is not value and parallel.local(loaded[key]).data_ptr() != parallel.local(value).data_ptr():
@@ -132,11 +132,11 @@ def _check_fits(dcp_url: str, saved: dict, target: dict[str, torch.Tensor]) -> N
     missing, unexpected = sorted(set(target) - relevant), sorted(relevant - set(target))
     what = "weights" if any(k.startswith(("model.", "ema.")) for k in missing + unexpected) else "optimizer state"
     if missing or unexpected:
-        raise CheckpointLoadError(f"{dcp_url}: {what} do not fit the trainer (missing {missing[:2]}, unexpected {unexpected[:2]})")
+        raise CheckpointError(f"{dcp_url}: {what} do not fit the trainer (missing {missing[:2]}, unexpected {unexpected[:2]})")
     for key, value in target.items():
         size = tuple(getattr(saved[key], "size", ()) or ())
         if size != tuple(value.shape):
-            raise CheckpointLoadError(f"{dcp_url}: '{key}' has shape {size} in the checkpoint, {tuple(value.shape)} here")
+            raise CheckpointError(f"{dcp_url}: '{key}' has shape {size} in the checkpoint, {tuple(value.shape)} here")
 
 
 def _dcp_reason(exc: BaseException) -> str:

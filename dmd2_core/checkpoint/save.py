@@ -16,13 +16,11 @@ import torch.distributed.checkpoint as dcp
 
 from dmd2_core import storage
 from dmd2_core.checkpoint.collective import all_or_none, collective_retrying
-from dmd2_core.checkpoint.integrity import (
-    CheckpointLoadError, check_finite, hashing_writer, listing, nested_tensors, one_line, read_marker,
-)
+from dmd2_core.checkpoint.integrity import check_finite, hashing_writer, listing, nested_tensors, read_marker
+from dmd2_core.errors import CheckpointError, StoredFilesError, one_line
 from dmd2_core.checkpoint.layout import COMPLETE_NAME, DCP_DIR, FORMAT, STATE_NAME, trainer_dir
 from dmd2_core.checkpoint.state import param_groups, sharded_state, torch_bytes, torch_load
 from dmd2_core.checkpoint.tracker import read_tracker
-from dmd2_core.models import CheckpointError
 
 
 class PendingSave:
@@ -119,7 +117,7 @@ def _tracked_and_complete(save_url: str, role: str, iteration: int) -> Optional[
         return None
     try:
         return read_marker(trainer_dir(save_url, role, iteration))
-    except CheckpointLoadError:
+    except CheckpointError:
         return None
 
 
@@ -152,7 +150,7 @@ def _finish_save(d: str, role: str, iteration: int, digests: dict, info: dict, p
                 hashes[rel] = storage.sha256(storage.join(d, rel))
         missing = sorted(set(hashes) - set(files))
         if missing:
-            raise CheckpointError(f"{storage.join(d, missing[0])}: written but not found in storage after the save")
+            raise StoredFilesError(f"{storage.join(d, missing[0])}: written but not found in storage after the save")
         marker = {"format": FORMAT, "role": role, "iteration": int(iteration), "world_size": world,
                   "has_ema": info["has_ema"], "files": dict(sorted(files.items())),
                   "sha256": dict(sorted(hashes.items()))}

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from dmd2_core import storage
-from dmd2_core.checkpoint.integrity import CheckpointLoadError, check_files, one_line, read_current_marker
+from dmd2_core.checkpoint.integrity import check_files, read_current_marker
+from dmd2_core.errors import CheckpointError, StorageUnavailableError, one_line
 from dmd2_core.checkpoint.layout import STATE_FILES, complete_url, tracker_url, trainer_dir
 
 
@@ -17,7 +18,7 @@ def write_tracker(save_url: str, iteration: int, roles: Optional[Iterable[str]] 
         for role in roles:
             url = complete_url(save_url, role, iteration)
             if not storage.exists(url):
-                raise CheckpointLoadError(f"{url}: missing; not recording iteration {iteration} as checkpointed")
+                raise CheckpointError(f"{url}: missing; not recording iteration {iteration} as checkpointed")
     storage.write_text(tracker_url(save_url), f"{int(iteration)}\n")
 
 
@@ -28,16 +29,16 @@ def read_tracker(load_url: str) -> Optional[int]:
         if not storage.exists(url):
             return None
         text = storage.read_text(url).strip()
-    except storage.StorageUnavailableError:
+    except StorageUnavailableError:
         raise
     except Exception as exc:  # noqa: BLE001
-        raise CheckpointLoadError(f"{url}: cannot read tracker ({one_line(exc)})") from None
+        raise CheckpointError(f"{url}: cannot read tracker ({one_line(exc)})") from None
     try:
         value = int(text)
     except ValueError:
         value = -1
     if value < 0:
-        raise CheckpointLoadError(f"{url}: tracker must hold a non-negative integer (got {text[:40]!r})")
+        raise CheckpointError(f"{url}: tracker must hold a non-negative integer (got {text[:40]!r})")
     return value
 
 

@@ -30,7 +30,8 @@ from dmd2_core import flow_matching as fm
 from dmd2_core import parallel, storage
 from dmd2_core.models import lora
 from dmd2_core.checkpoint.layout import EXPORT_MARKER_NAME
-from dmd2_core.models import CheckpointError, describe_checkpoint
+from dmd2_core.models import describe_checkpoint
+from dmd2_core.errors import ModelDirError
 from dmd2_core.export.files import EXPORT_FORMAT, cast, persistent, total_bytes, writable_dir
 from dmd2_core.export.scheduler import SCHEDULER_CLASS, student_scheduler_config, verify_written_scheduler
 
@@ -77,7 +78,7 @@ def write(url: str, family, gathered: dict, *, teacher_url: str, shift: float, n
     started = time.perf_counter() if started is None else started
     teacher = describe_checkpoint(teacher_url)
     if teacher["family"] != family.class_name:
-        raise CheckpointError(f"{teacher_url}: the teacher is a {teacher['family']}, the student a {family.class_name}")
+        raise ModelDirError(f"{teacher_url}: the teacher is a {teacher['family']}, the student a {family.class_name}")
     metadata, loader = gathered["lora"], lora.lora_loader(family)
     online = cast(lora.diffusers_lora_state(gathered["online"]), export_dtype)
     averaged = cast(lora.diffusers_lora_state(gathered["ema"]), export_dtype) if gathered.get("ema") is not None else None
@@ -131,7 +132,7 @@ def _verify(url: str, expected: dict[str, torch.Tensor]) -> None:
     want = {f"transformer.{k}": v for k, v in expected.items()}
     if set(written) != set(want):
         odd = sorted(set(written) ^ set(want))
-        raise CheckpointError(f"{url}: the LoRA file's keys differ from the adapters' (e.g. '{odd[0]}')")
+        raise ModelDirError(f"{url}: the LoRA file's keys differ from the adapters' (e.g. '{odd[0]}')")
     for key, value in want.items():
         if written[key].dtype != value.dtype or not torch.equal(written[key], value):
-            raise CheckpointError(f"{url}: '{key}' differs from the gathered adapter")
+            raise ModelDirError(f"{url}: '{key}' differs from the gathered adapter")

@@ -49,7 +49,8 @@ from dmd2_core import parallel, storage
 from dmd2_core.export import adapters
 from dmd2_core.export.files import EXPORT_FORMAT, cast, persistent, total_bytes, writable_dir
 from dmd2_core.checkpoint.layout import EXPORT_MARKER_NAME
-from dmd2_core.models import CheckpointError, describe_checkpoint, family_of, write_transformer
+from dmd2_core.models import describe_checkpoint, family_of, write_transformer
+from dmd2_core.errors import ModelDirError, StorageUnavailableError, one_line
 from dmd2_core.export.scheduler import SCHEDULER_CLASS, student_scheduler_config, verify_written_scheduler
 
 ONLINE_DIR = "transformer_online"
@@ -134,7 +135,7 @@ def write_export(url: str, model: torch.nn.Module, gathered: dict, *, teacher_ur
 
     teacher = describe_checkpoint(teacher_url)
     if teacher["family"] != family.class_name:
-        raise CheckpointError(f"{teacher_url}: the teacher is a {teacher['family']}, the student a {family.class_name}")
+        raise ModelDirError(f"{teacher_url}: the teacher is a {teacher['family']}, the student a {family.class_name}")
     if family.deterministic_student:  # the teacher's own (modular) pipeline steps the student: its schedulers stay
         return _write_modular_export(url, model, family, online, averaged, teacher_url=teacher_url,
                                      num_steps=num_steps, export_dtype=export_dtype, verify=verify,
@@ -204,10 +205,10 @@ def _write_modular_export(url: str, model, family, online: dict, averaged: Optio
     index_url = storage.join(teacher_url, MODULAR_INDEX)
     try:
         index = json.loads(storage.read_text(index_url))
-    except storage.StorageUnavailableError:
+    except StorageUnavailableError:
         raise
     except Exception as exc:  # noqa: BLE001
-        raise CheckpointError(f"{index_url}: unreadable ({storage._one_line(exc)})") from None
+        raise ModelDirError(f"{index_url}: unreadable ({one_line(exc)})") from None
     components = []
     for key, value in index.items():
         spec = value[2] if isinstance(value, list) and len(value) == 3 and isinstance(value[2], dict) else None
@@ -261,7 +262,7 @@ def verify_transformer(url: str, family, expected: dict[str, torch.Tensor], dtyp
     from safetensors import safe_open
 
     def fail(why: str):
-        raise CheckpointError(f"{url}: the exported transformer does not reload as written ({why})")
+        raise ModelDirError(f"{url}: the exported transformer does not reload as written ({why})")
 
     with storage.local_copy(url) as local:
         stored: dict[str, str] = {}
@@ -279,7 +280,7 @@ def verify_transformer(url: str, family, expected: dict[str, torch.Tensor], dtyp
         try:
             reloaded = family.model_class.from_pretrained(str(local), torch_dtype=dtype)
         except Exception as exc:  # noqa: BLE001 - one line naming the path
-            fail(storage._one_line(exc))
+            fail(one_line(exc))
     tensors = dict(reloaded.named_parameters())
     tensors.update(reloaded.named_buffers())
     for key, value in expected.items():
@@ -315,10 +316,10 @@ def _pipeline_index(teacher_url: str, teacher: dict, family) -> tuple[dict, list
         index = json.loads(storage.read_text(index_url))
         if not isinstance(index, dict):
             raise ValueError("not a JSON object")
-    except storage.StorageUnavailableError:
+    except StorageUnavailableError:
         raise
     except Exception as exc:  # noqa: BLE001
-        raise CheckpointError(f"{index_url}: unreadable ({storage._one_line(exc)})") from None
+        raise ModelDirError(f"{index_url}: unreadable ({one_line(exc)})") from None
     components = []
     for key, value in list(index.items()):
         if key.startswith("_") or key in student or not _is_component(value):
@@ -329,7 +330,7 @@ def _pipeline_index(teacher_url: str, teacher: dict, family) -> tuple[dict, list
                 index["boundary_ratio"] = None
             continue
         if not storage.exists(storage.join(teacher_url, key)):
-            raise CheckpointError(f"{storage.join(teacher_url, key)}: listed in model_index.json but missing")
+            raise ModelDirError(f"{storage.join(teacher_url, key)}: listed in model_index.json but missing")
         components.append(key)
     index.update(student)
     return index, components

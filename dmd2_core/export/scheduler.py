@@ -65,9 +65,9 @@ def verify_written_scheduler(url: str, num_steps: int, shift: float) -> None:
     import json
 
     from dmd2_core import storage
-    from dmd2_core.models import CheckpointError
+    from dmd2_core.errors import ModelDirError
 
     got = scheduler_sigmas(json.loads(storage.read_text(storage.join(url, "scheduler", "scheduler_config.json"))),
                            num_steps)
     if max(abs(g - w) for g, w in zip(got, fm.student_sigmas(num_steps, shift))) > 1e-6:
-        raise CheckpointError(f"{storage.join(url, 'scheduler')}: the written scheduler does not give the student's sigmas")
+        raise ModelDirError(f"{storage.join(url, 'scheduler')}: the written scheduler does not give the student's sigmas")

@@ -32,7 +32,8 @@ import torch
 
 from dmd2_core import parallel, storage
 from dmd2_core.models import lora
-from dmd2_core.args import Args, ArgsError
+from dmd2_core.args import Args
+from dmd2_core.errors import ArgsError
 from dmd2_core.models import FAMILIES, describe_checkpoint
 
 FP32 = 4

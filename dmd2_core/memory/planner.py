@@ -43,7 +43,8 @@ from dmd2_core.models import lora
 from dmd2_core.memory import lora_terms
 from dmd2_core.memory import terms as terms
 from dmd2_core import parallel
-from dmd2_core.args import Args, ArgsError
+from dmd2_core.args import Args
+from dmd2_core.errors import ArgsError
 from dmd2_core.memory.table import ROWS, table  # noqa: F401 - the plan's printout, memory.table
 from dmd2_core.models import FAMILIES, describe_checkpoint
 

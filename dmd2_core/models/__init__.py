@@ -18,14 +18,11 @@ from dmd2_core.models.base import ModelFamily
 from dmd2_core.models.minimax_h3 import MiniMaxH3Family
 from dmd2_core.models.sd3 import SD3ImageFamily
 from dmd2_core.models.wan import WanVideoFamily
+from dmd2_core.errors import ModelDirError, SafetensorsHeaderError, StorageUnavailableError
 
 FAMILIES: dict[str, ModelFamily] = {f.class_name: f for f in (SD3ImageFamily(), WanVideoFamily(), MiniMaxH3Family())}
 PIPELINE_INDEXES = ("model_index.json", "modular_model_index.json")  # diffusers pipelines; modular ones
 DEFAULT_SHIFT = 3.0
-
-
-class CheckpointError(ValueError):
-    """A checkpoint path that cannot be used; the message names the path."""
 
 
 @dataclass
@@ -53,7 +50,7 @@ def describe_checkpoint(url: str) -> dict[str, Any]:
     """What a checkpoint holds, read from its JSON files alone (cheap, before any actor starts):
     {'family', 'transformer_url', 'shift', 'vae_url'}. Raises CheckpointError naming the path."""
     if not url:
-        raise CheckpointError("hf_checkpoint is not set: point it at a diffusers model directory")
+        raise ModelDirError("hf_checkpoint is not set: point it at a diffusers model directory")
     try:
         root_has_index = any(storage.exists(storage.join(url, name)) for name in PIPELINE_INDEXES)
         if root_has_index:
@@ -61,21 +58,21 @@ def describe_checkpoint(url: str) -> dict[str, Any]:
         elif storage.exists(storage.join(url, "config.json")):
             transformer_url = url
         elif not storage.exists(url):
-            raise CheckpointError(f"{url}: no such checkpoint{storage.nearest_sibling(url)}")
+            raise ModelDirError(f"{url}: no such checkpoint{storage.nearest_sibling(url)}")
         else:
-            raise CheckpointError(
+            raise ModelDirError(
                 f"{url}: not a diffusers model directory (no model_index.json, modular_model_index.json or config.json)"
             )
         config = _read_json(storage.join(transformer_url, "config.json"))
         if not isinstance(config, dict):
             raise ValueError(f"{storage.join(transformer_url, 'config.json')} is not a JSON object")
-    except (CheckpointError, storage.StorageUnavailableError):
+    except (ModelDirError, StorageUnavailableError):
         raise
     except Exception as exc:  # noqa: BLE001 - any storage failure becomes one clear line
-        raise CheckpointError(f"{url}: cannot read checkpoint ({type(exc).__name__}: {exc})") from None
+        raise ModelDirError(f"{url}: cannot read checkpoint ({type(exc).__name__}: {exc})") from None
     class_name = config.get("_class_name", "")
     if class_name not in FAMILIES:
-        raise CheckpointError(
+        raise ModelDirError(
             f"{transformer_url}: unsupported transformer class '{class_name}' (supported: {', '.join(FAMILIES)})"
         )
     family = FAMILIES[class_name]
@@ -91,14 +88,14 @@ def describe_checkpoint(url: str) -> dict[str, Any]:
             # set_timesteps(K), not the training shift, which export.json records
             if storage.exists(export_url):
                 shift = float(_read_json(export_url)["shift"])
-        except storage.StorageUnavailableError:
+        except StorageUnavailableError:
             raise
         except Exception as exc:  # noqa: BLE001
-            raise CheckpointError(f"{export_url}: unreadable export marker ({type(exc).__name__}: {exc})") from None
+            raise ModelDirError(f"{export_url}: unreadable export marker ({type(exc).__name__}: {exc})") from None
         if storage.exists(storage.join(url, "vae", "config.json")):
             vae_url = storage.join(url, "vae")
         if family.has_audio and vae_url and not storage.exists(storage.join(url, "audio_vae", "config.json")):
-            raise CheckpointError(f"{storage.join(url, 'audio_vae')}: missing: {class_name} generates sound, its "
+            raise ModelDirError(f"{storage.join(url, 'audio_vae')}: missing: {class_name} generates sound, its "
                                   f"checkpoint needs the audio VAE beside vae/")
     if family.fixed_shift is not None:  # the family maps the project's sigma itself (per modality)
         shift = family.fixed_shift
@@ -123,22 +120,22 @@ def check_weight_files(url: str) -> None:
         for index in (n for n in names if n.endswith(".safetensors.index.json")):
             try:
                 weight_map = json.loads(storage.read_text(storage.join(folder, index)))["weight_map"]
-            except storage.StorageUnavailableError:
+            except StorageUnavailableError:
                 raise
             except Exception as exc:  # noqa: BLE001
-                raise CheckpointError(f"{storage.join(folder, index)}: unreadable shard index ({type(exc).__name__}: {exc})") from None
+                raise ModelDirError(f"{storage.join(folder, index)}: unreadable shard index ({type(exc).__name__}: {exc})") from None
             missing = sorted(set(weight_map.values()) - files)
             if missing:
-                raise CheckpointError(f"{storage.join(folder, missing[0])}: missing (listed in {index}); download the "
+                raise ModelDirError(f"{storage.join(folder, missing[0])}: missing (listed in {index}); download the "
                                       "checkpoint again")
         if not files and not any(n.endswith(".bin") for n in names):
-            raise CheckpointError(f"{folder}: no weights (no *.safetensors); a config-only directory can be planned, not trained")
+            raise ModelDirError(f"{folder}: no weights (no *.safetensors); a config-only directory can be planned, not trained")
         for name in sorted(files):
             file_url = storage.join(folder, name)
             try:
                 storage.read_safetensors_header(file_url)
-            except storage.SafetensorsHeaderError as exc:
-                raise CheckpointError(f"{file_url}: not a whole safetensors file ({exc}); download it again") from None
+            except SafetensorsHeaderError as exc:
+                raise ModelDirError(f"{file_url}: not a whole safetensors file ({exc}); download it again") from None
 
 
 def _scheduler_shift(url: str, folder: str, default: float) -> float:
@@ -150,11 +147,11 @@ def _scheduler_shift(url: str, folder: str, default: float) -> float:
         if not shift > 0:
             raise ValueError(f"shift must be positive, got {shift}")
         return shift
-    except storage.StorageUnavailableError:
+    except StorageUnavailableError:
         raise
     except Exception as exc:  # noqa: BLE001
         first = (str(exc).strip().splitlines() or [""])[0]
-        raise CheckpointError(f"{sched_url}: unreadable scheduler config ({type(exc).__name__}: {first})") from None
+        raise ModelDirError(f"{sched_url}: unreadable scheduler config ({type(exc).__name__}: {first})") from None
 
 
 def load_checkpoint(url: str, device: str = "cpu", dtype: torch.dtype = torch.float32, with_vae: bool = False) -> LoadedModel:

@@ -20,8 +20,9 @@ from typing import Callable
 import torch
 
 from dmd2_core import parallel, storage
-from dmd2_core.models import FAMILIES, CheckpointError, LoadedModel, describe_checkpoint
-from dmd2_core.models.weight_files import WeightFiles, WeightFilesError
+from dmd2_core.models import FAMILIES, LoadedModel, describe_checkpoint
+from dmd2_core.errors import ModelDirError, WeightFilesError
+from dmd2_core.models.weight_files import WeightFiles
 
 BATCH_BYTES = 16 << 20  # bytes read per batch of ranges (or the largest tensor's rows, when more)
 LoadDtype = Callable[[str, torch.dtype], torch.dtype]  # (tensor name, stored dtype) -> loaded dtype
@@ -55,7 +56,7 @@ def build_empty(url: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
         with no_init_weights(), init_empty_weights():
             model = family.model_class.from_config(config)
     except Exception as exc:  # noqa: BLE001 - a config the class rejects is bad input
-        raise CheckpointError(f"{config_url}: cannot build {family.class_name} ({type(exc).__name__}: {exc})") from None
+        raise ModelDirError(f"{config_url}: cannot build {family.class_name} ({type(exc).__name__}: {exc})") from None
     finally:
         torch.set_default_dtype(previous)
     rule = load_dtype(family.model_class, dtype)

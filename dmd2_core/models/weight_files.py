@@ -13,17 +13,13 @@ from typing import Iterator
 import torch
 
 from dmd2_core import storage
-from dmd2_core.models import CheckpointError
+from dmd2_core.errors import SafetensorsHeaderError, StorageUnavailableError, WeightFilesError
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = f"{WEIGHTS_NAME}.index.json"
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-
-
-class WeightFilesError(CheckpointError):
-    """A weights directory or file that cannot be read; the message names the path."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +44,7 @@ class WeightFiles:
             index_url = storage.join(folder, INDEX_NAME)
             try:
                 files = sorted(set(json.loads(storage.read_text(index_url))["weight_map"].values()))
-            except storage.StorageUnavailableError:
+            except StorageUnavailableError:
                 raise
             except Exception as exc:  # noqa: BLE001
                 raise WeightFilesError(f"{index_url}: unreadable shard index ({type(exc).__name__}: {exc})") from None
@@ -61,7 +57,7 @@ class WeightFiles:
             url = storage.join(folder, name)
             try:
                 entries, _, data_start = storage.safetensors_layout(url)
-            except (storage.SafetensorsHeaderError, FileNotFoundError) as exc:
+            except (SafetensorsHeaderError, FileNotFoundError) as exc:
                 raise WeightFilesError(f"{url}: not a whole safetensors file ({exc})") from None
             for key, info in entries.items():
                 if key == "__metadata__":

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from dmd2_core import storage
-from dmd2_core.args import ArgsError
+from dmd2_core.errors import ArgsError
 from dmd2_core.data import REAL_LATENTS, RealSet, write_safetensors
 from dmd2_core.models import FAMILIES, describe_checkpoint
 

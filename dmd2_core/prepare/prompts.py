@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from dmd2_core import storage
-from dmd2_core.args import ArgsError
+from dmd2_core.errors import ArgsError, one_line
 from dmd2_core.data import PromptSet
 from dmd2_core.models import FAMILIES, describe_checkpoint
 
@@ -65,7 +65,7 @@ def encode_conditioner_prompts(hf_checkpoint: str, prompts: list[str]) -> Prompt
     try:
         embeds = encode_prompts_h3(hf_checkpoint, prompts)
     except ValueError as exc:
-        raise ArgsError(f"hf_checkpoint: {storage._one_line(exc)}") from None
+        raise ArgsError(f"hf_checkpoint: {one_line(exc)}") from None
     lengths = torch.tensor([e.shape[0] for e in embeds])
     packed = torch.zeros(len(embeds), int(lengths.max()), embeds[0].shape[-1])
     for i, e in enumerate(embeds):

@@ -13,11 +13,8 @@ from types import SimpleNamespace
 from typing import Any, Optional
 
 from dmd2_core import storage
-from dmd2_core.args import Args, ArgsError
-
-
-def _one_line(exc: BaseException) -> str:
-    return storage._one_line(exc)
+from dmd2_core.args import Args
+from dmd2_core.errors import ArgsError, SafetensorsHeaderError, StorageUnavailableError, one_line
 
 
 # ---- save -------------------------------------------------------------------------------------
@@ -34,10 +31,10 @@ def probe_write(save_url: str) -> None:
     try:
         storage.write_bytes(probe, b"probe")
         storage.remove(probe)
-    except storage.StorageUnavailableError:
+    except StorageUnavailableError:
         raise
     except Exception as exc:  # noqa: BLE001 - permission, no such bucket, read-only file system ...
-        raise ArgsError(f"save: cannot write to {save_url} ({_one_line(exc)})") from None
+        raise ArgsError(f"save: cannot write to {save_url} ({one_line(exc)})") from None
     finally:
         if created is not None:
             import shutil
@@ -56,12 +53,12 @@ def check_prompt_set(url: str, needs_negative: bool = True, cond_keys: tuple[str
 
     try:
         entries, _ = storage.read_safetensors_header(url)
-    except storage.SafetensorsHeaderError as exc:
+    except SafetensorsHeaderError as exc:
         raise bad(str(exc)) from None
-    except storage.StorageUnavailableError:
+    except StorageUnavailableError:
         raise
     except Exception as exc:  # noqa: BLE001
-        raise ArgsError(f"prompts: cannot read {url} ({_one_line(exc)})") from None
+        raise ArgsError(f"prompts: cannot read {url} ({one_line(exc)})") from None
     tensors = {k: v for k, v in entries.items() if k != "__metadata__"}
     embeds = {k for k in tensors if not k.startswith("negative_")}
     negative = {k.removeprefix("negative_") for k in tensors if k.startswith("negative_")}
@@ -187,10 +184,10 @@ def check_latent_shape(args: Args, teacher: dict[str, Any]) -> None:
     url = storage.join(teacher["transformer_url"], "config.json")
     try:
         config = json.loads(storage.read_text(url))
-    except storage.StorageUnavailableError:
+    except StorageUnavailableError:
         raise
     except Exception as exc:  # noqa: BLE001
-        raise ArgsError(f"{url}: unreadable model config ({_one_line(exc)})") from None
+        raise ArgsError(f"{url}: unreadable model config ({one_line(exc)})") from None
     video = FAMILIES[teacher["family"]].is_video
     names = "[C, F, H, W]" if video else "[C, H, W]"
     where = f"latent_shape: {shape}"
@@ -304,7 +301,7 @@ def check_ray_address(address: Optional[str], timeout_s: float = 5.0) -> None:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
             pass
     except OSError as exc:
-        raise ArgsError(f"ray_address: cannot reach {address} within {timeout_s:.0f} s ({_one_line(exc)})") from None
+        raise ArgsError(f"ray_address: cannot reach {address} within {timeout_s:.0f} s ({one_line(exc)})") from None
 
 
 def bundles_needed(args: Args, num_groups: int) -> int:

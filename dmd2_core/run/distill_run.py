@@ -18,8 +18,7 @@ from dmd2_core import checkpoint
 from dmd2_core.run import checks
 from dmd2_core.run import lease
 from dmd2_core.args import Args
-from dmd2_core.finite import NonFiniteError
-from dmd2_core.models import CheckpointError
+from dmd2_core.errors import NonFiniteError, RayWorkError, StoredFilesError
 from dmd2_core.run.preflight import preflight, resume_url
 from dmd2_core.run.save_tracker import SaveTracker
 from dmd2_core.run.schedule import Schedule
@@ -27,10 +26,6 @@ from dmd2_core.run.schedule import Schedule
 log = logging.getLogger("dmd2")
 
 PHASES = ("rollout", "critic_train_and_score", "sleep_critic", "student_train", "sleep_actor")
-
-
-class RayWorkError(RuntimeError):
-    """Ray work failed (an actor died, a call timed out); retrying recovers from the checkpoint."""
 
 
 class DistillRun:
@@ -291,7 +286,7 @@ def _as_ray_error(exc: Exception) -> Exception:
     if isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, TimeoutError)):
         return RayWorkError(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
     if isinstance(exc, ray.exceptions.RayTaskError):
-        if isinstance(exc.cause, (NonFiniteError, CheckpointError)):  # one line, no remote traceback
+        if isinstance(exc.cause, (NonFiniteError, StoredFilesError)):  # one line, no remote traceback
             return exc.cause
         return exc.as_instanceof_cause()
     return exc

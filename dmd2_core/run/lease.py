@@ -28,20 +28,12 @@ from pathlib import Path
 from typing import Optional
 
 from dmd2_core import storage
-from dmd2_core.args import ArgsError
+from dmd2_core.errors import LeaseHeldError, LeaseLostError, one_line
 
 log = logging.getLogger("dmd2")
 
 LEASE_NAME = "lease.json"
 LOCK_NAME = ".lease.lock"
-
-
-class LeaseHeldError(ArgsError):
-    """Another live run holds the save URL (bad input: pick another ``save``)."""
-
-
-class LeaseLostError(RuntimeError):
-    """This run's lease was taken over by another run; it must not write to the URL any more."""
 
 
 def lease_url(save_url: str) -> str:
@@ -292,7 +284,7 @@ class Lease:
                     log.error(self.lost)
                     return
             except Exception as exc:  # noqa: BLE001 - an outage: keep trying, the timeout is generous
-                log.warning(f"lease: heartbeat of {self.save_url} failed ({storage._one_line(exc)})")
+                log.warning(f"lease: heartbeat of {self.save_url} failed ({one_line(exc)})")
 
     def ensure(self) -> None:
         """Raise LeaseLostError when another run took the URL over, or may have: no renewal

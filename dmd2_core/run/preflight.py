@@ -11,7 +11,8 @@ from dmd2_core import checkpoint, storage
 from dmd2_core.run import checks
 from dmd2_core.run import lease
 from dmd2_core.memory import planner
-from dmd2_core.args import Args, ArgsError
+from dmd2_core.args import Args
+from dmd2_core.errors import ArgsError, CheckpointError
 from dmd2_core.data import check_real_set, prompt_texts
 from dmd2_core.train.input_hook import load_hook
 from dmd2_core.models import FAMILIES, check_weight_files, describe_checkpoint
@@ -20,7 +21,7 @@ from dmd2_core.train.trainer_config import compute_trainer_args, compute_trainer
 
 def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
     """Everything that can be checked before an actor starts: checkpoints, hooks, prompts and the
-    resume point. Returns each trainer's args (shift resolved). Raises ArgsError / CheckpointError."""
+    resume point. Returns each trainer's args (shift resolved). Raises ArgsError / StoredFilesError."""
     for key, what in (("hf_checkpoint", "the teacher's diffusers model directory"),
                       ("prompts", "a prompt-embedding set (safetensors) or 'digits'"),
                       ("save", "the run's storage URL")):
@@ -63,7 +64,7 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
     source = resume_url(args)
     resumed = checkpoint.validate_resume(source, list(trainer_args))
     if resumed is None and args.load and args.load != args.save:
-        raise checkpoint.CheckpointLoadError(
+        raise CheckpointError(
             f"load: no checkpoint at {args.load} (no {checkpoint.TRACKER_NAME})"
             f"{storage.nearest_sibling(args.load)}")
     # a finished run rerun (its own save at num_iterations) completes at once; anything else that

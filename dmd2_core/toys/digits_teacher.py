@@ -24,7 +24,8 @@ import torch
 
 from dmd2_core import flow_matching as fm
 from dmd2_core.data import digits_prompt_set, digits_tensors
-from dmd2_core.models import CheckpointError, describe_checkpoint, save_checkpoint
+from dmd2_core.models import describe_checkpoint, save_checkpoint
+from dmd2_core.errors import ModelDirError
 from dmd2_core.models.sd3 import SD3ImageFamily, tiny_digits_config
 
 DEFAULT_STEPS = 2500
@@ -146,7 +147,7 @@ def ensure_teacher(url: str, seed: int = 0, log: Optional[Callable[[str], None]]
         if log:
             log(f"reusing teacher at {url}")
         return url
-    except CheckpointError:
+    except ModelDirError:
         pass
     train_teacher(url, seed=seed, log=log, **train_kwargs)
     return url
@@ -175,7 +176,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             describe_checkpoint(ns.save)
             reused = True
             print(f"reusing teacher at {ns.save}")
-        except CheckpointError:
+        except ModelDirError:
             pass
     if not reused:
         info = train_teacher(ns.save, seed=ns.seed, num_steps=ns.steps, batch_size=ns.batch_size, lr=ns.lr)

@@ -41,7 +41,8 @@ from dmd2_core.train import dmd2_method
 from dmd2_core.data import REAL_LATENTS, write_safetensors
 from dmd2_core.toys import sounding_digits as sd
 from dmd2_core.losses import flow_matching_loss
-from dmd2_core.models import CheckpointError, describe_checkpoint, load_checkpoint, save_checkpoint
+from dmd2_core.models import describe_checkpoint, load_checkpoint, save_checkpoint
+from dmd2_core.errors import ModelDirError
 from dmd2_core.models.minimax_h3 import AUDIO_SHIFT, VIDEO_SHIFT, MiniMaxH3Family
 from dmd2_core.toys.digits_teacher import _ema_update, _lr_factor, logit_normal_sigmas
 
@@ -185,7 +186,7 @@ def present(url: str) -> bool:
     """``url`` holds a readable teacher with its prompt set."""
     try:
         describe_checkpoint(url)
-    except CheckpointError:
+    except ModelDirError:
         return False
     return storage.exists(prompts_url(url))
 

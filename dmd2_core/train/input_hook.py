@@ -10,7 +10,8 @@ from typing import Callable, Optional
 
 import torch
 
-from dmd2_core.args import ArgsError, nearest
+from dmd2_core.args import nearest
+from dmd2_core.errors import ArgsError
 
 TRAIN_INPUT_HOOK_PARAMS = ("args", "pairs", "external_data")
 

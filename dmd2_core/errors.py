@@ -1,0 +1,79 @@
+"""Every error class of dmd2, by what a failure is: bad input (the same on every try: the CLI says
+it in one line and exits 2, Prefect never retries it) or a runtime failure (retried from the
+latest checkpoint, unless a replay would repeat it). The retry policy (``NEVER_RETRY``) and the
+CLI read them here."""
+
+from __future__ import annotations
+
+import yaml
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+
+class ArgsError(ValueError):
+    """Bad configuration input; its message is one line that names the key or path."""
+
+
+class LeaseHeldError(ArgsError):
+    """Another live run holds the save URL (bad input: pick another ``save``)."""
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A YAML mapping that repeats a key; the message names the key and both lines."""
+
+
+class StoredFilesError(ValueError):
+    """Files in storage that cannot be used as they are: a model directory, an export or a
+    training checkpoint. The message names the path."""
+
+
+class ModelDirError(StoredFilesError):
+    """A model directory (a diffusers teacher, or a student export) that cannot be used."""
+
+
+class WeightFilesError(ModelDirError):
+    """A weights directory or file that cannot be read; the message names the path."""
+
+
+class CheckpointError(StoredFilesError):
+    """A training checkpoint (a trainer's DCP shards and state) or its tracker that cannot be
+    resumed from; the message is one line naming the path."""
+
+
+class SafetensorsHeaderError(ValueError):
+    """A file whose safetensors header is missing or unreadable; the message says why."""
+
+
+# ---- runtime failures ---------------------------------------------------------------------------
+
+
+class StorageUnavailableError(RuntimeError):
+    """Storage kept failing with transient errors for longer than the retry budget. A runtime
+    failure (worth a retry of the task), not bad input."""
+
+
+class RayWorkError(RuntimeError):
+    """Ray work failed (an actor died, a call timed out); retrying recovers from the checkpoint."""
+
+
+class NonFiniteError(RuntimeError):
+    """The run produced non-finite values it cannot recover from (too many skipped steps in a
+    row, or a non-finite weight at save). Not retried: a replay from the checkpoint would repeat
+    it exactly. The message is one line naming the trainer and the iteration."""
+
+
+class LeaseLostError(RuntimeError):
+    """This run's lease was taken over by another run; it must not write to the URL any more."""
+
+
+# Configuration errors fail the same way every time: ArgsError and StoredFilesError are ValueErrors,
+# and so is a ValueError raised inside a trainer (Ray re-raises it as an instance of its cause).
+# NonFiniteError: a replay from the checkpoint would hit the same non-finite values again;
+# LeaseLostError: another run owns the save URL now.
+NEVER_RETRY = (ArgsError, StoredFilesError, ValueError, NonFiniteError, LeaseLostError)
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: its class and the first line of its message."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
