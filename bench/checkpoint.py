@@ -34,7 +34,7 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 def build_teacher(url: str, width: int, layers: int) -> dict:
     import torch
 
-    from dmd2_core.models import save_checkpoint
+    from dmd2_core.models import save_model_dir
     from dmd2_core.models.sd3 import SD3ImageFamily, tiny_digits_config
 
     torch.manual_seed(0)
@@ -42,7 +42,7 @@ def build_teacher(url: str, width: int, layers: int) -> dict:
     config = {**tiny_digits_config(), "num_layers": layers, "attention_head_dim": width // heads,
               "num_attention_heads": heads, "caption_projection_dim": width}
     model = SD3ImageFamily().build(config)
-    save_checkpoint(model, url, shift=3.0)
+    save_model_dir(model, url, shift=3.0)
     return {"params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2), "width": width, "layers": layers}
 
 

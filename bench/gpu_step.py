@@ -49,17 +49,17 @@ def build(tmp: str, config_dir: str, device: str, text_tokens: int) -> tuple[str
     """A random-weight checkpoint of the config (initialised on the device: fast) and a prompt set
     of the pipeline's text length. Returns (checkpoint, prompts, params in billions)."""
     from dmd2_core.data import PromptSet
-    from dmd2_core.models import FAMILIES, describe_checkpoint, save_checkpoint
+    from dmd2_core.models import FAMILIES, describe_model_dir, save_model_dir
     from dmd2_core import storage
 
-    info = describe_checkpoint(config_dir)
+    info = describe_model_dir(config_dir)
     family = FAMILIES[info["family"]]
     config = json.loads(storage.read_text(storage.join(info["transformer_url"], "config.json")))
     torch.manual_seed(0)
     with torch.device(device):
         model = family.model_class.from_config(config).to(torch.bfloat16)
     params = sum(p.numel() for p in model.parameters()) / 1e9
-    save_checkpoint(model.cpu(), f"{tmp}/teacher", shift=5.0 if family.is_video else 3.0)
+    save_model_dir(model.cpu(), f"{tmp}/teacher", shift=5.0 if family.is_video else 3.0)
     del model
     dim = config.get("text_dim") or config.get("joint_attention_dim")
     g = torch.Generator().manual_seed(0)
@@ -96,10 +96,10 @@ def main() -> None:
     from dmd2_core.memory import planner
     from dmd2_core.args import load_args
     from dmd2_core.run.distill_run import preflight
-    from dmd2_core.models import FAMILIES, describe_checkpoint
+    from dmd2_core.models import FAMILIES, describe_model_dir
     from dmd2_core.train.trainer import Trainer
 
-    family = FAMILIES[describe_checkpoint(ns.config)["family"]]
+    family = FAMILIES[describe_model_dir(ns.config)["family"]]
     text_tokens = ns.text_tokens or family.default_text_tokens
     with tempfile.TemporaryDirectory(prefix="dmd2-gpu-step-") as tmp:
         url, prompts, params_b = build(tmp, ns.config, ns.device, text_tokens)

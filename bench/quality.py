@@ -52,10 +52,10 @@ def teacher_reference_features(teacher: str, num_samples: int, seed: int, guidan
     from dmd2_core import flow_matching as fm
     from dmd2_core.data import digits_prompt_set
     from dmd2_core.toys.digits_metrics import eval_noise
-    from dmd2_core.models import load_checkpoint
+    from dmd2_core.models import load_model_dir
     from dmd2_core.sampling import euler_sample
 
-    loaded = load_checkpoint(teacher)
+    loaded = load_model_dir(teacher)
     prompts = digits_prompt_set()
     labels = balanced_labels(num_samples)
     with torch.no_grad():

@@ -47,7 +47,7 @@ from dmd2_core.toys import digits_metrics  # noqa: E402
 from dmd2_core.toys import sounding_digits as sd  # noqa: E402
 from dmd2_core.args import load_args, parse_set  # noqa: E402
 from dmd2_core.errors import ArgsError
-from dmd2_core.models import load_checkpoint  # noqa: E402
+from dmd2_core.models import load_model_dir  # noqa: E402
 from dmd2_core.train.reference import ReferenceLoop  # noqa: E402
 
 TEACHER_STEPS = (50, 8, 4, 1)
@@ -197,7 +197,7 @@ def main() -> None:
     teacher = sounding_digits_teacher.ensure_av_teacher(ns.teacher, log=lambda m: print(m, file=sys.stderr))
     if cpu_overrides(teacher, ns.steps[0], ns.seeds[0], ns, sets).get("real_data") == sounding_digits_teacher.real_set_url(teacher):
         sounding_digits_teacher.ensure_real_set(teacher)  # a teacher saved before it carried one
-    loaded = load_checkpoint(teacher)
+    loaded = load_model_dir(teacher)
     family = sounding_digits_teacher.bound_family(loaded.model)
     labels = sounding_digits_metrics.balanced_labels(ns.num_samples)
     table, target = {}, None

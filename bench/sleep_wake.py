@@ -33,7 +33,7 @@ def main() -> None:
 
     from dmd2_core.args import load_args
     from dmd2_core.run.distill_run import preflight
-    from dmd2_core.models import save_checkpoint
+    from dmd2_core.models import save_model_dir
     from dmd2_core.models.sd3 import SD3ImageFamily
     from dmd2_core.toys.standins import standin_prompt_set
     from dmd2_core.train.trainer import Trainer
@@ -44,7 +44,7 @@ def main() -> None:
                   caption_projection_dim=64 * ns.heads, pooled_projection_dim=64, pos_embed_max_size=16)
     torch.manual_seed(0)
     model = SD3ImageFamily().build(config)
-    save_checkpoint(model, f"{tmp}/teacher", shift=3.0)
+    save_model_dir(model, f"{tmp}/teacher", shift=3.0)
     standin_prompt_set("sd3", dim=64).save(f"{tmp}/prompts.safetensors")
     args = load_args(None, dict(hf_checkpoint=f"{tmp}/teacher", prompts=f"{tmp}/prompts.safetensors", save=f"{tmp}/run",
                                 device=ns.device, global_batch_size=4, micro_batch_size=4, dmd2_update_ratio=1,

@@ -14,7 +14,7 @@ reading the whole object and slicing it, so on moto each range costs a whole fil
 serves the range alone): hence the small files, and even so the "s3" times of the new path are
 moto's more than the loader's. Each group of 1, 2 and 4 gloo ranks starts the trained model (fp32
 masters, bf16 compute, FSDP2) in fresh processes (torch.multiprocessing, not Ray) with the
-project's own start code: ``models.load_checkpoint`` + ``parallel.shard_model`` (old) and
+project's own start code: ``models.load_model_dir`` + ``parallel.shard_model`` (old) and
 ``startup.TrainerModels`` (new). ``ready_s``: from the moment every rank has its runtime imported
 (the baseline) until the last rank holds its filled shards. ``peak_rss_gib``: the highest peak
 resident set of any rank while it starts (VmHWM, reset at the baseline), ``grew_gib`` that peak
@@ -54,14 +54,14 @@ def wan_config(layers: int) -> dict:
 def write_model(url: str, layers: int, stored_dtype: str) -> dict:
     import torch
 
-    from dmd2_core.models import FAMILIES, save_checkpoint, write_transformer
+    from dmd2_core.models import FAMILIES, save_model_dir, write_transformer
 
     torch.manual_seed(0)
     family = FAMILIES["WanTransformer3DModel"]
     model = family.build(wan_config(layers))
     params = sum(p.numel() for p in model.parameters())
     model.to(getattr(torch, stored_dtype))
-    save_checkpoint(model, url, shift=5.0)
+    save_model_dir(model, url, shift=5.0)
     transformer = Path(url) / "transformer"  # sharded, as real checkpoints are (several files and an index)
     for f in transformer.glob("*.safetensors"):
         f.unlink()
@@ -82,7 +82,7 @@ def _rank(rank: int, world: int, port: int, path: str, url: str, save: str, out:
 
     from dmd2_core import parallel
     from dmd2_core.args import load_args
-    from dmd2_core.models import load_checkpoint
+    from dmd2_core.models import load_model_dir
     from dmd2_core.models.loading import build_empty
     from dmd2_core.train.rank_models import TrainerModels
 
@@ -98,7 +98,7 @@ def _rank(rank: int, world: int, port: int, path: str, url: str, save: str, out:
         f.write("5")  # resets VmHWM to the current resident set
     start = time.perf_counter()
     if path == "old":
-        model = load_checkpoint(url, "cpu", parallel.MASTER_DTYPE).model
+        model = load_model_dir(url, "cpu", parallel.MASTER_DTYPE).model
         parallel.shard_model(model, mesh, torch.bfloat16, trainable=True)
     else:
         model = TrainerModels(args, torch.bfloat16, resume=False)

@@ -9,13 +9,13 @@ def random_digits_teacher(prefix: str) -> tuple[str, str]:
     """A digits-sized SD3 teacher with seeded random weights in a new temp dir: (dir, teacher)."""
     import torch
 
-    from dmd2_core.models import save_checkpoint
+    from dmd2_core.models import save_model_dir
     from dmd2_core.models.sd3 import SD3ImageFamily, tiny_digits_config
 
     tmp = tempfile.mkdtemp(prefix=prefix)
     torch.manual_seed(0)
     teacher = f"{tmp}/teacher"
-    save_checkpoint(SD3ImageFamily().build(tiny_digits_config()), teacher, shift=3.0)
+    save_model_dir(SD3ImageFamily().build(tiny_digits_config()), teacher, shift=3.0)
     return tmp, teacher
 
 

@@ -18,7 +18,7 @@ from prefect.artifacts import create_table_artifact  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 
 from dmd2_core.toys import digits_metrics  # noqa: E402
-from dmd2_core.models import describe_checkpoint  # noqa: E402
+from dmd2_core.models import describe_model_dir  # noqa: E402
 from dmd2_core.errors import ModelDirError
 from dmd2_core.toys.digits_teacher import DEFAULT_STEPS, train_teacher  # noqa: E402
 
@@ -30,7 +30,7 @@ def train_teacher_task(save: str, seed: int, num_steps: int, reuse: bool) -> dic
     logger = get_run_logger()
     if reuse:
         try:
-            describe_checkpoint(save)
+            describe_model_dir(save)
             logger.info("reusing teacher at %s", save)
             return {"url": save, "reused": True}
         except ModelDirError:

@@ -189,13 +189,13 @@ def s3_bucket(s3_server) -> str:
 def tiny_teacher(tmp_path_factory) -> str:
     """An untrained tiny SD3 digits model saved as a teacher checkpoint (seeded, so every test
     session builds the same weights)."""
-    from dmd2_core.models import save_checkpoint
+    from dmd2_core.models import save_model_dir
     from dmd2_core.models.sd3 import SD3ImageFamily, tiny_digits_config
 
     torch.manual_seed(0)
     model = SD3ImageFamily().build(tiny_digits_config())
     url = str(tmp_path_factory.mktemp("tiny-teacher") / "teacher")
-    save_checkpoint(model, url, shift=3.0)
+    save_model_dir(model, url, shift=3.0)
     return url
 
 

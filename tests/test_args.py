@@ -122,10 +122,10 @@ def test_settings_that_would_do_nothing_are_refused_before_any_actor(tiny_teache
     steps per rollout on the dmd2 actor (it takes one) and label_dropout (nothing trains with it):
     each is refused in one line naming the key, exit 2, before anything is written."""
     from dmd2_core import checkpoint, cli
-    from dmd2_core.models import load_checkpoint
+    from dmd2_core.models import load_model_dir
 
     load = str(tmp_path / "pretrained")
-    model = load_checkpoint(tiny_teacher).model
+    model = load_model_dir(tiny_teacher).model
     for role in ("actor", "critic"):
         checkpoint.save_trainer(load, role, 4000, model, None).result()
     checkpoint.write_tracker(load, 4000)

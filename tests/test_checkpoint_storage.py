@@ -16,7 +16,7 @@ import torch
 from dmd2_core import checkpoint as ckpt
 from dmd2_core import storage
 from dmd2_core.errors import CheckpointError, ModelDirError
-from dmd2_core.models import describe_checkpoint, load_checkpoint, save_checkpoint
+from dmd2_core.models import describe_model_dir, load_model_dir, save_model_dir
 from tests.checkpoint_helpers import (
     SHIFT, assert_same_optimizer, assert_same_state, fresh, local_path, optimizer_of, output, save, saved, tiny_model, train_step,
 )
@@ -27,15 +27,15 @@ from tests.checkpoint_helpers import (
 def test_model_round_trip(root):
     model = tiny_model()
     url = storage.join(root, "teacher")
-    save_checkpoint(model, url, shift=SHIFT)
+    save_model_dir(model, url, shift=SHIFT)
 
-    info = describe_checkpoint(url)
+    info = describe_model_dir(url)
     assert info["family"] == "SD3Transformer2DModel"
     assert info["shift"] == SHIFT
     assert info["transformer_url"] == storage.join(url, "transformer")
     assert info["vae_url"] is None
 
-    loaded = load_checkpoint(url)
+    loaded = load_model_dir(url)
     assert loaded.shift == SHIFT and loaded.family.class_name == "SD3Transformer2DModel"
     assert_same_state(model.state_dict(), loaded.model.state_dict())
     assert torch.equal(output(model), output(loaded.model))
@@ -44,19 +44,19 @@ def test_model_round_trip(root):
 def test_describe_checkpoint_errors(tmp_path, s3_bucket):
     (tmp_path / "notes.txt").write_text("not a model")
     with pytest.raises(ModelDirError, match=re.escape(str(tmp_path))):
-        describe_checkpoint(str(tmp_path))
+        describe_model_dir(str(tmp_path))
     missing = s3_bucket + "/nothing/here"
     with pytest.raises(ModelDirError, match=re.escape(missing)):
-        describe_checkpoint(missing)
+        describe_model_dir(missing)
     with pytest.raises(ModelDirError, match=re.escape("hf_checkpoint")):
-        describe_checkpoint("")
+        describe_model_dir("")
     # a typo in the path: the nearest existing entry beside it is named, locally and on S3
     (tmp_path / "teacher").mkdir()
     with pytest.raises(ModelDirError, match=re.escape(f"did you mean '{tmp_path}/teacher'?")):
-        describe_checkpoint(str(tmp_path / "teachr"))
+        describe_model_dir(str(tmp_path / "teachr"))
     storage.write_text(s3_bucket + "/models/teacher/config.json", "{}")
     with pytest.raises(ModelDirError, match=re.escape(f"did you mean '{s3_bucket}/models/teacher'?")):
-        describe_checkpoint(s3_bucket + "/models/teacher2")
+        describe_model_dir(s3_bucket + "/models/teacher2")
 
 
 def test_child_process_inherits_s3_endpoint(s3_bucket):

@@ -17,7 +17,7 @@ from dmd2_core import flow_matching as fm
 from dmd2_core.checkpoint import export_url, exports_root, latest_exports, prune_exports
 from dmd2_core.export.pipeline import export_student
 from dmd2_core.export.scheduler import scheduler_sigmas, student_scheduler_config
-from dmd2_core.models import describe_checkpoint, load_checkpoint
+from dmd2_core.models import describe_model_dir, load_model_dir
 from dmd2_core.errors import ModelDirError
 from dmd2_core.toys.standins import build_standin, standin_prompt_set
 
@@ -33,7 +33,7 @@ def wan_teacher(tmp_path_factory) -> str:
 
 def perturbed_student(teacher: str, seed: int = 1, scale: float = 0.05):
     """The teacher's transformer with every weight moved (a student that differs from it)."""
-    loaded = load_checkpoint(teacher)
+    loaded = load_model_dir(teacher)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in loaded.model.parameters():
@@ -95,7 +95,7 @@ def test_wan_export_is_a_wan_pipeline_that_reproduces_eval_samples(wan_teacher, 
     assert marker["iteration"] == 12 and marker["num_steps"] == 4 and marker["shift"] == WAN_SHIFT
     assert marker["dtype"] == "float32" and marker["transformer"] == "ema"
     assert marker["transformer_online"] == "transformer_online"
-    assert describe_checkpoint(url)["shift"] == WAN_SHIFT  # the training shift, not the solved one
+    assert describe_model_dir(url)["shift"] == WAN_SHIFT  # the training shift, not the solved one
 
     # transformer/ is the EMA, transformer_online/ the trained weights
     ema_model = with_weights(model, ema)
@@ -141,7 +141,7 @@ def test_bf16_export_without_ema_and_non_writer_ranks(wan_teacher, tmp_path):
     assert_same_weights(reloaded, copy.deepcopy(model).to(torch.bfloat16))
     (Path(url) / "export.json").write_text("{")  # a broken marker is one line naming it
     with pytest.raises(ModelDirError, match=re.escape(f"{url}/export.json: unreadable export marker")):
-        describe_checkpoint(url)
+        describe_model_dir(url)
 
 
 def test_sharded_student_exports_its_gathered_ema(wan_teacher, tmp_path):
@@ -282,7 +282,7 @@ def test_a_trainer_save_exports_its_ema_student(tiny_teacher, tmp_path, async_sa
     actor.save(1, export=True)
     url = actor.save_status(wait=True)["export_url"]
     names = [n for n, _ in actor.model.named_parameters()]
-    exported = load_checkpoint(url).model.state_dict()
+    exported = load_model_dir(url).model.state_dict()
     assert all(torch.equal(exported[n], e) for n, e in zip(names, actor.ema))
     assert not all(torch.equal(exported[n], p) for n, p in actor.model.named_parameters())
     assert (Path(url) / "export.json").is_file() and (Path(url) / "transformer_online").is_dir()

@@ -140,9 +140,9 @@ def _trained_student(tiny_teacher, tmp_path, **kw):
 def _teacher_transformer(tiny_teacher):
     from diffusers import SD3Transformer2DModel
 
-    from dmd2_core.models import describe_checkpoint
+    from dmd2_core.models import describe_model_dir
 
-    return SD3Transformer2DModel.from_pretrained(describe_checkpoint(tiny_teacher)["transformer_url"])
+    return SD3Transformer2DModel.from_pretrained(describe_model_dir(tiny_teacher)["transformer_url"])
 
 
 def test_exported_lora_loads_with_diffusers_and_reproduces_eval_samples(tiny_teacher, tmp_path):
@@ -249,24 +249,24 @@ def test_each_family_exports_a_lora_its_own_loader_takes(tmp_path, kind):
     student does."""
     from dmd2_core.args import load_args
     from dmd2_core.export.pipeline import export_student
-    from dmd2_core.models import describe_checkpoint, load_checkpoint
+    from dmd2_core.models import describe_model_dir, load_model_dir
     from dmd2_core.toys.standins import build_h3_standin, build_standin
 
     url = build_h3_standin(str(tmp_path / "t")) if kind == "h3" else build_standin(str(tmp_path / "t"), kind)
     args = load_args(None, dict(hf_checkpoint=url, prompts="digits", save=str(tmp_path), **LORA))
-    student = lora.attach(load_checkpoint(url).model, args)
+    student = lora.attach(load_model_dir(url).model, args)
     with torch.no_grad():
         for name, param in lora.trained(student):
             if ".lora_B." in name:
                 param.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(1))
-    loader = lora.lora_loader(load_checkpoint(url).family)
+    loader = lora.lora_loader(load_model_dir(url).family)
     done = export_student(str(tmp_path / "export"), student, teacher_url=url, shift=3.0, num_steps=4,
                           export_dtype=torch.float32, lora_metadata=lora.adapter_metadata(args))
     assert json.loads((Path(done["url"]) / "export.json").read_text())["lora"]["loader"] == loader.__name__
     state, metadata = loader.lora_state_dict(done["url"], return_lora_metadata=True)
-    loaded = load_checkpoint(url)
+    loaded = load_model_dir(url)
     loader.load_lora_into_transformer(state, transformer=loaded.model, metadata=metadata)
     ours = {n.replace(f".{lora.ADAPTER}.", "."): p for n, p in student.named_parameters()}
     theirs = {n.replace(".default_0.", "."): p for n, p in loaded.model.named_parameters()}
     assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
-    assert describe_checkpoint(url)["family"] == type(student).__name__
+    assert describe_model_dir(url)["family"] == type(student).__name__

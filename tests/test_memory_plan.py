@@ -15,7 +15,7 @@ from dmd2_core.memory import planner
 from dmd2_core.memory import terms
 from dmd2_core.args import load_args
 from dmd2_core.errors import ArgsError
-from dmd2_core.models import describe_checkpoint
+from dmd2_core.models import describe_model_dir
 from dmd2_core.train.trainer_config import compute_trainer_args, compute_trainer_configs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,7 +31,7 @@ def _plan(recipe: str = "wan-video", **overrides) -> planner.MemoryPlan:
     if recipe == "wan-video":
         overrides.setdefault("latent_shape", P720)
     args = load_args(recipe, overrides)
-    args = checks.check_family_args(args, describe_checkpoint(args.hf_checkpoint))
+    args = checks.check_family_args(args, describe_model_dir(args.hf_checkpoint))
     return planner.plan({c.role: compute_trainer_args(args, c) for c in compute_trainer_configs(args)})
 
 
@@ -205,14 +205,14 @@ def test_the_adapter_count_is_peft_s_trainable_parameters_of_the_real_model(stan
 
     from dmd2_core.models import lora
     from dmd2_core.memory import lora_terms
-    from dmd2_core.models import load_checkpoint
+    from dmd2_core.models import load_model_dir
     from dmd2_core.models.loading import build_empty
 
     url = standins[kind]
     args = load_args(None, dict(hf_checkpoint=url, prompts="digits", lora_rank=4, lora_target_modules=targets,
                                 dtype="bfloat16"))
     size = lora_terms.size_of(args)
-    model = lora.attach(load_checkpoint(url).model, args)
+    model = lora.attach(load_model_dir(url).model, args)
     trained = [p for n, p in model.named_parameters() if p.requires_grad]
     assert size.adapters == sum(p.numel() for p in trained) > 0
     assert size.layers == len(trained) // 2

@@ -12,7 +12,7 @@ import torch
 from dmd2_core.args import load_args
 from dmd2_core.errors import ArgsError
 from dmd2_core.run.distill_run import preflight
-from dmd2_core.models import describe_checkpoint, load_checkpoint
+from dmd2_core.models import describe_model_dir, load_model_dir
 from dmd2_core.toys.standins import H3_GEOMETRY, build_h3_standin, h3_prompt_set
 
 CPU = dict(device="cpu", num_devices=1, dtype="float32", global_batch_size=4, micro_batch_size=2, torch_threads=1,
@@ -25,7 +25,7 @@ def h3(tmp_path_factory):
     url = build_h3_standin(str(root / "h3"))
     prompts = str(root / "prompts.safetensors")
     h3_prompt_set().save(prompts)
-    loaded = load_checkpoint(url)
+    loaded = load_model_dir(url)
     family = loaded.family.bind([24, 37, 2, 2], loaded.model, loaded.modality_shifts)
     return {"url": url, "prompts": prompts, "model": loaded.model, "family": family}
 
@@ -44,7 +44,7 @@ def test_both_schedules_are_the_schedulers_own(h3):
     from dmd2_core import flow_matching as fm
 
     family = h3["family"]
-    assert describe_checkpoint(h3["url"])["modality_shifts"] == (12.0, 3.0)
+    assert describe_model_dir(h3["url"])["modality_shifts"] == (12.0, 3.0)
     for k in (1, 2, 4):
         u = torch.tensor(fm.student_sigmas(k, 1.0))
         x = torch.zeros(len(u), family.segments["audio"].stop)
@@ -179,7 +179,7 @@ def test_a_checkpoint_without_its_audio_vae_is_named(h3, tmp_path):
     shutil.copytree(h3["url"], broken)
     shutil.rmtree(broken / "audio_vae")
     with pytest.raises(ModelDirError, match=r"audio_vae: missing: MiniMaxH3Transformer3DModel generates sound"):
-        describe_checkpoint(str(broken))
+        describe_model_dir(str(broken))
 
 
 def test_export_loads_in_diffusers_modular_pipeline_and_reproduces_eval_samples(h3, tmp_path):
@@ -235,7 +235,7 @@ def test_two_sharded_ranks_equal_one_rank_on_the_stand_in(ray_session, h3, tmp_p
         one, two = weights[1][role], weights[2][role]
         diff = max((one[k] - two[k]).abs().max().item() for k in one)
         assert diff < 2e-6, (role, diff)
-    fresh = load_checkpoint(h3["url"]).model.state_dict()
+    fresh = load_model_dir(h3["url"]).model.state_dict()
     assert max((fresh[k] - weights[1]["actor"][k]).abs().max().item() for k in fresh) > 1e-5
 
 
@@ -366,7 +366,7 @@ def test_real_size_plan_from_the_shipped_config(tmp_path):
 
     def plan(**overrides):
         args = load_args("minimax-h3", dict(hf_checkpoint=url, **overrides))
-        args = checks.check_family_args(args, describe_checkpoint(url))
+        args = checks.check_family_args(args, describe_model_dir(url))
         return planner.plan({c.role: compute_trainer_args(args, c) for c in compute_trainer_configs(args)}), args
 
     fits, args = plan(device_memory_gib=141, num_devices=16)

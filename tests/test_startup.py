@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from dmd2_core import parallel, storage
-from dmd2_core.models import FAMILIES, describe_checkpoint, load_checkpoint, write_transformer
+from dmd2_core.models import FAMILIES, describe_model_dir, load_model_dir, write_transformer
 from dmd2_core.toys.standins import build_h3_standin, build_standin
 
 WAN_60M = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=64, in_channels=4, out_channels=4,
@@ -31,7 +31,7 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
     shutil.copytree(urls["sd3"], sharded)
     for f in (sharded / "transformer").glob("*.safetensors"):
         f.unlink()
-    model = load_checkpoint(urls["sd3"]).model
+    model = load_model_dir(urls["sd3"]).model
     write_transformer(FAMILIES["SD3Transformer2DModel"], model.config, model.state_dict(), sharded / "transformer",
                       max_shard_size="100KB")
     assert len(list((sharded / "transformer").glob("*.safetensors"))) > 2
@@ -86,11 +86,11 @@ def _assert_bitwise(new: torch.nn.Module, old: torch.nn.Module, what: str) -> No
 
 def _old_start(url: str, mesh, dtype: torch.dtype, gradient_checkpointing: bool):
     """The path before dmd2_core.train.rank_models: every rank loads both models whole, then shards them."""
-    family = FAMILIES[describe_checkpoint(url)["family"]]
-    model = load_checkpoint(url, "cpu", parallel.MASTER_DTYPE).model
+    family = FAMILIES[describe_model_dir(url)["family"]]
+    model = load_model_dir(url, "cpu", parallel.MASTER_DTYPE).model
     parallel.shard_model(model, mesh, dtype, trainable=True, keep_fp32=family.keep_fp32_modules,
                          gradient_checkpointing=gradient_checkpointing)
-    teacher = load_checkpoint(url, "cpu", dtype).model
+    teacher = load_model_dir(url, "cpu", dtype).model
     parallel.shard_model(teacher, mesh, dtype, trainable=False, keep_fp32=family.keep_fp32_modules)
     return model, teacher
 
@@ -133,7 +133,7 @@ def test_kept_fp32_modules_of_a_bf16_teacher_hold_the_checkpoint_values(checkpoi
     models.shard(_mesh(1))
     kept = {n for n, p in models.teacher.named_parameters() if p.dtype == torch.float32}
     assert kept and any(p.dtype == torch.bfloat16 for p in models.teacher.parameters())
-    whole = load_checkpoint(url).model.state_dict()
+    whole = load_model_dir(url).model.state_dict()
     teacher = dict(models.teacher.named_parameters())
     assert all(torch.equal(parallel.local(teacher[n]), whole[n]) for n in kept)
     assert any(not torch.equal(whole[n].bfloat16().float(), whole[n]) for n in kept)  # bf16 would differ
@@ -170,12 +170,12 @@ def _peak_rss(rank: int, world: int, args) -> None:
 def test_two_rank_start_holds_its_shards_not_the_model(tmp_path):
     """A ~60 M-parameter Wan (~240 MB in fp32) on 2 ranks: each rank's peak host memory grows by at
     most its shards and one block (+10%) while it starts, never by the whole model."""
-    from dmd2_core.models import save_checkpoint
+    from dmd2_core.models import save_model_dir
 
     torch.manual_seed(0)
     model = FAMILIES["WanTransformer3DModel"].build(WAN_60M)
     url = str(tmp_path / "wan60m")
-    save_checkpoint(model, url, shift=5.0)
+    save_model_dir(model, url, shift=5.0)
     del model
     _spawn(_peak_rss, 2, _args(url, str(tmp_path / "run"), dtype="bfloat16"))
 
@@ -232,7 +232,7 @@ def test_resume_reads_no_weight_of_the_diffusers_checkpoint(tiny_teacher, tmp_pa
     assert reads == []
     saved, loaded = first.weights(), resumed.weights()
     assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
-    fresh = load_checkpoint(tiny_teacher).model.state_dict()
+    fresh = load_model_dir(tiny_teacher).model.state_dict()
     assert all(not torch.equal(saved[k], fresh[k]) for k, _ in first.model.named_parameters())
 
 

@@ -14,7 +14,7 @@ from dmd2_core.toys import digits_metrics as ev
 from dmd2_core import flow_matching as fm
 from dmd2_core.toys import digits_teacher as teacher_mod
 from dmd2_core.data import digits_prompt_set, digits_tensors
-from dmd2_core.models import LoadedModel, describe_checkpoint, load_checkpoint
+from dmd2_core.models import LoadedModel, describe_model_dir, load_model_dir
 from dmd2_core.models.sd3 import SD3ImageFamily
 from dmd2_core.sampling import euler_sample
 from tests.conftest import SHORT_TEACHER_STEPS
@@ -114,8 +114,8 @@ def test_training_is_deterministic(monkeypatch):
 def test_saved_teacher_reloads_with_identical_outputs(tmp_path):
     url = str(tmp_path / "teacher")
     info = teacher_mod.train_teacher(url, seed=0, num_steps=4, batch_size=16, log=None)
-    assert describe_checkpoint(url)["shift"] == 3.0
-    loaded = load_checkpoint(url)
+    assert describe_model_dir(url)["shift"] == 3.0
+    loaded = load_model_dir(url)
     prompts = digits_prompt_set()
     labels = ev.balanced_labels(20)
     noise = ev.eval_noise(20, seed=5)
@@ -145,7 +145,7 @@ def test_cli_trains_and_prints_table(tmp_path, capsys):
     assert result["steps"] == 3 and not result["reused"]
     assert list(result["table"]) == ["50", "8", "4", "2", "1"]
     assert all(set(row) == {"fd", "acc", "diversity"} for row in result["table"].values())
-    describe_checkpoint(url)
+    describe_model_dir(url)
     assert teacher_mod.main(["--save", url, "--reuse"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["reused"]
 

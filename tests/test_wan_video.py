@@ -15,7 +15,7 @@ from PIL import Image
 from dmd2_core.args import load_args
 from dmd2_core.errors import ArgsError
 from dmd2_core.run.distill_run import DistillRun
-from dmd2_core.models import describe_checkpoint
+from dmd2_core.models import describe_model_dir
 from dmd2_core.toys.standins import build_standin, standin_prompt_set
 
 SAMPLER_DOC = Path(__file__).resolve().parent.parent / "docs" / "scale.md"
@@ -38,8 +38,8 @@ def standins(tmp_path_factory):
 
 
 def test_the_family_comes_from_the_checkpoint(standins):
-    assert describe_checkpoint(standins["sd3"][0])["family"] == "SD3Transformer2DModel"
-    wan = describe_checkpoint(standins["wan"][0])
+    assert describe_model_dir(standins["sd3"][0])["family"] == "SD3Transformer2DModel"
+    wan = describe_model_dir(standins["wan"][0])
     assert wan["family"] == "WanTransformer3DModel" and wan["vae_url"].endswith("/vae") and wan["shift"] == 5.0
 
 

@@ -30,7 +30,7 @@ from dmd2_core import flow_matching as fm
 from dmd2_core import parallel, storage
 from dmd2_core.models import lora
 from dmd2_core.checkpoint.layout import EXPORT_MARKER_NAME
-from dmd2_core.models import describe_checkpoint
+from dmd2_core.models import describe_model_dir
 from dmd2_core.errors import ModelDirError
 from dmd2_core.export.files import EXPORT_FORMAT, cast, persistent, total_bytes, writable_dir
 from dmd2_core.export.scheduler import SCHEDULER_CLASS, student_scheduler_config, verify_written_scheduler
@@ -76,7 +76,7 @@ def write(url: str, family, gathered: dict, *, teacher_url: str, shift: float, n
     """The writer's half (no collective): the adapters at ``url`` through the family's
     ``save_lora_weights``, the student's scheduler, a read-back check, export.json last."""
     started = time.perf_counter() if started is None else started
-    teacher = describe_checkpoint(teacher_url)
+    teacher = describe_model_dir(teacher_url)
     if teacher["family"] != family.class_name:
         raise ModelDirError(f"{teacher_url}: the teacher is a {teacher['family']}, the student a {family.class_name}")
     metadata, loader = gathered["lora"], lora.lora_loader(family)

@@ -3,7 +3,7 @@
 Layout of one export (``{save}/exports/iter_{iteration:07d}/``, any fsspec URL)::
 
     model_index.json      the teacher's, transformer and scheduler entries updated (a bare
-                          teacher: transformer + scheduler only, as save_checkpoint writes it)
+                          teacher: transformer + scheduler only, as save_model_dir writes it)
     transformer/          the weights the project evaluates with: the EMA when there is one,
                           else the trained weights, cast to the export dtype
     transformer_online/   with an EMA only: the trained (online) weights; not in model_index.json
@@ -49,7 +49,7 @@ from dmd2_core import parallel, storage
 from dmd2_core.export import adapters
 from dmd2_core.export.files import EXPORT_FORMAT, cast, persistent, total_bytes, writable_dir
 from dmd2_core.checkpoint.layout import EXPORT_MARKER_NAME
-from dmd2_core.models import describe_checkpoint, family_of, write_transformer
+from dmd2_core.models import describe_model_dir, family_of, write_transformer
 from dmd2_core.errors import ModelDirError, StorageUnavailableError, one_line
 from dmd2_core.export.scheduler import SCHEDULER_CLASS, student_scheduler_config, verify_written_scheduler
 
@@ -133,7 +133,7 @@ def write_export(url: str, model: torch.nn.Module, gathered: dict, *, teacher_ur
     averaged = cast(gathered["ema"], export_dtype) if gathered.get("ema") is not None else None
     primary = averaged if averaged is not None else online
 
-    teacher = describe_checkpoint(teacher_url)
+    teacher = describe_model_dir(teacher_url)
     if teacher["family"] != family.class_name:
         raise ModelDirError(f"{teacher_url}: the teacher is a {teacher['family']}, the student a {family.class_name}")
     if family.deterministic_student:  # the teacher's own (modular) pipeline steps the student: its schedulers stay

@@ -26,7 +26,7 @@ def student_scheduler_config(shift: float, num_steps: int, num_train_timesteps: 
     (S-1)(K-1) S'^2 + [(S-1)(K-1) - S K] M S' + S K M = 0 (M = num_train_timesteps - 1)
     the two agree exactly in real arithmetic (float32 rounding here: <= 2.4e-7 over shifts
     0.5..20, K 1..50). So the exported ``shift`` is S', not the training shift; export.json
-    records the training shift (and describe_checkpoint reads it from there). K=1 needs no
+    records the training shift (and describe_model_dir reads it from there). K=1 needs no
     change: set_timesteps(1) is [1] whatever the shift."""
     S, K, M = float(shift), int(num_steps), num_train_timesteps - 1
     if not (S > 0 and K >= 1):

@@ -34,7 +34,7 @@ from dmd2_core import parallel, storage
 from dmd2_core.models import lora
 from dmd2_core.args import Args
 from dmd2_core.errors import ArgsError
-from dmd2_core.models import FAMILIES, describe_checkpoint
+from dmd2_core.models import FAMILIES, describe_model_dir
 
 FP32 = 4
 
@@ -43,7 +43,7 @@ FP32 = 4
 def meta_model(url: str) -> torch.nn.Module:
     """A checkpoint's transformer built from its config on the meta device (no weights), cached
     per URL within a process (the plan and the LoRA count read the same build)."""
-    info = describe_checkpoint(url)
+    info = describe_model_dir(url)
     family = FAMILIES[info["family"]]
     config = json.loads(storage.read_text(storage.join(info["transformer_url"], "config.json")))
     with torch.device("meta"):

@@ -46,7 +46,7 @@ from dmd2_core import parallel
 from dmd2_core.args import Args
 from dmd2_core.errors import ArgsError
 from dmd2_core.memory.table import ROWS, table  # noqa: F401 - the plan's printout, memory.table
-from dmd2_core.models import FAMILIES, describe_checkpoint
+from dmd2_core.models import FAMILIES, describe_model_dir
 
 GIB = 1024 ** 3
 NODE_CP = terms.DEVICES_PER_NODE  # the largest cp_size a refusal suggests growing to: one node's all-to-all
@@ -67,7 +67,7 @@ class ModelSize:
 def model_size(url: str) -> ModelSize:
     """Parameter counts of a checkpoint's transformer, built from its config on the meta device
     (cached per URL within a process: a checkpoint's config does not change under a plan)."""
-    family = FAMILIES[describe_checkpoint(url)["family"]]
+    family = FAMILIES[describe_model_dir(url)["family"]]
     model = lora_terms.meta_model(url)
     blocks = parallel.blocks(model)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
@@ -163,7 +163,7 @@ def group_plan(role: str, args: Args, size: ModelSize, teacher: Optional[ModelSi
                scored: Optional[bool] = None) -> GroupPlan:
     """``teacher``: the critic's separate frozen teacher; ``scored``: the group scores with a teacher
     (default: it has one; a LoRA critic over a shared base has none of its own)."""
-    family = FAMILIES[describe_checkpoint(args.hf_checkpoint)["family"]].bind(args.latent_shape)
+    family = FAMILIES[describe_model_dir(args.hf_checkpoint)["family"]].bind(args.latent_shape)
     compute = _dtype_bytes(args.dtype)
     fp32 = 4
     shard = lambda n: -(-n // shard_size)  # noqa: E731 - ceil division, as FSDP pads shards
@@ -280,7 +280,7 @@ def plan(trainer_args: dict[str, Args]) -> MemoryPlan:
     decoder = 0
     if "actor" in by_role and args.eval_interval:  # eval: the student's K steps, then rank 0 decodes
         actor_args, actor = trainer_args["actor"], by_role["actor"]
-        family = FAMILIES[describe_checkpoint(actor_args.hf_checkpoint)["family"]].bind(actor_args.latent_shape)
+        family = FAMILIES[describe_model_dir(actor_args.hf_checkpoint)["family"]].bind(actor_args.latent_shape)
         size = size_of(actor_args.hf_checkpoint)
         compute = _dtype_bytes(actor_args.dtype)
         shape = family_shape(family, size.config, actor_args.latent_shape)

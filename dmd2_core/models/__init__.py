@@ -46,7 +46,7 @@ def _read_json(url: str) -> dict[str, Any]:
     return json.loads(storage.read_text(url))
 
 
-def describe_checkpoint(url: str) -> dict[str, Any]:
+def describe_model_dir(url: str) -> dict[str, Any]:
     """What a checkpoint holds, read from its JSON files alone (cheap, before any actor starts):
     {'family', 'transformer_url', 'shift', 'vae_url'}. Raises CheckpointError naming the path."""
     if not url:
@@ -108,7 +108,7 @@ def check_weight_files(url: str) -> None:
     a model with sound, its audio VAE) is whole: each safetensors file (each shard of a sharded
     one) has a readable header whose tensors end within the file. Reads the headers alone, never
     the weights. Raises CheckpointError naming the file (a download cut off is the usual cause)."""
-    info = describe_checkpoint(url)
+    info = describe_model_dir(url)
     folders = [info["transformer_url"]]
     if info["vae_url"]:
         folders.append(info["vae_url"])
@@ -154,8 +154,8 @@ def _scheduler_shift(url: str, folder: str, default: float) -> float:
         raise ModelDirError(f"{sched_url}: unreadable scheduler config ({type(exc).__name__}: {first})") from None
 
 
-def load_checkpoint(url: str, device: str = "cpu", dtype: torch.dtype = torch.float32, with_vae: bool = False) -> LoadedModel:
-    info = describe_checkpoint(url)
+def load_model_dir(url: str, device: str = "cpu", dtype: torch.dtype = torch.float32, with_vae: bool = False) -> LoadedModel:
+    info = describe_model_dir(url)
     family = FAMILIES[info["family"]]
     with storage.local_copy(info["transformer_url"]) as local:
         model = family.model_class.from_pretrained(str(local), torch_dtype=dtype)
@@ -166,7 +166,7 @@ def load_checkpoint(url: str, device: str = "cpu", dtype: torch.dtype = torch.fl
     return LoadedModel(model.to(device), family, info["shift"], vae, info["modality_shifts"])
 
 
-def save_checkpoint(
+def save_model_dir(
     model: torch.nn.Module,
     url: str,
     shift: float,

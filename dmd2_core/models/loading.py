@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from dmd2_core import parallel, storage
-from dmd2_core.models import FAMILIES, LoadedModel, describe_checkpoint
+from dmd2_core.models import FAMILIES, LoadedModel, describe_model_dir
 from dmd2_core.errors import ModelDirError, WeightFilesError
 from dmd2_core.models.weight_files import WeightFiles
 
@@ -46,7 +46,7 @@ def build_empty(url: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     from accelerate import init_empty_weights
     from diffusers.models.modeling_utils import no_init_weights
 
-    info = describe_checkpoint(url)
+    info = describe_model_dir(url)
     family = FAMILIES[info["family"]]
     config_url = storage.join(info["transformer_url"], "config.json")
     config = json.loads(storage.read_text(config_url))
@@ -114,4 +114,4 @@ def fill(targets: list[tuple[torch.nn.Module, LoadDtype]], files: WeightFiles) -
 
 def weight_files(url: str) -> WeightFiles:
     """The transformer weights of checkpoint ``url`` (headers read; no weight bytes)."""
-    return WeightFiles(describe_checkpoint(url)["transformer_url"])
+    return WeightFiles(describe_model_dir(url)["transformer_url"])

@@ -25,7 +25,7 @@ import torch
 from dmd2_core import storage
 from dmd2_core.errors import ArgsError
 from dmd2_core.data import REAL_LATENTS, RealSet, write_safetensors
-from dmd2_core.models import FAMILIES, describe_checkpoint
+from dmd2_core.models import FAMILIES, describe_model_dir
 
 IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 VIDEO_EXTS = {".mp4", ".webm", ".mov", ".mkv", ".avi"}
@@ -151,7 +151,7 @@ def prepare_latents(hf_checkpoint: str, images: str, captions: str, out: str, la
 
     from dmd2_core.prepare.prompts import prepare_prompts
 
-    info = describe_checkpoint(hf_checkpoint)
+    info = describe_model_dir(hf_checkpoint)
     family = FAMILIES[info["family"]]
     if not info["vae_url"]:
         raise ArgsError(f"{hf_checkpoint}: the checkpoint has no vae/ to encode images with")

@@ -160,7 +160,7 @@ def clip_latent_shape_agreeing(clip: tuple[int, int, int], latent_shape: Optiona
 
 def clip_latent_shape(num_frames: int, height: int, width: int, teacher: dict[str, Any]) -> list[int]:
     """The video latents [C, F, H, W] of a MiniMax-H3 clip of ``num_frames`` frames of
-    ``height`` x ``width`` (``teacher``: ``describe_checkpoint``'s answer); ArgsError naming the
+    ``height`` x ``width`` (``teacher``: ``describe_model_dir``'s answer); ArgsError naming the
     key when the model does not generate that clip."""
     from dmd2_core.models.minimax_h3 import latent_frames
 
@@ -215,7 +215,7 @@ def check_context_parallel(args: Args, trainer_args: dict[str, Args]) -> None:
     context-parallel plan, the heads split over cp, and every sequence the trainer runs (the latent
     shape's tokens, plus each prompt's text for a joint model) splits evenly. The critic scores the
     actor's rows rank by rank, so both split a batch alike."""
-    from dmd2_core.models import FAMILIES, describe_checkpoint
+    from dmd2_core.models import FAMILIES, describe_model_dir
 
     keys = {"actor": "cp_size", "critic": "cp_size" if args.critic_cp_size is None else "critic_cp_size"}
     sizes = {role: targs.cp_size for role, targs in trainer_args.items()}
@@ -233,7 +233,7 @@ def check_context_parallel(args: Args, trainer_args: dict[str, Args]) -> None:
         urls = [targs.hf_checkpoint] + ([targs.teacher_checkpoint or targs.hf_checkpoint]
                                         if targs.loss_type == "dmd2_critic" else [])
         for url in dict.fromkeys(urls):
-            info = describe_checkpoint(url)
+            info = describe_model_dir(url)
             config = json.loads(storage.read_text(storage.join(info["transformer_url"], "config.json")))
             family = FAMILIES[info["family"]]
             problem = family.context_parallel_problem(config, cp)

@@ -15,7 +15,7 @@ from dmd2_core.args import Args
 from dmd2_core.errors import ArgsError, CheckpointError
 from dmd2_core.data import check_real_set, prompt_texts
 from dmd2_core.train.input_hook import load_hook
-from dmd2_core.models import FAMILIES, check_weight_files, describe_checkpoint
+from dmd2_core.models import FAMILIES, check_weight_files, describe_model_dir
 from dmd2_core.train.trainer_config import compute_trainer_args, compute_trainer_configs
 
 
@@ -28,7 +28,7 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
         if not getattr(args, key):
             raise ArgsError(f"{key} is not set: point it at {what}")
     checks.check_ray_address(args.ray_address)
-    teacher = describe_checkpoint(args.hf_checkpoint)
+    teacher = describe_model_dir(args.hf_checkpoint)
     args = checks.check_family_args(args, teacher)
     if FAMILIES[teacher["family"]].is_video and not args.latent_shape:
         raise ArgsError(f"latent_shape: {args.hf_checkpoint} is a video model ({teacher['family']}); "
@@ -39,9 +39,9 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
     trainer_args = {}
     for cfg in compute_trainer_configs(args):
         targs = compute_trainer_args(args, cfg)
-        describe_checkpoint(targs.hf_checkpoint)
+        describe_model_dir(targs.hf_checkpoint)
         if targs.loss_type == "dmd2_critic":
-            describe_checkpoint(targs.teacher_checkpoint or targs.hf_checkpoint)
+            describe_model_dir(targs.teacher_checkpoint or targs.hf_checkpoint)
         if targs.train_input_hook_path:
             flag = "critic_train_input_hook_path" if cfg.role == "critic" else "train_input_hook_path"
             load_hook(targs.train_input_hook_path, flag=flag)
@@ -81,7 +81,7 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
 
 def _check_gan(critic: Args) -> None:
     """The GAN head's feature block exists and the real set fits the model and the prompts."""
-    info = describe_checkpoint(critic.hf_checkpoint)
+    info = describe_model_dir(critic.hf_checkpoint)
     config = json.loads(storage.read_text(storage.join(info["transformer_url"], "config.json")))
     family = FAMILIES[info["family"]]
     blocks = int(config.get("num_layers", 0))

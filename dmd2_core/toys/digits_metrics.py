@@ -233,9 +233,9 @@ def teacher_table(
     """Teacher quality at several Euler step counts, all from the same noise:
     {str(steps): {fd, acc, diversity}}. ``model`` is a checkpoint URL or a LoadedModel;
     ``shift`` defaults to the checkpoint's scheduler shift."""
-    from dmd2_core.models import LoadedModel, load_checkpoint
+    from dmd2_core.models import LoadedModel, load_model_dir
 
-    loaded: LoadedModel = load_checkpoint(model) if isinstance(model, (str, os.PathLike)) else model
+    loaded: LoadedModel = load_model_dir(model) if isinstance(model, (str, os.PathLike)) else model
     shift = loaded.shift if shift is None else shift
     prompts = digits_prompt_set()
     net = loaded.model.eval()

@@ -24,7 +24,7 @@ import torch
 
 from dmd2_core import flow_matching as fm
 from dmd2_core.data import digits_prompt_set, digits_tensors
-from dmd2_core.models import describe_checkpoint, save_checkpoint
+from dmd2_core.models import describe_model_dir, save_model_dir
 from dmd2_core.errors import ModelDirError
 from dmd2_core.models.sd3 import SD3ImageFamily, tiny_digits_config
 
@@ -123,7 +123,7 @@ def train_teacher(
 
     final = (ema if ema is not None else model).eval()
     if save_url is not None:
-        save_checkpoint(final, save_url, shift=shift)
+        save_model_dir(final, save_url, shift=shift)
         if log:
             log(f"teacher saved to {save_url}")
     tail = losses[-100:]
@@ -143,7 +143,7 @@ def train_teacher(
 def ensure_teacher(url: str, seed: int = 0, log: Optional[Callable[[str], None]] = print, **train_kwargs) -> str:
     """``url`` itself when it already holds a readable checkpoint, else a teacher trained there."""
     try:
-        describe_checkpoint(url)
+        describe_model_dir(url)
         if log:
             log(f"reusing teacher at {url}")
         return url
@@ -173,7 +173,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     reused = False
     if ns.reuse:
         try:
-            describe_checkpoint(ns.save)
+            describe_model_dir(ns.save)
             reused = True
             print(f"reusing teacher at {ns.save}")
         except ModelDirError:

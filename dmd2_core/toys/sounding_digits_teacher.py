@@ -41,7 +41,7 @@ from dmd2_core.train import dmd2_method
 from dmd2_core.data import REAL_LATENTS, write_safetensors
 from dmd2_core.toys import sounding_digits as sd
 from dmd2_core.losses import flow_matching_loss
-from dmd2_core.models import describe_checkpoint, load_checkpoint, save_checkpoint
+from dmd2_core.models import describe_model_dir, load_model_dir, save_model_dir
 from dmd2_core.errors import ModelDirError
 from dmd2_core.models.minimax_h3 import AUDIO_SHIFT, VIDEO_SHIFT, MiniMaxH3Family
 from dmd2_core.toys.digits_teacher import _ema_update, _lr_factor, logit_normal_sigmas
@@ -150,7 +150,7 @@ def train_av_teacher(save_url: Optional[str], seed: int = 0, num_steps: int = DE
 def save_av_teacher(model: torch.nn.Module, url: str) -> None:
     from diffusers import MiniMaxH3Scheduler
 
-    save_checkpoint(model, url, shift=VIDEO_SHIFT)
+    save_model_dir(model, url, shift=VIDEO_SHIFT)
     with tempfile.TemporaryDirectory() as tmp:
         MiniMaxH3Scheduler(shift=AUDIO_SHIFT).save_pretrained(tmp)
         storage.write_bytes(storage.join(url, "audio_scheduler", "scheduler_config.json"),
@@ -185,7 +185,7 @@ def ensure_real_set(teacher_url: str) -> str:
 def present(url: str) -> bool:
     """``url`` holds a readable teacher with its prompt set."""
     try:
-        describe_checkpoint(url)
+        describe_model_dir(url)
     except ModelDirError:
         return False
     return storage.exists(prompts_url(url))
@@ -232,7 +232,7 @@ def sample_clips(family, model, labels: torch.Tensor, num_steps: int, seed: int)
 def av_teacher_table(url: str, steps=TABLE_STEPS, num_samples: int = 500, seed: int = 0) -> dict:
     from dmd2_core.toys import sounding_digits_metrics
 
-    loaded = load_checkpoint(url)
+    loaded = load_model_dir(url)
     family = bound_family(loaded.model)
     labels = sounding_digits_metrics.balanced_labels(num_samples)
     return {str(k): sounding_digits_metrics.evaluate_clips(sample_clips(family, loaded.model.eval(), labels, k, seed), labels)

@@ -11,7 +11,7 @@ import torch
 
 from dmd2_core import storage
 from dmd2_core.data import PromptSet
-from dmd2_core.models import FAMILIES, save_checkpoint
+from dmd2_core.models import FAMILIES, save_model_dir
 
 TEXT_DIM = 32
 TEXT_TOKENS = 6
@@ -109,7 +109,7 @@ def build_standin(url: str, kind: str = "sd3", seed: int = 0, with_text_encoder:
     make_transformer, make_vae, shift, _ = STANDINS[kind]
     torch.manual_seed(seed)
     transformer, vae = make_transformer(), make_vae()
-    save_checkpoint(transformer, url, shift=shift, vae=vae)
+    save_model_dir(transformer, url, shift=shift, vae=vae)
     if with_text_encoder:
         if kind != "wan":
             raise ValueError("stand-in text encoders exist for 'wan' only")

@@ -18,7 +18,7 @@ from dmd2_core.models import lora
 from dmd2_core.args import Args
 from dmd2_core.data import load_prompt_set, load_real_set
 from dmd2_core.losses import dmd2_loss
-from dmd2_core.models import load_checkpoint
+from dmd2_core.models import load_model_dir
 
 
 def _adamw(model, args: Args, lr: float):
@@ -36,15 +36,15 @@ def _step(model, optimizer, clip: float) -> float:
 class ReferenceLoop:
     def __init__(self, args: Args):
         torch.set_num_threads(args.torch_threads)
-        teacher = load_checkpoint(args.hf_checkpoint)
+        teacher = load_model_dir(args.hf_checkpoint)
         self.args = args.model_copy(update={"dmd2_shift": args.dmd2_shift or teacher.shift})
         # a joint model (MiniMax-H3) needs its clip geometry and its two schedules bound
         self.family = teacher.family.bind(args.latent_shape, teacher.model, teacher.modality_shifts)
-        self.student = lora.attach(load_checkpoint(args.hf_checkpoint).model, args)
+        self.student = lora.attach(load_model_dir(args.hf_checkpoint).model, args)
         from dmd2_core.train.trainer_config import TrainerConfig, compute_trainer_args, critic_overrides
 
         critic_args = compute_trainer_args(args, TrainerConfig("critic", critic_overrides(args)))
-        self.critic = lora.attach(load_checkpoint(critic_args.hf_checkpoint).model, critic_args)
+        self.critic = lora.attach(load_model_dir(critic_args.hf_checkpoint).model, critic_args)
         # a LoRA fake score of the teacher shares its base, as in the critic group
         self.teacher = lora.RealScore(self.critic) if lora.shares_base(critic_args) else \
             teacher.model.requires_grad_(False).eval()

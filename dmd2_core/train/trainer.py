@@ -29,7 +29,7 @@ from dmd2_core.train.device_stash import DeviceStash, distinct_storages, slot
 from dmd2_core.finite import NonFiniteCounter
 from dmd2_core.train.input_hook import batch_size, train_input_hook
 from dmd2_core.train.model_update import ModelUpdate
-from dmd2_core.models import describe_checkpoint
+from dmd2_core.models import describe_model_dir
 from dmd2_core.train.rank_outputs import Saves
 from dmd2_core.train.rank_models import TrainerModels
 
@@ -194,7 +194,7 @@ class Trainer:
                                    self.shift, self.device)
         self._reshard()
         if self.rank == 0 and decode:
-            vae_url = describe_checkpoint(self.args.hf_checkpoint)["vae_url"]
+            vae_url = describe_model_dir(self.args.hf_checkpoint)["vae_url"]
             if self.vae is None and vae_url:
                 self.vae = self.family.load_vae(vae_url, self.dtype)
             if self.vae is not None:
