@@ -17,9 +17,9 @@ from typing import Any, Optional
 from PIL import Image
 
 from dmd2_core import storage
-from dmd2_core.run.checks import eval_prompt_indices
 from dmd2_core.data import prompt_texts
 from dmd2_core.media.images import image_grid, mime_type, png_bytes, video_media
+from dmd2_core.errors import ArgsError
 from dmd2_core.report import embed
 
 PRESIGN_EXPIRES_S = 7 * 24 * 3600  # the SigV4 maximum
@@ -53,6 +53,16 @@ def media_url(url: str, expires: int = PRESIGN_EXPIRES_S) -> Optional[str]:
 
 def media_stem(save_url: str, iteration: int) -> str:
     return storage.join(save_url, "media", f"iter_{int(iteration):07d}")
+
+
+def eval_prompt_indices(args: Args, num_prompts: int) -> list[int]:
+    """The prompt indices an eval samples: ``eval_prompts``, or every prompt of the set."""
+    indices = list(args.eval_prompts) if args.eval_prompts else list(range(num_prompts))
+    bad = [i for i in indices if not 0 <= i < num_prompts]
+    if bad:
+        raise ArgsError(f"eval_prompts: index {bad[0]} out of range for {num_prompts} prompts")
+    return indices
+
 
 
 def run_eval(run, iteration: int, embed_limit: int = 512 * 1024) -> dict[str, Any]:

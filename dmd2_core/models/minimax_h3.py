@@ -28,12 +28,15 @@ The packed layout and the per-row timesteps are built by diffusers' own blocks
 
 from __future__ import annotations
 
+import json
 import math
 from functools import cached_property
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
+from dmd2_core import storage
+from dmd2_core.errors import ArgsError
 from dmd2_core.models.base import ModelFamily
 
 FPS = 24
@@ -81,6 +84,50 @@ def geometry_problem(num_frames: int, height: int, width: int, spatial_ratio: in
     aspect = width / height
     if not MIN_ASPECT <= aspect <= MAX_ASPECT:
         return f"width: {width}x{height} has aspect ratio {aspect:g}; MiniMax-H3 supports 1:4 to 4:1"
+    return None
+
+
+# ---- clips and their latents (the CLI's num_frames / height / width) -----------------------------
+
+def spatial_ratio(teacher: dict[str, Any]) -> int:
+    """The video VAE's spatial compression (16 for MiniMax-H3's), from its config."""
+    if not teacher.get("vae_url"):
+        return 16
+    config = json.loads(storage.read_text(storage.join(teacher["vae_url"], "config.json")))
+    return int(math.prod(config.get("spatial_downsample_factors") or [16]))
+
+
+
+def clip_latent_shape(num_frames: int, height: int, width: int, teacher: dict[str, Any]) -> list[int]:
+    """The video latents [C, F, H, W] of a MiniMax-H3 clip of ``num_frames`` frames of
+    ``height`` x ``width`` (``teacher``: ``describe_model_dir``'s answer); ArgsError naming the
+    key when the model does not generate that clip."""
+    ratio = spatial_ratio(teacher)
+    problem = geometry_problem(num_frames, height, width, ratio)
+    if problem:
+        raise ArgsError(problem)
+    config = json.loads(storage.read_text(storage.join(teacher["transformer_url"], "config.json")))
+    return [int(config.get("in_channels", 24)), latent_frames(num_frames), height // ratio, width // ratio]
+
+
+
+def clip_latent_shape_agreeing(clip: tuple[int, int, int], latent_shape: Optional[list[int]], teacher: dict) -> list[int]:
+    """The video latents of ``clip`` (num_frames, height, width); a ``latent_shape`` set beside it must agree."""
+    shape = clip_latent_shape(*clip, teacher)
+    if latent_shape and list(latent_shape) != shape:
+        raise ArgsError(f"latent_shape: {list(latent_shape)} disagrees with num_frames/height/width ({shape}); "
+                        "set one of them")
+    return shape
+
+
+
+def latent_shape_problem(latent_shape: list[int], teacher: dict[str, Any]) -> Optional[str]:
+    """Why a video ``latent_shape`` [C, F, H, W] is not the latents of a clip MiniMax-H3 makes, or None."""
+    _, frames, height, width = (list(latent_shape) + [0] * 4)[:4]
+    ratio = spatial_ratio(teacher)
+    problem = geometry_problem(pixel_frames(frames), height * ratio, width * ratio, ratio)
+    if problem or (frames - 2) % LATENTS_PER_CHUNK:
+        return problem or "latent frames must be 5n + 2"
     return None
 
 

@@ -169,7 +169,7 @@ def prepare_latents(hf_checkpoint: str, images: str, captions: str, out: str, la
     vae = family.load_vae(info["vae_url"], torch.float32).eval()
     latents = []
     if family.has_audio:
-        from dmd2_core.run.checks import spatial_ratio
+        from dmd2_core.models.minimax_h3 import spatial_ratio
         from dmd2_core.models.minimax_h3 import FPS
 
         ratio = spatial_ratio(info)
@@ -196,7 +196,7 @@ def prepare_latents(hf_checkpoint: str, images: str, captions: str, out: str, la
 
 def _clip_latent_shape(info: dict, clip: Optional[tuple[int, int, int]], latent_shape: Optional[list[int]]) -> list[int]:
     """A joint video + audio model's video latents [C, F, H, W], from the clip's geometry."""
-    from dmd2_core.run.checks import clip_latent_shape_agreeing
+    from dmd2_core.models.minimax_h3 import clip_latent_shape_agreeing
 
     if clip is None:
         if latent_shape:

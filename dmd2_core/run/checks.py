@@ -76,15 +76,6 @@ def check_prompt_set(url: str, needs_negative: bool = True, cond_keys: tuple[str
             raise bad("its 'prompts' metadata is not a JSON list") from None
 
 
-def eval_prompt_indices(args: Args, num_prompts: int) -> list[int]:
-    """The prompt indices an eval samples: ``eval_prompts``, or every prompt of the set."""
-    indices = list(args.eval_prompts) if args.eval_prompts else list(range(num_prompts))
-    bad = [i for i in indices if not 0 <= i < num_prompts]
-    if bad:
-        raise ArgsError(f"eval_prompts: index {bad[0]} out of range for {num_prompts} prompts")
-    return indices
-
-
 # ---- the family's own rules ---------------------------------------------------------------------
 
 def check_family_args(args: Args, teacher: dict[str, Any]) -> Args:
@@ -93,6 +84,7 @@ def check_family_args(args: Args, teacher: dict[str, Any]) -> Args:
     (num_frames, height, width) becomes its ``latent_shape``, modality weights name its modalities.
     Returns ``args`` with the derived values."""
     from dmd2_core.models import FAMILIES
+    from dmd2_core.models.minimax_h3 import clip_latent_shape_agreeing, latent_shape_problem
 
     family = FAMILIES[teacher["family"]]
     name = teacher["family"]
@@ -112,14 +104,10 @@ def check_family_args(args: Args, teacher: dict[str, Any]) -> Args:
         latent_shape = clip_latent_shape_agreeing((args.num_frames, args.height, args.width), args.latent_shape, teacher)
         args = args.model_copy(update={"latent_shape": latent_shape})
     elif family.has_audio and args.latent_shape:
-        from dmd2_core.models.minimax_h3 import pixel_frames
-
-        channels, frames, height, width = (list(args.latent_shape) + [0] * 4)[:4]
-        ratio = spatial_ratio(teacher)
-        problem = minimax_geometry(pixel_frames(frames), height * ratio, width * ratio, ratio)
-        if (frames - 2) % 5 or problem:
-            raise ArgsError(f"latent_shape: {list(args.latent_shape)} is no MiniMax-H3 clip "
-                            f"({problem or 'latent frames must be 5n + 2'}); set num_frames, height and width instead")
+        problem = latent_shape_problem(list(args.latent_shape), teacher)
+        if problem:
+            raise ArgsError(f"latent_shape: {list(args.latent_shape)} is no MiniMax-H3 clip ({problem}); "
+                            "set num_frames, height and width instead")
     if args.dmd2_modality_weights:
         known = ("video", "audio") if family.has_audio else ()
         for key, value in args.dmd2_modality_weights.items():
@@ -131,45 +119,6 @@ def check_family_args(args: Args, teacher: dict[str, Any]) -> Args:
             if not value >= 0:
                 raise ArgsError(f"dmd2_modality_weights: {key} weight must be >= 0 (got {value})")
     return args
-
-
-def minimax_geometry(num_frames: int, height: int, width: int, ratio: int) -> Optional[str]:
-    from dmd2_core.models.minimax_h3 import geometry_problem
-
-    return geometry_problem(num_frames, height, width, ratio)
-
-
-def spatial_ratio(teacher: dict[str, Any]) -> int:
-    """The video VAE's spatial compression (16 for MiniMax-H3's), from its config."""
-    import math
-
-    if not teacher.get("vae_url"):
-        return 16
-    config = json.loads(storage.read_text(storage.join(teacher["vae_url"], "config.json")))
-    return int(math.prod(config.get("spatial_downsample_factors") or [16]))
-
-
-def clip_latent_shape_agreeing(clip: tuple[int, int, int], latent_shape: Optional[list[int]], teacher: dict) -> list[int]:
-    """The video latents of ``clip`` (num_frames, height, width); a ``latent_shape`` set beside it must agree."""
-    shape = clip_latent_shape(*clip, teacher)
-    if latent_shape and list(latent_shape) != shape:
-        raise ArgsError(f"latent_shape: {list(latent_shape)} disagrees with num_frames/height/width ({shape}); "
-                        "set one of them")
-    return shape
-
-
-def clip_latent_shape(num_frames: int, height: int, width: int, teacher: dict[str, Any]) -> list[int]:
-    """The video latents [C, F, H, W] of a MiniMax-H3 clip of ``num_frames`` frames of
-    ``height`` x ``width`` (``teacher``: ``describe_model_dir``'s answer); ArgsError naming the
-    key when the model does not generate that clip."""
-    from dmd2_core.models.minimax_h3 import latent_frames
-
-    ratio = spatial_ratio(teacher)
-    problem = minimax_geometry(num_frames, height, width, ratio)
-    if problem:
-        raise ArgsError(problem)
-    config = json.loads(storage.read_text(storage.join(teacher["transformer_url"], "config.json")))
-    return [int(config.get("in_channels", 24)), latent_frames(num_frames), height // ratio, width // ratio]
 
 
 # ---- latent shape -----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from dmd2_core import checkpoint, storage
 from dmd2_core.run import checks
 from dmd2_core.run import lease
+from dmd2_core.media.eval_media import eval_prompt_indices
 from dmd2_core.memory import planner
 from dmd2_core.args import Args
 from dmd2_core.errors import ArgsError, CheckpointError
@@ -52,7 +53,7 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
             raise ArgsError(f"prompts: no prompt set at {args.prompts}{storage.nearest_sibling(args.prompts)}")
         checks.check_prompt_set(args.prompts, needs_negative=args.dmd2_guidance_scale != 1.0,
                                 cond_keys=FAMILIES[teacher["family"]].cond_keys)
-    checks.eval_prompt_indices(args, len(prompt_texts(args.prompts)))
+    eval_prompt_indices(args, len(prompt_texts(args.prompts)))
     if "critic" in trainer_args and args.gan_critic_weight:
         _check_gan(trainer_args["critic"])
     if planner.device_limit(args) is not None or args.host_memory_gib:
