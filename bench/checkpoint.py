@@ -35,7 +35,8 @@ def build_teacher(url: str, width: int, layers: int) -> dict:
     import torch
 
     from dmd2_core.models import save_model_dir
-    from dmd2_core.models.sd3 import SD3ImageFamily, tiny_digits_config
+    from dmd2_core.models.sd3 import SD3ImageFamily
+    from dmd2_core.toys.digits import tiny_digits_config
 
     torch.manual_seed(0)
     heads = max(1, width // 64)

@@ -101,11 +101,12 @@ def stand_in_eval(run, iteration):
     import torch
 
     from dmd2_core.media.images import image_grid, png_bytes
-    from dmd2_core.media.eval_media import _publish, media_stem
+    from dmd2_core.media.eval_media import publish
+    from dmd2_core.save_layout import media_stem
 
     data = png_bytes(image_grid(torch.zeros(8, 3, 32, 32), nrow=4))
     return {"iteration": int(iteration), "metrics": {"eval_media_s": 0.0},
-            "media": [_publish(f"{media_stem(run.args.save, iteration)}.png", data, f"iteration {iteration}", 512 * 1024)]}
+            "media": [publish(f"{media_stem(run.args.save, iteration)}.png", data, f"iteration {iteration}", 512 * 1024)]}
 
 
 def _graph_nodes(api: str, flow_run_id: str) -> int:

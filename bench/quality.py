@@ -50,7 +50,7 @@ METRICS = ("fd", "acc", "diversity")
 def teacher_reference_features(teacher: str, num_samples: int, seed: int, guidance: float):
     """Features of the teacher's 50-step samples: the selection target (no test data)."""
     from dmd2_core import flow_matching as fm
-    from dmd2_core.data import digits_prompt_set
+    from dmd2_core.toys.digits import digits_prompt_set
     from dmd2_core.toys.digits_metrics import eval_noise
     from dmd2_core.models import load_model_dir
     from dmd2_core.sampling import euler_sample

@@ -10,7 +10,8 @@ def random_digits_teacher(prefix: str) -> tuple[str, str]:
     import torch
 
     from dmd2_core.models import save_model_dir
-    from dmd2_core.models.sd3 import SD3ImageFamily, tiny_digits_config
+    from dmd2_core.models.sd3 import SD3ImageFamily
+    from dmd2_core.toys.digits import tiny_digits_config
 
     tmp = tempfile.mkdtemp(prefix=prefix)
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Conditioning sets (precomputed prompt embeddings) and the digits image set.
+"""Conditioning sets (precomputed prompt embeddings) and real sets, and the sets built in by name.
 
 A prompt set is one safetensors file holding the tensors a real text-to-image pipeline's text
 encoders produce: ``prompt_embeds`` [N, L, D], optionally ``pooled_prompt_embeds`` [N, P], and the
@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Optional
 
-import numpy as np
 import torch
 from safetensors.torch import load, save
 
 from dmd2_core import storage
 
 DIGITS = "digits"
-DIGITS_EMBED_DIM = 32
-DIGITS_TOKENS = 4
-DIGITS_TEST_SIZE = 497  # held-out digits for the Fréchet distance; 1300 train
+# Prompt and real sets built in by name: a toy world's module (``dmd2_core/toys``), imported only
+# when a run names it, that gives ``prompt_set()``, ``real_set()`` and ``quality(sample, n, seed)``.
+BUILTIN_SETS = {DIGITS: "dmd2_core.toys.digits"}
 
 
 @dataclass
@@ -60,22 +58,18 @@ def read_safetensors(url: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]
     return tensors, header.get("__metadata__") or {}
 
 
-def digits_prompt_set() -> PromptSet:
-    """Ten prompts, one per digit, with fixed embeddings standing in for a text encoder's (seeded,
-    so every process builds the same set), and an empty-prompt entry of its own."""
-    g = torch.Generator().manual_seed(20240514)
-    tokens = torch.randn(11, DIGITS_TOKENS, DIGITS_EMBED_DIM, generator=g)
-    pooled = torch.randn(11, DIGITS_EMBED_DIM, generator=g)
-    return PromptSet(
-        prompts=[f"a handwritten digit {d}" for d in range(10)],
-        embeds={"prompt_embeds": tokens[:10], "pooled_prompt_embeds": pooled[:10]},
-        negative={"prompt_embeds": tokens[10:], "pooled_prompt_embeds": pooled[10:]},
-    )
+def builtin_set(name: Optional[str]):
+    """The toy world a built-in set name stands for (its module), or None for a set's URL."""
+    if name not in BUILTIN_SETS:
+        return None
+    import importlib
+
+    return importlib.import_module(BUILTIN_SETS[name])
 
 
 def load_prompt_set(url: str) -> PromptSet:
-    if url == DIGITS:
-        return digits_prompt_set()
+    if url in BUILTIN_SETS:
+        return builtin_set(url).prompt_set()
     tensors, meta = read_safetensors(url)
     prompts = json.loads(meta.get("prompts", "[]"))
     embeds = {k: v for k, v in tensors.items() if not k.startswith("negative_")}
@@ -86,26 +80,6 @@ def load_prompt_set(url: str) -> PromptSet:
     if not prompts:
         prompts = [f"prompt {i}" for i in range(len(embeds["prompt_embeds"]))]
     return PromptSet(prompts, embeds, negative)
-
-
-@lru_cache(maxsize=1)
-def digits_split() -> dict[str, np.ndarray]:
-    """scikit-learn's 8x8 digits scaled to [-1, 1], with a fixed held-out test split."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    data = load_digits()
-    images = (data.images.astype(np.float32) / 8.0) - 1.0
-    x_tr, x_te, y_tr, y_te = train_test_split(
-        images, data.target, test_size=DIGITS_TEST_SIZE, random_state=0, stratify=data.target
-    )
-    return {"train_x": x_tr, "train_y": y_tr, "test_x": x_te, "test_y": y_te}
-
-
-def digits_tensors(split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
-    """Images [N, 1, 8, 8] and labels [N] of one split."""
-    d = digits_split()
-    return torch.from_numpy(d[f"{split}_x"]).unsqueeze(1), torch.from_numpy(d[f"{split}_y"]).long()
 
 
 # ---- real data (the GAN head's real samples) ----------------------------------------------------
@@ -128,11 +102,10 @@ class RealSet:
 
 
 def load_real_set(url: str) -> RealSet:
-    """'digits' (the digits training split, each image conditioned on its label's prompt) or a
-    real-set file at any fsspec URL."""
-    if url == DIGITS:
-        x, y = digits_tensors("train")
-        return RealSet(x, digits_prompt_set().cond(y))
+    """A built-in set by name ('digits': the digits training split, each image conditioned on its
+    label's prompt) or a real-set file at any fsspec URL."""
+    if url in BUILTIN_SETS:
+        return builtin_set(url).real_set()
     tensors, _ = read_safetensors(url)
     latents = tensors.pop(REAL_LATENTS)
     return RealSet(latents.float(), {k: v.float() for k, v in tensors.items() if not k.startswith("negative_")})
@@ -147,8 +120,8 @@ def safetensors_shapes(url: str) -> dict[str, list[int]]:
 def prompt_texts(prompts_url: Optional[str]) -> list[str]:
     """The prompt texts of a prompt set, read from the safetensors header alone (no tensors are
     loaded, so a large embedding file costs one small read)."""
-    if prompts_url is None or prompts_url == DIGITS:
-        return list(digits_prompt_set().prompts)
+    if prompts_url is None or prompts_url in BUILTIN_SETS:
+        return list(builtin_set(prompts_url or DIGITS).prompt_set().prompts)
     header, _ = storage.read_safetensors_header(prompts_url)
     texts = json.loads((header.get("__metadata__") or {}).get("prompts", "[]"))
     if texts:
@@ -158,22 +131,22 @@ def prompt_texts(prompts_url: Optional[str]) -> list[str]:
 
 
 def real_set_shapes(url: str) -> dict[str, list[int]]:
-    if url == DIGITS:
-        n = len(digits_split()["train_y"])
-        return {REAL_LATENTS: [n, 1, 8, 8], **{k: [n, *v.shape[1:]] for k, v in digits_prompt_set().embeds.items()}}
+    if url in BUILTIN_SETS:
+        real = builtin_set(url).real_set()
+        return {REAL_LATENTS: list(real.latents.shape), **{k: list(v.shape) for k, v in real.cond.items()}}
     return {k: v for k, v in safetensors_shapes(url).items() if not k.startswith("negative_")}
 
 
 def prompt_set_shapes(url: str) -> dict[str, list[int]]:
-    if url == DIGITS:
-        return {k: list(v.shape) for k, v in digits_prompt_set().embeds.items()}
+    if url in BUILTIN_SETS:
+        return {k: list(v.shape) for k, v in builtin_set(url).prompt_set().embeds.items()}
     return {k: v for k, v in safetensors_shapes(url).items() if not k.startswith("negative_")}
 
 
 def check_real_set(url: str, sample_shape: tuple, prompts_url: str, cond_keys) -> None:
     """Before any actor starts: the real set exists, its latents have the model's sample shape and
     its conditions the prompt set's keys and per-sample shapes. Raises ValueError naming the path."""
-    if url != DIGITS and not storage.exists(url):
+    if url not in BUILTIN_SETS and not storage.exists(url):
         raise ValueError(f"real_data: no real set at {url}{storage.nearest_sibling(url)}")
     try:
         shapes = real_set_shapes(url)

@@ -15,11 +15,10 @@ import math
 from typing import Any, Iterable, Optional
 
 from dmd2_core import storage
+from dmd2_core.save_layout import METRICS_SEGMENTS_DIR, metrics_segment_url, metrics_url
 from dmd2_core.args import Args
 from dmd2_core.media.images import data_uri, thumbnail
 
-METRICS_NAME = "metrics.jsonl"
-SEGMENTS_DIR = "metrics"
 SEGMENT_ITERATIONS = 100  # lines per segment file: the open one is rewritten, its size is bounded
 QUALITY_KEYS = ("fd", "acc", "diversity")
 TABLE_COLUMNS = ("iteration", "dmd2_loss", "critic_loss", "dmd2_grad_norm", "actor_grad_norm",
@@ -64,7 +63,7 @@ class MetricsLog:
 
     def __init__(self, save_url: str, resume_after: int, segment: int = SEGMENT_ITERATIONS):
         self.save_url = save_url
-        self.url = storage.join(save_url, METRICS_NAME)
+        self.url = metrics_url(save_url)
         self.segment = int(segment)
         self.rows: dict[int, dict] = {}
         self._dirty: set[int] = set()
@@ -78,7 +77,7 @@ class MetricsLog:
 
     def segment_url(self, iteration: int) -> str:
         first = (int(iteration) // self.segment) * self.segment
-        return storage.join(self.save_url, SEGMENTS_DIR, f"iter_{first:07d}.jsonl")
+        return metrics_segment_url(self.save_url, first)
 
     def _drop_segments_after(self, iteration: int) -> None:
         for url in _segment_urls(self.save_url):
@@ -112,7 +111,7 @@ class MetricsLog:
 
 
 def _segment_urls(save_url: str) -> list[str]:
-    root = storage.join(save_url, SEGMENTS_DIR)
+    root = storage.join(save_url, METRICS_SEGMENTS_DIR)
     return [storage.join(root, name) for name in storage.list_names(root) if name.startswith("iter_")]
 
 
@@ -120,7 +119,7 @@ def read_metrics(save_url: str) -> list[dict]:
     """Every row of a run's metrics log, in iteration order: the segments when there are any (a
     run in progress or one that crashed), else ``metrics.jsonl``."""
     rows: dict[int, dict] = {}
-    urls = _segment_urls(save_url) or [u for u in [storage.join(save_url, METRICS_NAME)] if storage.exists(u)]
+    urls = _segment_urls(save_url) or [u for u in [metrics_url(save_url)] if storage.exists(u)]
     for url in urls:
         for line in storage.read_text(url).splitlines():
             if line.strip():

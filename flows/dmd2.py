@@ -51,7 +51,7 @@ from prefect import flow, get_run_logger, tags  # noqa: E402
 from dmd2_core.args import Args, load_args, parse_set  # noqa: E402
 from dmd2_core.errors import ArgsError, LeaseLostError, NonFiniteError, StorageUnavailableError, StoredFilesError  # noqa: E402
 from dmd2_core.run.distill_run import DistillRun  # noqa: E402
-from dmd2_core.report import METRICS_NAME, QUALITY_KEYS, MetricsLog  # noqa: E402,F401
+from dmd2_core.report import QUALITY_KEYS  # noqa: E402
 from flows import artifacts, nights, runs  # noqa: E402
 from flows.driver import LOGGED_KEYS, DriverBase, fmt as _fmt  # noqa: E402,F401
 from tasks import registry  # noqa: E402

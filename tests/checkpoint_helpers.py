@@ -8,7 +8,8 @@ import torch
 
 from dmd2_core import checkpoint as ckpt
 from dmd2_core import storage
-from dmd2_core.models.sd3 import SD3ImageFamily, tiny_digits_config
+from dmd2_core.models.sd3 import SD3ImageFamily
+from dmd2_core.toys.digits import tiny_digits_config
 
 FAMILY = SD3ImageFamily()
 SHIFT = 2.5

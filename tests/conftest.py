@@ -190,7 +190,8 @@ def tiny_teacher(tmp_path_factory) -> str:
     """An untrained tiny SD3 digits model saved as a teacher checkpoint (seeded, so every test
     session builds the same weights)."""
     from dmd2_core.models import save_model_dir
-    from dmd2_core.models.sd3 import SD3ImageFamily, tiny_digits_config
+    from dmd2_core.models.sd3 import SD3ImageFamily
+    from dmd2_core.toys.digits import tiny_digits_config
 
     torch.manual_seed(0)
     model = SD3ImageFamily().build(tiny_digits_config())

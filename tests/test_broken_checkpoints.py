@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dmd2_core import checkpoint as ckpt
-from dmd2_core.data import digits_prompt_set
+from dmd2_core.toys.digits import digits_prompt_set
 from dmd2_core.errors import CheckpointError
 from dmd2_core.run.distill_run import DistillRun
 from tests.conftest import flow_cli_refusal, tiny_args

@@ -13,7 +13,7 @@ import torch
 from dmd2_core.toys import digits_metrics as ev
 from dmd2_core import flow_matching as fm
 from dmd2_core.toys import digits_teacher as teacher_mod
-from dmd2_core.data import digits_prompt_set, digits_tensors
+from dmd2_core.toys.digits import digits_prompt_set, digits_tensors
 from dmd2_core.models import LoadedModel, describe_model_dir, load_model_dir
 from dmd2_core.models.sd3 import SD3ImageFamily
 from dmd2_core.sampling import euler_sample

@@ -127,7 +127,7 @@ def test_exported_student_loads_with_diffusers_and_reproduces_the_sampler(ray_se
     code = _documented_sampler().replace('"runs/tiny/exports/iter_0000200"', repr(f"{save}/exports/iter_0000001"))
     namespace: dict = {}
     exec(compile(code, str(SAMPLER_DOC), "exec"), namespace)
-    from dmd2_core.data import digits_prompt_set
+    from dmd2_core.toys.digits import digits_prompt_set
 
     cond = digits_prompt_set().cond(torch.tensor([0, 1, 2]))
     theirs = namespace["sample"](cond["prompt_embeds"], cond["pooled_prompt_embeds"], 11, (3, 1, 8, 8))

@@ -39,7 +39,7 @@ reads back; ``save_trainer`` checks that before it writes anything.
 
 Only this format is read: a marker of any other names its path and format in one line.
 
-Modules: ``layout`` (paths and file names), ``integrity`` (hashes, the marker, finite state),
+Modules (the paths and file names are in ``dmd2_core.save_layout``): ``integrity`` (hashes, the marker, finite state),
 ``collective`` (the ranks' agreement and retries), ``state`` (the trainer state as saved),
 ``save``, ``load``, ``tracker`` (and the pre-flight check), ``retention`` (checkpoints and exports).
 """
@@ -50,7 +50,7 @@ import warnings
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
 from dmd2_core.checkpoint.collective import checkpoint_group  # noqa: E402
-from dmd2_core.checkpoint.layout import FORMAT, TRACKER_NAME, export_url, exports_root, tracker_url, trainer_dir  # noqa: E402
+from dmd2_core.save_layout import FORMAT, TRACKER_NAME, export_url, exports_root, tracker_url, trainer_dir  # noqa: E402
 from dmd2_core.checkpoint.load import load_trainer, read_weights  # noqa: E402
 from dmd2_core.checkpoint.retention import latest_exports, list_exports, prune, prune_exports, saved_iterations  # noqa: E402
 from dmd2_core.checkpoint.save import PendingSave, save_trainer  # noqa: E402

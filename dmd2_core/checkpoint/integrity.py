@@ -12,7 +12,7 @@ import json
 import torch
 
 from dmd2_core import parallel, storage
-from dmd2_core.checkpoint.layout import COMPLETE_NAME, FORMAT
+from dmd2_core.save_layout import COMPLETE_NAME, FORMAT
 from dmd2_core.finite import first_nonfinite
 from dmd2_core.errors import CheckpointError, NonFiniteError, StorageUnavailableError, one_line
 

@@ -16,7 +16,7 @@ from dmd2_core import parallel, storage
 from dmd2_core.checkpoint.collective import all_or_none, collective_retrying
 from dmd2_core.checkpoint.integrity import check_files, read_current_marker
 from dmd2_core.errors import CheckpointError, StorageUnavailableError, StoredFilesError, one_line
-from dmd2_core.checkpoint.layout import DCP_DIR, STATE_NAME, trainer_dir
+from dmd2_core.save_layout import DCP_DIR, STATE_NAME, trainer_dir
 from dmd2_core.checkpoint.state import apply_param_groups, sharded_state, torch_load
 
 

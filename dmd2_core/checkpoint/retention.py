@@ -6,7 +6,7 @@ import re
 from typing import Any, Iterable
 
 from dmd2_core import storage
-from dmd2_core.checkpoint.layout import EXPORT_MARKER_NAME, complete_url, exports_root, trainer_dir
+from dmd2_core.save_layout import EXPORT_MARKER_NAME, complete_url, exports_root, trainer_dir
 from dmd2_core.checkpoint.tracker import read_tracker
 
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")

@@ -18,7 +18,7 @@ from dmd2_core import storage
 from dmd2_core.checkpoint.collective import all_or_none, collective_retrying
 from dmd2_core.checkpoint.integrity import check_finite, hashing_writer, listing, nested_tensors, read_marker
 from dmd2_core.errors import CheckpointError, StoredFilesError, one_line
-from dmd2_core.checkpoint.layout import COMPLETE_NAME, DCP_DIR, FORMAT, STATE_NAME, trainer_dir
+from dmd2_core.save_layout import COMPLETE_NAME, DCP_DIR, FORMAT, STATE_NAME, trainer_dir
 from dmd2_core.checkpoint.state import param_groups, sharded_state, torch_bytes, torch_load
 from dmd2_core.checkpoint.tracker import read_tracker
 

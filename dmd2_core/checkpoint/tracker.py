@@ -8,7 +8,7 @@ from typing import Iterable, Optional
 from dmd2_core import storage
 from dmd2_core.checkpoint.integrity import check_files, read_current_marker
 from dmd2_core.errors import CheckpointError, StorageUnavailableError, one_line
-from dmd2_core.checkpoint.layout import STATE_FILES, complete_url, tracker_url, trainer_dir
+from dmd2_core.save_layout import STATE_FILES, complete_url, tracker_url, trainer_dir
 
 
 def write_tracker(save_url: str, iteration: int, roles: Optional[Iterable[str]] = None) -> None:

@@ -29,7 +29,7 @@ import torch
 from dmd2_core import flow_matching as fm
 from dmd2_core import parallel, storage
 from dmd2_core.models import lora
-from dmd2_core.checkpoint.layout import EXPORT_MARKER_NAME
+from dmd2_core.save_layout import EXPORT_MARKER_NAME
 from dmd2_core.models import describe_model_dir
 from dmd2_core.errors import ModelDirError
 from dmd2_core.export.files import EXPORT_FORMAT, cast, persistent, total_bytes, writable_dir

@@ -48,7 +48,7 @@ from dmd2_core import flow_matching as fm
 from dmd2_core import parallel, storage
 from dmd2_core.export import adapters
 from dmd2_core.export.files import EXPORT_FORMAT, cast, persistent, total_bytes, writable_dir
-from dmd2_core.checkpoint.layout import EXPORT_MARKER_NAME
+from dmd2_core.save_layout import EXPORT_MARKER_NAME
 from dmd2_core.models import describe_model_dir, family_of, write_transformer
 from dmd2_core.errors import ModelDirError, StorageUnavailableError, one_line
 from dmd2_core.export.scheduler import SCHEDULER_CLASS, student_scheduler_config, verify_written_scheduler

@@ -17,10 +17,12 @@ from typing import Any, Optional
 from PIL import Image
 
 from dmd2_core import storage
-from dmd2_core.data import prompt_texts
+from dmd2_core.args import Args
+from dmd2_core.data import builtin_set, prompt_texts
 from dmd2_core.media.images import image_grid, mime_type, png_bytes, video_media
 from dmd2_core.errors import ArgsError
 from dmd2_core.report import embed
+from dmd2_core.save_layout import media_stem
 
 PRESIGN_EXPIRES_S = 7 * 24 * 3600  # the SigV4 maximum
 
@@ -50,10 +52,6 @@ def media_url(url: str, expires: int = PRESIGN_EXPIRES_S) -> Optional[str]:
 
 
 # ---- the eval step of a run -------------------------------------------------------------------
-
-def media_stem(save_url: str, iteration: int) -> str:
-    return storage.join(save_url, "media", f"iter_{int(iteration):07d}")
-
 
 def eval_prompt_indices(args: Args, num_prompts: int) -> list[int]:
     """The prompt indices an eval samples: ``eval_prompts``, or every prompt of the set."""
@@ -90,19 +88,16 @@ def run_eval(run, iteration: int, embed_limit: int = 512 * 1024) -> dict[str, An
         for p in indices:
             rows = [j for j, q in enumerate(order) if q == p]
             data = video_media(samples[rows], fps=args.eval_fps)
-            media.append(_publish(f"{stem}_p{p}.gif", data, texts[p], embed_limit))
+            media.append(publish(f"{stem}_p{p}.gif", data, texts[p], embed_limit))
     else:
         data = png_bytes(image_grid(samples, nrow=len(indices)))
         caption = f"iteration {iteration}: columns = prompts {indices}, {per_prompt} samples each"
-        media.append(_publish(f"{stem}.png", data, caption, embed_limit))
+        media.append(publish(f"{stem}.png", data, caption, embed_limit))
     metrics: dict[str, float] = {"eval_media_s": time.perf_counter() - start}
-    if args.prompts == "digits":
-        from dmd2_core.toys import digits_metrics
-
+    world = builtin_set(args.prompts)  # a toy world's prompts: its own quality figures
+    if world is not None:
         t = time.perf_counter()
-        labels = digits_metrics.balanced_labels(args.eval_num_samples, len(texts))
-        images = run.sample(labels.tolist(), args.eval_seed)
-        metrics.update(digits_metrics.evaluate_digits(images, labels))
+        metrics.update(world.quality(run.sample, args.eval_num_samples, args.eval_seed))
         metrics["eval_quality_s"] = time.perf_counter() - t
     return {"iteration": int(iteration), "metrics": metrics, "media": media}
 
@@ -122,15 +117,15 @@ def av_media_of(samples: dict, j: int, stem: str, caption: str, embed_limit: int
     mp4_url = f"{stem}.mp4"
     storage.write_bytes(mp4_url, buf.getvalue(), content_type="video/mp4")
     play = media_url(mp4_url) or mp4_url
-    strip = _publish(f"{stem}_frames.png", av_clips.frame_strip_png(frames), f"{caption}: frames", embed_limit)
-    spectrum = _publish(f"{stem}_spectrogram.png", av_clips.spectrogram_png(audio, rate),
+    strip = publish(f"{stem}_frames.png", av_clips.frame_strip_png(frames), f"{caption}: frames", embed_limit)
+    spectrum = publish(f"{stem}_spectrogram.png", av_clips.spectrogram_png(audio, rate),
                         f"{caption}: soundtrack (left above right, balance {av_clips.stereo_balance(audio):+.2f})",
                         embed_limit)
     strip.update(video_url=mp4_url, play=play)
     return [strip, spectrum]
 
 
-def _publish(url: str, data: bytes, caption: str, embed_limit: int) -> dict[str, Any]:
+def publish(url: str, data: bytes, caption: str, embed_limit: int) -> dict[str, Any]:
     """Write a medium; say how it embeds (``report.embed``: whole when local and small, else a
     thumbnail data URI linked to the full file)."""
     storage.write_bytes(url, data, content_type=mime_type(data))

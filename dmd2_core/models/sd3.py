@@ -56,20 +56,3 @@ class SD3ImageFamily(ModelFamily):
     def scale_latents(self, vae, latents):
         cfg = vae.config
         return (latents - (getattr(cfg, "shift_factor", None) or 0.0)) * cfg.scaling_factor
-
-
-def tiny_digits_config(embed_dim: int = 32, pooled_dim: int = 32) -> dict:
-    """An SD3 MMDiT small enough to train on 8x8 digits on two CPU cores in minutes."""
-    return dict(
-        sample_size=8,
-        patch_size=2,
-        in_channels=1,
-        out_channels=1,
-        num_layers=3,
-        attention_head_dim=32,
-        num_attention_heads=2,
-        joint_attention_dim=embed_dim,
-        caption_projection_dim=64,
-        pooled_projection_dim=pooled_dim,
-        pos_embed_max_size=8,
-    )

@@ -28,16 +28,11 @@ from pathlib import Path
 from typing import Optional
 
 from dmd2_core import storage
+from dmd2_core.save_layout import LEASE_LOCK_NAME, LEASE_NAME, lease_url
 from dmd2_core.errors import LeaseHeldError, LeaseLostError, one_line
 
 log = logging.getLogger("dmd2")
 
-LEASE_NAME = "lease.json"
-LOCK_NAME = ".lease.lock"
-
-
-def lease_url(save_url: str) -> str:
-    return storage.join(save_url, LEASE_NAME)
 
 
 def _pid_start(pid: int) -> Optional[str]:
@@ -123,7 +118,7 @@ class _Local:
         import fcntl
 
         self.dir.mkdir(parents=True, exist_ok=True)
-        with open(self.dir / LOCK_NAME, "a+") as f:
+        with open(self.dir / LEASE_LOCK_NAME, "a+") as f:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX)
             try:
                 yield

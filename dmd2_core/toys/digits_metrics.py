@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dmd2_core import flow_matching as fm
-from dmd2_core.data import PromptSet, digits_prompt_set, digits_tensors
+from dmd2_core.data import PromptSet
+from dmd2_core.toys.digits import digits_prompt_set, digits_tensors
 from dmd2_core.sampling import euler_sample
 
 # Bump when the architecture or the training recipe changes: it names the cache file.
@@ -165,10 +166,10 @@ def frechet_distance(feats_a: np.ndarray, feats_b: np.ndarray, eps: float = 1e-6
 def within_prompt_diversity(images: torch.Tensor | np.ndarray, labels) -> float:
     """Mean over prompts of the per-feature standard deviation among that prompt's samples:
     low means mode collapse, above the real digits' value means over-dispersed samples."""
-    return _diversity(features(images), np.asarray(labels).reshape(-1))
+    return feature_diversity(features(images), np.asarray(labels).reshape(-1))
 
 
-def _diversity(feats: np.ndarray, labels: np.ndarray) -> float:
+def feature_diversity(feats: np.ndarray, labels: np.ndarray) -> float:
     stds = [feats[labels == c].std(0, ddof=1).mean() for c in np.unique(labels) if (labels == c).sum() > 1]
     return float(np.mean(stds)) if stds else 0.0
 
@@ -182,7 +183,7 @@ def reference_stats() -> dict[str, float]:
     return {
         "fd": frechet_distance(features(x_tr), f_te),
         "acc": class_accuracy(x_te, y_te),
-        "diversity": _diversity(f_te, y_te.numpy()),
+        "diversity": feature_diversity(f_te, y_te.numpy()),
     }
 
 
@@ -194,7 +195,7 @@ def evaluate_digits(images: torch.Tensor | np.ndarray, labels) -> dict[str, floa
     return {
         "fd": frechet_distance(feats, test_feats),
         "acc": class_accuracy(images, labels),
-        "diversity": _diversity(feats, labels),
+        "diversity": feature_diversity(feats, labels),
     }
 
 

@@ -23,10 +23,11 @@ from typing import Callable, Optional
 import torch
 
 from dmd2_core import flow_matching as fm
-from dmd2_core.data import digits_prompt_set, digits_tensors
+from dmd2_core.toys.digits import digits_prompt_set, digits_tensors
 from dmd2_core.models import describe_model_dir, save_model_dir
 from dmd2_core.errors import ModelDirError
-from dmd2_core.models.sd3 import SD3ImageFamily, tiny_digits_config
+from dmd2_core.models.sd3 import SD3ImageFamily
+from dmd2_core.toys.digits import tiny_digits_config
 
 DEFAULT_STEPS = 2500
 DEFAULT_BATCH_SIZE = 128
@@ -47,7 +48,7 @@ def logit_normal_sigmas(n: int, generator: torch.Generator, mean: float = 0.0, s
     return torch.sigmoid(mean + std * torch.randn(n, generator=generator))
 
 
-def _lr_factor(step: int, num_steps: int) -> float:
+def lr_factor(step: int, num_steps: int) -> float:
     """Linear warmup, then cosine decay to 10% of the peak."""
     if step < WARMUP_STEPS:
         return (step + 1) / WARMUP_STEPS
@@ -56,7 +57,7 @@ def _lr_factor(step: int, num_steps: int) -> float:
 
 
 @torch.no_grad()
-def _ema_update(ema: torch.nn.Module, model: torch.nn.Module, decay: float) -> None:
+def ema_update(ema: torch.nn.Module, model: torch.nn.Module, decay: float) -> None:
     for e, p in zip(ema.parameters(), model.parameters()):
         e.lerp_(p, 1 - decay)
 
@@ -87,7 +88,7 @@ def train_teacher(
     model = new_teacher_model(seed)
     ema = copy.deepcopy(model).requires_grad_(False) if ema_decay else None
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: _lr_factor(step, num_steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, num_steps))
     g = torch.Generator().manual_seed(seed)
     uncond_all = prompts.uncond(batch_size)
 
@@ -113,7 +114,7 @@ def train_teacher(
         sched.step()
         if ema is not None:
             # Short warmup of the decay so the EMA is not dominated by the random init in short runs.
-            _ema_update(ema, model, min(ema_decay, (1 + step) / (10 + step)))
+            ema_update(ema, model, min(ema_decay, (1 + step) / (10 + step)))
         losses.append(loss.item())
         if log and log_every and ((step + 1) % log_every == 0 or step + 1 == num_steps):
             recent = losses[-log_every:]

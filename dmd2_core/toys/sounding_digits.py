@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dmd2_core.data import DIGITS_EMBED_DIM, DIGITS_TOKENS, PromptSet, digits_prompt_set, digits_tensors
+from dmd2_core.data import PromptSet
+from dmd2_core.toys.digits import DIGITS_EMBED_DIM, DIGITS_TOKENS, digits_prompt_set, digits_tensors
 
 FRAMES, HEIGHT, WIDTH = 4, 8, 16
 DIGIT = 8

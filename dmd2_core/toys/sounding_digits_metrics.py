@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from dmd2_core.toys import digits_metrics
 from dmd2_core.toys import sounding_digits as sd
-from dmd2_core.data import digits_tensors
+from dmd2_core.toys.digits import digits_tensors
 
 SOUND_CLASSIFIER_VERSION = "spectrum-mlp-64-v1"
 BALANCE_MIN_CHANGE = 0.1
@@ -180,7 +180,7 @@ def evaluate_decoded(frames: torch.Tensor, audio: torch.Tensor, labels) -> dict[
         "agreement": float((same_class & stereo).mean()),
         "class_agreement": float(same_class.mean()),
         "stereo_agreement": float(stereo.mean()),
-        "diversity": digits_metrics._diversity(feats, frame_labels),
+        "diversity": digits_metrics.feature_diversity(feats, frame_labels),
     }
 
 

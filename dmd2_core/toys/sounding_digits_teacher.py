@@ -44,7 +44,7 @@ from dmd2_core.losses import flow_matching_loss
 from dmd2_core.models import describe_model_dir, load_model_dir, save_model_dir
 from dmd2_core.errors import ModelDirError
 from dmd2_core.models.minimax_h3 import AUDIO_SHIFT, VIDEO_SHIFT, MiniMaxH3Family
-from dmd2_core.toys.digits_teacher import _ema_update, _lr_factor, logit_normal_sigmas
+from dmd2_core.toys.digits_teacher import ema_update, lr_factor, logit_normal_sigmas
 
 DEFAULT_STEPS = 4000  # measured: 2000 steps (loss 0.29) agree on sound and picture in 25% of
 # 50-step clips, 4000 (loss 0.25) in 39%; the teacher bounds every student's agreement
@@ -106,7 +106,7 @@ def train_av_teacher(save_url: Optional[str], seed: int = 0, num_steps: int = DE
     family = bound_family(model)
     ema = copy.deepcopy(model).requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: _lr_factor(step, num_steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, num_steps))
     g = torch.Generator().manual_seed(seed)
     per_group = batch_size // U_GROUPS
     losses: list[float] = []
@@ -127,7 +127,7 @@ def train_av_teacher(save_url: Optional[str], seed: int = 0, num_steps: int = DE
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        _ema_update(ema, model, min(ema_decay, (1 + step) / (10 + step)))
+        ema_update(ema, model, min(ema_decay, (1 + step) / (10 + step)))
         losses.append(loss.item())
         if log and ((step + 1) % log_every == 0 or step + 1 == num_steps):
             recent = losses[-log_every:]

@@ -1,0 +1,63 @@
+"""Everything a run keeps under its ``save`` URL, and where (one module says the layout)::
+
+    {save}/lease.json                          the run that writes here (run/lease.py)
+    {save}/latest_checkpointed_iteration.txt   the run tracker: the iteration every trainer saved
+    {save}/trainers/{role}/iter_{i:07d}/       a trainer's checkpoint (drawn in dmd2_core/checkpoint)
+    {save}/exports/iter_{i:07d}/               the student as a diffusers pipeline or LoRA (export/)
+    {save}/metrics.jsonl, {save}/metrics/      the metrics log and its segments (report.py)
+    {save}/media/iter_{i:07d}[_p{prompt}].*    eval media (media/eval_media.py)
+"""
+
+from __future__ import annotations
+
+from dmd2_core import storage
+
+FORMAT = 3  # sharded (DCP); the only format this dmd2 reads
+TRACKER_NAME = "latest_checkpointed_iteration.txt"
+COMPLETE_NAME = "complete.json"
+STATE_NAME = "trainer_state.pt"
+DCP_DIR = "dcp"
+EXPORT_MARKER_NAME = "export.json"
+STATE_FILES = (STATE_NAME, f"{DCP_DIR}/.metadata")  # small: hashed on the driver before any actor starts
+
+
+def trainer_dir(save_url: str, role: str, iteration: int) -> str:
+    return storage.join(save_url, "trainers", role, f"iter_{int(iteration):07d}")
+
+
+def tracker_url(save_url: str) -> str:
+    return storage.join(save_url, TRACKER_NAME)
+
+
+def complete_url(save_url: str, role: str, iteration: int) -> str:
+    return storage.join(trainer_dir(save_url, role, iteration), COMPLETE_NAME)
+
+
+def exports_root(save_url: str) -> str:
+    return storage.join(save_url, "exports")
+
+
+def export_url(save_url: str, iteration: int) -> str:
+    return storage.join(exports_root(save_url), f"iter_{int(iteration):07d}")
+
+
+LEASE_NAME = "lease.json"
+LEASE_LOCK_NAME = ".lease.lock"  # a local save's lock file beside the lease
+METRICS_NAME = "metrics.jsonl"
+METRICS_SEGMENTS_DIR = "metrics"
+
+
+def lease_url(save_url: str) -> str:
+    return storage.join(save_url, LEASE_NAME)
+
+
+def metrics_url(save_url: str) -> str:
+    return storage.join(save_url, METRICS_NAME)
+
+
+def metrics_segment_url(save_url: str, first_iteration: int) -> str:
+    return storage.join(save_url, METRICS_SEGMENTS_DIR, f"iter_{int(first_iteration):07d}.jsonl")
+
+
+def media_stem(save_url: str, iteration: int) -> str:
+    return storage.join(save_url, "media", f"iter_{int(iteration):07d}")
