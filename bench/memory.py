@@ -108,14 +108,14 @@ def standin_activations(tmp: str) -> dict:
     import torch
 
     from bench.activations import no_grad_peak
-    from dmd2_core.run import checks
+    from dmd2_core.run import preflight_checks
     from dmd2_core.memory import planner
     from dmd2_core.args import load_args
     from dmd2_core.models import describe_model_dir, load_model_dir
     from dmd2_core.toys.standins import H3_GEOMETRY, build_h3_standin
 
     url = build_h3_standin(f"{tmp}/h3-act")
-    args = checks.check_family_args(load_args("minimax-h3", dict(hf_checkpoint=url, device="cpu", **H3_GEOMETRY)),
+    args = preflight_checks.check_family_args(load_args("minimax-h3", dict(hf_checkpoint=url, device="cpu", **H3_GEOMETRY)),
                                     describe_model_dir(url))
     loaded = load_model_dir(url, dtype=torch.bfloat16)
     model, family = loaded.model, loaded.family.bind(args.latent_shape, loaded.model)
@@ -218,14 +218,14 @@ def lora_table(rows: dict) -> str:
 
 
 def _plan(recipe: str, overrides: dict):
-    from dmd2_core.run import checks
+    from dmd2_core.run import preflight_checks
     from dmd2_core.memory import planner
     from dmd2_core.args import load_args
     from dmd2_core.models import describe_model_dir
     from dmd2_core.train.trainer_config import compute_trainer_args, compute_trainer_configs
 
     args = load_args(recipe, overrides)
-    args = checks.check_family_args(args, describe_model_dir(args.hf_checkpoint))
+    args = preflight_checks.check_family_args(args, describe_model_dir(args.hf_checkpoint))
     return planner.plan({cfg.role: compute_trainer_args(args, cfg) for cfg in compute_trainer_configs(args)}), args
 
 

@@ -20,7 +20,7 @@ from dmd2_core import storage
 DIGITS = "digits"
 # Prompt and real sets built in by name: a toy world's module (``dmd2_core/toys``), imported only
 # when a run names it, that gives ``prompt_set()``, ``real_set()`` and ``quality(sample, n, seed)``.
-BUILTIN_SETS = {DIGITS: "dmd2_core.toys.digits"}
+BUILTIN_SETS = {DIGITS: "dmd2_core.toys.digits_world"}
 
 
 @dataclass

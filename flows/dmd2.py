@@ -51,6 +51,7 @@ from prefect import flow, get_run_logger, tags  # noqa: E402
 from dmd2_core.args import Args, load_args, parse_set  # noqa: E402
 from dmd2_core.errors import ArgsError, LeaseLostError, NonFiniteError, StorageUnavailableError, StoredFilesError  # noqa: E402
 from dmd2_core.run.distill_run import DistillRun  # noqa: E402
+from dmd2_core.run.preflight import hand_over  # noqa: E402
 from dmd2_core.report import QUALITY_KEYS  # noqa: E402
 from flows import artifacts, nights, runs  # noqa: E402
 from flows.driver import LOGGED_KEYS, DriverBase, fmt as _fmt  # noqa: E402,F401
@@ -322,7 +323,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         overrides = parse_set(ns.overrides)
         flat = dict(num_iterations=ns.num_iterations, hf_checkpoint=ns.hf_checkpoint, save=ns.save,
                     prompts=ns.prompts, seed=ns.seed)
-        DistillRun(resolve_args(ns.recipe, overrides, **flat))  # fail fast, before Prefect starts
+        hand_over(resolve_args(ns.recipe, overrides, **flat))  # fail fast, before Prefect starts; the flow's run reuses it
         if argv is None:  # a process of its own: no orphans, one line on SIGINT/SIGTERM
             reaper.watch()
             reaper.raise_on_signals()

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from dmd2_core.memory import activations
-from dmd2_core.run import checks
+from dmd2_core.run import preflight_checks
 from dmd2_core.memory import planner
 from dmd2_core.memory import terms
 from dmd2_core.args import load_args
@@ -31,7 +31,7 @@ def _plan(recipe: str = "wan-video", **overrides) -> planner.MemoryPlan:
     if recipe == "wan-video":
         overrides.setdefault("latent_shape", P720)
     args = load_args(recipe, overrides)
-    args = checks.check_family_args(args, describe_model_dir(args.hf_checkpoint))
+    args = preflight_checks.check_family_args(args, describe_model_dir(args.hf_checkpoint))
     return planner.plan({c.role: compute_trainer_args(args, c) for c in compute_trainer_configs(args)})
 
 

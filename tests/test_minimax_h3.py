@@ -348,7 +348,7 @@ def test_real_size_plan_from_the_shipped_config(tmp_path):
 
     from diffusers import MiniMaxH3Transformer3DModel
 
-    from dmd2_core.run import checks
+    from dmd2_core.run import preflight_checks
     from dmd2_core.memory import planner
     from dmd2_core.train.trainer_config import compute_trainer_args, compute_trainer_configs
 
@@ -366,7 +366,7 @@ def test_real_size_plan_from_the_shipped_config(tmp_path):
 
     def plan(**overrides):
         args = load_args("minimax-h3", dict(hf_checkpoint=url, **overrides))
-        args = checks.check_family_args(args, describe_model_dir(url))
+        args = preflight_checks.check_family_args(args, describe_model_dir(url))
         return planner.plan({c.role: compute_trainer_args(args, c) for c in compute_trainer_configs(args)}), args
 
     fits, args = plan(device_memory_gib=141, num_devices=16)

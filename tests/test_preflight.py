@@ -110,3 +110,26 @@ def test_missing_device_resource_fails_before_a_placement_group(ray_session, tin
         run.start()
     run.shutdown()
     assert not requested and lease.read(save) is None
+
+
+def test_the_flow_cli_checks_its_input_once(tiny_teacher, tmp_path, monkeypatch):
+    """The CLI's preflight, run before Prefect starts, is the one its flow's run uses: the checks
+    (every header read, the write probe) run once per command, and the flow's run still takes the
+    lease as its own owner."""
+    import flows.dmd2 as flow_cli
+    from dmd2_core.run import preflight_checks
+
+    probes, owners = [], []
+    monkeypatch.setattr(preflight_checks, "probe_write", lambda url: probes.append(url))
+
+    def flow(recipe, overrides=None, **flat):  # the flow's own first step, without Prefect
+        run = DistillRun(flow_cli.resolve_args(recipe, overrides, **flat), owner="flow-run-1")
+        owners.append(run.owner)
+        return {"trainers": sorted(run.trainer_args)}
+
+    monkeypatch.setattr(flow_cli, "dmd2", flow)
+    save = str(tmp_path / "run")
+    assert flow_cli.main(["--recipe", "tiny", "--hf-checkpoint", tiny_teacher, "--save", save]) == 0
+    assert probes == [save] and owners == ["flow-run-1"]
+    DistillRun(tiny_args(tiny_teacher, save))  # a later run in this process checks again
+    assert probes == [save, save]

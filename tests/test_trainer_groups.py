@@ -188,7 +188,7 @@ def _recording_run(sleeping: bool, fail: str = "") -> tuple[DistillRun, list]:
     run.args = tiny_args("unused", "unused").model_copy(update={"sleep_after_train": sleeping})
     run.trainer_args = {"actor": run.args, "critic": run.args}
     run.groups = {"actor": _RecordingGroup("actor", log), "critic": _RecordingGroup("critic", log, fail)}
-    run.handoff, run.started, run.broken, run.lease, run.saves = {}, {}, False, None, SaveTracker(run.args)
+    run.handoff, run.started, run.broken, run.lease, run.save_tracker = {}, {}, False, None, SaveTracker(run.args)
     run.done = (0, 5)
     run.rollout_ahead = lambda iteration: iteration < 2
     return run, log

@@ -54,10 +54,10 @@ from dmd2_core.save_layout import FORMAT, TRACKER_NAME, export_url, exports_root
 from dmd2_core.checkpoint.load import load_trainer, read_weights  # noqa: E402
 from dmd2_core.checkpoint.retention import latest_exports, list_exports, prune, prune_exports, saved_iterations  # noqa: E402
 from dmd2_core.checkpoint.save import PendingSave, save_trainer  # noqa: E402
-from dmd2_core.checkpoint.tracker import read_tracker, validate_resume, write_tracker  # noqa: E402
+from dmd2_core.checkpoint.tracker import read_tracker, resume_url, validate_resume, write_tracker  # noqa: E402
 
 __all__ = [
     "FORMAT", "TRACKER_NAME", "PendingSave", "checkpoint_group", "export_url", "exports_root",
     "latest_exports", "list_exports", "load_trainer", "prune", "prune_exports", "read_tracker",
-    "read_weights", "save_trainer", "saved_iterations", "tracker_url", "trainer_dir", "validate_resume", "write_tracker",
+    "read_weights", "resume_url", "save_trainer", "saved_iterations", "tracker_url", "trainer_dir", "validate_resume", "write_tracker",
 ]

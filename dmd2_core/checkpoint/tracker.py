@@ -54,3 +54,11 @@ def validate_resume(load_url: str, roles: Iterable[str]) -> Optional[int]:
         d = trainer_dir(load_url, role, iteration)
         check_files(d, read_current_marker(d), hashes=STATE_FILES)
     return iteration
+
+
+def resume_url(args) -> str:
+    """Where a (re)start resumes from: the run's own save once it has a checkpoint there (a retry
+    or a rerun continues the run), else ``load`` (a fine-tune from another run)."""
+    if args.save and read_tracker(args.save) is not None:
+        return args.save
+    return args.load_url

@@ -15,11 +15,11 @@ from statistics import fmean
 from typing import Any, Callable, Optional
 
 from dmd2_core import checkpoint
-from dmd2_core.run import checks
+from dmd2_core.run import preflight_checks
 from dmd2_core.run import lease
 from dmd2_core.args import Args
 from dmd2_core.errors import NonFiniteError, RayWorkError, StoredFilesError
-from dmd2_core.run.preflight import preflight, resume_url
+from dmd2_core.run.preflight import handed_over, preflight
 from dmd2_core.run.save_tracker import SaveTracker
 from dmd2_core.run.schedule import Schedule
 
@@ -32,7 +32,12 @@ class DistillRun:
     def __init__(self, args: Args, owner: str | None = None):
         # the lease owner: the flow run's id, so that its retries take the lease over
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.trainer_args = preflight(args, self.owner)
+        checked = handed_over(args)  # the CLI's preflight of these args, before Prefect started
+        if checked is None:
+            self.trainer_args = preflight(args, self.owner)
+        else:
+            lease.check(args.save, self.owner, args.lease_timeout_s)  # the owner is this run's
+            self.trainer_args = checked
         self.args = self.trainer_args["actor"]
         self.lease: lease.Lease | None = None
         self.groups: dict[str, Any] = {}
@@ -46,7 +51,7 @@ class DistillRun:
         self.start_iteration = 0
         self.done: tuple[int, int] = (0, len(PHASES))  # (iteration, phases of it done)
         self.schedule = Schedule.of(self.args)  # the orchestrator sets its own (the run's final iteration)
-        self.saves = SaveTracker(self.args)
+        self.save_tracker = SaveTracker(self.args)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> int:
@@ -55,7 +60,7 @@ class DistillRun:
         from dmd2_core.run.groups import TrainerGroup, create_placement_group, init_ray
 
         init_ray(self.args, num_groups=len(self.trainer_args))
-        checks.check_cluster_resources(self.args, len(self.trainer_args))  # not a placement-group timeout
+        preflight_checks.check_cluster_resources(self.args, len(self.trainer_args))  # not a placement-group timeout
         if self.lease is None:  # before any actor: a second run on the URL refuses here
             self.lease = lease.Lease.acquire(self.args.save, self.owner, self.args.lease_timeout_s)
         self.lease.ensure()
@@ -67,7 +72,7 @@ class DistillRun:
                 self.groups[role] = TrainerGroup(targs, role, self.pg, share, bundle_offset=offset)
             joining = [call for group in self.groups.values() for call in group.begin_connect()]
             next(iter(self.groups.values())).get(joining)  # every group reads its shards at once
-            source = resume_url(self.args)
+            source = checkpoint.resume_url(self.args)
             resumed = checkpoint.read_tracker(source)
             if resumed is not None:
                 for group in self.groups.values():
@@ -79,7 +84,7 @@ class DistillRun:
         self.done = (self.start_iteration, len(PHASES))
         self.handoff, self.started = {}, {}
         self.broken = False
-        self.saves.forget()  # a save in flight when the groups broke is never tracked
+        self.save_tracker.forget()  # a save in flight when the groups broke is never tracked
         return self.start_iteration
 
     def __enter__(self) -> "DistillRun":
@@ -108,7 +113,7 @@ class DistillRun:
     @property
     def pending_save(self) -> Optional[int]:
         """The iteration of an asynchronous save not yet tracked."""
-        return self.saves.pending
+        return self.save_tracker.pending
 
     @property
     def has_critic(self) -> bool:
@@ -191,7 +196,7 @@ class DistillRun:
 
             def collect() -> dict:
                 metrics = _merge(group.get([m for _, m in refs]))
-                metrics.update(self.saves.finish(self.groups, self.lease, wait=False))  # an asynchronous save written meanwhile
+                metrics.update(self.save_tracker.finish(self.groups, self.lease, wait=False))  # an asynchronous save written meanwhile
                 return metrics
             return collect
         role = phase.removeprefix("sleep_")
@@ -254,11 +259,11 @@ class DistillRun:
         tracked, the save's time."""
         if export is None:
             export = self.schedule.exports_at(iteration, wait)
-        return self._call_or_break(lambda: self.saves.save(self.groups, self.lease, iteration, export, wait))
+        return self._call_or_break(lambda: self.save_tracker.save(self.groups, self.lease, iteration, export, wait))
 
     def poll_saves(self) -> dict:
         """Move the tracker if the save in flight became durable (no wait); its metrics then."""
-        return self._call_or_break(lambda: self.saves.finish(self.groups, self.lease, wait=False))
+        return self._call_or_break(lambda: self.save_tracker.finish(self.groups, self.lease, wait=False))
 
     def _call_or_break(self, fn):
         if self.broken:

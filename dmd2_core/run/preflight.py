@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 from types import SimpleNamespace
+from typing import Optional
 
 from dmd2_core import checkpoint, storage
-from dmd2_core.run import checks
+from dmd2_core.run import preflight_checks
 from dmd2_core.run import lease
 from dmd2_core.media.eval_media import eval_prompt_indices
 from dmd2_core.memory import planner
@@ -28,13 +29,13 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
                       ("save", "the run's storage URL")):
         if not getattr(args, key):
             raise ArgsError(f"{key} is not set: point it at {what}")
-    checks.check_ray_address(args.ray_address)
+    preflight_checks.check_ray_address(args.ray_address)
     teacher = describe_model_dir(args.hf_checkpoint)
-    args = checks.check_family_args(args, teacher)
+    args = preflight_checks.check_family_args(args, teacher)
     if FAMILIES[teacher["family"]].is_video and not args.latent_shape:
         raise ArgsError(f"latent_shape: {args.hf_checkpoint} is a video model ({teacher['family']}); "
                         "set latent_shape to its latents' [C, F, H, W]")
-    checks.check_latent_shape(args, teacher)
+    preflight_checks.check_latent_shape(args, teacher)
     if args.dmd2_shift is None:
         args = args.model_copy(update={"dmd2_shift": teacher["shift"]})
     trainer_args = {}
@@ -47,11 +48,11 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
             flag = "critic_train_input_hook_path" if cfg.role == "critic" else "train_input_hook_path"
             load_hook(targs.train_input_hook_path, flag=flag)
         trainer_args[cfg.role] = targs
-    checks.check_context_parallel(args, trainer_args)
+    preflight_checks.check_context_parallel(args, trainer_args)
     if args.prompts != "digits":
         if not storage.exists(args.prompts):
             raise ArgsError(f"prompts: no prompt set at {args.prompts}{storage.nearest_sibling(args.prompts)}")
-        checks.check_prompt_set(args.prompts, needs_negative=args.dmd2_guidance_scale != 1.0,
+        preflight_checks.check_prompt_set(args.prompts, needs_negative=args.dmd2_guidance_scale != 1.0,
                                 cond_keys=FAMILIES[teacher["family"]].cond_keys)
     eval_prompt_indices(args, len(prompt_texts(args.prompts)))
     if "critic" in trainer_args and args.gan_critic_weight:
@@ -62,7 +63,7 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
     checkpoints |= {t.teacher_checkpoint or t.hf_checkpoint for t in trainer_args.values() if t.loss_type == "dmd2_critic"}
     for url in sorted(checkpoints):  # headers only: a cut-off download is named before any actor
         check_weight_files(url)
-    source = resume_url(args)
+    source = checkpoint.resume_url(args)
     resumed = checkpoint.validate_resume(source, list(trainer_args))
     if resumed is None and args.load and args.load != args.save:
         raise CheckpointError(
@@ -74,10 +75,27 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
         raise ArgsError(f"num_iterations: {args.num_iterations} does not go beyond iteration {resumed} of the checkpoint "
                         f"at {source}, where this run starts; iterations count on from it (set num_iterations to "
                         f"{resumed + max(args.num_iterations, 1)} for {max(args.num_iterations, 1)} more)")
-    checks.check_local_devices(args, len(trainer_args))
+    preflight_checks.check_local_devices(args, len(trainer_args))
     lease.check(args.save, owner, args.lease_timeout_s)  # one run per save URL
-    checks.probe_write(args.save)  # last: nothing is written for input that fails earlier
+    preflight_checks.probe_write(args.save)  # last: nothing is written for input that fails earlier
     return trainer_args
+
+
+_handed_over: list[tuple[Args, dict[str, Args]]] = []  # at most one: the CLI's check, for its own flow
+
+
+def hand_over(args: Args) -> dict[str, Args]:
+    """``preflight(args)`` now, its answer kept for this process's next ``DistillRun`` of the same
+    args: the CLI checks before Prefect starts, and the flow it then runs does not check again."""
+    trainer_args = preflight(args)
+    _handed_over[:] = [(args, trainer_args)]
+    return trainer_args
+
+
+def handed_over(args: Args) -> Optional[dict[str, Args]]:
+    """What ``hand_over`` checked, once, when ``args`` are the args it checked; else None."""
+    kept = _handed_over.pop() if _handed_over else None
+    return kept[1] if kept is not None and kept[0] == args else None
 
 
 def _check_gan(critic: Args) -> None:
@@ -93,11 +111,3 @@ def _check_gan(critic: Args) -> None:
         check_real_set(critic.real_data, shape, critic.prompts, family.cond_keys)
     except ValueError as exc:
         raise ArgsError(str(exc)) from None
-
-
-def resume_url(args: Args) -> str:
-    """Where a (re)start resumes from: the run's own save once it has a checkpoint there (a retry
-    or a rerun continues the run), else ``load`` (a fine-tune from another run)."""
-    if args.save and checkpoint.read_tracker(args.save) is not None:
-        return args.save
-    return args.load_url

@@ -1,16 +1,14 @@
-"""The digits world: scikit-learn's 8x8 digits, ten prompts standing in for a text encoder's, a
-tiny SD3 MMDiT to train on them, and a run's quality on them. The built-in set ``'digits'``
-(``data.BUILTIN_SETS``): a run names it as ``prompts`` and ``real_data``."""
+"""The digits data: scikit-learn's 8x8 digits, ten prompts standing in for a text encoder's, and
+the config of a tiny SD3 MMDiT to train on them (the built-in set: ``toys/digits_world.py``)."""
 
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Callable
 
 import numpy as np
 import torch
 
-from dmd2_core.data import PromptSet, RealSet
+from dmd2_core.data import PromptSet
 
 DIGITS_EMBED_DIM = 32
 DIGITS_TOKENS = 4
@@ -65,24 +63,3 @@ def tiny_digits_config(embed_dim: int = 32, pooled_dim: int = 32) -> dict:
         pooled_projection_dim=pooled_dim,
         pos_embed_max_size=8,
     )
-
-
-# ---- the built-in set's interface (data.builtin_set) ----------------------------------------------
-
-def prompt_set() -> PromptSet:
-    return digits_prompt_set()
-
-
-def real_set() -> RealSet:
-    """The training split, each image conditioned on its label's prompt."""
-    x, y = digits_tensors("train")
-    return RealSet(x, digits_prompt_set().cond(y))
-
-
-def quality(sample: Callable[[list[int], int], torch.Tensor], num_samples: int, seed: int) -> dict[str, float]:
-    """{fd, acc, diversity} of ``num_samples`` samples balanced over the ten digits
-    (``sample(prompt_indices, seed)``: the student's eval sampler)."""
-    from dmd2_core.toys import digits_metrics
-
-    labels = digits_metrics.balanced_labels(num_samples, 10)
-    return digits_metrics.evaluate_digits(sample(labels.tolist(), seed), labels)

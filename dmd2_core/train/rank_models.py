@@ -76,10 +76,8 @@ class TrainerModels:
 
 def _resuming(args: Args) -> bool:
     """Whether the driver will load a checkpoint into this trainer: the run's tracker names one
-    (``preflight.resume_url``, as ``DistillRun.start`` decides)."""
+    (``checkpoint.resume_url``, as ``DistillRun.start`` decides)."""
     from dmd2_core import checkpoint
-    from dmd2_core.run.preflight import resume_url
-
     if not (args.save or args.load):
         return False
-    return checkpoint.read_tracker(resume_url(args)) is not None
+    return checkpoint.read_tracker(checkpoint.resume_url(args)) is not None

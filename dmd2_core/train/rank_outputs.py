@@ -1,5 +1,6 @@
-"""A trainer rank's saves: its latest checkpoint and, when asked for, the student's export, both
-possibly still written in the background, and their result once durable."""
+"""A trainer rank's outputs: its latest checkpoint shards and, when asked for, the student's export,
+both possibly still written in the background, and their result once durable (the driver's
+run/save_tracker.py moves the run's tracker once every rank's are; checkpoint/save.py writes the shards)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from dmd2_core.export import pipeline as exporting
 from dmd2_core.args import Args
 
 
-class Saves:
+class RankOutputs:
     """The latest save of one rank: ``start`` it, then ask ``status`` until (and after) it is
     durable. With ``args.async_save`` the checkpoint and the export are written in the
     background."""

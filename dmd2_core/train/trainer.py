@@ -30,7 +30,7 @@ from dmd2_core.finite import NonFiniteCounter
 from dmd2_core.train.input_hook import batch_size, train_input_hook
 from dmd2_core.train.model_update import ModelUpdate
 from dmd2_core.models import describe_model_dir
-from dmd2_core.train.rank_outputs import Saves
+from dmd2_core.train.rank_outputs import RankOutputs
 from dmd2_core.train.rank_models import TrainerModels
 
 
@@ -82,7 +82,7 @@ class Trainer:
         self.update: Optional[ModelUpdate] = None
         self.learner: Optional[Union[Actor, Critic]] = None  # what ``train`` runs: by loss type
         self._stash: Optional[DeviceStash] = None
-        self.saves = Saves(self.args, role, rank, self.shift)
+        self.outputs = RankOutputs(self.args, role, rank, self.shift)
         self.checkpoint_pg = None
         if world_size == 1:
             self.init_process_group()
@@ -340,11 +340,11 @@ class Trainer:
         self.wake_up()
         self._reshard()
         extra = {"step": self.update.steps, "iteration": iteration, **self.nonfinite.state(), **self._disc_state()}
-        pending = self.saves.start(iteration, self.model, self.optimizer, self.ema, extra, self.checkpoint_pg, export)
+        pending = self.outputs.start(iteration, self.model, self.optimizer, self.ema, extra, self.checkpoint_pg, export)
         if was_asleep:
             self.sleep()
         out = {"url": pending.url, "iteration": iteration, "blocked_s": time.perf_counter() - start}
-        if self.saves.durable():
+        if self.outputs.durable():
             out.update(self.save_status(wait=True))
         return out
 
@@ -353,7 +353,7 @@ class Trainer:
         export) is written (``wait``: block until it is durable); once durable, its result
         (``url``, ``save_s``, ``bytes``, ``export_url``, ``export_s``), every time it is asked. A
         save or export that failed raises its error."""
-        return self.saves.status(wait)
+        return self.outputs.status(wait)
 
     def load(self, iteration: int, url: Optional[str] = None) -> int:
         """Load this trainer's checkpoint of ``iteration`` from ``url`` (default: its load URL);
