@@ -17,14 +17,13 @@ from typing import Any, Iterable, Optional
 from dmd2_core import storage
 from dmd2_core.save_layout import METRICS_SEGMENTS_DIR, metrics_segment_url, metrics_url
 from dmd2_core.args import Args
-from dmd2_core.media.images import data_uri, thumbnail
+from dmd2_core.media.images import data_uri
 
 SEGMENT_ITERATIONS = 100  # lines per segment file: the open one is rewritten, its size is bounded
 QUALITY_KEYS = ("fd", "acc", "diversity")
 TABLE_COLUMNS = ("iteration", "dmd2_loss", "critic_loss", "dmd2_grad_norm", "actor_grad_norm",
                  "fd", "iteration_s")
 SIGNIFICANT = 4
-EMBED_LIMIT = 512 * 1024  # local media up to this many bytes are embedded whole
 PLOT_POINTS = 400  # the plot sees at most this many rows (thin), the table the newest TABLE_ROWS:
 TABLE_ROWS = 200   # a summary costs the same at iteration 4000 as at 40
 GAN_KEYS = ("gan_d_loss_real", "gan_d_loss_fake", "gan_grad_norm", "gan_dmd_grad_ratio")
@@ -211,22 +210,6 @@ def plot_png(rows: list[dict], title: str = "") -> Optional[bytes]:
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return buf.getvalue()
-
-
-# ---- media embedding --------------------------------------------------------------------------
-
-def embed(url: str, data: bytes, browser_url: Optional[str], embed_limit: int = EMBED_LIMIT) -> dict:
-    """How a medium shows in an artifact, by where it is stored:
-
-    - a browser link (S3 presigned, expiring): a thumbnail as a data URI, linked to the full file,
-      so the picture survives the link's expiry;
-    - no browser link (local storage), small enough: the whole file as a data URI;
-    - no browser link, too large: a thumbnail as a data URI.
-
-    Returns {src (data URI), link (browser URL or None), url (storage URL), full (bool)}."""
-    if not browser_url and len(data) <= embed_limit:
-        return {"src": data_uri(data), "link": None, "url": url, "full": True}
-    return {"src": data_uri(thumbnail(data), "image/png"), "link": browser_url, "url": url, "full": False}
 
 
 # ---- the run summary --------------------------------------------------------------------------

@@ -79,11 +79,11 @@ def test_plot_png_has_a_panel_per_kind_of_data():
 
 def test_embedding_rules():
     grid = png_bytes(image_grid(torch.rand(12, 3, 64, 64) * 2 - 1, nrow=4))
-    local = report.embed("/runs/x/media/iter_0000001.png", grid, browser_url=None)
+    local = images.embed("/runs/x/media/iter_0000001.png", grid, browser_url=None)
     assert local["full"] and local["link"] is None and local["src"].endswith(
         __import__("base64").b64encode(grid).decode()[-40:])
-    large = report.embed("/runs/x/media/iter_0000001.png", grid, browser_url=None, embed_limit=len(grid) - 1)
-    s3 = report.embed("s3://b/x.png", grid, browser_url="https://s3.example/x.png?X-Amz-Signature=1")
+    large = images.embed("/runs/x/media/iter_0000001.png", grid, browser_url=None, embed_limit=len(grid) - 1)
+    s3 = images.embed("s3://b/x.png", grid, browser_url="https://s3.example/x.png?X-Amz-Signature=1")
     for shown in (large, s3):
         assert not shown["full"] and shown["src"].startswith("data:image/png;base64,")
         thumb = Image.open(io.BytesIO(__import__("base64").b64decode(shown["src"].split(",", 1)[1])))

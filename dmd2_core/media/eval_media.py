@@ -19,9 +19,8 @@ from PIL import Image
 from dmd2_core import storage
 from dmd2_core.args import Args
 from dmd2_core.data import builtin_set, prompt_texts
-from dmd2_core.media.images import image_grid, mime_type, png_bytes, video_media
+from dmd2_core.media.images import embed, image_grid, mime_type, png_bytes, video_media
 from dmd2_core.errors import ArgsError
-from dmd2_core.report import embed
 from dmd2_core.save_layout import media_stem
 
 PRESIGN_EXPIRES_S = 7 * 24 * 3600  # the SigV4 maximum
@@ -126,7 +125,7 @@ def av_media_of(samples: dict, j: int, stem: str, caption: str, embed_limit: int
 
 
 def publish(url: str, data: bytes, caption: str, embed_limit: int) -> dict[str, Any]:
-    """Write a medium; say how it embeds (``report.embed``: whole when local and small, else a
+    """Write a medium; say how it embeds (``images.embed``: whole when local and small, else a
     thumbnail data URI linked to the full file)."""
     storage.write_bytes(url, data, content_type=mime_type(data))
     browser_url = media_url(url)

@@ -109,3 +109,20 @@ def mime_type(data: bytes) -> str:
 def data_uri(data: bytes, mime: Optional[str] = None) -> str:
     """``data:image/png;base64,...`` (the type sniffed from the bytes unless given)."""
     return f"data:{mime or mime_type(data)};base64,{base64.b64encode(data).decode('ascii')}"
+
+
+EMBED_LIMIT = 512 * 1024  # local media up to this many bytes are embedded whole
+
+
+def embed(url: str, data: bytes, browser_url: Optional[str], embed_limit: int = EMBED_LIMIT) -> dict:
+    """How a medium shows in an artifact, by where it is stored:
+
+    - a browser link (S3 presigned, expiring): a thumbnail as a data URI, linked to the full file,
+      so the picture survives the link's expiry;
+    - no browser link (local storage), small enough: the whole file as a data URI;
+    - no browser link, too large: a thumbnail as a data URI.
+
+    Returns {src (data URI), link (browser URL or None), url (storage URL), full (bool)}."""
+    if not browser_url and len(data) <= embed_limit:
+        return {"src": data_uri(data), "link": None, "url": url, "full": True}
+    return {"src": data_uri(thumbnail(data), "image/png"), "link": browser_url, "url": url, "full": False}
