@@ -64,3 +64,22 @@ def test_a_field_serve_cannot_honour_is_an_error(tmp_path, change):
     path.write_text(yaml.safe_dump(doc))
     with pytest.raises(ValueError, match="minimax-h3"):
         serve.deployment_specs(path)
+
+
+def test_package_data_lists_every_file_the_packages_read():
+    """An installed (non-editable) package carries only the .py files and what
+    [tool.setuptools.package-data] lists: every other file in the packages (recipes, prefect.yaml,
+    the model configs, the activation calibration) must match one of its patterns."""
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(serve.PREFECT_YAML).parents[1]
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = {path.resolve() for package, patterns in pyproject["package-data"].items() for pattern in patterns
+              for path in (root / package.replace(".", "/")).glob(pattern) if path.is_file()}
+    packages = {p.split("*")[0] for p in pyproject["packages"]["find"]["include"]}
+    files = {path.resolve() for package in packages for path in (root / package).rglob("*")
+             if path.is_file() and path.suffix not in (".py", ".pyc") and "__pycache__" not in path.parts}
+    assert {str(p.relative_to(root)) for p in files - listed} == set()
+    assert root / "dmd2_core" / "memory" / "activation_calibration.json" in listed
+    assert {p.name for p in (root / "deployments" / "recipes").glob("*.yaml")} <= {p.name for p in listed}
