@@ -6,14 +6,16 @@
 Run it from the repository root against a Prefect server (PREFECT_API_URL); flow runs execute
 here, in subprocesses, so recipe paths such as runs/teacher resolve against the current directory.
 
-Deployments (flow ``dmd2``):
+The deployments are the ones ``deployments/prefect.yaml`` declares for ``prefect deploy``, read
+from that file (names, descriptions, tags, parameters, schedules, limits, the work pool's
+environment), so the two cannot differ; a key there that serve cannot honour stops it with an error.
 
 - ``minimax-h3``: recipe minimax-h3, nightly at 02:00 UTC (cron ``0 2 * * *``, timezone UTC), one
   run at a time. hf_checkpoint, prompts and save (which the recipe leaves to the deployment) come
-  from DMD2_MINIMAX_H3_HF_CHECKPOINT, DMD2_MINIMAX_H3_PROMPTS and DMD2_MINIMAX_H3_SAVE; when one is
-  missing from both, the deployment is served with its schedule paused, a description saying what
-  to set, and serve prints one line naming the missing keys. Skipped with a warning when the
-  recipe file does not exist.
+  from DMD2_MINIMAX_H3_HF_CHECKPOINT, DMD2_MINIMAX_H3_PROMPTS and DMD2_MINIMAX_H3_SAVE (the
+  ``{{ $VAR }}`` parameters of prefect.yaml); when one is missing from both, the deployment is
+  served with its schedule paused, a description saying what to set, and serve prints one line
+  naming the missing keys. Skipped with a warning when the recipe file does not exist.
 - ``tiny``: recipe tiny (the digits demo), on demand: ``prefect deployment run dmd2/tiny``.
 
 Server automations made with them: a run that stops sending heartbeats is Crashed, a Crashed one
@@ -26,9 +28,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 import warnings
+from pathlib import Path
 from typing import Any, Optional
+
+import yaml
 
 from flows.environment import configure_environment, local_prefect_server
 
@@ -41,35 +47,74 @@ from flows.dmd2 import dmd2  # noqa: E402
 from dmd2_core.args import read_recipe, resolve_recipe  # noqa: E402
 from dmd2_core.errors import ArgsError
 
-NIGHTLY_CRON = "0 2 * * *"
-TIMEZONE = "UTC"
+PREFECT_YAML = Path(__file__).resolve().with_name("prefect.yaml")
 REQUIRED = ("hf_checkpoint", "prompts", "save")
+# what serve reads of a deployment in prefect.yaml; any other key (version, paused, triggers, ...)
+# is an error rather than a difference between the served and the deployed deployments
+DEPLOYMENT_KEYS = {"name", "description", "entrypoint", "tags", "parameters", "schedules", "concurrency_limit",
+                   "work_pool"}
+SCHEDULE_KEYS = {"cron", "timezone", "active"}  # active: serve decides it from the inputs (below)
+WORK_POOL_KEYS = {"name", "work_queue_name", "job_variables"}
+_TEMPLATE = re.compile(r"^\{\{\s*\$([A-Za-z_][A-Za-z0-9_]*)\s*\}\}$")
 
 
-def _env_parameters(name: str) -> dict[str, str]:
-    prefix = "DMD2_" + name.upper().replace("-", "_") + "_"
-    return {k: os.environ[prefix + k.upper()] for k in REQUIRED if os.environ.get(prefix + k.upper())}
+def env_template(value: Any) -> Optional[str]:
+    """The variable of a ``{{ $VAR }}`` parameter of prefect.yaml (``prefect deploy`` fills it from
+    the environment, and so does serve); None for any other value."""
+    match = _TEMPLATE.match(value.strip()) if isinstance(value, str) else None
+    return match.group(1) if match else None
 
 
-def deployment_specs() -> list[dict[str, Any]]:
-    """What each deployment is: name, parameters, schedule and limits (the same as prefect.yaml)."""
-    return [
-        dict(name="minimax-h3", recipe="minimax-h3", cron=NIGHTLY_CRON, timezone=TIMEZONE, concurrency_limit=1,
-             description="Nightly DMD2 distillation of the minimax-h3 recipe.", tags=["dmd2", "nightly"]),
-        dict(name="tiny", recipe="tiny", cron=None, timezone=None, concurrency_limit=None,
-             description="DMD2 on the digits demo (CPU, a few minutes).", tags=["dmd2", "demo"]),
-    ]
+def _read_yaml(path: Path) -> list[dict[str, Any]]:
+    with open(path) as f:
+        doc = yaml.safe_load(f)
+    return doc.get("deployments") or []
 
 
-def env_name(deployment: str, key: str) -> str:
-    return "DMD2_" + deployment.upper().replace("-", "_") + "_" + key.upper()
+def deployment_specs(path: Optional[Path] = None) -> list[dict[str, Any]]:
+    """What each deployment of prefect.yaml is, as serve serves it: name, recipe, parameters (the
+    ``{{ $VAR }}`` ones as {key: VAR} in ``templates``), cron and timezone, concurrency limit,
+    description, tags and the work pool's environment. ValueError for a key serve cannot honour."""
+    path = Path(path) if path is not None else PREFECT_YAML
+    specs = []
+    for entry in _read_yaml(path):
+        name = entry.get("name")
+        where = f"{path}: deployment {name!r}"
+        unknown = set(entry) - DEPLOYMENT_KEYS
+        if unknown:
+            raise ValueError(f"{where}: {', '.join(sorted(unknown))} not served by deployments/serve.py")
+        flow_module, _, flow_name = str(entry.get("entrypoint", "")).partition(":")
+        if (flow_module.removesuffix(".py").replace("/", "."), flow_name) != (dmd2.fn.__module__, dmd2.fn.__name__):
+            raise ValueError(f"{where}: entrypoint {entry.get('entrypoint')!r} is not the flow serve serves "
+                             f"({dmd2.fn.__module__}:{dmd2.fn.__name__})")
+        schedules = entry.get("schedules") or []
+        if len(schedules) > 1 or any(set(s) - SCHEDULE_KEYS for s in schedules):
+            raise ValueError(f"{where}: serve serves at most one schedule of keys {sorted(SCHEDULE_KEYS)}")
+        pool = entry.get("work_pool") or {}
+        if set(pool) - WORK_POOL_KEYS or set(pool.get("job_variables") or {}) - {"env"}:
+            raise ValueError(f"{where}: work_pool keys other than {sorted(WORK_POOL_KEYS)} and job_variables.env")
+        parameters = dict(entry.get("parameters") or {})
+        if "recipe" not in parameters:
+            raise ValueError(f"{where}: no recipe parameter")
+        templates = {k: env_template(v) for k, v in parameters.items() if env_template(v)}
+        schedule = schedules[0] if schedules else {}
+        specs.append(dict(
+            name=name, recipe=parameters["recipe"],
+            parameters={k: v for k, v in parameters.items() if k not in templates}, templates=templates,
+            cron=schedule.get("cron"), timezone=schedule.get("timezone"),
+            concurrency_limit=entry.get("concurrency_limit"), description=entry.get("description", ""),
+            tags=list(entry.get("tags") or []),
+            env={k: str(v) for k, v in ((pool.get("job_variables") or {}).get("env") or {}).items()},
+        ))
+    return specs
 
 
 def missing_inputs(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """(parameters, missing): the deployment's parameters (recipe + environment) and the REQUIRED
-    keys set neither by them nor by the recipe."""
+    """(parameters, missing): the deployment's parameters (its own, the ``{{ $VAR }}`` ones from the
+    environment where set) and the REQUIRED keys set neither by them nor by the recipe."""
     recipe = read_recipe(spec["recipe"])
-    parameters: dict[str, Any] = {"recipe": spec["recipe"], **_env_parameters(spec["name"])}
+    parameters: dict[str, Any] = dict(spec["parameters"])
+    parameters.update({k: os.environ[var] for k, var in spec["templates"].items() if os.environ.get(var)})
     return parameters, [k for k in REQUIRED if k not in parameters and not recipe.get(k)]
 
 
@@ -93,12 +138,16 @@ def build_deployments(only: Optional[list[str]] = None, warn=print) -> list:
         description = spec["description"]
         if missing:
             names = ", ".join(missing)
-            envs = ", ".join(env_name(spec["name"], k) for k in missing)
-            if spec["cron"]:
+            envs = ", ".join(spec["templates"][k] for k in missing if k in spec["templates"])
+            if spec["cron"] and all(k in spec["templates"] for k in missing):
                 warn(f"warning: deployment '{spec['name']}': schedule paused, missing {names} "
                      f"(set {envs} and restart serve)")
                 description += (f" **Schedule paused**: {names} missing. Set {envs} and restart "
                                 f"`python -m deployments.serve`, or run it by hand with these parameters.")
+            elif spec["cron"]:
+                warn(f"warning: deployment '{spec['name']}': schedule paused, missing {names} "
+                     f"(pass them as parameters)")
+                description += f" **Schedule paused**: {names} missing. Set them as parameters."
             else:
                 warn(f"warning: deployment '{spec['name']}': missing {names} (pass them as parameters)")
                 description += f" Set {names} as parameters."
@@ -120,7 +169,7 @@ def build_deployments(only: Optional[list[str]] = None, warn=print) -> list:
     return deployments
 
 
-HEARTBEAT_S = 30  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY of the flow-run processes serve starts
+HEARTBEAT_S = 30  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY when the work pool's environment sets none
 RERUN_AUTOMATION = "dmd2: rerun crashed runs"
 ZOMBIE_AUTOMATION = "dmd2: crash runs without heartbeat"
 
@@ -257,7 +306,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
         from prefect import serve
 
-        os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))  # the flow-run processes
+        for spec in deployment_specs():  # the flow-run processes get the work pool's environment, as a worker's do
+            for key, value in spec["env"].items():
+                os.environ.setdefault(key, value)
+        os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))
         ids = [d.apply() for d in deployments]  # registered first, so the automations can name them
         ensure_automations(ids, int(os.environ["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"]))
         if ensure_failure_alert(ids, ns.alert_webhook) is None:
