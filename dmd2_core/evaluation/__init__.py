@@ -1,0 +1,1 @@
+"""Weight-free quality signals for any model (the compute core)."""
