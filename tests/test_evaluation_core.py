@@ -14,6 +14,7 @@ import torch
 
 from dmd2_core.evaluation.kernel import (kernel_distance, projected_kid, projection,
                                          standardised_projection)
+from dmd2_core.evaluation.teacher_features import sample_noise, teacher_features
 
 N = 32
 REPEATS = 200
@@ -138,3 +139,110 @@ def test_projection_is_fixed_orthonormal_and_the_same_in_every_process():
     import hashlib
 
     assert other == hashlib.sha256(p.numpy().tobytes()).hexdigest()
+
+
+# ---- the teacher's features ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def digits_teacher(tiny_teacher):
+    from dmd2_core.models import load_model_dir
+    from dmd2_core.models.sd3 import SD3ImageFamily
+
+    return SD3ImageFamily(), load_model_dir(tiny_teacher).model
+
+
+@pytest.fixture(scope="module")
+def digits_batch():
+    from dmd2_core.toys.digits import digits_prompt_set, digits_tensors
+
+    x, y = digits_tensors("test")
+    return x[:12], digits_prompt_set().cond(y[:12])
+
+
+def test_sd3_features_are_fixed_per_sample_and_image_keyed(digits_teacher, digits_batch):
+    family, model = digits_teacher
+    x, cond = digits_batch
+    model.train()
+    feats = teacher_features(family, model, x, cond)
+    assert model.training  # the caller's mode comes back
+    assert set(feats) == {"image"} and feats["image"].shape == (12, family.feature_dim(model))
+    assert not feats["image"].requires_grad and torch.isfinite(feats["image"]).all()
+    again = teacher_features(family, model, x, cond)
+    assert torch.equal(feats["image"], again["image"])
+    # the noise is sample i's, whatever the batch: micro-batches and chunks give the same rows
+    small = teacher_features(family, model, x, cond, micro_batch=5)
+    assert torch.allclose(small["image"], feats["image"], atol=1e-5)
+    tail = teacher_features(family, model, x[7:], {k: v[7:] for k, v in cond.items()}, index_offset=7)
+    assert torch.allclose(tail["image"], feats["image"][7:], atol=1e-5)
+    assert torch.equal(sample_noise((3, 2), 0, 7)[1], sample_noise((9, 2), 0, 0)[8])
+    # another seed, block, noise level or picture: other features
+    for other in (dict(seed=1), dict(block=0), dict(u=0.2)):
+        assert not torch.allclose(teacher_features(family, model, x, cond, **other)["image"], feats["image"])
+    flipped = teacher_features(family, model, x.flip(-1), cond)
+    assert not torch.allclose(flipped["image"], feats["image"])
+
+
+@pytest.fixture(scope="module")
+def av_teacher():
+    from dmd2_core.toys import sounding_digits_teacher
+
+    model = sounding_digits_teacher.new_av_teacher_model(seed=0).eval()
+    return sounding_digits_teacher.bound_family(model), model
+
+
+@pytest.fixture(scope="module")
+def av_batch():
+    from dmd2_core.toys import sounding_digits as sd
+
+    clips = sd.make_clips("test", 0)
+    return clips, sd.prompt_set().cond(clips.labels[:8])
+
+
+def test_h3_token_rows_are_video_and_audio_only(av_teacher):
+    family, model = av_teacher
+    rows = family.feature_tokens(5)
+    _, frames, height, width = family.video_shape
+    pt, ph, pw = family.patch_size
+    assert len(rows["video"]) == frames // pt * (height // ph) * (width // pw)
+    assert len(rows["audio"]) == family.audio_shape[0] * family.audio_shape[2]
+    every = torch.cat([rows["video"], rows["audio"]])
+    assert len(every.unique()) == len(every) and int(every.min()) >= 5  # the text rows [0, 5) are in neither
+
+
+def test_h3_features_per_modality_follow_their_own_part(av_teacher, av_batch):
+    from dmd2_core.toys import sounding_digits as sd
+
+    family, model = av_teacher
+    clips, cond = av_batch
+    x0 = sd.encode(clips.frames[:8], clips.audio[:8])
+    feats = teacher_features(family, model, x0, cond)
+    assert set(feats) == {"video", "audio"}
+    assert all(f.shape == (8, family.feature_dim(model)) for f in feats.values())
+    assert all(torch.equal(feats[k], f) for k, f in teacher_features(family, model, x0, cond).items())
+
+    def change(other):
+        new = teacher_features(family, model, other, cond)
+        return {k: float(((new[k] - feats[k]).norm(dim=1) / feats[k].norm(dim=1)).mean()) for k in feats}
+
+    other_sound = change(sd.encode(clips.frames[:8], clips.audio[8:16]))
+    assert other_sound["audio"] > 10 * other_sound["video"]
+    other_picture = change(sd.encode(clips.frames[8:16], clips.audio[:8]))
+    assert other_picture["video"] > 2 * other_picture["audio"]
+
+
+def test_h3_prompts_of_several_lengths(av_teacher, av_batch):
+    """MiniMax-H3 runs one forward per text length; the stopped tap must see every row."""
+    from dmd2_core.toys import sounding_digits as sd
+    from dmd2_core.toys.standins import h3_prompt_set
+
+    family, model = av_teacher
+    clips, _ = av_batch
+    prompts = h3_prompt_set(num_prompts=6, seed=1)
+    assert len(set(prompts.embeds["prompt_lengths"].tolist())) == 3
+    cond = prompts.cond(torch.arange(6))
+    x0 = sd.encode(clips.frames[:6], clips.audio[:6])
+    together = teacher_features(family, model, x0, cond)
+    for i in (0, 4):
+        alone = teacher_features(family, model, x0[i:i + 1], {k: v[i:i + 1] for k, v in cond.items()}, index_offset=i)
+        for k in together:
+            assert torch.allclose(alone[k][0], together[k][i], atol=1e-5)
