@@ -6,12 +6,14 @@ slips out of step with the picture."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from dmd2_core.evaluation import drift
 from dmd2_core.evaluation.kernel import (kernel_distance, projected_kid, projection,
                                          standardised_projection)
 from dmd2_core.evaluation.teacher_features import sample_noise, teacher_features
@@ -246,3 +248,122 @@ def test_h3_prompts_of_several_lengths(av_teacher, av_batch):
         alone = teacher_features(family, model, x0[i:i + 1], {k: v[i:i + 1] for k, v in cond.items()}, index_offset=i)
         for k in together:
             assert torch.allclose(alone[k][0], together[k][i], atol=1e-5)
+
+
+# ---- drift -----------------------------------------------------------------------------------------
+
+def _pictures(seed=0, shape=(6, 3, 16, 16)):
+    return torch.rand(shape, generator=torch.Generator().manual_seed(seed)) * 1.2 - 0.6
+
+
+def test_picture_stats_move_as_named():
+    x = _pictures()
+    base = drift.picture_stats(x)
+    assert set(base) == {"brightness", "saturation", "contrast"}  # images: no flicker
+    assert drift.picture_stats((x + 0.3).clamp(-1, 1))["brightness"] > base["brightness"] + 0.1
+    assert drift.picture_stats(x * 0.5)["contrast"] < 0.6 * base["contrast"]
+    grey = x.mean(1, keepdim=True).expand_as(x)
+    assert drift.picture_stats(grey)["saturation"] == pytest.approx(0.0, abs=1e-6)
+    assert drift.picture_stats(x[:, :1])["saturation"] == 0.0
+    assert drift.picture_stats(torch.full((2, 3, 4, 4), 1.0))["brightness"] == pytest.approx(1.0)
+    red = torch.full((1, 3, 2, 2), -1.0)
+    red[:, 0] = 1.0
+    assert drift.picture_stats(red)["saturation"] == pytest.approx(1.0)
+
+
+def test_flicker_as_vbench_reports_it():
+    still = _pictures(shape=(2, 3, 1, 8, 8)).expand(-1, -1, 5, -1, -1)
+    assert drift.picture_stats(still)["flicker"] == 1.0
+    black_white = torch.tensor([-1.0, 1.0, -1.0]).view(1, 1, 3, 1, 1).expand(1, 3, 3, 4, 4)
+    assert drift.temporal_flicker(black_white) == 0.0  # every pixel jumps 255 levels
+    half = black_white.clone()
+    half[..., :2] = -1.0  # half the pixels stay: mad 127.5
+    assert drift.temporal_flicker(half) == pytest.approx(0.5)
+    noisy = still + 0.2 * torch.randn(still.shape, generator=torch.Generator().manual_seed(0))
+    assert drift.picture_stats(noisy)["flicker"] < 0.97
+
+
+def _tone(freq=440.0, amplitude=0.5, seconds=0.5, sample_rate=8000, n=3, channels=2):
+    t = torch.arange(int(seconds * sample_rate)) / sample_rate
+    return (amplitude * torch.sin(2 * math.pi * freq * t)).expand(n, channels, -1).clone()
+
+
+def test_audio_stats_move_as_named():
+    rate = 8000
+    tone = _tone()
+    base = drift.audio_stats(tone, rate)
+    assert base["loudness"] == pytest.approx(20 * math.log10(0.5 / 2 ** 0.5), abs=0.01)
+    assert base["peak"] == pytest.approx(0.5, abs=1e-3)
+    assert base["clipping"] == 0.0 and base["silence"] == 0.0
+    assert base["centroid"] == pytest.approx(440.0, rel=0.02)
+    assert drift.audio_stats(_tone(freq=1760.0), rate)["centroid"] == pytest.approx(1760.0, rel=0.02)
+    clipped = drift.audio_stats((tone * 4).clamp(-1, 1), rate)
+    assert clipped["clipping"] > 0.5 and clipped["peak"] == 1.0 and clipped["loudness"] > base["loudness"] + 6
+    square = torch.ones(1, 1, 800)
+    assert drift.audio_stats(square, rate)["loudness"] == pytest.approx(0.0)
+    gapped = tone.clone()
+    gapped[..., : tone.shape[-1] // 2] = 0.0
+    assert drift.audio_stats(gapped, rate)["silence"] == pytest.approx(0.5, abs=0.05)
+    quiet = drift.audio_stats(tone * 1e-4, rate)  # -83 dBFS: silent, though not zero
+    assert quiet["silence"] == 1.0 and quiet["loudness"] < -80
+    nothing = drift.audio_stats(torch.zeros(2, 2, 400), rate)
+    assert nothing["loudness"] == drift.DB_FLOOR and math.isnan(nothing["centroid"])
+
+
+def test_within_prompt_diversity():
+    ids = torch.tensor([0, 0, 1, 1, 1, 2])
+    spread = torch.tensor([[0.0, 0], [2, 0], [0, 0], [0, 3], [0, 6], [9, 9]])
+    collapsed = torch.tensor([[1.0, 1], [1, 1], [5, 5], [5, 5], [5, 5], [0, 0]])
+    got = drift.within_prompt_diversity({"video": spread, "audio": collapsed}, ids)
+    assert got["audio"] == 0.0
+    assert got["video"] == pytest.approx((2.0 + (3 + 6 + 3) / 3) / 2)  # prompt 2 has one sample: left out
+    assert math.isnan(drift.within_prompt_diversity({"image": spread}, torch.arange(6))["image"])
+
+
+# ---- sound in step with the picture ---------------------------------------------------------------
+
+FPS, RATE, FRAMES = 8, 800, 24
+
+
+def _hits_and_clicks(n=30, seed=0):
+    """Clips where a square jumps to a new place at 1 to 3 frames, two frames apart, each jump with
+    a click over quiet noise. (Sounding digits cannot serve: a steady tone has no onsets, and a
+    digit sliding at constant speed no motion peaks.)"""
+    g = torch.Generator().manual_seed(seed)
+    per_frame = RATE // FPS
+    videos = torch.full((n, 3, FRAMES, 8, 8), -0.8)
+    audio = 0.01 * torch.randn(n, 1, FRAMES * per_frame, generator=g)
+    click = 0.5 * torch.exp(-torch.arange(per_frame // 2) / 10.0) * torch.sin(torch.arange(per_frame // 2) * 1.3)
+    for i in range(n):
+        first = int(torch.randint(3, 8, (1,), generator=g))
+        events = [first + 2 * e for e in range(1 + i % 3)]
+        place = 0
+        for f in range(FRAMES):
+            if f in events:
+                place = (place + 4) % 8
+                audio[i, 0, f * per_frame:f * per_frame + len(click)] += click
+            videos[i, :, f, place:place + 4, :4] = 0.8
+    return videos, audio
+
+
+def test_av_align_falls_as_the_sound_slips():
+    videos, audio = _hits_and_clicks()
+    per_frame = RATE // FPS
+    scores = [drift.av_align(videos, torch.roll(audio, k * per_frame, dims=-1), RATE, FPS) for k in (0, 2, 4)]
+    assert scores[0] == 1.0
+    assert scores[0] > scores[1] + 0.2 > scores[2] + 0.3
+    assert drift.av_align(videos, torch.roll(audio, -2 * per_frame, dims=-1), RATE, FPS) < 0.8  # early sound too
+    onsets = drift.audio_onsets(audio, RATE, FPS, FRAMES)
+    assert all(len(o) == 1 + i % 3 for i, o in enumerate(onsets))
+    assert all(torch.equal(a, v) for a, v in zip(onsets, drift.motion_peaks(videos)))
+
+
+def test_drift_stats_in_one_dict():
+    videos, audio = _hits_and_clicks(n=4)
+    stats = drift.drift_stats(videos, audio, RATE, FPS)
+    assert {"brightness", "saturation", "contrast", "flicker", "audio_loudness", "audio_peak", "audio_clipping",
+            "audio_centroid", "audio_silence", "av_align"} == set(stats)
+    assert stats["av_align"] == 1.0
+    assert set(drift.drift_stats(_pictures())) == {"brightness", "saturation", "contrast"}
+    with pytest.raises(ValueError):
+        drift.drift_stats(audio=audio)
