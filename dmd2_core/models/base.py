@@ -111,6 +111,12 @@ class ModelFamily:
     def feature_dim(self, model: torch.nn.Module) -> int:
         return model.config.num_attention_heads * model.config.attention_head_dim
 
+    def feature_tokens(self, text_tokens: int) -> Optional[dict[str, torch.Tensor]]:
+        """Which rows of a block's output (the token axis a ``FeatureTap`` keeps) are which modality
+        of the sample, as index tensors, for a prompt of ``text_tokens`` tokens; None: every row is
+        the sample's one modality (SD3's image stream, Wan's video tokens)."""
+        return None
+
     def encode_prompts(self, pipe, prompts: list[str], negative_prompt: str, max_sequence_length: Optional[int]):
         """The pipeline's own text encoding -> ({key: [N, ...]}, {key: [1, ...]} for the negative)."""
         raise NotImplementedError

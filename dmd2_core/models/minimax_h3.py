@@ -226,6 +226,12 @@ class MiniMaxH3Family(ModelFamily):
             self._layouts[text_tokens] = (position_ids, tags, video_idx, audio_idx, text_idx)
         return self._layouts[text_tokens]
 
+    def feature_tokens(self, text_tokens: int) -> dict[str, torch.Tensor]:
+        """The packed sequence's generated video and audio rows ([text | keyframes | audio | video]);
+        text and keyframe rows are in neither."""
+        _, _, video_idx, audio_idx, _ = self._layout(int(text_tokens))
+        return {"video": video_idx, "audio": audio_idx}
+
     def _rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
 
