@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from typing import Optional
 
-from dmd2_core.args import ArgParser, add_arg_flags, load_args, parse_set, recipe_names
+from dmd2_core.args import Args, load_args, nearest, parse_set, recipe_names
 from dmd2_core.errors import ArgsError
 from dmd2_core.train.trainer_config import compute_trainer_args, compute_trainer_configs
 
@@ -49,6 +50,44 @@ def build_parser() -> ArgParser:
     lat.add_argument("--negative-prompt", default="", help="the unconditional prompt for guidance (default empty)")
     lat.add_argument("--max-sequence-length", type=int, default=None, help="default: the pipeline's")
     return parser
+
+
+# ---- CLI generated from the model -------------------------------------------------------------
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse that reports any error as one line (with the nearest flag) and exits 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse hook
+        match = re.search(r"unrecognized arguments: (\S+)", message)
+        if match:
+            flag = match.group(1).split("=")[0]
+            known = _option_strings(self)
+            message = f"unknown flag '{flag}'{nearest(flag, known)}"
+        self.exit(2, f"error: {message}\n")
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    found = []
+    for action in parser._actions:
+        found += action.option_strings
+        for sub in (getattr(action, "choices", None) or {}).values() if isinstance(action, argparse._SubParsersAction) else ():
+            found += _option_strings(sub)
+    return found
+
+
+def add_arg_flags(parser: argparse.ArgumentParser) -> None:
+    """One --flag per Args field, grouped. Values stay strings for the model to validate (so
+    errors name the key); unset flags stay absent so the recipe's value wins."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for name, field in Args.model_fields.items():
+        group_name = (field.json_schema_extra or {}).get("group", "other")
+        group = groups.setdefault(group_name, parser.add_argument_group(f"{group_name} flags"))
+        is_list = "list[" in str(field.annotation)
+        group.add_argument(
+            "--" + name.replace("_", "-"), dest=name, nargs="+" if is_list else None,
+            metavar=name.upper(), default=argparse.SUPPRESS,
+            help=f"{field.description} (default: {field.default!r})",
+        )
 
 
 def main(argv: Optional[list[str]] = None) -> int:
