@@ -210,6 +210,16 @@ class Args(BaseModel):
     eval_samples_per_prompt: int = _f(4, "eval", "Eval media samples per prompt.", ge=1)
     eval_seed: int = _f(1234, "eval", "Seed of eval noise (the same every eval).", ge=0)
     eval_fps: int = _f(8, "eval", "Frames per second of video eval media.", ge=1)
+    evaluator: Optional[Literal["teacher", "digits", "sounding-digits"]] = _f(
+        None, "eval", "How evals score the student: 'teacher' (the frozen teacher's own features and drift "
+        "statistics against its reference samples; any model) or a toy world's metrics; default: the prompt set's.")
+    eval_reference_url: Optional[str] = _f(
+        None, "eval", "Where the teacher's reference samples and features are cached (one entry per teacher and "
+        "eval settings); default {save}/eval_reference. Share one URL across nights to sample the teacher once.")
+    eval_reference_steps: int = _f(50, "eval", "The teacher's sampling steps for its reference samples.", ge=1)
+    alert_regression_margin: float = _f(
+        0.25, "eval", "A night whose best teacher-feature distance exceeds the previous nights' median by this "
+        "fraction (or whose drift leaves its band) is reported as a regression.", ge=0)
 
     @model_validator(mode="after")
     def _check_relations(self) -> "Args":

@@ -28,6 +28,7 @@ class PromptSet:
     prompts: list[str]
     embeds: dict[str, torch.Tensor]  # key -> [N, ...]
     negative: dict[str, torch.Tensor]  # key -> [1, ...]
+    evaluator: Optional[str] = None  # a toy world's prompts name its evaluator (evaluation.evaluators)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -41,7 +42,7 @@ class PromptSet:
 
     def save(self, url: str) -> None:
         write_safetensors(url, {**self.embeds, **{f"negative_{k}": v for k, v in self.negative.items()}},
-                          {"prompts": json.dumps(self.prompts)})
+                          {"prompts": json.dumps(self.prompts), **({"evaluator": self.evaluator} if self.evaluator else {})})
 
 
 def write_safetensors(url: str, tensors: dict[str, torch.Tensor], metadata: Optional[dict[str, str]] = None) -> None:

@@ -20,7 +20,12 @@ from dmd2_core.args import Args
 from dmd2_core.media.images import data_uri
 
 SEGMENT_ITERATIONS = 100  # lines per segment file: the open one is rewritten, its size is bounded
-QUALITY_KEYS = ("fd", "acc", "diversity")
+# An eval's quality figures (evaluation.evaluators), shown where present: the teacher evaluator's
+# distances and drift count, the toy worlds' ground truth. Lower is better for each of CRITERIA,
+# and the first an eval has is the run's criterion for its best student.
+CRITERIA = ("teacher_kid", "fd", "frame_fd")
+QUALITY_KEYS = ("teacher_kid", "teacher_kid_video", "teacher_kid_audio", "teacher_kid_image", "drift_out",
+                "fd", "acc", "diversity", "frame_fd", "sound_acc", "agreement")
 TABLE_COLUMNS = ("iteration", "dmd2_loss", "critic_loss", "dmd2_grad_norm", "actor_grad_norm",
                  "fd", "iteration_s")
 SIGNIFICANT = 4
@@ -151,9 +156,12 @@ def metrics_table(rows: Iterable[dict], columns: tuple[str, ...] = TABLE_COLUMNS
 
 # ---- the plot ---------------------------------------------------------------------------------
 
-PLOT_PANELS = (  # FD (unbounded) on an axis of its own: sharing one with acc and diversity (0-1) hid its drift
-    ("losses", ("dmd2_loss", "critic_loss")),
-    ("grad norms", ("dmd2_grad_norm", "actor_grad_norm", "critic_grad_norm")),
+PLOT_PANELS = (  # one scale a panel: dmd2_loss (~1e-8) beside critic_loss (~2.5) read as a flat line
+    ("DMD2 loss", ("dmd2_loss",)),
+    ("critic loss", ("critic_loss",)),
+    ("grad norms (log)", ("dmd2_grad_norm", "actor_grad_norm", "critic_grad_norm")),
+    ("teacher feature distance (lower is better)", ("teacher_kid_video", "teacher_kid_audio", "teacher_kid_image")),
+    ("drift statistics out of band", ("drift_out",)),
     ("FD", ("fd",)),
     ("accuracy, diversity", ("acc", "diversity")),
     ("GAN head", GAN_KEYS),  # only when the head is on (its keys are in the rows)
@@ -167,7 +175,7 @@ def thin(rows: list[dict], most: int) -> list[dict]:
         return list(rows)
     step = math.ceil(len(rows) / most)
     return [r for n, r in enumerate(rows)
-            if n % step == 0 or n == len(rows) - 1 or any(r.get(k) is not None for k in QUALITY_KEYS)]
+            if n % step == 0 or n == len(rows) - 1 or any(r.get(k) is not None for k in (*QUALITY_KEYS, *CRITERIA))]
 
 
 def plot_png(rows: list[dict], title: str = "") -> Optional[bytes]:
@@ -200,6 +208,8 @@ def plot_png(rows: list[dict], title: str = "") -> Optional[bytes]:
             xs, ys = zip(*pts)
             ax.plot(xs, ys, label=key, linewidth=1.0, marker="o" if len(pts) <= 30 else None, markersize=3)
         ax.set_title(name, fontsize=10)
+        if name.endswith("(log)") and all(y > 0 for pts in series.values() for _, y in pts):
+            ax.set_yscale("log")
         ax.set_xlabel("iteration", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.legend(fontsize=7)
@@ -248,10 +258,20 @@ def _quality(q: Optional[dict]) -> str:
     return ", ".join(f"{k} {q[k]:.4g}" for k in QUALITY_KEYS if isinstance((q or {}).get(k), (int, float)))
 
 
+def criterion(evals: list[dict]) -> Optional[str]:
+    """The run's quality criterion (lower is better): the first of CRITERIA its evals carry."""
+    return next((c for c in CRITERIA if any(_number(e.get(c)) for e in evals)), None)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def best_eval(evals: list[dict]) -> Optional[dict]:
-    """The eval with the lowest FD (the only quality criterion the run has); None without FD."""
-    scored = [e for e in evals if isinstance(e.get("fd"), (int, float)) and math.isfinite(e["fd"])]
-    return min(scored, key=lambda e: (e["fd"], -e["iteration"])) if scored else None
+    """The eval with the lowest value of the run's criterion (the latest of equals); None without one."""
+    key = criterion(evals)
+    scored = [e for e in evals if _number(e.get(key))] if key else []
+    return min(scored, key=lambda e: (e[key], -e["iteration"])) if scored else None
 
 
 def summary_markdown(s: dict) -> str:
@@ -294,6 +314,8 @@ def summary_markdown(s: dict) -> str:
         for e in sorted(evals, key=lambda e: -e["iteration"]):
             out.append("| " + " | ".join(_v(round_sig(e.get(c))) if e.get(c) is not None else "" for c in cols) + " |")
         out.append("")
+    if s.get("reference"):
+        out += drift_table(s["reference"], evals[-1] if evals else {}, s.get("drift_flags") or [])
     ck = s.get("checkpoint")
     out += ["## Checkpoint and student", ""]
     if ck:
@@ -302,8 +324,12 @@ def summary_markdown(s: dict) -> str:
             out.append(f"  - {role}: `{url}`")
     else:
         out.append("- no checkpoint yet")
+    if s.get("best_student"):
+        best = best_eval(evals) or {}
+        out.append(f"- **the run's student** (its best eval, iteration {best.get('iteration')}; kept by retention): "
+                   f"`{s['best_student']}`")
     if s.get("student"):
-        out.append(f"- exported student (diffusers): `{s['student']}`")
+        out.append(f"- latest exported student (diffusers): `{s['student']}`")
     if s.get("metrics_url"):
         out.append(f"- every metric of every iteration: `{s['metrics_url']}`")
     out.append("")
@@ -318,65 +344,11 @@ def summary_markdown(s: dict) -> str:
     return "\n".join(out)
 
 
-# ---- the nights view: one row per run of a deployment -----------------------------------------
-
-NIGHT_COLUMNS = ("date", "run", "outcome", "final FD", "best FD", "acc", "diversity", "iterations", "wall")
-
-
-def night_row(view: dict, outcome: str, wall_s: float, run_id: str, link: Optional[str], date: str) -> dict:
-    """A run's row of the nights view, from its summary's view (evals, student, iteration)."""
-    evals = [e for e in view.get("evals") or [] if e.get("iteration") is not None]
-    last = max(evals, key=lambda e: e["iteration"]) if evals else {}
-    best = best_eval(evals) or {}
-    return {"run_id": run_id, "name": view.get("name"), "date": date, "outcome": outcome,
-            "fd": last.get("fd"), "best_fd": best.get("fd"), "best_iteration": best.get("iteration"),
-            "acc": last.get("acc"), "diversity": last.get("diversity"),
-            "iteration": view.get("iteration"), "final": view.get("final"), "wall_s": round(float(wall_s), 1),
-            "link": link, "student": view.get("student")}
-
-
-def nights_plot(rows: list[dict], title: str = "") -> Optional[bytes]:
-    """Final and best FD per night (oldest left): the regression a team looks for each morning."""
-    pts = [(n, r) for n, r in enumerate(rows) if isinstance(r.get("fd"), (int, float))]
-    if not pts:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6.0, 3.0), dpi=80)
-    ax = fig.add_subplot(1, 1, 1)
-    ax.plot([n for n, _ in pts], [r["fd"] for _, r in pts], marker="o", label="final FD")
-    best = [(n, r["best_fd"]) for n, r in pts if isinstance(r.get("best_fd"), (int, float))]
-    if best:
-        ax.plot(*zip(*best), marker="x", linestyle="--", label="best FD")
-    ax.set_xticks([n for n, _ in pts], [str(r.get("date")) for _, r in pts], rotation=30, fontsize=7)
-    ax.set_ylabel("FD (lower is better)", fontsize=8)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    ax.set_title(title or "quality over nights", fontsize=10)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return buf.getvalue()
-
-
-def nights_markdown(deployment: str, rows: list[dict], plot: Optional[bytes]) -> str:
-    """The nights view of a deployment: the plot, then one row per run, newest first."""
-    out = [f"# {deployment}: nights", "", f"{len(rows)} run(s), newest first; FD lower is better.", ""]
-    if plot:
-        out += [f"![FD over nights]({data_uri(plot, 'image/png')})", ""]
-    out += ["| " + " | ".join(NIGHT_COLUMNS) + " |", "|" + "---|" * len(NIGHT_COLUMNS)]
-    for r in reversed(rows):
-        run = f"[{r.get('name')}]({r['link']})" if r.get("link") else f"`{r.get('name')}`"
-        cells = [r.get("date"), run, r.get("outcome"), r.get("fd"), r.get("best_fd"), r.get("acc"),
-                 r.get("diversity"), f"{r.get('iteration') if r.get('iteration') is not None else '-'}/{r.get('final')}",
-                 f"{r.get('wall_s')} s"]
-        out.append("| " + " | ".join("" if c is None else _v(round_sig(c)) if isinstance(c, float) else str(c)
-                                     for c in cells) + " |")
-    out.append("")
-    exports = [r for r in reversed(rows) if r.get("student")]
-    if exports:
-        out += ["Exported students: " + "; ".join(f"{r.get('date')} `{r['student']}`" for r in exports[:5]), ""]
-    return "\n".join(out)
+def drift_table(reference: dict, latest: dict, flags: list[str]) -> list[str]:
+    """The latest eval's drift statistics beside the teacher's own (its reference samples)."""
+    out = ["## Drift against the teacher (latest eval)", "", "| statistic | teacher | student | in band |", "|---|---|---|---|"]
+    for key, teacher in sorted(reference.items()):
+        student = latest.get(f"drift_{key}")
+        out.append(f"| {key} | {_v(round_sig(teacher))} | {'' if student is None else _v(round_sig(student))} | "
+                   f"{'no' if f'drift_{key}' in flags else 'yes'} |")
+    return out + [""]

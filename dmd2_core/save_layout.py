@@ -4,8 +4,10 @@
     {save}/latest_checkpointed_iteration.txt   the run tracker: the iteration every trainer saved
     {save}/trainers/{role}/iter_{i:07d}/       a trainer's checkpoint (drawn in dmd2_core/checkpoint)
     {save}/exports/iter_{i:07d}/               the student as a diffusers pipeline or LoRA (export/)
+    {save}/best_student.json                   the run's best eval and its export: retention keeps it
     {save}/metrics.jsonl, {save}/metrics/      the metrics log and its segments (report.py)
     {save}/media/iter_{i:07d}[_p{prompt}].*    eval media (media/eval_media.py)
+    {save}/eval_reference/{key}/               the teacher's reference samples' features (evaluation/)
 """
 
 from __future__ import annotations
@@ -61,3 +63,14 @@ def metrics_segment_url(save_url: str, first_iteration: int) -> str:
 
 def media_stem(save_url: str, iteration: int) -> str:
     return storage.join(save_url, "media", f"iter_{int(iteration):07d}")
+
+
+def eval_reference_root(save_url: str) -> str:
+    return storage.join(save_url, "eval_reference")
+
+
+BEST_STUDENT_NAME = "best_student.json"
+
+
+def best_student_url(save_url: str) -> str:
+    return storage.join(save_url, BEST_STUDENT_NAME)

@@ -154,7 +154,7 @@ class Driver(DriverBase):
         evals, saves = self.schedule.evals_at(i), self.schedule.saves_at(i)
         if evals:
             self.eval(i)
-        if saves:
+        if saves or self.export_best == i:  # a new best eval: its student is saved and exported now
             self.checkpoint(i, wait=self.schedule.waits_at(i))
         self.log.update(i, {"wall_time": time.time()})
         every = self.args.summary_interval

@@ -9,20 +9,23 @@ against the last, as the log line says.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Optional
 
 from dmd2_core import checkpoint as ckpt
+from dmd2_core import storage
 from dmd2_core.args import Args
 from dmd2_core.run.distill_run import DistillRun
-from dmd2_core.report import GAN_KEYS, QUALITY_KEYS, MetricsLog
+from dmd2_core.report import GAN_KEYS, QUALITY_KEYS, MetricsLog, best_eval, criterion
+from dmd2_core.save_layout import best_student_url
 from dmd2_core.run.schedule import Schedule
 from flows import artifacts, runs
 from tasks.checkpoint import checkpoint
 from tasks.eval import eval_media
 
 EVAL_COLUMNS = ("iteration", *QUALITY_KEYS, "dmd2_loss", "critic_loss", *GAN_KEYS)
-LOGGED_KEYS = ("dmd2_loss", "critic_loss", "dmd2_grad_norm", "actor_grad_norm", "fd", "acc", "diversity")
+LOGGED_KEYS = ("dmd2_loss", "critic_loss", "dmd2_grad_norm", "actor_grad_norm", *QUALITY_KEYS)
 
 
 def fmt(metrics: dict) -> str:
@@ -31,7 +34,8 @@ def fmt(metrics: dict) -> str:
 
 def eval_row(row: dict) -> dict:
     """What the summary's evals table keeps of a metrics row: quality, losses, the GAN head's."""
-    return {k: row.get(k) for k in EVAL_COLUMNS if k in row or k in ("iteration", *QUALITY_KEYS)}
+    kept = {k: row.get(k) for k in EVAL_COLUMNS if k in row or k in ("iteration", *QUALITY_KEYS)}
+    return kept | {k: v for k, v in row.items() if k.startswith(("drift_", "diversity_"))}  # beside the teacher's
 
 
 class DriverBase:
@@ -58,7 +62,10 @@ class DriverBase:
             "trainer_args": {role: a.model_dump(mode="json") for role, a in run.trainer_args.items()},
             "evals": [eval_row(row) for row in self.log.table() if any(row.get(q) is not None for q in QUALITY_KEYS)],
             "media": [], "metrics_url": self.log.url, "checkpoint": None, "student": None,
+            "best_student": None, "drift_flags": [], "reference": {},
         }
+        self.best = self._read_best()  # the run's best eval with an export: kept by retention
+        self.export_best: Optional[int] = None  # an eval that became the best: its save exports
         if self.last_ckpt:
             self._note_checkpoint(self.last_ckpt, {}, next(iter(ckpt.latest_exports(args.save)), None))
         self.artifacts = artifacts.RunArtifacts(self.keys, self.view, total=self.final, done=self.start,
@@ -76,8 +83,14 @@ class DriverBase:
         self.view["evals"] = [e for e in self.view["evals"] if e["iteration"] != i]
         self.view["evals"].append(eval_row(row))
         self.view["media"], self.view["media_iteration"] = out["media"], i
+        self.view["drift_flags"] = out.get("flags") or []
+        self.view["reference"] = out.get("reference") or self.view["reference"]
+        best = best_eval(self.view["evals"])
+        if best is not None and best["iteration"] == i and i > self.start and (self.best or {}).get("iteration") != i:
+            self.export_best = i  # exported by a save of this iteration, now
         if quality:
-            self.logger.info(f"eval at iteration {i}: " + fmt(quality))
+            self.logger.info(f"eval at iteration {i}: " + fmt(quality)
+                             + (f"; drift out of band: {', '.join(self.view['drift_flags'])}" if self.view["drift_flags"] else ""))
         return quality
 
     def _note_checkpoint(self, i: int, trainers: dict, export: Optional[str] = None) -> None:
@@ -85,6 +98,14 @@ class DriverBase:
         self.result["checkpoint"] = self.view["checkpoint"] = info
         if export:
             self.view["student"] = self.result["student"] = export
+        if export and self.export_best == i:  # the best eval's student, exported: the run's student
+            evals = self.view["evals"]
+            self.best = {"iteration": i, "criterion": criterion(evals), "value": (best_eval(evals) or {}).get(criterion(evals)),
+                         "export_url": export}
+            storage.write_text(best_student_url(self.args.save), json.dumps(self.best, indent=1))
+            self.export_best = None
+        if self.best:
+            self.view["best_student"] = self.result["best_student"] = self.best["export_url"]
 
     def _saved(self, metrics: dict) -> None:
         """A checkpoint became durable and the tracker names it: note it, log it."""
@@ -98,8 +119,13 @@ class DriverBase:
         self.logger.info(f"checkpoint at iteration {i} tracked ({metrics['checkpoint_save_s']:.2f}s to write)"
                          + (f"; student exported to {export}" if export else ""))
 
+    def _read_best(self) -> Optional[dict]:
+        url = best_student_url(self.args.save)
+        return json.loads(storage.read_text(url)) if storage.exists(url) else None
+
     def checkpoint(self, i: int, wait: bool = False) -> None:
-        out = checkpoint(self.run_id, i, wait)
+        export = True if self.export_best == i else None  # the best eval's student is exported
+        out = checkpoint(self.run_id, i, wait, export)
         self.requested_ckpt = i
         self._saved(out)
         self.log.update(i, {k: v for k, v in out.items()

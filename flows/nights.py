@@ -1,6 +1,7 @@
 """The nights view: one markdown artifact per deployment, ``dmd2-nights-{deployment}``, that gains
-a row per run (date, outcome, final and best FD with accuracy and diversity, iterations, wall time,
-the link to the run and its exported student) under a plot of FD over nights.
+a row per run (date, outcome, final and best quality by the run's criterion, per modality, drift out of
+its band, iterations, wall time, the link to the run and its best student) under a plot of the criterion
+over nights (dmd2_core/nights_view.py).
 
 Each run (completed or failed) writes a new version of the key from the previous version's rows
 plus its own (a crash rerun replaces its run's row: same flow run id); the UI shows the latest
@@ -18,7 +19,7 @@ import logging
 import re
 from typing import Optional
 
-from dmd2_core import report
+from dmd2_core import nights_view
 from flows.artifacts import slugify
 
 MAX_NIGHTS = 60  # rows kept (the oldest drop off)
@@ -70,9 +71,9 @@ def record_night(view: dict, outcome: str, wall_s: float) -> Optional[str]:
     try:
         start = flow_run.scheduled_start_time or datetime.datetime.now(datetime.timezone.utc)
         date = start.astimezone(datetime.timezone.utc).date().isoformat()
-        row = report.night_row(view, outcome, wall_s, str(flow_run.id), flow_run.ui_url, date)
+        row = nights_view.night_row(view, outcome, wall_s, str(flow_run.id), flow_run.ui_url, date)
         rows = merge(rows_of(latest_markdown(key)), row)
-        markdown = report.nights_markdown(name, rows, report.nights_plot(rows, title=f"{name}: FD over nights"))
+        markdown = nights_view.nights_markdown(name, rows, nights_view.nights_plot(rows, title=f"{name}: quality over nights"))
         create_markdown_artifact(markdown=with_rows(markdown, rows), key=key,
                                  description=f"dmd2/{name}: one row per run, newest first")
     except Exception as exc:  # noqa: BLE001 - the view is for people; the run's outcome stands

@@ -4,6 +4,8 @@ end of a run)."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 from prefect import task
 
 from tasks.common import TASK_OPTIONS
@@ -11,5 +13,5 @@ from tasks.registry import get_run
 
 
 @task(name="checkpoint", task_run_name="checkpoint-{iteration}", **TASK_OPTIONS)
-def checkpoint(run_id: str, iteration: int, wait: bool = False) -> dict:
-    return get_run(run_id).checkpoint(iteration, wait)
+def checkpoint(run_id: str, iteration: int, wait: bool = False, export: Optional[bool] = None) -> dict:
+    return get_run(run_id).checkpoint(iteration, wait, export)

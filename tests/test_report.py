@@ -192,25 +192,26 @@ def test_plot_has_fd_and_gan_panels_and_a_bounded_cost():
     assert len(kept) <= report.PLOT_POINTS + 5 + 1 and kept[-1]["iteration"] == 4999
     assert [r["iteration"] for r in kept if "fd" in r] == [0, 1000, 2000, 3000, 4000]
     names = [name for name, keys in report.PLOT_PANELS if any(k in rows[0] for k in keys)]
-    assert names == ["losses", "FD", "accuracy, diversity", "GAN head"]
+    assert names == ["DMD2 loss", "FD", "accuracy, diversity", "GAN head"]
     img = Image.open(io.BytesIO(report.plot_png(kept)))
     assert img.size == (3 * 320, 2 * 240)  # 4 panels: 3 columns, 2 rows
     assert report.plot_png([{"iteration": 1, "dmd2_loss": 1.0}]) is not None
 
 
 def test_nights_markdown_and_rows_roundtrip():
+    from dmd2_core import nights_view
     from flows import nights
 
     view = {"name": "dmd2-tiny-2026-12-02-1a2b3c4d", "iteration": 250, "final": 250, "student": "/r/exports/iter_0000250",
             "evals": [{"iteration": 0, "fd": 9.0}, {"iteration": 100, "fd": 2.0, "acc": 0.8},
                       {"iteration": 250, "fd": 3.0, "acc": 0.9, "diversity": 0.4}]}
-    one = report.night_row(view, "completed", 61.23, "id-1", "http://ui/runs/flow-run/id-1", "2026-12-02")
-    assert (one["fd"], one["best_fd"], one["best_iteration"], one["acc"]) == (3.0, 2.0, 100, 0.9)
-    two = dict(one, run_id="id-2", date="2026-12-03", fd=5.0, outcome="failed", name="dmd2-tiny-2026-12-03-99aa0000")
+    one = nights_view.night_row(view, "completed", 61.23, "id-1", "http://ui/runs/flow-run/id-1", "2026-12-02")
+    assert (one["criterion"], one["final"], one["best"], one["best_iteration"], one["acc"]) == ("fd", 3.0, 2.0, 100, 0.9)
+    two = dict(one, run_id="id-2", date="2026-12-03", final=5.0, outcome="failed", name="dmd2-tiny-2026-12-03-99aa0000")
     rows = nights.merge(nights.merge([], one), two)
     rows = nights.merge(rows, dict(two, outcome="completed (1 rerun)"))  # a rerun replaces its run's row
     assert [r["outcome"] for r in rows] == ["completed", "completed (1 rerun)"]
-    text = nights.with_rows(report.nights_markdown("tiny", rows, report.nights_plot(rows)), rows)
+    text = nights.with_rows(nights_view.nights_markdown("tiny", rows, nights_view.nights_plot(rows)), rows)
     assert nights.rows_of(text) == rows
     assert "![FD over nights](data:image/png;base64," in text
     assert text.index("2026-12-03") < text.index("| 2026-12-02")  # newest first
@@ -218,5 +219,24 @@ def test_nights_markdown_and_rows_roundtrip():
     assert "`/r/exports/iter_0000250`" in text
     assert nights.nights_key("minimax-h3") == "dmd2-nights-minimax-h3"
     # a night that failed before it started (preflight, too many crash reruns): a row all the same
-    early = report.night_row({"name": "n", "iteration": None, "final": 2, "evals": []}, "failed", 0.0, "id-3", None, "d")
-    assert "| d | `n` | failed |  |  |  |  | -/2 | 0.0 s |" in report.nights_markdown("tiny", [early], None)
+    early = nights_view.night_row({"name": "n", "iteration": None, "final": 2, "evals": []}, "failed", 0.0, "id-3", None, "d")
+    assert "| d | `n` | failed |  |  | -/2 | 0.0 s |" in nights_view.nights_markdown("tiny", [early], None)
+
+
+def test_a_teacher_evaluated_night_has_numbers_per_modality_its_drift_and_its_best_student():
+    from dmd2_core import nights_view
+
+    view = {"name": "minimax-h3-night", "iteration": 200, "final": 200, "student": "s3://r/exports/iter_0000200",
+            "best_student": "s3://r/exports/iter_0000100", "drift_flags": ["drift_saturation_video"],
+            "evals": [{"iteration": 0, "teacher_kid": 0.9, "teacher_kid_video": 1.2, "teacher_kid_audio": 0.6},
+                      {"iteration": 100, "teacher_kid": 0.2, "teacher_kid_video": 0.3, "teacher_kid_audio": 0.1},
+                      {"iteration": 200, "teacher_kid": 0.4, "teacher_kid_video": 0.5, "teacher_kid_audio": 0.3,
+                       "drift_out": 1.0}]}
+    row = nights_view.night_row(view, "completed", 10.0, "id-1", None, "2026-12-05")
+    assert (row["criterion"], row["final"], row["best"], row["best_tkd"], row["best_iteration"]) == ("teacher_kid", 0.4, 0.2, 0.2, 100)
+    assert row["student"] == "s3://r/exports/iter_0000100" and row["drift_out"] == ["drift_saturation_video"]
+    text = nights_view.nights_markdown("minimax-h3", [row], nights_view.nights_plot([row]))
+    assert ("| date | run | outcome | final teacher KID | best teacher KID | teacher_kid_video | teacher_kid_audio | "
+            "drift out of band | iterations | wall |") in text
+    assert "| 0.4 | 0.2 | 0.5 | 0.3 | drift_saturation_video | 200/200 |" in text
+    assert "![teacher KID over nights](data:image/png;base64," in text

@@ -50,7 +50,7 @@ def _forward_groups(cond: dict, n: int, micro_batch: int) -> list[tuple[list[int
 @torch.no_grad()
 def teacher_features(family, teacher_model: torch.nn.Module, x0: torch.Tensor, cond: dict, *,
                      block: Optional[int] = None, u: float = 0.5, seed: int = 0, micro_batch: int = 8,
-                     index_offset: int = 0) -> dict[str, torch.Tensor]:
+                     index_offset: int = 0, stop: bool = True) -> dict[str, torch.Tensor]:
     """Teacher features of samples ``x0`` [N, *sample_shape] (the family's latents: SD3 [N, C, H, W],
     Wan [N, C, F, H, W], MiniMax-H3 flat [N, D] of a bound family) under ``cond`` ({key: [N, ...]}
     for the family's ``cond_keys``): {modality: float32 [N, width] on the CPU}, width the block's
@@ -63,8 +63,8 @@ def teacher_features(family, teacher_model: torch.nn.Module, x0: torch.Tensor, c
     ``block`` (default the middle one, ``family.feature_block``) and stops there. Eval mode, no
     grad, ``micro_batch`` samples per forward (the result does not depend on it up to float
     rounding); ``index_offset`` numbers the samples of a chunk of a larger set. ``teacher_model``
-    must be a plain module (not FSDP-sharded: a stopped sharded forward would leave its hooks half
-    done)."""
+    must be a plain module with ``stop`` (a stopped sharded forward would leave FSDP's hooks half
+    done): a sharded teacher runs its whole forward on every rank (``stop=False``), same features."""
     n = x0.shape[0]
     if n == 0:
         raise ValueError("teacher_features: no samples")
@@ -82,7 +82,7 @@ def teacher_features(family, teacher_model: torch.nn.Module, x0: torch.Tensor, c
             index = torch.tensor(rows)
             x_t = family.add_noise(x0[index].to(device).float(), noise[index].to(device), u)
             sigma = torch.full((len(rows),), float(u))
-            with FeatureTap(family, teacher_model, block, stop=True) as tap:
+            with FeatureTap(family, teacher_model, block, stop=stop) as tap:
                 family.predict_velocity(teacher_model, x_t, sigma, {k: v[index] for k, v in cond.items()})
             tokens = tap.features
             if tokens is None or tokens.shape[0] != len(rows):

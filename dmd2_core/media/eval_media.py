@@ -17,10 +17,10 @@ from typing import Any, Optional
 from PIL import Image
 
 from dmd2_core import storage
-from dmd2_core.args import Args
-from dmd2_core.data import builtin_set, prompt_texts
+from dmd2_core.data import prompt_texts
+from dmd2_core.evaluation import evaluators
+from dmd2_core.evaluation.evaluators import eval_prompt_indices
 from dmd2_core.media.images import embed, image_grid, mime_type, png_bytes, video_media
-from dmd2_core.errors import ArgsError
 from dmd2_core.save_layout import media_stem
 
 PRESIGN_EXPIRES_S = 7 * 24 * 3600  # the SigV4 maximum
@@ -51,16 +51,6 @@ def media_url(url: str, expires: int = PRESIGN_EXPIRES_S) -> Optional[str]:
 
 
 # ---- the eval step of a run -------------------------------------------------------------------
-
-def eval_prompt_indices(args: Args, num_prompts: int) -> list[int]:
-    """The prompt indices an eval samples: ``eval_prompts``, or every prompt of the set."""
-    indices = list(args.eval_prompts) if args.eval_prompts else list(range(num_prompts))
-    bad = [i for i in indices if not 0 <= i < num_prompts]
-    if bad:
-        raise ArgsError(f"eval_prompts: index {bad[0]} out of range for {num_prompts} prompts")
-    return indices
-
-
 
 def run_eval(run, iteration: int, embed_limit: int = 512 * 1024) -> dict[str, Any]:
     """Eval of a DistillRun (anything with ``.args`` and ``.sample(prompt_index, seed)``) at
@@ -93,12 +83,13 @@ def run_eval(run, iteration: int, embed_limit: int = 512 * 1024) -> dict[str, An
         caption = f"iteration {iteration}: columns = prompts {indices}, {per_prompt} samples each"
         media.append(publish(f"{stem}.png", data, caption, embed_limit))
     metrics: dict[str, float] = {"eval_media_s": time.perf_counter() - start}
-    world = builtin_set(args.prompts)  # a toy world's prompts: its own quality figures
-    if world is not None:
-        t = time.perf_counter()
-        metrics.update(world.quality(run.sample, args.eval_num_samples, args.eval_seed))
+    t = time.perf_counter()
+    quality = evaluators.evaluate(run, args)
+    metrics.update(quality["metrics"])
+    if quality["metrics"]:
         metrics["eval_quality_s"] = time.perf_counter() - t
-    return {"iteration": int(iteration), "metrics": metrics, "media": media}
+    return {"iteration": int(iteration), "metrics": metrics, "media": media, "flags": quality["flags"],
+            "reference": quality["reference"]}
 
 
 FPS_OF_SOUNDING_VIDEO = 24  # MiniMax-H3's frame rate; its clips play at it

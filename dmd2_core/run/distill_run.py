@@ -250,6 +250,28 @@ class DistillRun:
         a collective), rank 0 decodes and returns them."""
         return self._call_or_break(lambda: self.groups["actor"].call("sample", prompt_index, seed)[0])
 
+    def eval_latents(self, prompt_index: list[int], seed: int):
+        """The same samples as latents (the teacher evaluator's input)."""
+        return self._call_or_break(lambda: self.groups["actor"].call("sample", prompt_index, seed, decode=False)[0])
+
+    def decode(self, latents):
+        return self._call_or_break(lambda: self.groups["actor"].call("decode", latents)[0])
+
+    def teacher_reference(self, prompt_index: list[int], seed: int, num_steps: int):
+        """The frozen teacher's own samples (latents) from the noise of ``sample(prompt_index, seed)``."""
+        return self._call_or_break(lambda: self._scorer().call("teacher_reference", prompt_index, seed, num_steps)[0])
+
+    def teacher_features(self, latents, prompt_index: list[int], u: float, seed: int) -> dict:
+        return self._call_or_break(lambda: self._scorer().call("teacher_features", latents, prompt_index, u, seed)[0])
+
+    def _scorer(self):
+        """The group that holds the frozen teacher: the critic's."""
+        if "critic" not in self.groups:
+            from dmd2_core.errors import ArgsError
+
+            raise ArgsError("evaluator: 'teacher' needs the critic group (loss dmd2 with its critic), which holds the teacher")
+        return self.groups["critic"]
+
     def checkpoint(self, iteration: int, wait: bool = False, export: Optional[bool] = None) -> dict:
         """Every trainer saves; the tracker moves once every role's save is durable (SaveTracker):
         at once for synchronous saves, for asynchronous ones when a later poll (``poll_saves``,

@@ -8,7 +8,8 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-from dmd2_core import checkpoint
+from dmd2_core import checkpoint, storage
+from dmd2_core.save_layout import best_student_url
 from dmd2_core.args import Args
 
 
@@ -57,8 +58,19 @@ class SaveTracker:
         if exported:
             self.tracked["export"] = exported["export_url"]
             checkpoint.prune_exports(checkpoint.exports_root(self.args.save), self.args.keep_exports,
-                                     protect=[exported["export_url"]])
+                                     protect=[exported["export_url"], *best_student_exports(self.args.save)])
         return {"checkpoint": self.tracked, "checkpoint_iteration": iteration, **exported,
                 "checkpoint_save_s": max(o["save_s"] for outs in done.values() for o in outs),
                 "checkpoint_bytes_per_rank": max(o["bytes"] for outs in done.values() for o in outs),
                 "checkpoints_pruned": len(pruned)}
+
+
+def best_student_exports(save_url: str) -> list[str]:
+    """The export of the run's best eval (``best_student.json``, written by the driver), which
+    retention never deletes."""
+    import json
+
+    url = best_student_url(save_url)
+    if not storage.exists(url):
+        return []
+    return [u for u in [json.loads(storage.read_text(url)).get("export_url")] if u]

@@ -123,4 +123,5 @@ def prompt_set() -> PromptSet:
     embeds = digits.embeds["prompt_embeds"]
     assert embeds.shape[1:] == (DIGITS_TOKENS, DIGITS_EMBED_DIM)
     return PromptSet(prompts=[f"a sounding handwritten digit {d}" for d in range(10)],
-                     embeds={"prompt_embeds": embeds, "prompt_lengths": torch.full((10,), DIGITS_TOKENS)}, negative={})
+                     embeds={"prompt_embeds": embeds, "prompt_lengths": torch.full((10,), DIGITS_TOKENS)}, negative={},
+                     evaluator="sounding-digits")

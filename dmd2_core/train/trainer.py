@@ -26,10 +26,10 @@ from dmd2_core.args import Args
 from dmd2_core.train.critic import SCORED, Critic
 from dmd2_core.data import load_prompt_set, load_real_set
 from dmd2_core.train.device_stash import DeviceStash, distinct_storages, slot
+from dmd2_core.train.eval_sampling import EvalSampling
 from dmd2_core.finite import NonFiniteCounter
 from dmd2_core.train.input_hook import batch_size, train_input_hook
 from dmd2_core.train.model_update import ModelUpdate
-from dmd2_core.models import describe_model_dir
 from dmd2_core.train.rank_outputs import RankOutputs
 from dmd2_core.train.rank_models import TrainerModels
 
@@ -40,7 +40,7 @@ def pick_device(args: Args) -> torch.device:
     return torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
 
 
-class Trainer:
+class Trainer(EvalSampling):
     """One rank. Models are built on the meta device in ``__init__``; once the rank has joined its
     group (``init_process_group``; at once for a group of one rank) they are sharded, each rank
     reads its own shards (``dmd2_core.train.rank_models``), and the optimizer and EMA are built on them."""
@@ -179,34 +179,6 @@ class Trainer:
         metrics[f"{self.role}_train_s"] = time.perf_counter() - start
         metrics.update(_wake_metric(self.role, woke))
         return _cpu(outputs), metrics
-
-    # ---- eval ---------------------------------------------------------------------------------
-    @torch.no_grad()
-    def sample(self, prompt_index: list[int], seed: int, decode: bool = True) -> Optional[torch.Tensor]:
-        """Full K-step student samples (EMA weights when kept) for eval; same seed, same noise.
-        Every rank of the group runs it (the sharded forward is a collective); rank 0 decodes
-        and returns them. A sleeping trainer wakes for it and goes back to sleep."""
-        was_asleep = self.asleep
-        self.wake_up()
-        with self._ema_weights():
-            x0 = dmd2_method.eval_samples(self.family, self.model, self._cond(torch.tensor(prompt_index)),
-                                   (len(prompt_index), *self.shape), seed, self.args.dmd2_student_steps,
-                                   self.shift, self.device)
-        self._reshard()
-        if self.rank == 0 and decode:
-            vae_url = describe_model_dir(self.args.hf_checkpoint)["vae_url"]
-            if self.vae is None and vae_url:
-                self.vae = self.family.load_vae(vae_url, self.dtype)
-            if self.vae is not None:
-                self.vae.to(self.device)
-            x0 = self.family.decode(self.vae, x0)
-        if was_asleep:
-            self.sleep()
-        if self.rank != 0:
-            return None
-        if isinstance(x0, dict):  # a joint model: {'video', 'audio', 'sample_rate'}
-            return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in x0.items()}
-        return x0.cpu()
 
     @contextlib.contextmanager
     def _ema_weights(self):

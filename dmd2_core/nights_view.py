@@ -1,0 +1,90 @@
+"""The nights view of a deployment: a row per run (its outcome, its quality by the run's criterion,
+final and best, per modality, the drift statistics that left their band, its best student) under a
+plot of the criterion over nights. No Prefect here: flows/nights.py keeps the rows in an artifact."""
+
+from __future__ import annotations
+
+import io
+from typing import Optional
+
+from dmd2_core.media.images import data_uri
+from dmd2_core.report import _v, best_eval, criterion, round_sig
+
+
+PER_MODALITY = ("teacher_kid_video", "teacher_kid_audio", "teacher_kid_image")
+TOY_COLUMNS = ("acc", "diversity", "sound_acc", "agreement")
+NAMES = {"teacher_kid": "teacher KID", "fd": "FD", "frame_fd": "frame FD"}
+
+
+def night_row(view: dict, outcome: str, wall_s: float, run_id: str, link: Optional[str], date: str) -> dict:
+    """A run's row of the nights view, from its summary's view (evals, drift flags, students)."""
+    evals = [e for e in view.get("evals") or [] if e.get("iteration") is not None]
+    last = max(evals, key=lambda e: e["iteration"]) if evals else {}
+    best = best_eval(evals) or {}
+    key = criterion(evals)
+    row = {"run_id": run_id, "name": view.get("name"), "date": date, "outcome": outcome, "criterion": key,
+           "final": last.get(key) if key else None, "best": best.get(key) if key else None,
+           "best_iteration": best.get("iteration"), "best_tkd": best.get("teacher_kid"),
+           "fd": last.get("fd"), "best_fd": best.get("fd") if key == "fd" else None,
+           "drift_out": list(view.get("drift_flags") or []),
+           "iteration": view.get("iteration"), "final_iteration": view.get("final"),
+           "wall_s": round(float(wall_s), 1), "link": link,
+           "student": view.get("best_student") or view.get("student")}
+    row.update({k: last.get(k) for k in (*PER_MODALITY, *TOY_COLUMNS) if last.get(k) is not None})
+    return row
+
+
+def nights_plot(rows: list[dict], title: str = "") -> Optional[bytes]:
+    """The criterion per night, final and best (oldest left): the regression a team looks for."""
+    key = next((r.get("criterion") for r in reversed(rows) if r.get("criterion")), None)
+    pts = [(n, r) for n, r in enumerate(rows) if r.get("criterion") == key and isinstance(r.get("final"), (int, float))]
+    if not pts:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.0, 3.0), dpi=80)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.plot([n for n, _ in pts], [r["final"] for _, r in pts], marker="o", label=f"final {NAMES.get(key, key)}")
+    best = [(n, r["best"]) for n, r in pts if isinstance(r.get("best"), (int, float))]
+    if best:
+        ax.plot(*zip(*best), marker="x", linestyle="--", label=f"best {NAMES.get(key, key)}")
+    ax.set_xticks([n for n, _ in pts], [str(r.get("date")) for _, r in pts], rotation=30, fontsize=7)
+    ax.set_ylabel(f"{NAMES.get(key, key)} (lower is better)", fontsize=8)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    ax.set_title(title or "quality over nights", fontsize=10)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def nights_markdown(deployment: str, rows: list[dict], plot: Optional[bytes]) -> str:
+    """The nights view of a deployment: the plot, then one row per run, newest first; the columns
+    are those some row has (a teacher-evaluated night: per modality and drift; digits: FD, acc)."""
+    key = next((r.get("criterion") for r in reversed(rows) if r.get("criterion")), None)
+    name = NAMES.get(key, key or "quality")
+    extra = [c for c in (*PER_MODALITY, *TOY_COLUMNS) if any(r.get(c) is not None for r in rows)]
+    drift = any("drift_out" in r for r in rows)
+    columns = ["date", "run", "outcome", f"final {name}", f"best {name}", *extra,
+               *(["drift out of band"] if drift else []), "iterations", "wall"]
+    out = [f"# {deployment}: nights", "", f"{len(rows)} run(s), newest first; {name} lower is better.", ""]
+    if plot:
+        out += [f"![{name} over nights]({data_uri(plot, 'image/png')})", ""]
+    out += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in reversed(rows):
+        run = f"[{r.get('name')}]({r['link']})" if r.get("link") else f"`{r.get('name')}`"
+        cells = [r.get("date"), run, r.get("outcome"), r.get("final"), r.get("best"), *(r.get(c) for c in extra),
+                 *([", ".join(r.get("drift_out") or []) or "none"] if drift else []),
+                 f"{r.get('iteration') if r.get('iteration') is not None else '-'}/{r.get('final_iteration')}",
+                 f"{r.get('wall_s')} s"]
+        out.append("| " + " | ".join("" if c is None else _v(round_sig(c)) if isinstance(c, float) else str(c)
+                                     for c in cells) + " |")
+    out.append("")
+    students = [r for r in reversed(rows) if r.get("student")]
+    if students:
+        out += ["Students (each run's best): " + "; ".join(f"{r.get('date')} `{r['student']}`" for r in students[:5]), ""]
+    return "\n".join(out)

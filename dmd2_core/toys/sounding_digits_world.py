@@ -1,0 +1,18 @@
+"""The evaluator ``'sounding-digits'`` (``evaluation.evaluators``): a run on the sounding-digits
+prompts (their set names it) is scored by the toy world's own metrics of picture, sound and their
+agreement (``sounding_digits_metrics``)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from dmd2_core.toys import sounding_digits_metrics
+
+
+def quality(sample: Callable[[list[int], int], torch.Tensor], num_samples: int, seed: int) -> dict[str, float]:
+    """The metrics of ``num_samples`` clips balanced over the ten digits (``sample(prompt_indices,
+    seed)``: the student's eval sampler, flat H3 samples: the sounding-digits teacher has no VAE)."""
+    labels = sounding_digits_metrics.balanced_labels(num_samples)
+    return sounding_digits_metrics.evaluate_clips(sample(labels.tolist(), seed), labels)

@@ -1,0 +1,99 @@
+"""What a trainer group does for an eval: the student's K-step samples (the actor group), the
+teacher's own N-step reference samples from the same noise and the teacher's features of any
+samples (the critic group, which holds the frozen teacher), and decoding them (rank 0). Every rank
+of the group runs each call (a sharded forward is a collective); rank 0 returns the result."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from dmd2_core.models import describe_model_dir, lora
+from dmd2_core.train import dmd2_method
+
+
+class EvalSampling:
+    """Mixed into ``Trainer``: the eval's calls, each waking a sleeping trainer and putting it back."""
+
+    @torch.no_grad()
+    def sample(self, prompt_index: list[int], seed: int, decode: bool = True):
+        """Full K-step student samples (EMA weights when kept) for eval; same seed, same noise.
+        Rank 0 decodes (``decode``) and returns them: a tensor, or for a joint model
+        {'video', 'audio', 'sample_rate'}; other ranks None."""
+        with self._awake():
+            with self._ema_weights():
+                x0 = dmd2_method.eval_samples(self.family, self.model, self._cond(torch.tensor(prompt_index)),
+                                              (len(prompt_index), *self.shape), seed, self.args.dmd2_student_steps,
+                                              self.shift, self.device)
+            self._reshard()
+            return self._rank0(self._decode(x0) if decode else x0)
+
+    @torch.no_grad()
+    def teacher_reference(self, prompt_index: list[int], seed: int, num_steps: int) -> Optional[torch.Tensor]:
+        """The frozen teacher's own ``num_steps``-step samples (latents) from the eval noise of
+        ``sample(prompt_index, seed)``, with the real score's guidance: the reference an eval
+        compares the student with. Critic group only."""
+        n = len(prompt_index)
+        noise = self.family.eval_noise(n, seed)
+        if noise is None:
+            noise = torch.randn((n, *self.shape), generator=torch.Generator().manual_seed(seed))
+        cond = self._cond(torch.tensor(prompt_index))
+        with self._awake():
+            x = dmd2_method.regression_target(self.family, self._real_score(), noise.to(self.device),
+                                              torch.ones(n), cond, self._uncond(n), self.args.dmd2_guidance_scale,
+                                              num_steps, self.shift)
+            self._reshard()
+        return self._rank0(x)
+
+    @torch.no_grad()
+    def teacher_features(self, x0: torch.Tensor, prompt_index: list[int], u: float, seed: int) -> Optional[dict]:
+        """The frozen teacher's features of samples ``x0`` (latents) under their prompts
+        (``evaluation.teacher_features``): {modality: [N, width]} on rank 0. Critic group only."""
+        from dmd2_core.evaluation.teacher_features import teacher_features
+
+        with self._awake():
+            out = teacher_features(self.family, self._real_score(), x0.to(self.device), self._cond(torch.tensor(prompt_index)),
+                                   u=u, seed=seed, micro_batch=self.args.micro_batch_size or 8,
+                                   stop=self.world_size == 1)  # a sharded forward runs whole on every rank
+            self._reshard()
+        return self._rank0(out)
+
+    def decode(self, x0: torch.Tensor):
+        """Latents -> media on rank 0 (the family's decoder; latents as they are without one)."""
+        with self._awake():
+            return self._rank0(self._decode(x0))
+
+    def _decode(self, x0: torch.Tensor):
+        if self.rank != 0:
+            return None
+        vae_url = describe_model_dir(self.args.hf_checkpoint)["vae_url"]
+        if self.vae is None and vae_url:
+            self.vae = self.family.load_vae(vae_url, self.dtype)
+        if self.vae is not None:
+            self.vae.to(self.device)
+        return self.family.decode(self.vae, x0.to(self.device))
+
+    def _real_score(self):
+        return self.teacher if self.teacher is not None else lora.RealScore(self.model)
+
+    def _awake(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def awake():
+            was_asleep = self.asleep
+            self.wake_up()
+            try:
+                yield
+            finally:
+                if was_asleep:
+                    self.sleep()
+        return awake()
+
+    def _rank0(self, value):
+        if self.rank != 0 or value is None:
+            return None
+        if isinstance(value, dict):
+            return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in value.items()}
+        return value.cpu()

@@ -1,0 +1,100 @@
+"""The run's evaluator: the default follows the prompt set, a bad name is refused in one line, and
+the teacher evaluator scores a student in the teacher's own features against the teacher's own
+samples, made once and cached."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dmd2_core.evaluation import evaluators
+from tests.helpers import in_process_trainers, tiny_args
+
+
+class InProcessRun:
+    """What an eval asks of a DistillRun, answered by in-process trainers (one rank each)."""
+
+    def __init__(self, trainers: dict):
+        self.trainers, self.has_critic, self.references = trainers, "critic" in trainers, 0
+
+    def sample(self, prompt_index, seed):
+        return self.trainers["actor"].sample(prompt_index, seed)
+
+    def eval_latents(self, prompt_index, seed):
+        return self.trainers["actor"].sample(prompt_index, seed, decode=False)
+
+    def decode(self, latents):
+        return self.trainers["actor"].decode(latents)
+
+    def teacher_reference(self, prompt_index, seed, num_steps):
+        self.references += 1
+        return self.trainers["critic"].teacher_reference(prompt_index, seed, num_steps)
+
+    def teacher_features(self, latents, prompt_index, u, seed):
+        return self.trainers["critic"].teacher_features(latents, prompt_index, u, seed)
+
+
+def _args(teacher, save, **overrides):
+    values = dict(evaluator="teacher", eval_interval=1, eval_num_samples=20, eval_reference_steps=8,
+                  dmd2_student_steps=4, eval_prompts=[0, 1, 2, 3, 4])
+    values.update(overrides)
+    return tiny_args(teacher, save, **values)
+
+
+def test_the_default_evaluator_follows_the_prompt_set(tiny_teacher, tmp_path):
+    from dmd2_core.toys import sounding_digits as sd
+
+    assert evaluators.evaluator_of(tiny_args(tiny_teacher, str(tmp_path))) == "digits"
+    prompts = str(tmp_path / "sounding.safetensors")
+    sd.prompt_set().save(prompts)
+    assert evaluators.evaluator_of(tiny_args(tiny_teacher, str(tmp_path), prompts=prompts)) == "sounding-digits"
+    plain = str(tmp_path / "plain.safetensors")
+    from dmd2_core.toys.digits import digits_prompt_set
+
+    digits_prompt_set().save(plain)
+    assert evaluators.evaluator_of(tiny_args(tiny_teacher, str(tmp_path), prompts=plain)) == "teacher"
+
+
+def test_a_bad_evaluator_name_is_one_line_naming_the_key(tiny_teacher, tmp_path):
+    from dmd2_core.errors import ArgsError
+
+    with pytest.raises(ArgsError, match=r"^invalid value for 'evaluator' .*'teacher', 'digits' or 'sounding-digits' "
+                                        r"\(got 'teachr'\)$"):
+        tiny_args(tiny_teacher, str(tmp_path), evaluator="teachr")
+
+
+def test_the_teacher_evaluator_ranks_a_broken_student_below_the_teacher_and_caches_its_reference(tiny_teacher, tmp_path):
+    args = _args(tiny_teacher, str(tmp_path / "run"))
+    run = InProcessRun(in_process_trainers(args))
+    first = evaluators.evaluate(run, args)
+    m = first["metrics"]
+    assert {"teacher_kid_image", "teacher_kid", "diversity_image", "drift_brightness_image", "drift_out"} <= set(m)
+    assert m["teacher_kid"] == m["teacher_kid_image"] and run.references == 1
+    assert set(first["reference"]) == {"brightness_image", "saturation_image", "contrast_image"}
+    again = evaluators.evaluate(run, args)  # the reference comes from the cache: the teacher samples once
+    assert run.references == 1 and again["metrics"]["teacher_kid"] == pytest.approx(m["teacher_kid"])
+    with torch.no_grad():  # a student whose weights are noise: far from the teacher in its own eyes
+        for p in run.trainers["actor"].model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+        if run.trainers["actor"].ema is not None:
+            for e in run.trainers["actor"].ema:
+                e.add_(torch.randn_like(e) * 0.5)
+    broken = evaluators.evaluate(run, args)["metrics"]
+    assert broken["teacher_kid"] > m["teacher_kid"] + 0.05, (m["teacher_kid"], broken["teacher_kid"])
+
+
+def test_another_eval_setting_misses_the_cache(tiny_teacher, tmp_path):
+    shared = str(tmp_path / "shared-reference")
+    args = _args(tiny_teacher, str(tmp_path / "a"), eval_reference_url=shared, eval_num_samples=10)
+    run = InProcessRun(in_process_trainers(args))
+    evaluators.evaluate(run, args)
+    evaluators.evaluate(run, args.model_copy(update={"save": str(tmp_path / "b")}))  # another night, same cache
+    assert run.references == 1
+    evaluators.evaluate(run, args.model_copy(update={"eval_seed": 7}))
+    assert run.references == 2
+
+
+def test_drift_flags_a_statistic_out_of_its_band():
+    teacher = {"brightness_image": 0.40, "saturation_image": 0.20, "centroid_audio": 1000.0}
+    student = {"brightness_image": 0.45, "saturation_image": 0.35, "centroid_audio": 1400.0}
+    assert evaluators.out_of_band(student, teacher) == ["centroid_audio", "saturation_image"]
