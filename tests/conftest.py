@@ -40,7 +40,7 @@ def multi_rank_tests(path: Path) -> set[str]:
 # `pytest --durations=0` on the 2-core machine, 2026-12-04: multi-rank 580, faults 162, served 156,
 # dmd2 105, broken checkpoints 78, flow 55, wan video 51; most others are under 40).
 LONGEST_FIRST = ("multi-rank", "tests/test_faults.py", "tests/test_served.py", "tests/test_dmd2.py",
-                 "tests/test_broken_checkpoints.py", "tests/test_flow.py", "tests/test_wan_video.py")
+                 "tests/checkpoint/test_broken_checkpoints.py", "tests/test_flow.py", "tests/test_wan_video.py")
 
 
 class MultiRankScheduling:

@@ -3,7 +3,7 @@
 Non-finite values (through train-input hooks), two runs on one save URL, storage outages (the
 moto server stopped and restarted on its port), and no processes left behind when the flow process
 dies. Bad input caught before any actor: test_preflight.py; damaged checkpoints:
-test_broken_checkpoints.py.
+checkpoint/test_broken_checkpoints.py.
 """
 
 from __future__ import annotations

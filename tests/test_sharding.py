@@ -1,6 +1,6 @@
 """Trainers at real scale: FSDP2 sharding (1 rank == N ranks, HSDP), fp32 master weights with
 bf16 compute, activation checkpointing, the memory plan (against the bytes ranks really hold) and
-rank placement across nodes. Sleep/wake of shards and resume: tests/test_checkpoints_at_scale.py."""
+rank placement across nodes. Sleep/wake of shards and resume: tests/checkpoint/test_checkpoints_at_scale.py."""
 
 from __future__ import annotations
 

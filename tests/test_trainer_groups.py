@@ -1,6 +1,6 @@
 """Trainer groups on Ray: colocation, external data, the train-input hook, micro-batching,
 data parallelism, sleep/wake and a crash between two saves (resume bitwise: test_sharding.py and
-test_checkpoints_at_scale.py, local and S3)."""
+checkpoint/test_checkpoints_at_scale.py, local and S3)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import torch
 from dmd2_core import checkpoint as ckpt
 from dmd2_core import storage
 from dmd2_core.checkpoint import CheckpointLoadError
-from tests.checkpoint_helpers import (
+from tests.checkpoint.helpers import (
     assert_same_optimizer, assert_same_state, fresh, optimizer_of, save, saved, tiny_model, train_step, weights_url,
 )
 

@@ -19,7 +19,7 @@ from dmd2_core.data import digits_prompt_set
 from dmd2_core.run.distill_run import DistillRun
 from tests.conftest import flow_cli_refusal, tiny_args
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _truncate(path: Path) -> None:
