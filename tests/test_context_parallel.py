@@ -12,11 +12,10 @@ import torch
 import torch.multiprocessing as mp
 
 from dmd2_core.args import ArgsError, load_args
-from dmd2_core.data import PromptSet
 from dmd2_core.run.distill_run import preflight
-from dmd2_core.toys.standins import H3_GEOMETRY, build_h3_standin, build_standin, h3_prompt_set, standin_prompt_set
+from dmd2_core.toys.standins import H3_GEOMETRY, build_h3_standin, build_standin, standin_prompt_set
 from dmd2_core.train.trainer import Trainer
-from tests.conftest import leave_group_after
+from tests.helpers import h3_prompts, leave_group_after
 
 ITERATIONS = (1, 2, 3)
 EVAL_PROMPTS, EVAL_SEED = [0, 1], 11
@@ -44,21 +43,11 @@ def wan(tmp_path_factory):
                 dmd2_guidance_scale=2.0, real_data=real, gan_weight=0.5, gan_critic_weight=0.5)
 
 
-def _h3_prompts(lengths: list[int]) -> PromptSet:
-    """The stand-in's prompt set with the given text lengths (its packed sequence is 451 video and
-    audio rows plus the text: odd lengths make it split over 2 ranks)."""
-    base = h3_prompt_set(len(lengths))
-    lengths_t = torch.tensor(lengths)
-    embeds = base.embeds["prompt_embeds"] * (torch.arange(base.embeds["prompt_embeds"].shape[1])[None, :, None]
-                                             < lengths_t[:, None, None])
-    return PromptSet(base.prompts, {"prompt_embeds": embeds, "prompt_lengths": lengths_t}, {})
-
-
 @pytest.fixture(scope="module")
 def h3(tmp_path_factory):
     root = tmp_path_factory.mktemp("h3")
     prompts = str(root / "prompts.safetensors")
-    _h3_prompts([5, 3, 5, 3]).save(prompts)
+    h3_prompts([5, 3, 5, 3]).save(prompts)
     return dict(hf_checkpoint=build_h3_standin(str(root / "h3")), prompts=prompts, **H3_GEOMETRY)
 
 
@@ -186,7 +175,7 @@ def test_bad_cp_size_fails_at_preflight_in_one_line(request, tmp_path, model, ov
     model = dict(request.getfixturevalue(model))
     if "prompt_lengths" in overrides:
         model["prompts"] = str(tmp_path / "prompts.safetensors")
-        _h3_prompts(overrides.pop("prompt_lengths")).save(model["prompts"])
+        h3_prompts(overrides.pop("prompt_lengths")).save(model["prompts"])
     with pytest.raises(ArgsError) as info:
         _trainer_args(model, tmp_path / "run", **overrides)
     assert str(info.value).startswith(needle) and "\n" not in str(info.value), str(info.value)

@@ -17,7 +17,7 @@ from dmd2_core import checkpoint as ckpt
 from dmd2_core import storage
 from dmd2_core.run.distill_run import DistillRun
 from dmd2_core.finite import NonFiniteError
-from tests.conftest import in_process_trainers, iterate_in_process, tiny_args
+from tests.helpers import in_process_trainers, iterate_in_process, tiny_args
 
 HOOKS = "tests.hooks_fixture"
 

@@ -18,7 +18,7 @@ from dmd2_core.models import lora
 from dmd2_core.args import ArgsError
 from dmd2_core.run.distill_run import DistillRun, preflight
 from dmd2_core.train.trainer import Trainer
-from tests.conftest import in_process_trainers, iterate_in_process, leave_group_after, tiny_args
+from tests.helpers import in_process_trainers, iterate_in_process, leave_group_after, tiny_args
 
 LORA = dict(lora_rank=4, lora_alpha=8.0, lr=1e-3, critic_lr=1e-3)
 
@@ -220,10 +220,10 @@ def test_h3_real_score_is_the_sharded_teachers_forward_bitwise(tmp_path, cp_size
 
     from dmd2_core.args import load_args
     from dmd2_core.toys.standins import H3_GEOMETRY, build_h3_standin
-    from tests.test_context_parallel import _h3_prompts
+    from tests.helpers import h3_prompts
 
     prompts = str(tmp_path / "prompts.safetensors")
-    _h3_prompts([5, 3, 5, 3]).save(prompts)  # odd text lengths: the packed sequence splits over 2 ranks
+    h3_prompts([5, 3, 5, 3]).save(prompts)  # odd text lengths: the packed sequence splits over 2 ranks
     common = dict(device="cpu", dtype="bfloat16", torch_threads=1, global_batch_size=2, micro_batch_size=2,
                   dmd2_update_ratio=2, dmd2_student_steps=2, seed=3, num_devices=2, cp_size=cp_size,
                   hf_checkpoint=build_h3_standin(str(tmp_path / "h3")), prompts=prompts, **H3_GEOMETRY)

@@ -25,7 +25,7 @@ from dmd2_core.memory import planner
 from dmd2_core.args import ArgsError, load_args
 from dmd2_core.run.distill_run import DistillRun, preflight
 from dmd2_core.toys.standins import build_standin, standin_prompt_set
-from tests.conftest import flow_cli_refusal, in_process_trainers, iterate_in_process, tiny_args
+from tests.helpers import flow_cli_refusal, in_process_trainers, iterate_in_process, tiny_args
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "deployments" / "model_configs"
@@ -236,7 +236,7 @@ def test_a_group_across_two_ray_nodes(one_rank, tiny_teacher, tmp_path):
     procs = [head]
     script = f"""
 import json, time, ray, torch
-from tests.conftest import tiny_args
+from tests.helpers import tiny_args
 from dmd2_core.run.distill_run import DistillRun
 ray.init(address="127.0.0.1:{port}", namespace="two-nodes")  # the run joins this connection
 deadline = time.monotonic() + 180

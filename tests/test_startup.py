@@ -40,7 +40,7 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 
 def _args(url: str, save: str, **overrides):
-    from tests.conftest import tiny_args
+    from tests.helpers import tiny_args
 
     return tiny_args(url, save, **overrides)
 

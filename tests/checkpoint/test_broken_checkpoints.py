@@ -17,7 +17,7 @@ import pytest
 from dmd2_core import checkpoint as ckpt
 from dmd2_core.data import digits_prompt_set
 from dmd2_core.run.distill_run import DistillRun
-from tests.conftest import flow_cli_refusal, tiny_args
+from tests.helpers import flow_cli_refusal, tiny_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
