@@ -121,16 +121,97 @@ def session_shared(tmp_path_factory) -> Path:
 
 # ---- groups of ranks -----------------------------------------------------------------------------
 
-def leave_group_after(rank: int, job, *args) -> None:
-    """A spawned rank's entry: ``job(rank, *args)``, then every rank leaves the process group
-    together. A rank that exits still holding its gloo group can abort at teardown ("terminate
-    called without an active exception", seen once on a clean clone) and fail the test after
-    its work was done."""
+class RankFailure(Exception):
+    """A rank of a spawned group failed (its traceback is the message), or the group hung."""
+
+
+def spawn_ranks(world_size: int, fn, *args, timeout_s: float = 900.0) -> list:
+    """``fn(rank, world_size, *args)`` on ``world_size`` ranks, each a fresh process (spawn, not
+    fork: Ray's and moto's threads may live in this one) with one torch thread, all in one gloo
+    process group on a free loopback port; returns what each rank's ``fn`` returned, by rank.
+
+    A rank that raises fails the call at once with its traceback (RankFailure): it leaves without
+    waiting for the others, which may be stuck in a collective it will never enter, and they are
+    killed. When every rank returns, the ranks leave the group together (a barrier, then destroy:
+    a rank that exits still holding its gloo group can abort at teardown, "terminate called without
+    an active exception", seen once on a clean clone, and fail the test after its work was done).
+    Ranks still running after ``timeout_s`` (also the group's collective timeout) are killed and
+    fail the call too."""
+    import multiprocessing.connection
+    import tempfile
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="ranks-") as out:
+        procs = [ctx.Process(target=_rank_entry, args=(rank, world_size, port, timeout_s, fn, args, out),
+                             name=f"rank-{rank}") for rank in range(world_size)]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                failed = [rank for rank, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
+                running = [proc for proc in procs if proc.exitcode is None]
+                if failed or not running or time.monotonic() >= deadline:
+                    break
+                multiprocessing.connection.wait([proc.sentinel for proc in running],
+                                                timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            for proc in procs:
+                if proc.exitcode is None:
+                    proc.kill()
+            for proc in procs:
+                proc.join()
+        if failed:
+            raise RankFailure(_failure_report(failed, procs, Path(out)))
+        if running:
+            hung = [rank for rank, proc in enumerate(procs) if proc in running]
+            raise RankFailure(f"rank(s) {hung} of {world_size} still running after {timeout_s:.0f} s (killed): "
+                              "a collective that not every rank entered?")
+        return [torch.load(Path(out) / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
+def _rank_entry(rank: int, world_size: int, port: int, timeout_s: float, fn, args: tuple, out: str) -> None:
+    """A spawned rank of ``spawn_ranks``: join the group, ``fn``, its result to ``out``, then leave
+    the group with the others; on any error, its traceback to ``out`` and exit at once."""
+    import sys
+    import traceback
+
     import torch.distributed as dist
 
+    from dmd2_core import parallel
+
     try:
-        job(rank, *args)
-    finally:
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        torch.set_num_threads(1)
+        parallel.ensure_process_group(rank, world_size, torch.device("cpu"), "127.0.0.1", port, timeout_s)
+        result = fn(rank, world_size, *args)
+        torch.save(result, Path(out) / f"rank{rank}.pt")
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the spawning side
+        (Path(out) / f"rank{rank}.error.tmp").write_text(traceback.format_exc())
+        os.replace(Path(out) / f"rank{rank}.error.tmp", Path(out) / f"rank{rank}.error")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # no barrier, no teardown: the others may wait in a collective this rank never enters
+
+
+def _failure_report(failed: list[int], procs: list, out: Path) -> str:
+    """The traceback of the rank that failed first (by when it wrote its error), then how the
+    other failed ranks ended."""
+    errors = {rank: out / f"rank{rank}.error" for rank in failed if (out / f"rank{rank}.error").exists()}
+    order = sorted(errors, key=lambda rank: errors[rank].stat().st_mtime_ns) + [r for r in failed if r not in errors]
+    first = order[0]
+    world = len(procs)
+    if first in errors:
+        report = f"rank {first} of {world} failed:\n{errors[first].read_text()}"
+    else:
+        report = f"rank {first} of {world} exited with code {procs[first].exitcode} (no Python traceback)"
+    for rank in order[1:]:
+        how = (errors[rank].read_text().strip().splitlines()[-1] if rank in errors
+               else f"exit code {procs[rank].exitcode}")
+        report += f"\nthen rank {rank} of {world}: {how}"
+    return report

@@ -5,17 +5,14 @@ cp settings fail at preflight in one line naming the key."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from dmd2_core.args import ArgsError, load_args
 from dmd2_core.run.distill_run import preflight
 from dmd2_core.toys.standins import H3_GEOMETRY, build_h3_standin, build_standin, standin_prompt_set
 from dmd2_core.train.trainer import Trainer
-from tests.helpers import h3_prompts, leave_group_after
+from tests.helpers import h3_prompts, spawn_ranks
 
 ITERATIONS = (1, 2, 3)
 EVAL_PROMPTS, EVAL_SEED = [0, 1], 11
@@ -55,12 +52,6 @@ def _trainer_args(model: dict, save, **overrides):
     return preflight(load_args(None, {**COMMON, **model, "save": str(save), **overrides}))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _iterate(trainers: dict, iteration: int) -> dict:
     pairs, _ = trainers["actor"].rollout(iteration)
     scores, _ = trainers["critic"].train(iteration, pairs)
@@ -88,11 +79,10 @@ def wan_one(wan, tmp_path_factory):
     return _one_rank(wan, tmp_path_factory.mktemp("wan-one"))
 
 
-def _rank(rank: int, world_size: int, port: int, trainer_args: dict, out_path: str, save: bool) -> None:
-    torch.set_num_threads(1)
+def _rank(rank: int, world_size: int, trainer_args: dict, out_path: str, save: bool) -> None:
     trainers = {role: Trainer(a, role, rank, world_size) for role, a in trainer_args.items()}
     for trainer in trainers.values():
-        trainer.init_process_group("127.0.0.1", port)
+        trainer.init_process_group()  # in spawn_ranks' group
     out = _run(trainers)
     for trainer in trainers.values() if save else ():
         trainer.save(ITERATIONS[-1])
@@ -105,8 +95,7 @@ def _ranks(trainer_args: dict, world_size: int, tmp_path, save: bool) -> dict:
     """The run on ``world_size`` trainer ranks, one process each (gloo); ``save``: each trainer
     then saves its checkpoint of the last iteration."""
     out = tmp_path / "ranks.pt"
-    mp.start_processes(leave_group_after, args=(_rank, world_size, _free_port(), trainer_args, str(out), save),
-                       nprocs=world_size, join=True, start_method="spawn")
+    spawn_ranks(world_size, _rank, trainer_args, str(out), save)
     return torch.load(out, weights_only=False)
 
 

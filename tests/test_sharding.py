@@ -25,7 +25,7 @@ from dmd2_core.memory import planner
 from dmd2_core.args import ArgsError, load_args
 from dmd2_core.run.distill_run import DistillRun, preflight
 from dmd2_core.toys.standins import build_standin, standin_prompt_set
-from tests.helpers import flow_cli_refusal, in_process_trainers, iterate_in_process, tiny_args
+from tests.helpers import flow_cli_refusal, free_port, in_process_trainers, iterate_in_process, tiny_args
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "deployments" / "model_configs"
@@ -201,12 +201,6 @@ def test_ranks_are_ordered_by_node_then_device():
     assert parallel.rank_bundles(["x"]) == [0]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_for_port(port: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -226,7 +220,7 @@ def test_a_group_across_two_ray_nodes(one_rank, tiny_teacher, tmp_path):
     after 3 iterations (a gradient summed instead of averaged over ranks would double every
     update), and each node's rank writes its own shards of the checkpoint."""
     ray_bin = Path(sys.executable).parent / "ray"
-    port = _free_port()
+    port = free_port()
     dirs = [tempfile.mkdtemp(prefix="ray-", dir="/tmp") for _ in range(2)]  # short socket paths
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_ADDRESS": ""}
     common = ["--block", "--num-cpus=1", '--resources={"dmd2_device": 1}', "--disable-usage-stats"]
