@@ -1,4 +1,5 @@
-"""Shared fixtures: process environment for tests, and an S3 store (moto) on loopback.
+"""Shared fixtures and hooks: process environment for tests, and an S3 store (moto) on loopback.
+Plain helpers the tests share (no fixtures): tests/helpers.py.
 
 The S3 endpoint is published through AWS_ENDPOINT_URL (see dmd2_core/storage.py), so s3fs in this
 process, boto3, and any child process (Ray workers, Prefect subprocesses) all reach the moto server
@@ -15,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flows.environment import ENVIRONMENT_DEFAULTS, free_port, local_prefect_server
+from flows.environment import ENVIRONMENT_DEFAULTS, local_prefect_server
+from tests.helpers import SHORT_TEACHER_STEPS, free_port, session_shared
 
 # Tests marked `multi_rank` start groups of 2+ ranks. Ranks wait on each other in every gloo
 # collective, so two such groups sharing two cores stall each other (a 2-rank test took 12x longer
@@ -40,7 +42,7 @@ def multi_rank_tests(path: Path) -> set[str]:
 # `pytest --durations=0` on the 2-core machine, 2026-12-04: multi-rank 580, faults 162, served 156,
 # dmd2 105, broken checkpoints 78, flow 55, wan video 51; most others are under 40).
 LONGEST_FIRST = ("multi-rank", "tests/test_faults.py", "tests/test_served.py", "tests/test_dmd2.py",
-                 "tests/test_broken_checkpoints.py", "tests/test_flow.py", "tests/test_wan_video.py")
+                 "tests/checkpoint/test_broken_checkpoints.py", "tests/test_flow.py", "tests/test_wan_video.py")
 
 
 class MultiRankScheduling:
@@ -213,44 +215,6 @@ def ray_session(s3_server):
     ray.shutdown()
 
 
-def tiny_args(teacher: str, save: str, **overrides):
-    from dmd2_core.args import load_args
-
-    values = dict(hf_checkpoint=teacher, prompts="digits", save=save, global_batch_size=8,
-                  micro_batch_size=8, num_devices=1, dmd2_update_ratio=2, seed=3, dmd2_guidance_scale=2.0)
-    values.update(overrides)
-    return load_args(None, values)
-
-
-def flow_cli_refusal(capsys, monkeypatch, *argv) -> str:
-    """flows.dmd2's CLI in process: its exit code must be 2, with one line on stderr and no Ray
-    started; returns that line."""
-    from flows.dmd2 import main
-
-    started = []
-    monkeypatch.setattr("dmd2_core.run.groups.init_ray", lambda *a, **k: started.append(1))
-    code = main(list(argv))
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
-    assert not started
-    return err
-
-
-def in_process_trainers(args) -> dict:
-    """The run's trainers (actor and critic), one rank each, in this process."""
-    from dmd2_core.run.distill_run import preflight
-    from dmd2_core.train.trainer import Trainer
-
-    return {role: Trainer(a, role) for role, a in preflight(args).items()}
-
-
-def iterate_in_process(trainers: dict, iteration: int) -> None:
-    """One DMD2 iteration of in-process trainers: rollout, the critic's train, the actor's train."""
-    pairs, _ = trainers["actor"].rollout(iteration)
-    scores, _ = trainers["critic"].train(iteration, pairs)
-    trainers["actor"].train(iteration, pairs, scores)
-
-
 @pytest.fixture(scope="session")
 def prefect_harness(s3_server):
     """Prefect's test harness (a temporary database and server) for the whole session."""
@@ -258,18 +222,6 @@ def prefect_harness(s3_server):
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
-
-
-SHORT_TEACHER_STEPS = 500
-
-
-def session_shared(tmp_path_factory) -> Path:
-    """A directory shared by every pytest-xdist worker of this session (this process's own base
-    temp without xdist): what is expensive to make is made once, under a file lock."""
-    base = tmp_path_factory.getbasetemp()
-    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
-    shared.mkdir(exist_ok=True)
-    return shared
 
 
 @pytest.fixture(scope="session")
@@ -326,18 +278,3 @@ def root(request, tmp_path) -> str:
     if request.param == "local":
         return str(tmp_path / "store")
     return request.getfixturevalue("s3_bucket") + "/run"
-
-
-def leave_group_after(rank: int, job, *args) -> None:
-    """A spawned rank's entry: ``job(rank, *args)``, then every rank leaves the process group
-    together. A rank that exits still holding its gloo group can abort at teardown ("terminate
-    called without an active exception", seen once on a clean clone) and fail the test after
-    its work was done."""
-    import torch.distributed as dist
-
-    try:
-        job(rank, *args)
-    finally:
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()

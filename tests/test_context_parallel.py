@@ -5,19 +5,15 @@ cp settings fail at preflight in one line naming the key."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from dmd2_core.args import load_args
 from dmd2_core.errors import ArgsError
-from dmd2_core.data import PromptSet
 from dmd2_core.run.distill_run import preflight
-from dmd2_core.toys.standins import H3_GEOMETRY, build_h3_standin, build_standin, h3_prompt_set, standin_prompt_set
+from dmd2_core.toys.standins import H3_GEOMETRY, build_h3_standin, build_standin, standin_prompt_set
 from dmd2_core.train.trainer import Trainer
-from tests.conftest import leave_group_after
+from tests.helpers import h3_prompts, spawn_ranks
 
 ITERATIONS = (1, 2, 3)
 EVAL_PROMPTS, EVAL_SEED = [0, 1], 11
@@ -45,32 +41,16 @@ def wan(tmp_path_factory):
                 dmd2_guidance_scale=2.0, real_data=real, gan_weight=0.5, gan_critic_weight=0.5)
 
 
-def _h3_prompts(lengths: list[int]) -> PromptSet:
-    """The stand-in's prompt set with the given text lengths (its packed sequence is 451 video and
-    audio rows plus the text: odd lengths make it split over 2 ranks)."""
-    base = h3_prompt_set(len(lengths))
-    lengths_t = torch.tensor(lengths)
-    embeds = base.embeds["prompt_embeds"] * (torch.arange(base.embeds["prompt_embeds"].shape[1])[None, :, None]
-                                             < lengths_t[:, None, None])
-    return PromptSet(base.prompts, {"prompt_embeds": embeds, "prompt_lengths": lengths_t}, {})
-
-
 @pytest.fixture(scope="module")
 def h3(tmp_path_factory):
     root = tmp_path_factory.mktemp("h3")
     prompts = str(root / "prompts.safetensors")
-    _h3_prompts([5, 3, 5, 3]).save(prompts)
+    h3_prompts([5, 3, 5, 3]).save(prompts)
     return dict(hf_checkpoint=build_h3_standin(str(root / "h3")), prompts=prompts, **H3_GEOMETRY)
 
 
 def _trainer_args(model: dict, save, **overrides):
     return preflight(load_args(None, {**COMMON, **model, "save": str(save), **overrides}))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _iterate(trainers: dict, iteration: int) -> dict:
@@ -100,11 +80,10 @@ def wan_one(wan, tmp_path_factory):
     return _one_rank(wan, tmp_path_factory.mktemp("wan-one"))
 
 
-def _rank(rank: int, world_size: int, port: int, trainer_args: dict, out_path: str, save: bool) -> None:
-    torch.set_num_threads(1)
+def _rank(rank: int, world_size: int, trainer_args: dict, out_path: str, save: bool) -> None:
     trainers = {role: Trainer(a, role, rank, world_size) for role, a in trainer_args.items()}
     for trainer in trainers.values():
-        trainer.init_process_group("127.0.0.1", port)
+        trainer.init_process_group()  # in spawn_ranks' group
     out = _run(trainers)
     for trainer in trainers.values() if save else ():
         trainer.save(ITERATIONS[-1])
@@ -117,8 +96,7 @@ def _ranks(trainer_args: dict, world_size: int, tmp_path, save: bool) -> dict:
     """The run on ``world_size`` trainer ranks, one process each (gloo); ``save``: each trainer
     then saves its checkpoint of the last iteration."""
     out = tmp_path / "ranks.pt"
-    mp.start_processes(leave_group_after, args=(_rank, world_size, _free_port(), trainer_args, str(out), save),
-                       nprocs=world_size, join=True, start_method="spawn")
+    spawn_ranks(world_size, _rank, trainer_args, str(out), save)
     return torch.load(out, weights_only=False)
 
 
@@ -187,7 +165,7 @@ def test_bad_cp_size_fails_at_preflight_in_one_line(request, tmp_path, model, ov
     model = dict(request.getfixturevalue(model))
     if "prompt_lengths" in overrides:
         model["prompts"] = str(tmp_path / "prompts.safetensors")
-        _h3_prompts(overrides.pop("prompt_lengths")).save(model["prompts"])
+        h3_prompts(overrides.pop("prompt_lengths")).save(model["prompts"])
     with pytest.raises(ArgsError) as info:
         _trainer_args(model, tmp_path / "run", **overrides)
     assert str(info.value).startswith(needle) and "\n" not in str(info.value), str(info.value)

@@ -11,7 +11,7 @@ from dmd2_core.run.distill_run import DistillRun, preflight
 from dmd2_core.losses import dmd2_gradient, dmd2_loss, flow_matching_loss
 from dmd2_core.train.reference import ReferenceLoop
 from dmd2_core.train.trainer import Trainer
-from tests.conftest import tiny_args
+from tests.helpers import tiny_args
 
 
 def test_dmd2_gradient_formula_with_a_per_sample_normaliser():

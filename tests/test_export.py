@@ -274,7 +274,7 @@ def test_a_trainer_save_exports_its_ema_student(tiny_teacher, tmp_path, async_sa
     transformer holds the EMA weights (and transformer_online the trained ones)."""
     from dmd2_core.run.distill_run import preflight
     from dmd2_core.train.trainer import Trainer
-    from tests.conftest import tiny_args
+    from tests.helpers import tiny_args
 
     args = tiny_args(tiny_teacher, str(tmp_path), loss_type="flow_matching", ema_decay=0.5, async_save=async_save)
     actor = Trainer(preflight(args)["actor"], "actor")

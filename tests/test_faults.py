@@ -3,7 +3,7 @@
 Non-finite values (through train-input hooks), two runs on one save URL, storage outages (the
 moto server stopped and restarted on its port), and no processes left behind when the flow process
 dies. Bad input caught before any actor: test_preflight.py; damaged checkpoints:
-test_broken_checkpoints.py.
+checkpoint/test_broken_checkpoints.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dmd2_core import checkpoint as ckpt
 from dmd2_core import storage
 from dmd2_core.run.distill_run import DistillRun
 from dmd2_core.errors import LeaseHeldError, LeaseLostError, NonFiniteError
-from tests.conftest import in_process_trainers, iterate_in_process, tiny_args
+from tests.helpers import in_process_trainers, iterate_in_process, tiny_args
 
 HOOKS = "tests.hooks_fixture"
 

@@ -20,20 +20,9 @@ import torch
 
 from dmd2_core.media.images import data_uri, image_grid, png_bytes, video_media
 from dmd2_core.media.eval_media import media_url
+from tests.helpers import FAST, assert_same_saved_state
 
-REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-
-FAST = {
-    "global_batch_size": 8,
-    "micro_batch_size": 8,
-    "eval_interval": 1,
-    "eval_num_samples": 50,
-    "eval_samples_per_prompt": 2,
-    "save_interval": 1,
-    "dmd2_guidance_scale": 1.5,
-    "sleep_after_train": True,  # the sleep tasks and their recovery (off by default on cpu)
-}
 
 
 # ---- fixtures ---------------------------------------------------------------------------------
@@ -108,25 +97,6 @@ def read_task_runs(flow_run_id, settle_s: float = 1.5, timeout_s: float = 30.0) 
             if time.monotonic() > deadline:
                 return again
             runs = again
-
-
-def saved_state(save: Path, role: str, iteration: int) -> dict[str, torch.Tensor]:
-    """The trained state a checkpoint holds, read back: weights, EMA (when kept) and optimizer
-    state, keyed '<section>.<name>'. Fails when it finds no weights or no optimizer state."""
-    from dmd2_core import checkpoint as ckpt
-
-    state = {f"{section}.{k}": v for section in ("model", "ema", "optim")
-             for k, v in ckpt.read_weights(str(save), role, iteration, section).items()}
-    assert any(k.startswith("model.") for k in state) and any(k.startswith("optim.") for k in state), \
-        f"{save}: no weights or optimizer state in the {role} checkpoint of iteration {iteration}"
-    return state
-
-
-def assert_same_saved_state(save: Path, reference: Path, iteration: int) -> None:
-    for role in ("actor", "critic"):
-        got, want = saved_state(save, role, iteration), saved_state(reference, role, iteration)
-        assert got.keys() == want.keys(), role
-        assert all(torch.equal(got[k], want[k]) for k in got), (role, [k for k in got if not torch.equal(got[k], want[k])][:3])
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from dmd2_core.errors import ArgsError
 from dmd2_core.run.distill_run import preflight
 from dmd2_core.train.reference import ReferenceLoop
 from dmd2_core.train.trainer import Trainer
-from tests.conftest import in_process_trainers, iterate_in_process, tiny_args
+from tests.helpers import in_process_trainers, iterate_in_process, tiny_args
 
 GAN = dict(real_data="digits", gan_weight=0.05, gan_critic_weight=0.1)
 
@@ -257,7 +257,7 @@ def test_prepare_latents_encodes_clips_and_captions_into_a_real_set_the_critic_t
     from dmd2_core.prepare.latents import read_media
     from dmd2_core.models import FAMILIES
     from dmd2_core.toys.standins import build_standin
-    from tests.test_wan_video import CPU_OVERRIDES
+    from tests.helpers import CPU_OVERRIDES
 
     url = build_standin(str(tmp_path / "wan"), "wan", with_text_encoder=True)
     clips = tmp_path / "clips"

@@ -18,7 +18,7 @@ from dmd2_core.models import lora
 from dmd2_core.errors import ArgsError
 from dmd2_core.run.distill_run import DistillRun, preflight
 from dmd2_core.train.trainer import Trainer
-from tests.conftest import in_process_trainers, iterate_in_process, leave_group_after, tiny_args
+from tests.helpers import in_process_trainers, iterate_in_process, spawn_ranks, tiny_args
 
 LORA = dict(lora_rank=4, lora_alpha=8.0, lr=1e-3, critic_lr=1e-3)
 
@@ -184,12 +184,11 @@ def test_merged_export_is_a_full_student_that_reproduces_eval_samples(tiny_teach
 
 # ---- MiniMax-H3 stand-in: fp32 modules, context parallelism, 2 sharded ranks ---------------------
 
-def _h3_rank(rank: int, world_size: int, port: int, trainer_args: dict, out_path: str) -> None:
-    torch.set_num_threads(1)
+def _h3_rank(rank: int, world_size: int, trainer_args: dict, out_path: str) -> None:
     shared = Trainer(trainer_args["lora"], "critic", rank, world_size)
     plain = Trainer(trainer_args["plain"], "critic", rank, world_size)
     for trainer in (shared, plain):
-        trainer.init_process_group("127.0.0.1", port)
+        trainer.init_process_group()  # in spawn_ranks' group
     with torch.no_grad():  # the fake score's adapter away from its zero start
         for name, param in shared.model.named_parameters():
             if ".lora_B." in name:
@@ -214,27 +213,19 @@ def _h3_rank(rank: int, world_size: int, port: int, trainer_args: dict, out_path
 def test_h3_real_score_is_the_sharded_teachers_forward_bitwise(tmp_path, cp_size):
     """bf16 on 2 ranks (both models sharded, the fp32 modules in fp32), with and without Ulysses
     context parallelism: the shared base's real score is the separately loaded teacher's forward."""
-    import socket
-
-    import torch.multiprocessing as mp
-
     from dmd2_core.args import load_args
     from dmd2_core.toys.standins import H3_GEOMETRY, build_h3_standin
-    from tests.test_context_parallel import _h3_prompts
+    from tests.helpers import h3_prompts
 
     prompts = str(tmp_path / "prompts.safetensors")
-    _h3_prompts([5, 3, 5, 3]).save(prompts)  # odd text lengths: the packed sequence splits over 2 ranks
+    h3_prompts([5, 3, 5, 3]).save(prompts)  # odd text lengths: the packed sequence splits over 2 ranks
     common = dict(device="cpu", dtype="bfloat16", torch_threads=1, global_batch_size=2, micro_batch_size=2,
                   dmd2_update_ratio=2, dmd2_student_steps=2, seed=3, num_devices=2, cp_size=cp_size,
                   hf_checkpoint=build_h3_standin(str(tmp_path / "h3")), prompts=prompts, **H3_GEOMETRY)
     trainer_args = {name: preflight(load_args(None, {**common, "save": str(tmp_path / name), **extra}))["critic"]
                     for name, extra in (("lora", {"lora_rank": 4}), ("plain", {}))}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "out.pt"
-    mp.start_processes(leave_group_after, args=(_h3_rank, 2, port, trainer_args, str(out)), nprocs=2, join=True,
-                       start_method="spawn")
+    spawn_ranks(2, _h3_rank, trainer_args, str(out))
     got = torch.load(out, weights_only=False)
     assert not got["shared_copy"] and got["teacher_copy"]
     assert torch.equal(got["real"], got["teacher"])

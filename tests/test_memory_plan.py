@@ -227,7 +227,7 @@ def test_the_planned_lora_state_is_the_bytes_a_rank_holds(tiny_teacher, tmp_path
     AdamW moments, the actor's EMA) and their frozen bases in bf16 are the plan's figures; the
     critic holds one base and no teacher."""
     from dmd2_core.run.distill_run import preflight
-    from tests.conftest import in_process_trainers, iterate_in_process, tiny_args
+    from tests.helpers import in_process_trainers, iterate_in_process, tiny_args
 
     args = tiny_args(tiny_teacher, str(tmp_path), dtype="bfloat16", lora_rank=4, lr=1e-3, critic_lr=1e-3,
                      ema_decay=0.99)

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from dmd2_core.run.distill_run import DistillRun
-from tests.conftest import tiny_args
+from tests.helpers import tiny_args
 
 
 def _broken_scheduler(teacher: str, tmp_path) -> str:

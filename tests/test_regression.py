@@ -15,7 +15,7 @@ from dmd2_core.losses import dmd2_loss
 from dmd2_core.train.reference import ReferenceLoop
 from dmd2_core.sampling import euler_sample
 from dmd2_core.train.trainer import Trainer
-from tests.conftest import in_process_trainers, iterate_in_process, tiny_args
+from tests.helpers import in_process_trainers, iterate_in_process, tiny_args
 
 WEIGHT = 0.3
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dmd2_core.run.schedule import Schedule
-from tests.conftest import tiny_args
+from tests.helpers import tiny_args
 
 
 def _at(schedule: Schedule, first: int = 1) -> dict[str, list[int]]:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from flows.environment import wait_http
-from tests.test_flow import FAST, REPO, assert_same_saved_state
+from tests.helpers import FAST, REPO, assert_same_saved_state
 
 FINAL = ("COMPLETED", "FAILED", "CANCELLED")
 

@@ -1,6 +1,6 @@
 """Trainers at real scale: FSDP2 sharding (1 rank == N ranks, HSDP), fp32 master weights with
 bf16 compute, activation checkpointing, the memory plan (against the bytes ranks really hold) and
-rank placement across nodes. Sleep/wake of shards and resume: tests/test_checkpoints_at_scale.py."""
+rank placement across nodes. Sleep/wake of shards and resume: tests/checkpoint/test_checkpoints_at_scale.py."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from dmd2_core.args import load_args
 from dmd2_core.errors import ArgsError
 from dmd2_core.run.distill_run import DistillRun, preflight
 from dmd2_core.toys.standins import build_standin, standin_prompt_set
-from tests.conftest import flow_cli_refusal, in_process_trainers, iterate_in_process, tiny_args
+from tests.helpers import flow_cli_refusal, free_port, in_process_trainers, iterate_in_process, tiny_args
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "deployments" / "model_configs"
@@ -202,12 +202,6 @@ def test_ranks_are_ordered_by_node_then_device():
     assert parallel.rank_bundles(["x"]) == [0]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_for_port(port: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -227,7 +221,7 @@ def test_a_group_across_two_ray_nodes(one_rank, tiny_teacher, tmp_path):
     after 3 iterations (a gradient summed instead of averaged over ranks would double every
     update), and each node's rank writes its own shards of the checkpoint."""
     ray_bin = Path(sys.executable).parent / "ray"
-    port = _free_port()
+    port = free_port()
     dirs = [tempfile.mkdtemp(prefix="ray-", dir="/tmp") for _ in range(2)]  # short socket paths
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_ADDRESS": ""}
     common = ["--block", "--num-cpus=1", '--resources={"dmd2_device": 1}', "--disable-usage-stats"]
@@ -237,7 +231,7 @@ def test_a_group_across_two_ray_nodes(one_rank, tiny_teacher, tmp_path):
     procs = [head]
     script = f"""
 import json, time, ray, torch
-from tests.conftest import tiny_args
+from tests.helpers import tiny_args
 from dmd2_core.run.distill_run import DistillRun
 ray.init(address="127.0.0.1:{port}", namespace="two-nodes")  # the run joins this connection
 deadline = time.monotonic() + 180

@@ -7,15 +7,14 @@ read in ranges, never copied whole; a resume reads no weight of the diffusers ch
 from __future__ import annotations
 
 import shutil
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from dmd2_core import parallel, storage
 from dmd2_core.models import FAMILIES, describe_model_dir, load_model_dir, write_transformer
 from dmd2_core.toys.standins import build_h3_standin, build_standin
+from tests.helpers import spawn_ranks
 
 WAN_60M = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=64, in_channels=4, out_channels=4,
                text_dim=64, freq_dim=64, ffn_dim=3072, num_layers=6, rope_max_seq_len=64)
@@ -40,32 +39,9 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 
 def _args(url: str, save: str, **overrides):
-    from tests.conftest import tiny_args
+    from tests.helpers import tiny_args
 
     return tiny_args(url, save, **overrides)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(job, world: int, *job_args) -> None:
-    """``job(rank, world, *job_args)`` on ``world`` gloo ranks in fresh processes; a failure on
-    any rank (an assertion) fails the test with that rank's traceback."""
-    mp.spawn(_rank, args=(world, _free_port(), job, job_args), nprocs=world, join=True)
-
-
-def _rank(rank: int, world: int, port: int, job, job_args) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    parallel.ensure_process_group(rank, world, torch.device("cpu"), "127.0.0.1", port)
-    try:
-        job(rank, world, *job_args)
-    finally:
-        dist.destroy_process_group()
 
 
 def _mesh(world: int):
@@ -119,7 +95,7 @@ def test_start_equals_whole_load_then_shard(checkpoints, tmp_path, world):
     cases = [(_args(checkpoints["sd3"], str(tmp_path / "sd3")), torch.float32)]  # 1 rank: plain modules
     cases += [(_args(checkpoints[kind], str(tmp_path / kind), gradient_checkpointing=kind == "wan"), torch.bfloat16)
               for kind in ("sd3", "wan", "h3", "sd3-sharded")]
-    _spawn(_equal_to_old_start, world, cases)
+    spawn_ranks(world, _equal_to_old_start, cases)
 
 
 def test_kept_fp32_modules_of_a_bf16_teacher_hold_the_checkpoint_values(checkpoints, tmp_path):
@@ -177,7 +153,7 @@ def test_two_rank_start_holds_its_shards_not_the_model(tmp_path):
     url = str(tmp_path / "wan60m")
     save_model_dir(model, url, shift=5.0)
     del model
-    _spawn(_peak_rss, 2, _args(url, str(tmp_path / "run"), dtype="bfloat16"))
+    spawn_ranks(2, _peak_rss, _args(url, str(tmp_path / "run"), dtype="bfloat16"))
 
 
 def test_s3_checkpoint_is_read_in_ranges_never_copied(checkpoints, tmp_path, s3_bucket, monkeypatch):

@@ -17,7 +17,7 @@ from dmd2_core.toys.digits import digits_prompt_set, digits_tensors
 from dmd2_core.models import LoadedModel, describe_model_dir, load_model_dir
 from dmd2_core.models.sd3 import SD3ImageFamily
 from dmd2_core.sampling import euler_sample
-from tests.conftest import SHORT_TEACHER_STEPS
+from tests.helpers import SHORT_TEACHER_STEPS
 
 torch.set_num_threads(1)
 

@@ -1,6 +1,6 @@
 """Trainer groups on Ray: colocation, external data, the train-input hook, micro-batching,
 data parallelism, sleep/wake and a crash between two saves (resume bitwise: test_sharding.py and
-test_checkpoints_at_scale.py, local and S3)."""
+checkpoint/test_checkpoints_at_scale.py, local and S3)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from dmd2_core.run.distill_run import DistillRun, preflight
 from dmd2_core.run.save_tracker import SaveTracker
 from dmd2_core.train.trainer import Trainer
 from dmd2_core.train.trainer_config import TrainerConfig, compute_trainer_args
-from tests.conftest import in_process_trainers, iterate_in_process, tiny_args
+from tests.helpers import in_process_trainers, iterate_in_process, tiny_args
 
 
 def test_micro_batches_give_the_same_update_as_one_batch(tiny_teacher, tmp_path):

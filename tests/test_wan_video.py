@@ -17,12 +17,9 @@ from dmd2_core.errors import ArgsError
 from dmd2_core.run.distill_run import DistillRun
 from dmd2_core.models import describe_model_dir
 from dmd2_core.toys.standins import build_standin, standin_prompt_set
+from tests.helpers import CPU_OVERRIDES
 
 SAMPLER_DOC = Path(__file__).resolve().parent.parent / "docs" / "scale.md"
-CPU_OVERRIDES = dict(device="cpu", num_devices=1, dtype="float32", global_batch_size=4, micro_batch_size=2,
-                     num_iterations=2, eval_interval=1, save_interval=2, eval_prompts=[0, 1],
-                     eval_samples_per_prompt=2, torch_threads=1)
-
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +114,7 @@ def _documented_sampler():
 
 def test_exported_student_loads_with_diffusers_and_reproduces_the_sampler(ray_session, tiny_teacher, tmp_path):
     """The documented 4-step snippet (docs/scale.md), run on a saved student, gives the project's own samples."""
-    from tests.conftest import tiny_args
+    from tests.helpers import tiny_args
 
     save = str(tmp_path / "run")
     with DistillRun(tiny_args(tiny_teacher, save, run_name="dmd2-export")) as run:

@@ -17,7 +17,7 @@ from dmd2_core import checkpoint as ckpt
 from dmd2_core import storage
 from dmd2_core.errors import CheckpointError, ModelDirError
 from dmd2_core.models import describe_model_dir, load_model_dir, save_model_dir
-from tests.checkpoint_helpers import (
+from tests.checkpoint.helpers import (
     SHIFT, assert_same_optimizer, assert_same_state, fresh, local_path, optimizer_of, output, save, saved, tiny_model, train_step,
 )
 
@@ -64,7 +64,7 @@ def test_child_process_inherits_s3_endpoint(s3_bucket):
     url = s3_bucket + "/hello.txt"
     storage.write_text(url, "from the parent")
     code = f"from dmd2_core import storage; print(storage.read_text({url!r}))"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "from the parent"

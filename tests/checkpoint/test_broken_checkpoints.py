@@ -18,9 +18,9 @@ from dmd2_core import checkpoint as ckpt
 from dmd2_core.toys.digits import digits_prompt_set
 from dmd2_core.errors import CheckpointError
 from dmd2_core.run.distill_run import DistillRun
-from tests.conftest import flow_cli_refusal, tiny_args
+from tests.helpers import flow_cli_refusal, tiny_args
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _truncate(path: Path) -> None:

@@ -4,19 +4,18 @@ reaches every rank."""
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 import pytest
-import torch
 
 from dmd2_core import checkpoint as ckpt
 from dmd2_core import storage
 from dmd2_core.errors import CheckpointError, StorageUnavailableError
-from tests.checkpoint_helpers import (
+from tests.checkpoint.helpers import (
     assert_same_optimizer, assert_same_state, fresh, optimizer_of, save, saved, tiny_model, train_step, weights_url,
 )
+from tests.helpers import spawn_ranks
 
 
 # ---- corrupt and missing checkpoints ----------------------------------------------------------
@@ -102,16 +101,10 @@ def test_saving_the_tracked_iteration_again_never_destroys_it(tmp_path, monkeypa
     assert_same_optimizer(opt, again_opt)
 
 
-def _rank_main(rank: int, store: str, scenario: str, root: str, outcome: Path) -> None:
-    """One rank of a 2-rank gloo group (a process of its own) running ``scenario``; reports its outcome."""
-    import datetime
-    import time
-
+def _rank_main(rank: int, world: int, scenario: str, root: str) -> str:
+    """One rank of a 2-rank gloo group (a process of its own) running ``scenario``; returns its outcome."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))
     model, opt = fresh()
     try:
         if scenario == "save" and rank == 0:  # rank 0 cannot write its part before the barrier
@@ -122,41 +115,19 @@ def _rank_main(rank: int, store: str, scenario: str, root: str, outcome: Path) -
             ckpt.save_trainer(root, "student", 2, model, opt, process_group=dist.group.WORLD).result()
         else:
             ckpt.load_trainer(root, "student", 1, model, opt, process_group=dist.group.WORLD)
-        outcome.write_text("ok")
+        return "ok"
     except Exception as exc:  # noqa: BLE001 - reported to the test
-        outcome.write_text(ckpt.one_line(exc))
-    other = outcome.with_name(f"rank{1 - rank}.txt")
-    for _ in range(600):  # alive, as a trainer actor stays after its call failed
-        if other.exists():
-            break
-        time.sleep(0.1)
-    os._exit(0)  # no process-group teardown: the other rank may have left already
+        return ckpt.one_line(exc)
 
 
 @pytest.mark.parametrize("scenario", ["save", "load"])
 def test_a_failure_on_one_rank_reaches_every_rank_of_the_group(tmp_path, scenario):
     """Rank 0 fails before the save's first collective, or rank 1 while hashing at load: both
     ranks raise at once (none waits for the group's timeout), the other one naming the failure."""
-    import multiprocessing
-    import time
-
     root = str(tmp_path / "run")
     saved(root)
-    files = [tmp_path / f"rank{r}.txt" for r in (0, 1)]
-    ctx = multiprocessing.get_context("spawn")  # not fork: Ray's and moto's threads may live in this process
-    procs = [ctx.Process(target=_rank_main, args=(r, str(tmp_path / "store"), scenario, root, files[r])) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 60
-    try:
-        while not all(f.exists() for f in files) and time.monotonic() < deadline:
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            p.kill()
-            p.join()
-    outcomes = {r: f.read_text() for r, f in enumerate(files) if f.exists()}
-    assert len(outcomes) == 2, f"a rank hung in a collective: {outcomes}"
+    # a rank left waiting in a collective fails the test after 60 s (RankFailure: still running)
+    outcomes = spawn_ranks(2, _rank_main, scenario, root, timeout_s=60)
     failing, other = (0, 1) if scenario == "save" else (1, 0)
     assert outcomes[failing].startswith("OSError: disk gone" if scenario == "save" else "StorageUnavailableError")
     assert outcomes[other].startswith("StoredFilesError") and f"rank {failing}" in outcomes[other], outcomes[other]

@@ -13,7 +13,7 @@ import ray
 from dmd2_core import checkpoint as ckpt
 from dmd2_core import storage
 from dmd2_core.run.distill_run import DistillRun
-from tests.conftest import tiny_args
+from tests.helpers import tiny_args
 
 
 def _digests(run) -> dict:
