@@ -68,7 +68,7 @@ def nights_markdown(deployment: str, rows: list[dict], plot: Optional[bytes]) ->
     key = next((r.get("criterion") for r in reversed(rows) if r.get("criterion")), None)
     name = NAMES.get(key, key or "quality")
     extra = [c for c in (*PER_MODALITY, *TOY_COLUMNS) if any(r.get(c) is not None for r in rows)]
-    drift = any("drift_out" in r for r in rows)
+    drift = any(r.get("drift_out") or r.get("best_tkd") is not None for r in rows)  # teacher-evaluated nights
     columns = ["date", "run", "outcome", f"final {name}", f"best {name}", *extra,
                *(["drift out of band"] if drift else []), "iterations", "wall"]
     out = [f"# {deployment}: nights", "", f"{len(rows)} run(s), newest first; {name} lower is better.", ""]

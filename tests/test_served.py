@@ -176,7 +176,7 @@ def test_served_minimax_h3_run_on_the_stand_in(served, tmp_path):
     save = tmp_path / "run"
     overrides = dict(device="cpu", num_devices=1, dtype="float32", global_batch_size=4, micro_batch_size=2,
                      torch_threads=1, **H3_GEOMETRY, run_name="h3-standin", eval_interval=2, save_interval=2,
-                     eval_prompts=[0, 1], eval_samples_per_prompt=1)
+                     eval_prompts=[0, 1], eval_samples_per_prompt=1, eval_num_samples=4, eval_reference_steps=2)
     params = {"recipe": "minimax-h3", "overrides": overrides, "num_iterations": 2, "hf_checkpoint": url,
               "prompts": str(tmp_path / "prompts.safetensors"), "save": str(save)}
     run = _wait_final(api, _run_deployment(api, env, params, "minimax-h3")["id"], 300, log)
@@ -186,6 +186,10 @@ def test_served_minimax_h3_run_on_the_stand_in(served, tmp_path):
     assert len(trained) == 2
     for key in ("dmd2_loss", "dmd2_grad_norm_video", "dmd2_grad_norm_audio", "critic_loss_video", "critic_loss_audio"):
         assert all(key in r for r in trained), key
+    evals = [r for r in rows if "teacher_kid" in r]  # the teacher evaluator, at iterations 0 and 2
+    assert [r["iteration"] for r in evals] == [0, 2]
+    for key in ("teacher_kid_video", "teacher_kid_audio", "drift_brightness_video", "drift_loudness_audio", "drift_out"):
+        assert all(isinstance(r[key], float) for r in evals), key
     clips = sorted((save / "media").glob("iter_0000002_*.mp4"))
     assert [c.name for c in clips] == ["iter_0000002_p0.mp4", "iter_0000002_p1.mp4"]  # one per eval prompt
     clip = av_clips.read_mp4(str(clips[0]))

@@ -57,8 +57,8 @@ def evaluator_of(args: Args) -> str:
     if args.prompts in BUILTIN_SETS:
         return args.prompts
     if args.prompts:
-        _, meta = storage.read_safetensors_header(args.prompts)
-        named = (meta or {}).get("evaluator")
+        header, _ = storage.read_safetensors_header(args.prompts)
+        named = (header.get("__metadata__") or {}).get("evaluator")
         if named in TOY_EVALUATORS:
             return named
     return TEACHER
