@@ -19,8 +19,12 @@ environment), so the two cannot differ; a key there that serve cannot honour sto
 - ``tiny``: recipe tiny (the digits demo), on demand: ``prefect deployment run dmd2/tiny``.
 
 Server automations made with them: a run that stops sending heartbeats is Crashed, a Crashed one
-is rerun (``ensure_automations``), and with ``--alert-webhook`` (or DMD2_ALERT_WEBHOOK_URL) a run
-that fails or crashes posts a Slack-compatible message to that webhook (flows/alerts.py).
+is rerun (``ensure_automations``), and with ``--alert-webhook`` (or DMD2_ALERT_WEBHOOK_URL) a
+Slack-compatible message goes to that webhook (flows/alerts.py) when a run fails or crashes, when a
+completed night regresses against the nights before it, and when a scheduled deployment has no
+completed night within its window: the longest gap of its cron schedule plus STALE_SLACK (26 h for
+``0 2 * * *``; only deployments whose schedule is active on the server, so a paused minimax-h3 is
+not expected to have nights).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import os
 import re
 import sys
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
@@ -41,7 +46,8 @@ from flows.environment import configure_environment, local_prefect_server
 if __name__ == "__main__":  # Prefect and Ray read these settings when they are imported
     configure_environment()
 
-from flows.alerts import WEBHOOK_ENV, ensure_failure_alert  # noqa: E402
+from flows.alerts import (WEBHOOK_ENV, ensure_failure_alert, ensure_regression_alert,  # noqa: E402
+                          ensure_stale_alert, stale_window)
 from flows.dmd2 import dmd2  # noqa: E402
 
 from dmd2_core.args import read_recipe, resolve_recipe  # noqa: E402
@@ -223,6 +229,36 @@ def ensure_automations(deployment_ids: list, heartbeat_s: int = HEARTBEAT_S) -> 
     return [automation.create().id for automation in wanted]
 
 
+STALE_SLACK = timedelta(hours=2)  # a night may end this much later than the one before it
+
+
+def scheduled(deployment_ids: list) -> tuple[list, list[tuple[str, Optional[str]]]]:
+    """(ids, [(cron, timezone)]): the deployments among these whose cron schedule is active on the
+    server (the deployment not paused), and those schedules."""
+    from prefect.client.orchestration import get_client
+
+    ids, crons = [], []
+    with get_client(sync_client=True) as client:
+        for d in deployment_ids:
+            deployment = client.read_deployment(d)
+            active = [s.schedule for s in deployment.schedules or [] if s.active and getattr(s.schedule, "cron", None)]
+            if active and not deployment.paused:
+                ids.append(d)
+                crons += [(s.cron, s.timezone) for s in active]
+    return ids, crons
+
+
+def ensure_alerts(deployment_ids: list, webhook_url: Optional[str]) -> Optional[str]:
+    """The three messages to a person (flows/alerts.py): a failed or crashed run, a regressed
+    night, a scheduled deployment without a completed night (its window from its schedule). Without
+    a URL none (older ones removed). Returns the failure automation's id."""
+    failure = ensure_failure_alert(deployment_ids, webhook_url)
+    ensure_regression_alert(deployment_ids, webhook_url)
+    ids, crons = scheduled(deployment_ids) if webhook_url else ([], [])
+    ensure_stale_alert(ids, webhook_url, stale_window(crons, STALE_SLACK))
+    return failure
+
+
 def registered_ids(names: list[str], warn=print) -> list:
     """The ids of the dmd2 deployments of these names already on the server (``prefect deploy``)."""
     from prefect.client.orchestration import get_client
@@ -287,7 +323,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print("error: no dmd2 deployment on the server", file=sys.stderr)
             return 2
         ensure_automations(ids)
-        ensure_failure_alert(ids, ns.alert_webhook)
+        ensure_alerts(ids, ns.alert_webhook)
         print(f"automations for {len(ids)} deployment(s)" + ("" if ns.alert_webhook else
               f"; no failure messages (no --alert-webhook / {WEBHOOK_ENV})"), file=sys.stderr)
         return 0
@@ -312,7 +348,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))
         ids = [d.apply() for d in deployments]  # registered first, so the automations can name them
         ensure_automations(ids, int(os.environ["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"]))
-        if ensure_failure_alert(ids, ns.alert_webhook) is None:
+        if ensure_alerts(ids, ns.alert_webhook) is None:
             print(f"note: no --alert-webhook / {WEBHOOK_ENV}: a failed night shows only in the UI", file=sys.stderr)
         serve(*deployments, limit=ns.limit)
     return 0

@@ -8,6 +8,10 @@ plus its own (a crash rerun replaces its run's row: same flow run id); the UI sh
 version under Artifacts and in the run that wrote it. The rows travel inside the markdown, in an
 HTML comment (base64 JSON) the UI does not show, so the view needs nothing besides the server.
 Runs outside a deployment (the CLI, tests calling the flow) have no nights view.
+
+A completed night is also checked against the nights before it (flows/alerts.py,
+``night_regression``, with the run's ``alert_regression_margin``); a regression emits the event
+``dmd2.night.regressed`` that the server's automation turns into a message to a person.
 """
 
 from __future__ import annotations
@@ -72,7 +76,10 @@ def record_night(view: dict, outcome: str, wall_s: float) -> Optional[str]:
         start = flow_run.scheduled_start_time or datetime.datetime.now(datetime.timezone.utc)
         date = start.astimezone(datetime.timezone.utc).date().isoformat()
         row = nights_view.night_row(view, outcome, wall_s, str(flow_run.id), flow_run.ui_url, date)
-        rows = merge(rows_of(latest_markdown(key)), row)
+        previous = rows_of(latest_markdown(key))
+        if outcome.startswith("completed"):  # a failed night has its own message
+            tell_if_regressed(view, [r for r in previous if r.get("run_id") != row["run_id"]], row)
+        rows = merge(previous, row)
         markdown = nights_view.nights_markdown(name, rows, nights_view.nights_plot(rows, title=f"{name}: quality over nights"))
         create_markdown_artifact(markdown=with_rows(markdown, rows), key=key,
                                  description=f"dmd2/{name}: one row per run, newest first")
@@ -80,3 +87,23 @@ def record_night(view: dict, outcome: str, wall_s: float) -> Optional[str]:
         log.warning(f"nights view {key} not updated: {exc}")
         return None
     return key
+
+
+def tell_if_regressed(view: dict, previous: list[dict], row: dict) -> Optional[str]:
+    """Emit ``dmd2.night.regressed`` for this run when ``row`` regressed against ``previous`` (the
+    margin: the actor's ``alert_regression_margin``); returns the reason. Never raises."""
+    from prefect.runtime import deployment, flow_run
+
+    from flows import alerts
+
+    try:
+        margin = ((view.get("trainer_args") or {}).get("actor") or {}).get("alert_regression_margin")
+        margin = alerts.REGRESSION_MARGIN if margin is None else float(margin)
+        reason = alerts.night_regression(previous, row, margin)
+        if reason:
+            log.warning(f"night regressed: {reason}")
+            alerts.emit_night_regressed(reason, row, str(flow_run.id), flow_run.name, deployment.id, deployment.name)
+        return reason
+    except Exception as exc:  # noqa: BLE001 - telling a person is best effort; the run's outcome stands
+        log.warning(f"regression check not done: {exc}")
+        return None
