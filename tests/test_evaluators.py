@@ -98,3 +98,31 @@ def test_drift_flags_a_statistic_out_of_its_band():
     teacher = {"brightness_image": 0.40, "saturation_image": 0.20, "centroid_audio": 1000.0}
     student = {"brightness_image": 0.45, "saturation_image": 0.35, "centroid_audio": 1400.0}
     assert evaluators.out_of_band(student, teacher) == ["centroid_audio", "saturation_image"]
+
+
+def test_retention_keeps_the_best_students_export(tmp_path):
+    """Three later exports under keep_exports 1: the best eval's export (best_student.json) stays,
+    the others older than the newest go."""
+    import json
+    from types import SimpleNamespace
+
+    from dmd2_core import checkpoint
+    from dmd2_core.run.save_tracker import SaveTracker
+    from dmd2_core.save_layout import best_student_url, complete_url, export_url
+
+    save = str(tmp_path / "run")
+    for i in (1, 2, 3, 4):
+        (tmp_path / "run" / "exports" / f"iter_{i:07d}").mkdir(parents=True)
+        (tmp_path / "run" / "exports" / f"iter_{i:07d}" / "export.json").write_text("{}")
+    for role in ("actor", "critic"):
+        marker = tmp_path / complete_url(save, role, 4).removeprefix(str(tmp_path) + "/")
+        marker.parent.mkdir(parents=True)
+        marker.write_text("{}")
+    (tmp_path / "run" / "best_student.json").write_text(json.dumps({"iteration": 2, "export_url": export_url(save, 2)}))
+    tracker = SaveTracker(SimpleNamespace(save=save, keep_last_n=0, keep_exports=1))
+    lease = SimpleNamespace(ensure=lambda: None)
+    done = {"actor": [{"url": "a", "save_s": 1.0, "bytes": 1, "export_url": export_url(save, 4)}],
+            "critic": [{"url": "c", "save_s": 1.0, "bytes": 1}]}
+    tracker.track(lease, 4, done)
+    assert [e["iteration"] for e in checkpoint.list_exports(checkpoint.exports_root(save))] == [2, 4]
+    assert best_student_url(save).endswith("best_student.json")
