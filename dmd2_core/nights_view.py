@@ -20,7 +20,8 @@ def night_row(view: dict, outcome: str, wall_s: float, run_id: str, link: Option
     """A run's row of the nights view, from its summary's view (evals, drift flags, students)."""
     evals = [e for e in view.get("evals") or [] if e.get("iteration") is not None]
     last = max(evals, key=lambda e: e["iteration"]) if evals else {}
-    best = best_eval(evals) or {}
+    trained = [e for e in evals if e["iteration"] > (view.get("start") or 0)]  # not the start, every night's same
+    best = best_eval(trained or evals) or {}
     key = criterion(evals)
     row = {"run_id": run_id, "name": view.get("name"), "date": date, "outcome": outcome, "criterion": key,
            "final": last.get(key) if key else None, "best": best.get(key) if key else None,

@@ -161,7 +161,7 @@ def test_deployment_missing_inputs_is_served_paused(served):
 
 
 @pytest.mark.server
-def test_served_minimax_h3_run_on_the_stand_in(served, tmp_path):
+def test_served_minimax_h3_run_on_the_stand_in(served, receiver, tmp_path):
     """A run of the nightly dmd2/minimax-h3 deployment, its inputs given as parameters, on the
     MiniMax-H3 stand-in: it completes; both modalities' metrics every iteration; per eval prompt an
     MP4 that plays with stereo sound, a frame strip and a spectrogram; a checkpoint and an export
@@ -171,12 +171,14 @@ def test_served_minimax_h3_run_on_the_stand_in(served, tmp_path):
     from dmd2_core.toys.standins import H3_GEOMETRY, build_h3_standin, h3_prompt_set
 
     api, env, _, log = served
+    seen = len(receiver[1])
     url = build_h3_standin(str(tmp_path / "h3"))
     h3_prompt_set().save(str(tmp_path / "prompts.safetensors"))
     save = tmp_path / "run"
     overrides = dict(device="cpu", num_devices=1, dtype="float32", global_batch_size=4, micro_batch_size=2,
                      torch_threads=1, **H3_GEOMETRY, run_name="h3-standin", eval_interval=2, save_interval=2,
-                     eval_prompts=[0, 1], eval_samples_per_prompt=1, eval_num_samples=4, eval_reference_steps=2)
+                     eval_prompts=[0, 1], eval_samples_per_prompt=1, eval_num_samples=4, eval_reference_steps=2,
+                     eval_reference_url=str(tmp_path / "reference"))  # shared by both nights
     params = {"recipe": "minimax-h3", "overrides": overrides, "num_iterations": 2, "hf_checkpoint": url,
               "prompts": str(tmp_path / "prompts.safetensors"), "save": str(save)}
     run = _wait_final(api, _run_deployment(api, env, params, "minimax-h3")["id"], 300, log)
@@ -202,6 +204,27 @@ def test_served_minimax_h3_run_on_the_stand_in(served, tmp_path):
     export = save / "exports" / "iter_0000002"
     assert json.loads((export / "modular_model_index.json").read_text())["_class_name"] == "MiniMaxH3ModularPipeline"
     assert (export / "audio_vae" / "config.json").exists() and (export / "transformer" / "config.json").exists()
+
+    # night 2, with a learning rate 1000x the recipe's: the nights view's two rows carry the teacher
+    # KID per modality and the drift; the second posts the regression message; the teacher's
+    # reference was sampled once (the nights share eval_reference_url)
+    bad = {**overrides, "lr": 1e-2, "critic_lr": 1e-2, "run_name": "h3-standin-bad"}
+    run2 = _wait_final(api, _run_deployment(api, env, {**params, "overrides": bad, "save": str(tmp_path / "run2")},
+                                            "minimax-h3")["id"], 300, log)
+    assert run2["state"]["type"] == "COMPLETED", run2["state"]
+    assert len(list((tmp_path / "reference").iterdir())) == 1
+    from flows.nights import rows_of
+
+    nights = _api(api, "/artifacts/latest/filter", {"artifacts": {"key": {"any_": ["dmd2-nights-minimax-h3"]}}})
+    rows = rows_of(nights[0]["data"])[-2:]
+    assert [r["run_id"] for r in rows] == [run["id"], run2["id"]]
+    for row in rows:
+        assert row["criterion"] == "teacher_kid" and isinstance(row["best_tkd"], float), row
+        assert isinstance(row["teacher_kid_video"], float) and isinstance(row["teacher_kid_audio"], float), row
+    assert "teacher_kid_video" in nights[0]["data"] and "drift out of band" in nights[0]["data"]
+    texts = _wait(lambda: [m["text"] for m in receiver[1][seen:] if m["text"].startswith("dmd2 night regressed")],
+                  60, f"no regression message: {receiver[1][seen:]}")
+    assert len(texts) == 1 and run2["name"] in texts[0] and "minimax-h3" in texts[0], texts
     artifacts = _api(api, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}})
     summary = next(a["data"] for a in artifacts if a["key"].endswith("-summary"))
     assert "dmd2-nights-minimax-h3" in {a["key"] for a in artifacts}
