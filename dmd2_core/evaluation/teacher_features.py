@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from dmd2_core import rng
-from dmd2_core.train.gan import FeatureTap
+from dmd2_core.models.feature_tap import FeatureTap
 
 NOISE_STREAM = "evaluation/teacher_features"
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from dmd2_core import context_parallel, rng
 from dmd2_core.losses import flow_matching_loss, modality_mse
+from dmd2_core.models.feature_tap import FeatureTap
 
 
 class DiscriminatorHead(torch.nn.Module):
@@ -61,34 +62,6 @@ def generator_gradient(logits_fake: torch.Tensor, x0: torch.Tensor, weight: floa
     backward (plain models only: a sharded model's graph takes one backward)."""
     (grad,) = torch.autograd.grad(F.softplus(-logits_fake.float()).sum(), x0, retain_graph=retain_graph)
     return weight * x0[0].numel() * grad.detach().float()
-
-
-class _Stop(Exception):
-    pass
-
-
-class FeatureTap:
-    """A forward hook on one transformer block that keeps its output tokens (``features``: the
-    whole sequence, also when context parallelism splits it); ``stop=True`` ends the forward right
-    there (the blocks after it are not needed)."""
-
-    def __init__(self, family, model: torch.nn.Module, block: Optional[int], stop: bool = False):
-        self.model, self.module = model, family.feature_block(model, block)
-        self.stop, self.features, self._handle = stop, None, None
-
-    def _hook(self, module, inputs, output):
-        tokens = output if torch.is_tensor(output) else output[-1]  # SD3 blocks: (context, image)
-        self.features = context_parallel.gather_sequence(self.model, tokens)
-        if self.stop:
-            raise _Stop
-
-    def __enter__(self) -> "FeatureTap":
-        self._handle = self.module.register_forward_hook(self._hook)
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        self._handle.remove()
-        return exc_type is _Stop
 
 
 def block_features(family, model, block: Optional[int], x_t, sigma, cond) -> torch.Tensor:
