@@ -303,8 +303,10 @@ def summary_markdown(s: dict) -> str:
             out += ["", f"{m.get('caption', '')} ({note}; stored at `{m['url']}`)", ""]
             if m.get("link"):
                 out += [f"[full size]({m['link']}) (link expires)", ""]
-            if m.get("video_url"):
+            if m.get("video_url") and str(m.get("play", "")).startswith(("http://", "https://")):
                 out += [f"[MP4 with sound]({m['play']}) (stored at `{m['video_url']}`)", ""]
+            elif m.get("video_url"):  # a local path: a link to it would open a page of the UI's, not the clip
+                out += [f"MP4 with sound: `{m['video_url']}` (local storage: open it with a video player)", ""]
     if s.get("plot"):
         out += ["## Losses, grad norms and quality", "", f"![metrics plot]({data_uri(s['plot'], 'image/png')})", ""]
     if evals:

@@ -59,7 +59,7 @@ class DriverBase:
         }
         self.view: dict[str, Any] = {
             "name": name, "iteration": self.start, "final": self.final, "start": self.start, "status": "running",
-            "trainer_args": {role: a.model_dump(mode="json") for role, a in run.trainer_args.items()},
+            "trainer_args": shown_args(run.trainer_args),
             "evals": [eval_row(row) for row in self.log.table() if any(row.get(q) is not None for q in QUALITY_KEYS)],
             "media": [], "metrics_url": self.log.url, "checkpoint": None, "student": None,
             "best_student": None, "drift_flags": [], "reference": {},
@@ -141,3 +141,16 @@ class DriverBase:
         runs.set_progress_labels(self.run_id, i)
         self.published = i
 
+
+def shown_args(trainer_args: dict) -> dict:
+    """Each trainer's args as the summary shows them: what the run used. A family that shifts each
+    modality by its own scheduler (MiniMax-H3) steps at those shifts, not at ``dmd2_shift``."""
+    from dmd2_core.models import describe_model_dir
+
+    shown = {role: a.model_dump(mode="json") for role, a in trainer_args.items()}
+    shifts = describe_model_dir(next(iter(trainer_args.values())).hf_checkpoint).get("modality_shifts")
+    if shifts:
+        used = ", ".join(f"{m} {s:g}" for m, s in zip(("video", "audio"), shifts))
+        for args in shown.values():
+            args["dmd2_shift"] = used
+    return shown
