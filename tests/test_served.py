@@ -229,7 +229,8 @@ def test_served_minimax_h3_run_on_the_stand_in(served, receiver, tmp_path):
     artifacts = _api(api, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}})
     summary = next(a["data"] for a in artifacts if a["key"].endswith("-summary"))
     assert "dmd2-nights-minimax-h3" in {a["key"] for a in artifacts}
-    assert "[MP4 with sound](" in summary
+    assert "MP4 with sound: `" in summary and "[MP4 with sound](" not in summary  # local: named, not a dead link
+    assert "| dmd2_shift | `video 12, audio 3` |" in summary and "## Drift against the teacher" in summary
 
 
 @pytest.mark.server
