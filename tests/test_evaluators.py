@@ -126,3 +126,13 @@ def test_retention_keeps_the_best_students_export(tmp_path):
     tracker.track(lease, 4, done)
     assert [e["iteration"] for e in checkpoint.list_exports(checkpoint.exports_root(save))] == [2, 4]
     assert best_student_url(save).endswith("best_student.json")
+
+
+def test_an_unwritable_reference_cache_is_refused_before_any_actor(tiny_teacher, tmp_path):
+    from dmd2_core.errors import ArgsError
+    from dmd2_core.run.distill_run import DistillRun
+
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ArgsError, match=r"^eval_reference_url: cannot write to .*afile/ref "):
+        DistillRun(_args(tiny_teacher, str(tmp_path / "run"), eval_reference_url=str(tmp_path / "afile" / "ref")))
+    assert not (tmp_path / "run").exists()

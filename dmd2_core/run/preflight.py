@@ -60,7 +60,7 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
             raise ArgsError("evaluator: 'teacher' compares in the frozen teacher's features, which the critic group "
                             f"holds; loss_type {args.loss_type} has none (leave evaluator unset: no quality figures)")
         if "critic" in trainer_args and args.eval_reference_url:
-            preflight_checks.probe_write(args.eval_reference_url)
+            preflight_checks.probe_write(args.eval_reference_url, "eval_reference_url")
     if "critic" in trainer_args and args.gan_critic_weight:
         _check_gan(trainer_args["critic"])
     if planner.device_limit(args) is not None or args.host_memory_gib:

@@ -19,8 +19,8 @@ from dmd2_core.errors import ArgsError, SafetensorsHeaderError, StorageUnavailab
 
 # ---- save -------------------------------------------------------------------------------------
 
-def probe_write(save_url: str) -> None:
-    """Write and remove a small object under ``save``; on local storage also remove the
+def probe_write(save_url: str, key: str = "save") -> None:
+    """Write and remove a small object under the URL of ``key``; on local storage also remove the
     directories the probe created, so a failed preflight leaves nothing behind."""
     probe = storage.join(save_url, f".dmd2-probe-{uuid.uuid4().hex[:8]}")
     created: Optional[Path] = None
@@ -34,7 +34,7 @@ def probe_write(save_url: str) -> None:
     except StorageUnavailableError:
         raise
     except Exception as exc:  # noqa: BLE001 - permission, no such bucket, read-only file system ...
-        raise ArgsError(f"save: cannot write to {save_url} ({one_line(exc)})") from None
+        raise ArgsError(f"{key}: cannot write to {save_url} ({one_line(exc)})") from None
     finally:
         if created is not None:
             import shutil
