@@ -32,7 +32,7 @@ FAST = {
 # The wan-video recipe on the CPU stand-ins.
 CPU_OVERRIDES = dict(device="cpu", num_devices=1, dtype="float32", global_batch_size=4, micro_batch_size=2,
                      num_iterations=2, eval_interval=1, save_interval=2, eval_prompts=[0, 1],
-                     eval_samples_per_prompt=2, torch_threads=1)
+                     eval_samples_per_prompt=2, torch_threads=1, eval_num_samples=4, eval_reference_steps=2)
 
 SHORT_TEACHER_STEPS = 500  # the training steps of the session's short digits teacher (conftest)
 

@@ -80,6 +80,14 @@ def test_wan_video_recipe_two_iterations_on_a_stand_in(prefect_harness, ray_sess
     # iteration 2 woke them
     assert trained[-1]["critic_wake_s"] > 0 and trained[-1]["actor_wake_s"] > 0
     assert all(r["graded_x0_drift"] < 1e-4 for r in trained)
+    # the teacher evaluator (the stand-ins' prompts name no toy world): every eval in the teacher's features
+    modality = "image" if kind == "sd3" else "video"
+    evals = [r for r in rows if "teacher_kid" in r]
+    assert [r["iteration"] for r in evals] == [0, 1, 2]
+    for key in (f"teacher_kid_{modality}", f"drift_brightness_{modality}", f"diversity_{modality}", "drift_out"):
+        assert all(isinstance(r[key], float) for r in evals), key
+    if kind == "wan":
+        assert all(0 <= r["drift_flicker_video"] <= 1 for r in evals)
 
     media = sorted((save / "media").rglob("*.*"))
     assert media, "eval media were written"
