@@ -21,9 +21,13 @@ install: $(STAMP)
 teacher: $(STAMP)
 	$(PY) -m dmd2_core.toys.digits_teacher --save runs/teacher --reuse --table
 
-# the small MiniMax-H3 teacher of sounding digits (bench/quality_av.py), reused when present
+# the small MiniMax-H3 teacher of sounding digits (bench/quality_av.py), reused when present; then
+# whether its weights are the tests' fixture to the bit (the recorded sha256). A mismatch is said
+# and not fatal (the leading -): another CPU or torch build may round otherwise; the tests keep the fixture
+AV_FIXTURE := tests/fixtures/av_teacher
 av-teacher: $(STAMP)
 	$(PY) -m dmd2_core.toys.sounding_digits_teacher --save runs/av-teacher --reuse --table
+	-$(PY) -m dmd2_core.toys.sounding_digits_teacher --save runs/av-teacher --reuse --check-fixture $(AV_FIXTURE)
 
 demo: $(STAMP)
 	$(PY) -m flows.demo

@@ -1,6 +1,7 @@
 """Pretrain a small MiniMax-H3 teacher (``MiniMaxH3Transformer3DModel``) on sounding digits.
 
     python -m dmd2_core.toys.sounding_digits_teacher --save runs/av-teacher [--steps N] [--seed S] [--reuse] [--table]
+        [--check-fixture tests/fixtures/av_teacher] [--write-fixture DIR]
 
 The model is the flagship's class at a CPU size, in its packed layout (video patches, stereo audio
 rows and text tokens in one sequence) and with both schedules: through ``MiniMaxH3Family`` the
@@ -21,6 +22,11 @@ step), as MiniMax-H3 is.
 Saved as a diffusers directory: transformer/, scheduler/ (shift 12), audio_scheduler/ (shift 3),
 model_index.json, the conditions of the ten digits in ``prompts.safetensors`` beside them, and the
 train clips as a real set for the GAN head (``real.safetensors``).
+
+The tests load this teacher from a committed fixture (``tests/fixtures/av_teacher``: the saved
+directory less its real set, which ``ensure_real_set`` rebuilds; 1.5 MB of fp32 weights) instead
+of training it for minutes; ``--check-fixture`` says whether the teacher at ``--save`` has the
+fixture's weights to the bit (``make av-teacher`` runs it), ``--write-fixture`` writes one.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import json
 import sys
 import tempfile
 import time
+import hashlib
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -58,6 +65,11 @@ PROMPTS_FILE = "prompts.safetensors"
 TRAINING_FILE = "training.json"  # how the teacher was trained: what --reuse compares
 REAL_FILE = "real.safetensors"  # the train clips as a real set: the GAN head's real_data
 TABLE_STEPS = (50, 8, 4, 1)
+WEIGHTS_FILE = "transformer/diffusion_pytorch_model.safetensors"
+# the test fixture: the saved teacher less its real set (6 MB that ``ensure_real_set`` rebuilds)
+FIXTURE_FILES = ("model_index.json", "scheduler/scheduler_config.json", "audio_scheduler/scheduler_config.json",
+                 "transformer/config.json", WEIGHTS_FILE, PROMPTS_FILE, TRAINING_FILE)
+FIXTURE_HASH_FILE = "weights.sha256"  # `sha256sum -c weights.sha256` in the fixture checks it too
 
 
 def tiny_h3_config(width: int = 64, layers: int = 4) -> dict:
@@ -221,6 +233,51 @@ def ensure_av_teacher(url: str, seed: int = 0, log: Optional[Callable[[str], Non
     return url
 
 
+def weights_sha256(teacher_url: str) -> str:
+    return hashlib.sha256(storage.read_bytes(storage.join(teacher_url, WEIGHTS_FILE))).hexdigest()
+
+
+def recorded_sha256(fixture_dir: str) -> str:
+    """The weights' sha256 recorded beside the fixture."""
+    return (Path(fixture_dir) / FIXTURE_HASH_FILE).read_text().split()[0]
+
+
+def write_fixture(teacher_url: str, fixture_dir: str) -> str:
+    """Copy the teacher's ``FIXTURE_FILES`` to ``fixture_dir`` and record its weights' sha256 there."""
+    out = Path(fixture_dir)
+    for name in FIXTURE_FILES:
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(storage.read_bytes(storage.join(teacher_url, name)))
+    digest = weights_sha256(str(out))
+    (out / FIXTURE_HASH_FILE).write_text(f"{digest}  {WEIGHTS_FILE}\n")
+    return digest
+
+
+def check_fixture(teacher_url: str, fixture_dir: str) -> Optional[str]:
+    """None when the teacher at ``teacher_url`` has the fixture's weights to the bit, else why not."""
+    recorded = recorded_sha256(fixture_dir)
+    if weights_sha256(fixture_dir) != recorded:
+        return f"the fixture's own weights at {fixture_dir} are not the sha256 recorded beside them ({recorded})"
+    trained = json.loads(storage.read_bytes(storage.join(fixture_dir, TRAINING_FILE)))
+    why = differs(teacher_url, trained["seed"], trained["steps"])
+    if why is not None:
+        return f"the teacher at {teacher_url} is not the fixture's recipe ({why}): nothing to compare"
+    got = weights_sha256(teacher_url)
+    if got == recorded:
+        return None
+    from safetensors.torch import load as load_safetensors
+
+    mine = load_safetensors(storage.read_bytes(storage.join(teacher_url, WEIGHTS_FILE)))
+    theirs = load_safetensors((Path(fixture_dir) / WEIGHTS_FILE).read_bytes())
+    if mine.keys() != theirs.keys() or any(mine[k].shape != theirs[k].shape for k in mine):
+        return f"the teacher at {teacher_url} has other tensors than the fixture's: another model config"
+    gap = max((mine[k].float() - theirs[k].float()).abs().max().item() for k in mine)
+    return (f"the weights at {teacher_url} (sha256 {got}) are not the fixture's ({recorded}), by at most {gap:.3g}: "
+            "same recipe and seed, so this is float arithmetic that differs from where the fixture was made "
+            "(CPU kernels, torch version, thread count: it was made with --threads 1). The tests keep loading the "
+            f"committed fixture; if the recipe changed on purpose, write a new one with --write-fixture {fixture_dir}")
+
+
 @torch.no_grad()
 def sample_clips(family, model, labels: torch.Tensor, num_steps: int, seed: int) -> torch.Tensor:
     """K Euler steps on MiniMax-H3's grid u = 1, (K-1)/K, .., 1/K, 0 from the pipeline's noise of
@@ -251,6 +308,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--num-samples", type=int, default=500)
     parser.add_argument("--eval-seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--check-fixture", metavar="DIR", help="Say whether the teacher's weights are the test "
+                        "fixture's at DIR to the bit (its recorded sha256); exit 1 when not.")
+    parser.add_argument("--write-fixture", metavar="DIR", help="Write the teacher as a test fixture at DIR.")
     ns = parser.parse_args(argv)
     torch.set_num_threads(ns.threads)
     result: dict = {"url": ns.save, "reused": ns.reuse and present(ns.save)}
@@ -262,8 +322,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         result.update(info)
     if ns.table:
         result["table"] = av_teacher_table(ns.save, num_samples=ns.num_samples, seed=ns.eval_seed)
+    if ns.write_fixture:
+        result["fixture_sha256"] = write_fixture(ns.save, ns.write_fixture)
+    mismatch = None
+    if ns.check_fixture:
+        mismatch = check_fixture(ns.save, ns.check_fixture)
+        result["fixture"] = "matches" if mismatch is None else "differs"
+        print(f"av teacher fixture check: weights are the fixture's at {ns.check_fixture} (sha256 "
+              f"{recorded_sha256(ns.check_fixture)})" if mismatch is None else
+              f"av teacher fixture check FAILED: {mismatch}", file=sys.stderr)
     print(json.dumps(result))
-    return 0
+    return 0 if mismatch is None else 1
 
 
 if __name__ == "__main__":
