@@ -8,8 +8,11 @@ without further configuration.
 
 from __future__ import annotations
 
+import http.server
+import json
 import logging
 import os
+import threading
 import uuid
 from pathlib import Path
 
@@ -278,3 +281,24 @@ def root(request, tmp_path) -> str:
     if request.param == "local":
         return str(tmp_path / "store")
     return request.getfixturevalue("s3_bucket") + "/run"
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    """A local HTTP server that records the JSON bodies POSTed to it: (url, list of bodies); the
+    webhook that failure, regression and no-night messages go to in the served tests."""
+    got: list[dict] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            got.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/hook", got
+    server.shutdown()

@@ -7,11 +7,9 @@ completed night reaching it."""
 from __future__ import annotations
 
 import contextlib
-import http.server
 import json
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from datetime import timedelta
@@ -88,26 +86,6 @@ def test_stale_window_from_the_schedule():
 
 
 # ---- against the real server ---------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def receiver():
-    """A local HTTP server that records the JSON bodies POSTed to it: (url, list of bodies)."""
-    got: list[dict] = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - http.server's name
-            got.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/hook", got
-    server.shutdown()
-
 
 @pytest.fixture
 def server_api(prefect_server):

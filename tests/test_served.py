@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import http.server
 import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -55,26 +53,6 @@ def _api(api: str, path: str, body: dict | None = None):
             if exc.code != 503 or attempt == 9:
                 raise
             time.sleep(1)
-
-
-@pytest.fixture(scope="module")
-def receiver():
-    """A local HTTP server that records the JSON bodies POSTed to it: (url, list of bodies)."""
-    got: list[dict] = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - http.server's name
-            got.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/hook", got
-    server.shutdown()
 
 
 def _kill_flow_process(serve: subprocess.Popen, run_id: str) -> None:
