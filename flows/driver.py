@@ -145,10 +145,14 @@ class DriverBase:
 def shown_args(trainer_args: dict) -> dict:
     """Each trainer's args as the summary shows them: what the run used. A family that shifts each
     modality by its own scheduler (MiniMax-H3) steps at those shifts, not at ``dmd2_shift``."""
+    from dmd2_core.errors import ModelDirError
     from dmd2_core.models import describe_model_dir
 
     shown = {role: a.model_dump(mode="json") for role, a in trainer_args.items()}
-    shifts = describe_model_dir(next(iter(trainer_args.values())).hf_checkpoint).get("modality_shifts")
+    try:
+        shifts = describe_model_dir(next(iter(trainer_args.values())).hf_checkpoint).get("modality_shifts")
+    except ModelDirError:  # a run without a model directory (bench/orchestration.py's stand-in): as set
+        shifts = None
     if shifts:
         used = ", ".join(f"{m} {s:g}" for m, s in zip(("video", "audio"), shifts))
         for args in shown.values():

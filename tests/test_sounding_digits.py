@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -122,7 +121,7 @@ def test_reference_loop_is_the_oracle_of_the_trainers_for_a_joint_model(tmp_path
     from dmd2_core.args import load_args
     from dmd2_core.toys.standins import build_h3_standin, h3_prompt_set
     from dmd2_core.train.reference import ReferenceLoop
-    from tests.conftest import in_process_trainers, iterate_in_process
+    from tests.helpers import in_process_trainers, iterate_in_process
 
     teacher, prompts = build_h3_standin(str(tmp_path / "h3")), str(tmp_path / "prompts.safetensors")
     h3_prompt_set().save(prompts)

@@ -11,7 +11,7 @@ import pytest
 
 from dmd2_core import checkpoint as ckpt
 from dmd2_core import storage
-from dmd2_core.errors import CheckpointError, StorageUnavailableError
+from dmd2_core.errors import CheckpointError, StorageUnavailableError, one_line
 from tests.checkpoint.helpers import (
     assert_same_optimizer, assert_same_state, fresh, optimizer_of, save, saved, tiny_model, train_step, weights_url,
 )
@@ -117,7 +117,7 @@ def _rank_main(rank: int, world: int, scenario: str, root: str) -> str:
             ckpt.load_trainer(root, "student", 1, model, opt, process_group=dist.group.WORLD)
         return "ok"
     except Exception as exc:  # noqa: BLE001 - reported to the test
-        return ckpt.one_line(exc)
+        return one_line(exc)
 
 
 @pytest.mark.parametrize("scenario", ["save", "load"])
