@@ -153,12 +153,18 @@ def eval_samples(family: ModelFamily, model, cond: dict, shape: tuple[int, ...],
     """Full K-step student samples for eval. The noise is drawn as a diffusers pipeline with
     FlowMatchLCMScheduler and ``torch.Generator().manual_seed(seed)`` draws it (the latents, then
     one draw per step), so an exported student reproduces these samples with diffusers alone."""
+    noise, g = eval_start_noise(family, shape, seed)
+    renoise = [] if g is None or family.deterministic_student else \
+        [torch.randn(shape, generator=g).to(device) for _ in range(num_steps)]
+    return student_sample(family, model, noise.to(device), cond, fm.student_sigmas(num_steps, shift), renoise)[1]
+
+
+def eval_start_noise(family: ModelFamily, shape: tuple[int, ...], seed: int):
+    """The noise an eval's samples start from, and the generator that drew it (None where the
+    family's pipeline draws it per sample, sample j from seed + j): the student's eval samples and
+    the teacher's reference samples of the same prompts start from the same noise."""
     noise = family.eval_noise(shape[0], seed)
-    if noise is not None:  # the family's pipeline draws it per sample (sample j: seed + j)
-        renoise = []
-        noise = noise.to(device)
-    else:
-        g = torch.Generator().manual_seed(seed)
-        noise = torch.randn(shape, generator=g).to(device)
-        renoise = [] if family.deterministic_student else [torch.randn(shape, generator=g).to(device) for _ in range(num_steps)]
-    return student_sample(family, model, noise, cond, fm.student_sigmas(num_steps, shift), renoise)[1]
+    if noise is not None:
+        return noise, None
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g), g

@@ -5,6 +5,7 @@ of the group runs each call (a sharded forward is a collective); rank 0 returns 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -35,9 +36,7 @@ class EvalSampling:
         ``sample(prompt_index, seed)``, with the real score's guidance: the reference an eval
         compares the student with. Critic group only."""
         n = len(prompt_index)
-        noise = self.family.eval_noise(n, seed)
-        if noise is None:
-            noise = torch.randn((n, *self.shape), generator=torch.Generator().manual_seed(seed))
+        noise, _ = dmd2_method.eval_start_noise(self.family, (n, *self.shape), seed)
         cond = self._cond(torch.tensor(prompt_index))
         with self._awake():
             x = dmd2_method.regression_target(self.family, self._real_score(), noise.to(self.device),
@@ -77,19 +76,15 @@ class EvalSampling:
     def _real_score(self):
         return self.teacher if self.teacher is not None else lora.RealScore(self.model)
 
+    @contextlib.contextmanager
     def _awake(self):
-        import contextlib
-
-        @contextlib.contextmanager
-        def awake():
-            was_asleep = self.asleep
-            self.wake_up()
-            try:
-                yield
-            finally:
-                if was_asleep:
-                    self.sleep()
-        return awake()
+        was_asleep = self.asleep
+        self.wake_up()
+        try:
+            yield
+        finally:
+            if was_asleep:
+                self.sleep()
 
     def _rank0(self, value):
         if self.rank != 0 or value is None:
