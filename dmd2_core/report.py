@@ -327,8 +327,7 @@ def summary_markdown(s: dict) -> str:
     else:
         out.append("- no checkpoint yet")
     if s.get("best_student"):
-        best = best_eval(evals) or {}
-        out.append(f"- **the run's student** (its best eval, iteration {best.get('iteration')}; kept by retention): "
+        out.append(f"- **the run's student** (its best eval, iteration {s.get('best_iteration')}; kept by retention): "
                    f"`{s['best_student']}`")
     if s.get("student"):
         out.append(f"- latest exported student (diffusers): `{s['student']}`")

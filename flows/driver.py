@@ -9,16 +9,14 @@ against the last, as the log line says.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Optional
 
 from dmd2_core import checkpoint as ckpt
-from dmd2_core import storage
 from dmd2_core.args import Args
 from dmd2_core.run.distill_run import DistillRun
 from dmd2_core.report import GAN_KEYS, QUALITY_KEYS, MetricsLog, best_eval, criterion
-from dmd2_core.save_layout import best_student_url
+from dmd2_core.run.save_tracker import read_best_student, write_best_student
 from dmd2_core.run.schedule import Schedule
 from flows import artifacts, runs
 from tasks.checkpoint import checkpoint
@@ -64,7 +62,7 @@ class DriverBase:
             "media": [], "metrics_url": self.log.url, "checkpoint": None, "student": None,
             "best_student": None, "drift_flags": [], "reference": {},
         }
-        self.best = self._read_best()  # the run's best eval with an export: kept by retention
+        self.best = read_best_student(args.save)  # the run's best eval with an export: kept by retention
         self.export_best: Optional[int] = None  # an eval that became the best: its save exports
         if self.last_ckpt:
             self._note_checkpoint(self.last_ckpt, {}, next(iter(ckpt.latest_exports(args.save)), None))
@@ -85,8 +83,8 @@ class DriverBase:
         self.view["media"], self.view["media_iteration"] = out["media"], i
         self.view["drift_flags"] = out.get("flags") or []
         self.view["reference"] = out.get("reference") or self.view["reference"]
-        best = best_eval(self.view["evals"])
-        if best is not None and best["iteration"] == i and i > self.start and (self.best or {}).get("iteration") != i:
+        best = best_eval(self.trained_evals())  # the start's student is the run's starting point, not its result
+        if best is not None and best["iteration"] == i and (self.best or {}).get("iteration") != i:
             self.export_best = i  # exported by a save of this iteration, now
         if quality:
             self.logger.info(f"eval at iteration {i}: " + fmt(quality)
@@ -99,13 +97,17 @@ class DriverBase:
         if export:
             self.view["student"] = self.result["student"] = export
         if export and self.export_best == i:  # the best eval's student, exported: the run's student
-            evals = self.view["evals"]
-            self.best = {"iteration": i, "criterion": criterion(evals), "value": (best_eval(evals) or {}).get(criterion(evals)),
-                         "export_url": export}
-            storage.write_text(best_student_url(self.args.save), json.dumps(self.best, indent=1))
+            key = criterion(self.trained_evals())
+            value = (best_eval(self.trained_evals()) or {}).get(key)
+            self.best = {"iteration": i, "criterion": key, "value": value, "export_url": export}
+            write_best_student(self.args.save, self.best)
             self.export_best = None
         if self.best:
             self.view["best_student"] = self.result["best_student"] = self.best["export_url"]
+            self.view["best_iteration"] = self.best["iteration"]
+
+    def trained_evals(self) -> list[dict]:
+        return [e for e in self.view["evals"] if e["iteration"] > self.start]
 
     def _saved(self, metrics: dict) -> None:
         """A checkpoint became durable and the tracker names it: note it, log it."""
@@ -118,10 +120,6 @@ class DriverBase:
         self._note_checkpoint(i, tracked["trainers"], export)
         self.logger.info(f"checkpoint at iteration {i} tracked ({metrics['checkpoint_save_s']:.2f}s to write)"
                          + (f"; student exported to {export}" if export else ""))
-
-    def _read_best(self) -> Optional[dict]:
-        url = best_student_url(self.args.save)
-        return json.loads(storage.read_text(url)) if storage.exists(url) else None
 
     def checkpoint(self, i: int, wait: bool = False) -> None:
         export = True if self.export_best == i else None  # the best eval's student is exported

@@ -30,6 +30,7 @@ from dmd2_core.args import Args
 from dmd2_core.data import BUILTIN_SETS, prompt_texts, read_safetensors, write_safetensors
 from dmd2_core.evaluation.drift import drift_stats, within_prompt_diversity
 from dmd2_core.evaluation.kernel import projected_kid
+from dmd2_core.checkpoint.integrity import listing
 from dmd2_core.errors import ArgsError
 from dmd2_core.save_layout import eval_reference_root
 
@@ -115,7 +116,7 @@ def reference_key(args: Args, order: list[int]) -> str:
     teacher_url = args.teacher_checkpoint or args.hf_checkpoint
     info = describe_model_dir(teacher_url)
     transformer = info["transformer_url"]
-    files = {name: size for name, size in _listing(transformer).items() if name.endswith((".safetensors", ".json"))}
+    files = {name: size for name, size in listing(transformer).items() if name.endswith((".safetensors", ".json"))}
     settings = {
         "format": REFERENCE_FORMAT, "teacher": teacher_url,
         "config": storage.read_text(storage.join(transformer, "config.json")), "files": files,
@@ -189,9 +190,3 @@ def out_of_band(student: dict[str, float], teacher: dict[str, float]) -> list[st
         if abs(value - ref) > (width * abs(ref) if kind == "rel" else width):
             flagged.append(key)
     return flagged
-
-
-def _listing(url: str) -> dict[str, int]:
-    from dmd2_core.checkpoint.integrity import listing
-
-    return listing(url)

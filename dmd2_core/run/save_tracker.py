@@ -5,6 +5,7 @@ finds it written. Then retention prunes older checkpoints and exports."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Optional
 
@@ -65,12 +66,18 @@ class SaveTracker:
                 "checkpoints_pruned": len(pruned)}
 
 
-def best_student_exports(save_url: str) -> list[str]:
-    """The export of the run's best eval (``best_student.json``, written by the driver), which
-    retention never deletes."""
-    import json
-
+def read_best_student(save_url: str) -> Optional[dict]:
+    """The run's best eval with its export (``best_student.json``: iteration, criterion, value,
+    export_url), or None before it has one."""
     url = best_student_url(save_url)
-    if not storage.exists(url):
-        return []
-    return [u for u in [json.loads(storage.read_text(url)).get("export_url")] if u]
+    return json.loads(storage.read_text(url)) if storage.exists(url) else None
+
+
+def write_best_student(save_url: str, record: dict) -> None:
+    storage.write_text(best_student_url(save_url), json.dumps(record, indent=1))
+
+
+def best_student_exports(save_url: str) -> list[str]:
+    """The export of the run's best eval, which retention never deletes."""
+    best = read_best_student(save_url) or {}
+    return [best["export_url"]] if best.get("export_url") else []
