@@ -217,6 +217,9 @@ class Args(BaseModel):
         None, "eval", "Where the teacher's reference samples and features are cached (one entry per teacher and "
         "eval settings); default {save}/eval_reference. Share one URL across nights to sample the teacher once.")
     eval_reference_steps: int = _f(50, "eval", "The teacher's sampling steps for its reference samples.", ge=1)
+    eval_real_samples: int = _f(
+        256, "eval", "Rows of real_data the teacher evaluator also measures the student against (real_kid; "
+        "their teacher features are cached with the reference); 0: none.", ge=0)
     alert_regression_margin: float = _f(
         0.25, "eval", "A night whose best teacher-feature distance exceeds the previous nights' median by this "
         "fraction (or whose drift leaves its band) is reported as a regression.", ge=0)

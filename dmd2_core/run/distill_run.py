@@ -264,6 +264,10 @@ class DistillRun:
     def teacher_features(self, latents, prompt_index: list[int], u: float, seed: int) -> dict:
         return self._call_or_break(lambda: self._scorer().call("teacher_features", latents, prompt_index, u, seed)[0])
 
+    def real_features(self, rows: list[int], u: float, seed: int, index_offset: int) -> dict:
+        """The teacher's features of real rows (``real_data``) under their own conditions."""
+        return self._call_or_break(lambda: self._scorer().call("real_features", rows, u, seed, index_offset)[0])
+
     def _scorer(self):
         """The group that holds the frozen teacher: the critic's."""
         if "critic" not in self.groups:
