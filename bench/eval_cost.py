@@ -3,7 +3,7 @@ and eval settings) and each eval, counted in transformer forwards on the MiniMax
 priced at real size in FLOPs and H100-GPU-seconds. Prints one JSON line:
 
   {"standin": {"reference" | "eval" | "media" | "iteration": {"wall_s", "forwards": {model: {...}}, ...}, ...},
-   "real_size": {"flops_pflop": {"forward", "feature_forward", "decode", ...}, "mfu", "drift_on_driver",
+   "real_size": {"flops_pflop": {"forward", "feature_forward", "decode", ...}, "mfu", "drift_on_actor_rank0",
                  "groups": {group: {"reference" | "eval" | "media" | "iteration": {"pflop", "wall_s", "gpu_s"},
                                     "nights": {eval_interval: {"evals", "eval_gpu_h", ...}}}}}}
 
@@ -30,7 +30,7 @@ the reference, an eval and an iteration; seconds at ``mfu`` of the H100's dense 
 group of devices (``GROUPS``): an eval's forwards run on every rank of the group (a sharded
 forward is a collective, and the eval's samples are not split over data-parallel ranks), so its
 GPU-seconds are the group's devices times the wall time; an iteration's rows are split. Apart:
-the driver's CPU seconds for the drift statistics of one real-size decoded clip (this process's
+the CPU seconds (the actor's rank 0, while its group waits) for the drift statistics of one real-size decoded clip (this process's
 CPU time on one thread, at half the height and width, times 4) and the bytes of a decoded clip
 (float32).
 
@@ -119,6 +119,14 @@ class InProcessRun:
     def decode(self, latents):
         start = time.perf_counter()
         out = self.actor.decode(latents)
+        row = self.decoded[self.counter.phase]
+        row["clips"] += latents.shape[0]
+        row["seconds"] += time.perf_counter() - start
+        return out
+
+    def drift_stats(self, latents):
+        start = time.perf_counter()
+        out = self.actor.drift_stats(latents)
         row = self.decoded[self.counter.phase]
         row["clips"] += latents.shape[0]
         row["seconds"] += time.perf_counter() - start
@@ -230,19 +238,19 @@ def standin(tmp: str) -> tuple[dict, object]:
 
 def drift_seconds(args, frames: int, height: int, width: int, audio_samples: int, scale: int = 2) -> dict:
     """CPU seconds (this process's, one thread: the 2-core machine is shared) of the evaluator's
-    drift statistics (``evaluators.media_drift``) per decoded clip at real size: one clip at
+    drift statistics (``drift.media_stats``, on the actor's rank 0) per decoded clip at real size: one clip at
     1/scale of the height and width (its pictures' statistics are per pixel), times scale squared,
     and the stereo sound as it is."""
-    from dmd2_core.evaluation import evaluators
+    from dmd2_core.evaluation import drift
 
     g = torch.Generator().manual_seed(0)
     video = torch.rand(1, 3, frames, height // scale, width // scale, generator=g) * 2 - 1
     audio = (torch.rand(1, 2, audio_samples, generator=g) * 2 - 1) * 0.3
     start = time.process_time()
-    evaluators.media_drift({"video": video, "audio": audio, "sample_rate": 32000}, args)
+    drift.media_stats({"video": video, "audio": audio, "sample_rate": 32000, "fps": 24})
     small = time.process_time() - start
     start = time.process_time()
-    evaluators.media_drift({"video": video[:, :, :2, :2, :2], "audio": audio, "sample_rate": 32000}, args)
+    drift.media_stats({"video": video[:, :, :2, :2, :2], "audio": audio, "sample_rate": 32000, "fps": 24})
     sound = time.process_time() - start
     return {"per_clip_s": round((small - sound) * scale ** 2 + sound, 2), "measured_at": [frames, height // scale,
             width // scale], "measured_s": round(small, 2)}
@@ -325,7 +333,7 @@ def phase_flops(counts: dict, flops: dict, sharded: bool) -> dict:
 
 def priced(stand: dict, flops: dict, mfu: float, iterations: int, drift_per_clip_s: float) -> dict:
     """Each phase on each group at ``mfu`` (``gpu_s``: the group's devices times the wall time);
-    apart (``drift_s``), the drift statistics the driver computes on its CPU meanwhile, at
+    apart (``drift_s``), the drift statistics the actor's rank 0 computes on its CPU meanwhile, at
     ``drift_per_clip_s`` per decoded clip of the reference and the eval."""
     rate = H100_BF16_TFLOPS * 1e12 * mfu
     out = {}
@@ -357,7 +365,7 @@ def priced(stand: dict, flops: dict, mfu: float, iterations: int, drift_per_clip
             nights[str(interval)] = {
                 "evals": evals, "eval_gpu_h": round(evals_h, 1), "eval_wall_h": round(evals * eval_wall / 3600, 1),
                 "train_gpu_h": round(train_h, 1), "reference_gpu_h": round(ref_h, 1),
-                # the groups wait while the driver computes the drift statistics (1 thread, as measured)
+                # the groups wait while the actor's rank 0 computes the drift statistics (1 thread, as measured)
                 "drift_wait_gpu_h": round(evals * cost["eval"]["drift_s"] * devices / 3600, 1),
                 "reference_share_of_eval_first_night": round(ref_h / (ref_h + evals_h), 3),
                 "reference_share_of_eval_later_nights": 0.0,  # a hit under eval_reference_url: read, not made
@@ -383,13 +391,13 @@ def main() -> None:
     clip = flops["clip"]
     audio_samples = flops["audio_latents"][2] * 800  # the audio VAE's hop: 40 latents a second at 32 kHz
     drift = drift_seconds(args, *clip, audio_samples)
-    decoded_bytes = 4 * (3 * clip[0] * clip[1] * clip[2] + 2 * audio_samples)  # float32 on the driver
+    decoded_bytes = 4 * (3 * clip[0] * clip[1] * clip[2] + 2 * audio_samples)  # float32, a media eval's clips at a time
     result = {"standin": stand, "standin_total_s": round(standin_s, 1),
               "real_size": {"flops_pflop": {k: round(v / 1e15, 3) if isinstance(v, int) and v > 1e9 else v
                                             for k, v in flops.items()},
                             "mfu": ns.mfu, "peak_tflops": H100_BF16_TFLOPS, "text_tokens": ns.text_tokens,
                             "s_per_forward_at_mfu": round(flops["forward"] / (H100_BF16_TFLOPS * 1e12 * ns.mfu), 2),
-                            "drift_on_driver": drift,
+                            "drift_on_actor_rank0": drift,
                             "decoded_gb_per_clip": round(decoded_bytes / 1e9, 2),
                             "decoded_gb_per_eval": round(stand["eval"]["decoded_clips"] * decoded_bytes / 1e9, 1),
                             "groups": priced(stand, flops, ns.mfu, ns.iterations, drift["per_clip_s"])},

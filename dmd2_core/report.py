@@ -354,7 +354,7 @@ def summary_markdown(s: dict) -> str:
 
 def drift_table(reference: dict, latest: dict, flags: list[str]) -> list[str]:
     """The latest eval's drift statistics beside the yardstick's (the real set's samples, or the
-    teacher's reference samples: ``evaluators.drift_reference``), and whether each is in its band
+    teacher's reference samples: ``drift.pooled``), and whether each is in its band
     (``evaluators.drift_flags``)."""
     source = "real set" if reference.get("source") == "real" else "teacher"
     out = [f"## Drift against the {source} (latest eval)", "",

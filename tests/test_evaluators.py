@@ -23,8 +23,8 @@ class InProcessRun:
     def eval_latents(self, prompt_index, seed):
         return self.trainers["actor"].sample(prompt_index, seed, decode=False)
 
-    def decode(self, latents):
-        return self.trainers["actor"].decode(latents)
+    def drift_stats(self, latents):
+        return self.trainers["actor"].drift_stats(latents)
 
     def teacher_reference(self, prompt_index, seed, num_steps):
         self.references += 1

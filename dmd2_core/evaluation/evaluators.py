@@ -36,7 +36,7 @@ from dmd2_core import storage
 from dmd2_core.args import Args
 from dmd2_core.data import (BUILTIN_SETS, REAL_LATENTS, load_real_set, prompt_texts, read_safetensors, real_set_shapes,
                             write_safetensors)
-from dmd2_core.evaluation.drift import drift_stats, within_prompt_diversity
+from dmd2_core.evaluation.drift import pooled, within_prompt_diversity
 from dmd2_core.evaluation.kernel import projected_kid
 from dmd2_core.checkpoint.integrity import listing
 from dmd2_core.errors import ArgsError
@@ -96,7 +96,7 @@ def eval_order(args: Args, num_prompts: int) -> list[int]:
 
 def evaluate(run, args: Args) -> dict[str, Any]:
     """The run's quality figures at this eval: {metrics: {key: float}, reference: the drift
-    yardstick ({"value", "se"}: ``drift_reference``; "source": 'real' or 'teacher'), which
+    yardstick ({"value", "se"}: ``drift.pooled``; "source": 'real' or 'teacher'), which
     ``drift_flags`` judges the eval's drift with}."""
     name = evaluator_of(args)
     if name == TEACHER and not run.has_critic:  # no group holds the frozen teacher: no quality figures
@@ -117,7 +117,7 @@ def evaluate(run, args: Args) -> dict[str, Any]:
                         for m, f in sorted(features.items())})
         metrics["real_kid"] = sum(metrics[f"real_kid_{m}"] for m in features) / len(features)
     metrics.update({f"diversity_{m}": v for m, v in within_prompt_diversity(features, order).items()})
-    metrics.update({f"drift_{k}": v for k, v in media_drift(run.decode(latents), args).items()})
+    metrics.update({f"drift_{k}": v for k, v in pooled(run.drift_stats(latents))["value"].items()})
     yardstick = real["drift"] if real else reference["drift"]
     return {"metrics": metrics, "reference": {**yardstick, "source": "real" if real else "teacher"}}
 
@@ -186,7 +186,7 @@ def teacher_reference(run, args: Args, order: list[int]) -> dict[str, Any]:
         return {"features": tensors, "drift": meta["drift"], "url": url, "hit": True}
     latents = run.teacher_reference(order, args.eval_seed, args.eval_reference_steps)
     features = run.teacher_features(latents, order, FEATURE_U, FEATURE_SEED)
-    drift = drift_reference(run.decode(latents), args)
+    drift = pooled(run.drift_stats(latents))
     write_safetensors(storage.join(url, "features.safetensors"), {m: f.contiguous() for m, f in features.items()})
     storage.write_text(marker, json.dumps({"format": REFERENCE_FORMAT, "teacher": args.teacher_checkpoint or args.hf_checkpoint,
                                            "samples": len(order), "steps": args.eval_reference_steps,
@@ -208,7 +208,7 @@ def real_reference(run, args: Args) -> dict[str, Any]:
         return {"features": features, "drift": json.loads(storage.read_text(marker))["drift"]}
     features = run.real_features(rows, FEATURE_U, FEATURE_SEED, REAL_NOISE_OFFSET)
     latents, _ = load_real_set(args.real_data).batch(torch.tensor(rows[:args.eval_num_samples]))
-    drift = drift_reference(run.decode(latents), args)
+    drift = pooled(run.drift_stats(latents))
     write_safetensors(storage.join(url, "features.safetensors"), {m: f.contiguous() for m, f in features.items()})
     storage.write_text(marker, json.dumps({"format": REFERENCE_FORMAT, "real_data": args.real_data,
                                            "rows": len(rows), "drift": drift}, indent=1))
@@ -217,55 +217,9 @@ def real_reference(run, args: Args) -> dict[str, Any]:
 
 # ---- drift ----------------------------------------------------------------------------------------
 
-def media_drift(decoded, args: Args) -> dict[str, float]:
-    """Drift statistics of decoded samples, keyed ``<statistic>_<modality>`` (and ``av_align``):
-    pictures [N, C, H, W] ('image'), videos [N, C, F, H, W] ('video'), a joint model's
-    {'video', 'audio', 'sample_rate'}; latents without a decoder (a flat sample) have none."""
-    from dmd2_core.models.minimax_h3 import FPS
-
-    if isinstance(decoded, dict):
-        raw = drift_stats(decoded["video"], decoded["audio"], int(decoded["sample_rate"]), FPS)
-    elif torch.is_tensor(decoded) and decoded.dim() in (4, 5) and decoded.shape[1] in (1, 3):
-        raw = drift_stats(decoded)
-    else:
-        return {}
-    visual = "video" if isinstance(decoded, dict) or decoded.dim() == 5 else "image"
-    out = {}
-    for key, value in raw.items():
-        if key == "av_align":
-            out[key] = value
-        elif key.startswith("audio_"):
-            out[f"{key.removeprefix('audio_')}_audio"] = value
-        else:
-            out[f"{key}_{visual}"] = value
-    return out
-
-
-def drift_reference(decoded, args: Args) -> dict[str, dict[str, float]]:
-    """A reference's drift statistics: {"value": mean over its samples, "se": its standard error
-    at that sample count} per ``media_drift`` key, from each sample's own figures (every
-    statistic is a mean over samples, so the mean of the per-sample figures is the figure)."""
-    n = decoded["video"].shape[0] if isinstance(decoded, dict) else decoded.shape[0]
-    per_sample = [media_drift(_one(decoded, i), args) for i in range(n)]
-    value, se = {}, {}
-    for key in per_sample[0] if per_sample else []:
-        xs = torch.tensor([p.get(key, math.nan) for p in per_sample], dtype=torch.float64)
-        xs = xs[torch.isfinite(xs)]
-        value[key] = float(xs.mean()) if len(xs) else math.nan
-        se[key] = float(xs.std() / math.sqrt(len(xs))) if len(xs) >= 2 else math.nan
-    return {"value": value, "se": se}
-
-
-def _one(decoded, i: int):
-    if isinstance(decoded, dict):
-        return {"video": decoded["video"][i:i + 1], "audio": decoded["audio"][i:i + 1],
-                "sample_rate": decoded["sample_rate"]}
-    return decoded[i:i + 1]
-
-
 def drift_flags(latest: dict[str, float], start: dict[str, float], reference: dict[str, Any]) -> list[str]:
     """The metrics keys of ``latest`` (an eval's metrics) whose drift left its band, judged against
-    the run's first eval ``start`` and ``reference`` ({"value", "se"}: ``drift_reference`` of the
+    the run's first eval ``start`` and ``reference`` ({"value", "se"}: ``drift.pooled`` of the
     real set's samples when the run has one, else of the teacher's reference samples; what the
     run distils towards):
 

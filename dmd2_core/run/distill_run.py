@@ -257,6 +257,10 @@ class DistillRun:
     def decode(self, latents):
         return self._call_or_break(lambda: self.groups["actor"].call("decode", latents)[0])
 
+    def drift_stats(self, latents) -> list[dict]:
+        """Each sample's drift statistics, decoded and measured by the actor's rank 0."""
+        return self._call_or_break(lambda: self.groups["actor"].call("drift_stats", latents)[0])
+
     def teacher_reference(self, prompt_index: list[int], seed: int, num_steps: int):
         """The frozen teacher's own samples (latents) from the noise of ``sample(prompt_index, seed)``."""
         return self._call_or_break(lambda: self._scorer().call("teacher_reference", prompt_index, seed, num_steps)[0])

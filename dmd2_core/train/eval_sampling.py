@@ -75,6 +75,23 @@ class EvalSampling:
             self._reshard()
         return self._rank0(out)
 
+    @torch.no_grad()
+    def drift_stats(self, x0: torch.Tensor) -> Optional[list[dict]]:
+        """Each sample's drift statistics (``drift.per_sample_stats``) of latents ``x0``, decoded on
+        rank 0 a media eval's clips at a time (the memory plan's decoder term), so the decoded
+        media never all exist at once nor cross to the driver; other ranks None."""
+        from dmd2_core.evaluation.drift import per_sample_stats
+        from dmd2_core.memory.terms import eval_clips
+
+        chunk = eval_clips(self.args)
+        out = []
+        with self._awake():
+            for start in range(0, x0.shape[0], chunk):
+                decoded = self._decode(x0[start:start + chunk])
+                if decoded is not None:
+                    out += per_sample_stats(decoded)
+        return out if self.rank == 0 else None
+
     def decode(self, x0: torch.Tensor):
         """Latents -> media on rank 0 (the family's decoder; latents as they are without one)."""
         with self._awake():
