@@ -10,11 +10,11 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from dmd2_core import parallel, storage
 from dmd2_core.checkpoint.collective import all_or_none, collective_retrying
 from dmd2_core.checkpoint.integrity import check_files, read_current_marker
+from dmd2_core.checkpoint.metadata import SafeReader
 from dmd2_core.errors import CheckpointError, StorageUnavailableError, StoredFilesError, one_line
 from dmd2_core.save_layout import DCP_DIR, STATE_NAME, trainer_dir
 from dmd2_core.checkpoint.state import apply_param_groups, sharded_state, torch_load
@@ -52,7 +52,7 @@ def read_weights(load_url: str, role: str, iteration: int, section: str = "model
     tests, not for resuming."""
     d = trainer_dir(load_url, role, iteration)
     read_current_marker(d)
-    reader = FsspecReader(storage.join(d, DCP_DIR))
+    reader = SafeReader(storage.join(d, DCP_DIR))
     saved = reader.read_metadata().state_dict_metadata
     prefix = f"{section}."
     target = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in saved.items()
@@ -101,10 +101,10 @@ def _load_sharded(d: str, model, optimizer, ema, meta: dict, process_group) -> N
             except ValueError as exc:
                 raise CheckpointError(f"{state_url}: optimizer state does not fit ({one_line(exc)})") from None
         target = sharded_state(model, optimizer, ema, init_optimizer=True)
-        reader = FsspecReader(dcp_url)
+        reader = SafeReader(dcp_url)
         try:
             saved = storage.retrying(reader.read_metadata, f"read {dcp_url}/.metadata").state_dict_metadata
-        except StorageUnavailableError:
+        except (StorageUnavailableError, CheckpointError):
             raise
         except Exception as exc:  # noqa: BLE001
             raise CheckpointError(f"{dcp_url}/.metadata: corrupt ({one_line(exc)})") from None
