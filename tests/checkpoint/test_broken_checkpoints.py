@@ -47,6 +47,28 @@ def test_a_teacher_cut_off_half_way_is_named_before_any_actor(tiny_teacher, tmp_
     assert not save.exists()
 
 
+def test_a_teacher_whose_header_outgrows_its_bytes_is_named_before_any_actor(tiny_teacher, tmp_path, capsys, monkeypatch):
+    """A header whose shape x dtype is larger than the tensor's byte span would have the ranks
+    read the next tensor's bytes as this one's: refused, naming the file and the tensor."""
+    import json
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny_teacher, teacher)
+    (weights,) = teacher.rglob("*.safetensors")
+    data = weights.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    key = next(k for k, v in header.items() if k != "__metadata__" and v["shape"])
+    header[key]["shape"][0] *= 2  # offsets and file size unchanged
+    encoded = json.dumps(header).encode()
+    weights.write_bytes(len(encoded).to_bytes(8, "little") + encoded + data[8 + n:])
+    save = tmp_path / "run"
+    err = _cli(capsys, monkeypatch, "--hf-checkpoint", str(teacher), "--save", str(save))
+    assert f"{weights}: not a whole safetensors file (tensor '{key}' " in err and "its data_offsets span" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not save.exists()
+
+
 @pytest.mark.parametrize("which", ["prompts", "real_data"])
 def test_a_truncated_prompt_set_or_real_set_is_named_before_any_actor(tiny_teacher, tmp_path, capsys, monkeypatch, which):
     path = tmp_path / f"{which}.safetensors"
