@@ -15,7 +15,7 @@ from dmd2_core import parallel, storage
 from dmd2_core.checkpoint.collective import all_or_none, collective_retrying
 from dmd2_core.checkpoint.integrity import check_files, read_current_marker
 from dmd2_core.checkpoint.metadata import SafeReader
-from dmd2_core.errors import CheckpointError, StorageUnavailableError, StoredFilesError, one_line
+from dmd2_core.errors import CheckpointError, StorageUnavailableError, StoredFilesError, TransientError, one_line
 from dmd2_core.save_layout import DCP_DIR, STATE_NAME, trainer_dir
 from dmd2_core.checkpoint.state import apply_param_groups, sharded_state, torch_load
 
@@ -114,9 +114,9 @@ def _load_sharded(d: str, model, optimizer, ema, meta: dict, process_group) -> N
     try:
         collective_retrying(lambda: dcp.load(target, storage_reader=reader, process_group=process_group,
                                              no_dist=process_group is None), f"load {dcp_url}", process_group)
-    except (StorageUnavailableError, StoredFilesError):
+    except (StorageUnavailableError, StoredFilesError, TransientError):
         raise
-    except Exception as exc:  # noqa: BLE001 - DCP wraps every rank's failure in one exception
+    except Exception as exc:  # noqa: BLE001 - what DCP found wrong (collective_retrying unwrapped it)
         raise CheckpointError(f"{dcp_url}: does not fit the trainer ({_dcp_reason(exc)})") from None
     loaded = sharded_state(model, optimizer, ema)
     for key, value in target.items():  # DCP loads in place; a tensor it replaced is copied back
