@@ -36,14 +36,22 @@ def load_trainer(
     when the directory is missing, incomplete, in another format, corrupt or does not fit;
     nothing under the checkpoint is modified."""
     d = trainer_dir(load_url, role, iteration)
-    marker = read_current_marker(d)
-    if ema is not None and not marker.get("has_ema"):
-        raise CheckpointError(f"{d}: checkpoint has no ema weights but the trainer keeps an EMA")
+    rank = dist.get_rank(process_group) if process_group is not None else 0
+    # rank 0 reads the marker for the group: inside the wrapper, so its failure reaches every rank
+    marker = all_or_none(lambda: _read_marker_for(d, ema) if rank == 0 else None, f"load {d}", process_group,
+                         gather=True)[0]
     all_or_none(lambda: check_files(d, marker, hashes=False), f"load {d}", process_group)
     _check_hashes_shared(d, marker, process_group)
     meta = all_or_none(lambda: _read_state(d, marker), f"load {d}", process_group)
     _load_sharded(d, model, optimizer, ema, meta, process_group)
     return dict(meta.get("extra") or {})
+
+
+def _read_marker_for(d: str, ema) -> dict:
+    marker = read_current_marker(d)
+    if ema is not None and not marker.get("has_ema"):
+        raise CheckpointError(f"{d}: checkpoint has no ema weights but the trainer keeps an EMA")
+    return marker
 
 
 def read_weights(load_url: str, role: str, iteration: int, section: str = "model") -> dict[str, torch.Tensor]:
