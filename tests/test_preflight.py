@@ -64,13 +64,14 @@ def test_bad_input_fails_in_preflight_in_one_line(case, tiny_teacher, tmp_path, 
     if "bucket" in case:
         request.getfixturevalue("s3_server")
     (tmp_path / "afile").write_text("not a directory")
-    started = []
-    monkeypatch.setattr("dmd2_core.run.groups.init_ray", lambda *a, **k: started.append(1))
+    started = []  # the run is entered (DistillRun.start): the refusal comes before it starts Ray
+    monkeypatch.setattr("dmd2_core.run.groups.init_ray", lambda *a, **k: started.append(1) or _stop())
     values = {"save": str(tmp_path / "run"), **make(tiny_teacher, tmp_path)}
     args = tiny_args(tiny_teacher, values.pop("save"), **values)
     t = time.monotonic()
     with pytest.raises(Exception) as info:
-        DistillRun(args)
+        with DistillRun(args):
+            pass
     assert type(info.value).__name__ == exc_name and isinstance(info.value, ValueError)  # exit code 2
     assert re.search(pattern, str(info.value)), str(info.value)
     assert "\n" not in str(info.value)
@@ -133,3 +134,7 @@ def test_the_flow_cli_checks_its_input_once(tiny_teacher, tmp_path, monkeypatch)
     assert probes == [save] and owners == ["flow-run-1"]
     DistillRun(tiny_args(tiny_teacher, save))  # a later run in this process checks again
     assert probes == [save, save]
+
+
+def _stop():
+    raise RuntimeError("DistillRun.start reached init_ray: Ray and the actors would start now")
