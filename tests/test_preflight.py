@@ -88,6 +88,32 @@ def test_the_flow_cli_reports_bad_input_in_one_line_with_exit_2(tiny_teacher, tm
     assert code == 2 and err.startswith("error: save: cannot write to") and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("key", ["save", "load"])
+def test_an_unreachable_storage_endpoint_fails_preflight_at_once(key, tiny_teacher, tmp_path, capsys, monkeypatch):
+    """An S3 endpoint that never answered (a wrong AWS_ENDPOINT_URL) is named in one line within
+    seconds, exit 2; the storage retry budget is for outages of a store that answered before."""
+    import time
+
+    from dmd2_core import storage
+    from dmd2_core.run import preflight_checks
+    from tests.helpers import flow_cli_refusal, free_port
+
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    for name, value in (("AWS_ENDPOINT_URL", endpoint), ("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "x"),
+                        ("AWS_DEFAULT_REGION", "us-east-1")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.setattr(preflight_checks, "REACH_S", 2.0)
+    monkeypatch.setattr(storage, "RETRY_S", 20.0)  # what a run rides out once the store answered
+    url = "s3://dmd2-unreachable/run"
+    flags = ["--save", url] if key == "save" else ["--save", str(tmp_path / "run"), "--load", url]
+    start = time.monotonic()
+    err = flow_cli_refusal(capsys, monkeypatch, "--recipe", "tiny", "--hf-checkpoint", tiny_teacher, *flags)
+    assert time.monotonic() - start < 12
+    assert err.startswith(f"error: {key}: {url}: the storage endpoint did not answer for 2 s ("), err
+    assert not (tmp_path / "run").exists()
+
+
 def test_duplicate_recipe_keys_are_rejected(tmp_path):
     from dmd2_core.args import load_args
     from dmd2_core.errors import ArgsError
