@@ -5,29 +5,22 @@ and refuses anything else in one line naming the file."""
 
 from __future__ import annotations
 
-import collections
 import enum
-import pathlib
+import importlib
 import pickle
 
 import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from dmd2_core.errors import CheckpointError
 
-# (module, name) -> what DCP's metadata pickle may name, beyond the classes of
-# torch.distributed.checkpoint.metadata and the torch dtypes (checked by kind below)
+# what DCP's metadata pickle may name beyond the classes of torch.distributed.checkpoint.metadata
+# and the torch dtypes (checked by kind below): (module, name), looked up when a pickle names it
 _ALSO_ADMITTED = {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
-    ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-    ("pathlib", "PosixPath"): pathlib.PosixPath,
-    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
-    ("pathlib", "WindowsPath"): pathlib.WindowsPath,
-    ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
-    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict"),
 }
 
 
@@ -37,9 +30,8 @@ class _DcpUnpickler(pickle.Unpickler):
         self.url = url
 
     def find_class(self, module: str, name: str):
-        found = _ALSO_ADMITTED.get((module, name))
-        if found is not None:
-            return found
+        if (module, name) in _ALSO_ADMITTED:
+            return getattr(importlib.import_module(module), name)
         if module == dcp_metadata.__name__ and not name.startswith("__"):
             value = getattr(dcp_metadata, name, None)
             if isinstance(value, type) and value.__module__ == dcp_metadata.__name__ and (
