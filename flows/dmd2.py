@@ -48,7 +48,9 @@ import torch  # noqa: E402
 from prefect import flow, get_run_logger, tags  # noqa: E402
 
 from dmd2_core.args import Args, load_args  # noqa: E402
-from dmd2_core.errors import ArgsError, LeaseLostError, NonFiniteError, StorageUnavailableError, StoredFilesError  # noqa: E402
+from dmd2_core.errors import (  # noqa: E402
+    ArgsError, LeaseLostError, NonFiniteError, StorageUnavailableError, StoredFilesError, TransientError,
+)
 from dmd2_core.run.distill_run import DistillRun  # noqa: E402
 from dmd2_core.run.preflight import hand_over  # noqa: E402
 from dmd2_core.report import QUALITY_KEYS  # noqa: E402
@@ -331,7 +333,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"error: interrupted by {signal.Signals(signum).name}; rerun the same command to resume "
                   "from the latest checkpoint", file=sys.stderr)
             return 128 + int(signum)
-        if isinstance(exc, (NonFiniteError, LeaseLostError, StorageUnavailableError)):
+        if isinstance(exc, (NonFiniteError, LeaseLostError, StorageUnavailableError, TransientError)):
             print(line(exc), file=sys.stderr)
             return 1
         raise
