@@ -135,8 +135,8 @@ def test_every_subcommand_takes_the_same_override_syntax_and_fails_in_one_line(t
     cases = [
         (("check", "--recipe", "tiny", "--set", "micro_batch_size=128"),
          "error: invalid value for 'micro_batch_size' in recipe tiny with overrides: 128 is above global_batch_size 64"),
-        (("plan", "--recipe", "tiny", "--run-name", "nights/a"), "error: invalid value for 'run_name' in recipe tiny "
-         "with overrides: 'nights/a' must be one path segment"),
+        (("plan", "--recipe", "tiny", "--run-name", "nights/a"),
+         "error: invalid value for 'run_name' in recipe tiny with overrides: 'nights/a' must be one path segment"),
         (("check", "--recipe", "tiny", "--sett", "lr=1"), "error: unknown flag '--sett'; did you mean '--set'?"),
         (("prepare-prompts", "--json"), "error: unknown flag '--json'"),  # plan's flag, not this one's
         (("prepare-latents", "--set", "num_frame=16"), "error: unknown key 'num_frame' in --set; did you mean 'num_frames'?"),

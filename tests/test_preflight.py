@@ -69,9 +69,8 @@ def test_bad_input_fails_in_preflight_in_one_line(case, tiny_teacher, tmp_path, 
     values = {"save": str(tmp_path / "run"), **make(tiny_teacher, tmp_path)}
     args = tiny_args(tiny_teacher, values.pop("save"), **values)
     t = time.monotonic()
-    with pytest.raises(Exception) as info:
-        with DistillRun(args):
-            pass
+    with pytest.raises(Exception) as info, DistillRun(args):
+        pass
     assert type(info.value).__name__ == exc_name and isinstance(info.value, ValueError)  # exit code 2
     assert re.search(pattern, str(info.value)), str(info.value)
     assert "\n" not in str(info.value)

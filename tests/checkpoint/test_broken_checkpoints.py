@@ -176,14 +176,14 @@ def test_a_truncated_shard_and_a_load_url_without_a_checkpoint_fail_before_any_a
     before = _files(save)
     started = []  # the run is entered (DistillRun.start): the refusal comes before it starts Ray
     monkeypatch.setattr("dmd2_core.run.groups.init_ray", lambda *a, **k: started.append(1) or _stop())
-    with pytest.raises(CheckpointError, match=re.escape(f"{shard}: corrupt (100 bytes")):
-        with DistillRun(tiny_args(tiny_teacher, str(save), run_name="broken-truncated")):
-            pass
+    with pytest.raises(CheckpointError, match=re.escape(f"{shard}: corrupt (100 bytes")), \
+            DistillRun(tiny_args(tiny_teacher, str(save), run_name="broken-truncated")):
+        pass
     fresh = tiny_args(tiny_teacher, str(tmp_path / "fresh"), load=str(tmp_path / "rnu"))
     with pytest.raises(CheckpointError, match=re.escape(f"load: no checkpoint at {tmp_path / 'rnu'} "
-                                                              f"(no latest_checkpointed_iteration.txt); did you mean")):
-        with DistillRun(fresh):
-            pass
+                                                              f"(no latest_checkpointed_iteration.txt); did you mean")), \
+            DistillRun(fresh):
+        pass
     assert not started and _files(save) == before
 
 
