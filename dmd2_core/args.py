@@ -252,6 +252,12 @@ class Args(BaseModel):
                              f"{self.num_steps_per_rollout}); the critic's steps per rollout are dmd2_update_ratio")
         if self.export_merged and not self.lora_rank:
             raise ValueError("export_merged: only a LoRA student (lora_rank > 0) has adapters to merge")
+        if self.micro_batch_size > self.global_batch_size:
+            raise ValueError(f"micro_batch_size: {self.micro_batch_size} is above global_batch_size "
+                             f"{self.global_batch_size}; set it to at most {self.global_batch_size}")
+        if self.run_name in ("", ".", "..") or any(c in self.run_name for c in "/\\\0"):
+            raise ValueError(f"run_name: {self.run_name!r} must be one path segment (no '/', not '.' or '..'): "
+                             "it names the run's actors and files")
         if self.gan_weight and not self.gan_critic_weight:
             raise ValueError("gan_critic_weight: must be > 0 when gan_weight is (the discriminator would never train)")
         return self

@@ -161,6 +161,12 @@ def read_bytes(url: str) -> bytes:
 
 
 MAX_SAFETENSORS_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
+# bits per element of every dtype a safetensors header may name
+SAFETENSORS_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16,
+    "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}
 
 
 def read_safetensors_header(url: str) -> tuple[dict, int]:
@@ -208,7 +214,25 @@ def safetensors_layout(url: str) -> tuple[dict, int, int]:
         if offsets[1] > data_size:
             raise SafetensorsHeaderError(f"truncated: tensor '{key}' ends at byte {offsets[1]} of the data, the file "
                                          f"holds {data_size} (cut off while it was written or downloaded)")
+        _check_span(key, info, offsets)
     return entries, data_size, 8 + len(header)
+
+
+def _check_span(key: str, info: dict, offsets: list[int]) -> None:
+    """A tensor's shape x dtype is exactly its byte span: a larger one would read the next
+    tensor's bytes, a smaller one leaves bytes nobody reads."""
+    shape, dtype = info.get("shape"), info.get("dtype")
+    if not (isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)):
+        raise SafetensorsHeaderError(f"tensor '{key}' has no valid shape ({shape!r})")
+    if dtype not in SAFETENSORS_DTYPE_BITS:
+        raise SafetensorsHeaderError(f"tensor '{key}' has an unknown dtype {dtype!r}")
+    bits = SAFETENSORS_DTYPE_BITS[dtype]
+    for n in shape:
+        bits *= n
+    span = offsets[1] - offsets[0]
+    if bits != span * 8:
+        raise SafetensorsHeaderError(f"tensor '{key}' ({dtype} {shape}) needs {bits / 8:g} bytes, its data_offsets "
+                                     f"span {span}")
 
 
 def read_ranges(ranges: list[tuple[str, int, int]]) -> list[bytes | bytearray]:

@@ -339,12 +339,14 @@ class Trainer(EvalSampling):
         if self.disc is not None and "disc" in extra:  # a checkpoint from before the head keeps the fresh head
             self.disc.load_state_dict(extra["disc"])
             self.disc_optimizer.load_state_dict(extra["disc_optimizer"])
+            self.learner.disc_nonfinite.load(extra)
         return self.update.steps
 
     def _disc_state(self) -> dict:
         if self.disc is None:
             return {}
-        return {"disc": self.disc.state_dict(), "disc_optimizer": self.disc_optimizer.state_dict()}
+        return {"disc": self.disc.state_dict(), "disc_optimizer": self.disc_optimizer.state_dict(),
+                **self.learner.disc_nonfinite.state()}
 
 
 def _wake_metric(role: str, woke: dict) -> dict:
