@@ -19,7 +19,7 @@
   named in ``TOY_EVALUATORS`` and imported only by a run that uses them.
 
 The trainer groups do the model work (``DistillRun.eval_latents``, ``teacher_reference``,
-``teacher_features``, ``real_features``, ``decode``); this module decides, caches and compares.
+``teacher_features``, ``real_features``, ``drift_stats``); this module decides, caches and compares.
 """
 
 from __future__ import annotations
