@@ -236,13 +236,19 @@ def test_prune_exports_keeps_the_newest_complete_ones(tmp_path):
     broken = make(250, complete=False)  # interrupted midway, older than the newest complete
     in_flight = make(600, complete=False)  # newer than every complete one: maybe being written
     (Path(root) / "notes").mkdir()  # not an export dir: never touched
-    assert prune_exports(root, keep=0) == [broken]  # keep=0 keeps every complete export
+    killed = Path(root) / "iter_0000150.staging-0badc0de"  # an export killed before its swap
+    writing = Path(root) / "iter_0000600.staging-00c0ffee"  # the export under way
+    for staging in (killed, writing):
+        (staging / "transformer").mkdir(parents=True)
+    assert latest_exports(str(tmp_path / "run"))[-1] == urls[100]  # staging is never an export
+    assert prune_exports(root, keep=0) == [str(killed), broken]  # keep=0 keeps every complete export
     assert names() == ["iter_0000100", "iter_0000200", "iter_0000300", "iter_0000400", "iter_0000500",
-                       "iter_0000600", "notes"]
+                       "iter_0000600", writing.name, "notes"]
     assert latest_exports(str(tmp_path / "run")) == [urls[i] for i in (500, 400, 300, 200, 100)]
     removed = prune_exports(root, keep=2, protect=[urls[100], "iter_0000300"])
     assert removed == [urls[200]]
-    assert names() == ["iter_0000100", "iter_0000300", "iter_0000400", "iter_0000500", "iter_0000600", "notes"]
+    assert names() == ["iter_0000100", "iter_0000300", "iter_0000400", "iter_0000500", "iter_0000600",
+                       writing.name, "notes"]
     assert Path(in_flight).exists()
     assert prune_exports(root, keep=1) == [urls[100], urls[300], urls[400]]
     assert latest_exports(str(tmp_path / "run")) == [urls[500]]

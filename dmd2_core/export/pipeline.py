@@ -47,7 +47,7 @@ import torch
 from dmd2_core import flow_matching as fm
 from dmd2_core import parallel, storage
 from dmd2_core.export import adapters
-from dmd2_core.export.files import EXPORT_FORMAT, cast, persistent, total_bytes, writable_dir
+from dmd2_core.export.files import EXPORT_FORMAT, cast, persistent, staged_export, total_bytes, writable_dir
 from dmd2_core.save_layout import EXPORT_MARKER_NAME
 from dmd2_core.models import describe_model_dir, family_of, write_transformer
 from dmd2_core.errors import ModelDirError, StorageUnavailableError, one_line
@@ -80,7 +80,8 @@ def export_student(
     None. The writer holds the gathered state (two copies with an EMA) plus, while verifying,
     one reloaded transformer at a time.
 
-    A directory already at ``url`` is replaced (its export.json goes first). ``verify`` reloads
+    The export is written beside ``url`` and swapped in once complete (``files.staged_export``):
+    whatever is at ``url`` stays whole until then, a failed export leaves it as it was. ``verify`` reloads
     each written transformer with the family's model class and checks every tensor equals the
     gathered one in ``export_dtype`` (and the safetensors hold ``export_dtype``); a mismatch
     raises CheckpointError naming the path, and export.json is not written.
@@ -142,53 +143,60 @@ def write_export(url: str, model: torch.nn.Module, gathered: dict, *, teacher_ur
                                      iteration=iteration, started=started)
     index, components = _pipeline_index(teacher_url, teacher, family)
 
-    storage.remove(storage.join(url, EXPORT_MARKER_NAME))
-    storage.remove(url)
     transformers = {"transformer": primary}
     if averaged is not None:
         transformers[ONLINE_DIR] = online
-    for name, state in transformers.items():
-        with writable_dir(storage.join(url, name)) as directory:
-            write_transformer(family, model.config, state, directory)
+    with staged_export(url) as staging:
+        size, export_s, verify_s = _write_pipeline(staging, model, family, transformers, scheduler_config, index,
+                                                   components, teacher_url=teacher_url, num_steps=num_steps,
+                                                   shift=shift, export_dtype=export_dtype, verify=verify,
+                                                   started=started)
+        marker = {
+            "format": EXPORT_FORMAT,
+            "iteration": None if iteration is None else int(iteration),
+            "num_steps": int(num_steps),
+            "shift": float(shift),
+            "sigmas": fm.student_sigmas(num_steps, shift),
+            "dtype": str(export_dtype).removeprefix("torch."),
+            "transformer": "ema" if averaged is not None else "online",
+            "transformer_online": ONLINE_DIR if averaged is not None else None,
+            "scheduler": {"class": SCHEDULER_CLASS, **scheduler_config,
+                          "note": "set_timesteps(num_steps) gives the student's sigmas; do not pass sigmas="},
+            "teacher": teacher_url,
+            "pipeline": teacher["transformer_url"] != teacher_url,  # a pipeline-style teacher
+            "components": components,
+            "bytes": size,
+            "export_s": round(export_s, 3),
+            "verified": bool(verify),
+            "verify_s": round(verify_s, 3),
+        }
+        storage.write_text(storage.join(staging, EXPORT_MARKER_NAME), json.dumps(marker, indent=2) + "\n")
+    return {"url": url, "bytes": size, "export_s": export_s, "verify_s": verify_s, "pipeline": marker["pipeline"]}
+
+
+def _write_pipeline(staging: str, model, family, transformers: dict, scheduler_config: dict, index: dict,
+                    components: list[str], *, teacher_url: str, num_steps: int, shift: float,
+                    export_dtype: torch.dtype, verify: bool, started: float) -> tuple[int, float, float]:
+    """Every file of a pipeline export but its marker, into ``staging``, verified: (bytes, export_s, verify_s)."""
     import diffusers
 
-    with writable_dir(storage.join(url, "scheduler")) as directory:
+    for name, state in transformers.items():
+        with writable_dir(storage.join(staging, name)) as directory:
+            write_transformer(family, model.config, state, directory)
+    with writable_dir(storage.join(staging, "scheduler")) as directory:
         getattr(diffusers, SCHEDULER_CLASS)(**scheduler_config).save_pretrained(str(directory))
     for name in components:
-        _copy_tree(storage.join(teacher_url, name), storage.join(url, name))
-    storage.write_text(storage.join(url, "model_index.json"), json.dumps(index, indent=2) + "\n")
+        _copy_tree(storage.join(teacher_url, name), storage.join(staging, name))
+    storage.write_text(storage.join(staging, "model_index.json"), json.dumps(index, indent=2) + "\n")
     export_s = time.perf_counter() - started
-
     verify_s = 0.0
     if verify:
         t0 = time.perf_counter()
         for name, state in transformers.items():
-            verify_transformer(storage.join(url, name), family, state, export_dtype)
-        verify_written_scheduler(url, num_steps, shift)
+            verify_transformer(storage.join(staging, name), family, state, export_dtype)
+        verify_written_scheduler(staging, num_steps, shift)
         verify_s = time.perf_counter() - t0
-
-    size = total_bytes(url)
-    marker = {
-        "format": EXPORT_FORMAT,
-        "iteration": None if iteration is None else int(iteration),
-        "num_steps": int(num_steps),
-        "shift": float(shift),
-        "sigmas": fm.student_sigmas(num_steps, shift),
-        "dtype": str(export_dtype).removeprefix("torch."),
-        "transformer": "ema" if averaged is not None else "online",
-        "transformer_online": ONLINE_DIR if averaged is not None else None,
-        "scheduler": {"class": SCHEDULER_CLASS, **scheduler_config,
-                      "note": "set_timesteps(num_steps) gives the student's sigmas; do not pass sigmas="},
-        "teacher": teacher_url,
-        "pipeline": teacher["transformer_url"] != teacher_url,  # a pipeline-style teacher
-        "components": components,
-        "bytes": size,
-        "export_s": round(export_s, 3),
-        "verified": bool(verify),
-        "verify_s": round(verify_s, 3),
-    }
-    storage.write_text(storage.join(url, EXPORT_MARKER_NAME), json.dumps(marker, indent=2) + "\n")
-    return {"url": url, "bytes": size, "export_s": export_s, "verify_s": verify_s, "pipeline": marker["pipeline"]}
+    return total_bytes(staging), export_s, verify_s
 
 
 MODULAR_INDEX = "modular_model_index.json"
@@ -218,41 +226,41 @@ def _write_modular_export(url: str, model, family, online: dict, averaged: Optio
         if value[0] is not None and storage.exists(storage.join(teacher_url, folder)):
             components.append(folder)
     index.pop("transformer_ref", None)
-    storage.remove(storage.join(url, EXPORT_MARKER_NAME))
-    storage.remove(url)
     primary = averaged if averaged is not None else online
     transformers = {"transformer": primary, **({ONLINE_DIR: online} if averaged is not None else {})}
-    for name, state in transformers.items():
-        with writable_dir(storage.join(url, name)) as directory:
-            write_transformer(family, model.config, state, directory)
-    for name in components:
-        _copy_tree(storage.join(teacher_url, name), storage.join(url, name))
-    storage.write_text(storage.join(url, MODULAR_INDEX), json.dumps(index, indent=2) + "\n")
-    export_s = time.perf_counter() - started
-    verify_s = 0.0
-    sigmas = {}
-    for name in ("scheduler", "audio_scheduler"):
-        config = json.loads(storage.read_text(storage.join(url, name, "scheduler_config.json")))
-        base = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float32)
-        sigmas[name] = [float(s) for s in config["shift"] * base / (1 + (config["shift"] - 1) * base)][:-1]
-    if verify:
-        t0 = time.perf_counter()
+    with staged_export(url) as staging:
         for name, state in transformers.items():
-            verify_transformer(storage.join(url, name), family, state, export_dtype)
-        verify_s = time.perf_counter() - t0
-    size = total_bytes(url)
-    marker = {
-        "format": EXPORT_FORMAT, "iteration": None if iteration is None else int(iteration),
-        "num_steps": int(num_steps), "num_inference_steps": int(num_steps) + 1, "shift": float(family.fixed_shift or 1.0),
-        "sigmas": fm.student_sigmas(num_steps, 1.0), "modality_sigmas": sigmas,
-        "dtype": str(export_dtype).removeprefix("torch."),
-        "transformer": "ema" if averaged is not None else "online",
-        "transformer_online": ONLINE_DIR if averaged is not None else None,
-        "scheduler": {"note": f"the teacher's schedulers; run the pipeline with num_inference_steps={num_steps + 1}"},
-        "teacher": teacher_url, "pipeline": True, "components": components, "bytes": size,
-        "export_s": round(export_s, 3), "verified": bool(verify), "verify_s": round(verify_s, 3),
-    }
-    storage.write_text(storage.join(url, EXPORT_MARKER_NAME), json.dumps(marker, indent=2) + "\n")
+            with writable_dir(storage.join(staging, name)) as directory:
+                write_transformer(family, model.config, state, directory)
+        for name in components:
+            _copy_tree(storage.join(teacher_url, name), storage.join(staging, name))
+        storage.write_text(storage.join(staging, MODULAR_INDEX), json.dumps(index, indent=2) + "\n")
+        export_s = time.perf_counter() - started
+        verify_s = 0.0
+        sigmas = {}
+        for name in ("scheduler", "audio_scheduler"):
+            config = json.loads(storage.read_text(storage.join(staging, name, "scheduler_config.json")))
+            base = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float32)
+            sigmas[name] = [float(s) for s in config["shift"] * base / (1 + (config["shift"] - 1) * base)][:-1]
+        if verify:
+            t0 = time.perf_counter()
+            for name, state in transformers.items():
+                verify_transformer(storage.join(staging, name), family, state, export_dtype)
+            verify_s = time.perf_counter() - t0
+        size = total_bytes(staging)
+        marker = {
+            "format": EXPORT_FORMAT, "iteration": None if iteration is None else int(iteration),
+            "num_steps": int(num_steps), "num_inference_steps": int(num_steps) + 1,
+            "shift": float(family.fixed_shift or 1.0),
+            "sigmas": fm.student_sigmas(num_steps, 1.0), "modality_sigmas": sigmas,
+            "dtype": str(export_dtype).removeprefix("torch."),
+            "transformer": "ema" if averaged is not None else "online",
+            "transformer_online": ONLINE_DIR if averaged is not None else None,
+            "scheduler": {"note": f"the teacher's schedulers; run the pipeline with num_inference_steps={num_steps + 1}"},
+            "teacher": teacher_url, "pipeline": True, "components": components, "bytes": size,
+            "export_s": round(export_s, 3), "verified": bool(verify), "verify_s": round(verify_s, 3),
+        }
+        storage.write_text(storage.join(staging, EXPORT_MARKER_NAME), json.dumps(marker, indent=2) + "\n")
     return {"url": url, "bytes": size, "export_s": export_s, "verify_s": verify_s, "pipeline": True}
 
 
