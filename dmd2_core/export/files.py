@@ -15,6 +15,7 @@ from typing import Iterator
 import torch
 
 from dmd2_core import storage
+from dmd2_core.errors import ModelDirError
 from dmd2_core.save_layout import EXPORT_MARKER_NAME, EXPORT_STAGING_SEP
 
 EXPORT_FORMAT = 1
@@ -59,9 +60,11 @@ def staged_export(url: str) -> Iterator[str]:
     staging = f"{url.rstrip('/')}{EXPORT_STAGING_SEP}{uuid.uuid4().hex[:8]}"
     try:
         yield staging
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(Exception):
             storage.remove(staging)
+        if isinstance(exc, ModelDirError) and staging in str(exc):  # named as the export it was to become
+            raise ModelDirError(str(exc).replace(staging, url.rstrip("/"))) from None
         raise
     swap_in(staging, url)
 
