@@ -196,17 +196,23 @@ def test_bare_sd3_export_reproduces_eval_samples_with_the_manual_loop(tmp_path):
 
 
 def test_verification_catches_a_corrupted_write(wan_teacher, tmp_path, monkeypatch):
-    import dmd2_core.export.pipeline as export
+    from dmd2_core.export import stream
 
     model = perturbed_student(wan_teacher).model
-    real = export.write_transformer
+    real = stream.stream_tensors
 
-    def corrupting(family, config, state, directory, **kw):
-        state = dict(state)
-        state["proj_out.bias"] = state["proj_out.bias"] + 1.0
-        real(family, config, state, directory, **kw)
+    def corrupting(values, dtype, directory, *a, **kw):  # one byte of proj_out.bias changes on its way to the disk
+        out = real(values, dtype, directory, *a, **kw)
+        entry = next(e for e in out.entries if e.name == "proj_out.bias")
+        with open(directory / entry.file, "r+b") as f:
+            header = int.from_bytes(f.read(8), "little")
+            f.seek(8 + header + entry.start)
+            byte = f.read(1)
+            f.seek(8 + header + entry.start)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        return out
 
-    monkeypatch.setattr(export, "write_transformer", corrupting)
+    monkeypatch.setattr(stream, "stream_tensors", corrupting)
     url = export_url(str(tmp_path / "run"), 3)
     with pytest.raises(ModelDirError) as failed:
         export_student(url, model, teacher_url=wan_teacher, shift=WAN_SHIFT, num_steps=4,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dmd2_core import checkpoint, storage
-from dmd2_core.export import pipeline
+from dmd2_core.export import stream
 from dmd2_core.export.files import relative_files
 from dmd2_core.export.pipeline import export_student
 from dmd2_core.models import load_model_dir
@@ -26,14 +26,14 @@ def file_hashes(url: str) -> dict[str, str]:
 
 
 def fail_first_write(monkeypatch) -> list:
-    """The next export dies on its first file write (the transformer's weights)."""
+    """The next export dies on its first file write (the transformer's weights, as they stream in)."""
     failed = []
 
     def dying(*a, **kw):
         failed.append(1)
         raise RuntimeError("killed while writing the export")
 
-    monkeypatch.setattr(pipeline, "write_transformer", dying)
+    monkeypatch.setattr(stream, "stream_tensors", dying)
     return failed
 
 

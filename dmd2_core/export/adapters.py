@@ -54,7 +54,7 @@ def gather(model: torch.nn.Module, export_dtype: torch.dtype, metadata: dict, em
     """The collective half of a LoRA student's export, kept on the ``writer`` rank: the adapters
     (and their EMA) in fp32, ``{'online', 'ema', 'lora': metadata}``; ``merged``: the whole model
     with the adapters merged into the base, cast to ``export_dtype`` (``{'online', 'ema'}``, plain
-    diffusers names, as ``export.gather_student`` gives a full student)."""
+    diffusers names, which ``pipeline.write_export`` streams to files as it does a full student's)."""
     names = [n for n, _ in lora.trained(model)]
     online = _gather(lora.trained(model), writer, torch.float32)
     averaged = _gather(zip(names, ema), writer, torch.float32) if ema is not None else None

@@ -51,13 +51,18 @@ def total_bytes(url: str) -> int:
     return storage.retrying(run, f"list {url}")
 
 
+def new_staging_url(url: str) -> str:
+    """A fresh directory beside ``url`` to write an export into: ``{url}.staging-{nonce}``."""
+    return f"{url.rstrip('/')}{EXPORT_STAGING_SEP}{uuid.uuid4().hex[:8]}"
+
+
 @contextmanager
-def staged_export(url: str) -> Iterator[str]:
-    """A fresh directory beside ``url`` (``{url}.staging-{nonce}``) to write a whole export into,
-    export.json last; once the block exits cleanly it is swapped in at ``url`` (``swap_in``).
-    Whatever was at ``url`` stays whole until then: a failure or a kill while writing leaves it
-    as it was (the block's staging is removed on a failure; a killed one's by retention)."""
-    staging = f"{url.rstrip('/')}{EXPORT_STAGING_SEP}{uuid.uuid4().hex[:8]}"
+def staged_export(url: str, staging: str | None = None) -> Iterator[str]:
+    """A fresh directory beside ``url`` (``staging``, or a ``new_staging_url``) to write a whole
+    export into, export.json last; once the block exits cleanly it is swapped in at ``url``
+    (``swap_in``). Whatever was at ``url`` stays whole until then: a failure or a kill while
+    writing leaves it as it was (the staging is removed on a failure; a killed one's by retention)."""
+    staging = staging or new_staging_url(url)
     try:
         yield staging
     except BaseException as exc:
