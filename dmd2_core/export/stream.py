@@ -124,7 +124,9 @@ def stream_tensors(values: dict[str, torch.Tensor], dtype: torch.dtype, director
             whole = parallel.full(value).detach()  # every rank takes part in every gather
             if out is None or name not in by_name:
                 continue
-            data = tensor_bytes(whole.to("cpu", dtype=by_name[name].dtype))
+            # a copy even where the dtype and device agree: numpy's view of a tensor makes its storage
+            # unresizable, and a sleeping trainer frees its parameters' storages by resizing them
+            data = tensor_bytes(whole.to("cpu", dtype=by_name[name].dtype, copy=True))
             handles[by_name[name].file].write(data)
             out.checksums[name] = zlib.crc32(data)
             del whole, data
