@@ -92,13 +92,15 @@ def test_a_retry_after_the_tracker_moved_keeps_the_tracked_export(tiny_teacher, 
     trainers = in_process_trainers(args)
     groups = {"actor": InProcessGroup(trainers["actor"])}
     trainers["actor"].train(1, trainers["actor"].rollout(1)[0])
-    first = SaveTracker(args).save(groups, HeldLease(), 1, export=True, wait=True)
+    tracker = SaveTracker(args)
+    first = tracker.save(groups, HeldLease(), 1, export=True, wait=True)
     url = checkpoint.export_url(args.save, 1)
     assert first["export_url"] == url and checkpoint.read_tracker(args.save) == 1
     before = file_hashes(url)
 
     failed = fail_first_write(monkeypatch)
-    retry = SaveTracker(args).save(groups, HeldLease(), 1, export=True, wait=True)
+    tracker.resume(checkpoint.read_tracker(args.save))  # the retry rebuilt the groups from the tracked checkpoint
+    retry = tracker.save(groups, HeldLease(), 1, export=True, wait=True)
     assert retry["export_url"] == url and retry["checkpoint_iteration"] == 1
     assert not failed and file_hashes(url) == before
 

@@ -86,7 +86,7 @@ class DistillRun:
         self.done = (self.start_iteration, len(PHASES))
         self.handoff, self.started = {}, {}
         self.broken = False
-        self.save_tracker.forget()  # a save in flight when the groups broke is never tracked
+        self.save_tracker.resume(resumed if source == self.args.save else None)  # a save in flight is never tracked
         return self.start_iteration
 
     def __enter__(self) -> "DistillRun":
