@@ -48,7 +48,8 @@ class DriverBase:
         self.final = max(self.start, args.num_iterations)
         self.schedule = run.schedule = Schedule.of(args, final=self.final)
         self.last_eval: Optional[int] = None
-        self.last_ckpt: Optional[int] = self.start if (self.start and args.load_url == args.save) else None
+        # a rerun that resumed from the run's own save has its start's checkpoint (and export) already
+        self.last_ckpt: Optional[int] = self.start if (self.start and run.resumed_from == args.save) else None
         self.requested_ckpt: Optional[int] = self.last_ckpt
         self.log = MetricsLog(args.save, self.start)
         self.keys = artifacts.artifact_keys(name)  # the run's name carries its flow run id: one set per run

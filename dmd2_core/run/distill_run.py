@@ -49,6 +49,7 @@ class DistillRun:
         # collected: the orchestrator sets it where nothing (an eval, a checkpoint) runs between
         self.rollout_ahead: Callable[[int], bool] = lambda iteration: False
         self.start_iteration = 0
+        self.resumed_from: Optional[str] = None  # the URL whose checkpoint the groups loaded (None: a fresh start)
         self.done: tuple[int, int] = (0, len(PHASES))  # (iteration, phases of it done)
         self.schedule = Schedule.of(self.args)  # the orchestrator sets its own (the run's final iteration)
         self.save_tracker = SaveTracker(self.args)
@@ -81,10 +82,11 @@ class DistillRun:
             self._stop_groups()
             raise _as_ray_error(exc) from exc
         self.start_iteration = resumed or 0
+        self.resumed_from = source if resumed is not None else None
         self.done = (self.start_iteration, len(PHASES))
         self.handoff, self.started = {}, {}
         self.broken = False
-        self.save_tracker.forget()  # a save in flight when the groups broke is never tracked
+        self.save_tracker.resume(resumed if source == self.args.save else None)  # a save in flight is never tracked
         return self.start_iteration
 
     def __enter__(self) -> "DistillRun":
