@@ -34,7 +34,7 @@ import torch
 
 from dmd2_core import storage
 from dmd2_core.args import Args
-from dmd2_core.data import (BUILTIN_SETS, REAL_LATENTS, load_real_set, prompt_texts, read_safetensors, real_set_shapes,
+from dmd2_core.data import (BUILTIN_SETS, REAL_LATENTS, open_real_set, prompt_texts, read_safetensors, real_set_shapes,
                             write_safetensors)
 from dmd2_core.evaluation.drift import pooled, within_prompt_diversity
 from dmd2_core.evaluation.kernel import projected_kid
@@ -207,7 +207,7 @@ def real_reference(run, args: Args) -> dict[str, Any]:
         features, _ = read_safetensors(storage.join(url, "features.safetensors"))
         return {"features": features, "drift": json.loads(storage.read_text(marker))["drift"]}
     features = run.real_features(rows, FEATURE_U, FEATURE_SEED, REAL_NOISE_OFFSET)
-    latents, _ = load_real_set(args.real_data).batch(torch.tensor(rows[:args.eval_num_samples]))
+    latents, _ = open_real_set(args.real_data).batch(torch.tensor(rows[:args.eval_num_samples]))
     drift = pooled(run.drift_stats(latents))
     write_safetensors(storage.join(url, "features.safetensors"), {m: f.contiguous() for m, f in features.items()})
     storage.write_text(marker, json.dumps({"format": REFERENCE_FORMAT, "real_data": args.real_data,

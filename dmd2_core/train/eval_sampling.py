@@ -64,10 +64,10 @@ class EvalSampling:
         conditions, re-noised from ``index_offset`` on (not the eval samples' noise: the two sets
         must be independent for their kernel distance): {modality: [R, width]} on rank 0. Critic
         group only."""
-        from dmd2_core.data import load_real_set
+        from dmd2_core.data import open_real_set
         from dmd2_core.evaluation.teacher_features import teacher_features
 
-        x0, cond = load_real_set(self.args.real_data).batch(torch.tensor(rows))
+        x0, cond = open_real_set(self.args.real_data).batch(torch.tensor(rows))  # those rows alone
         with self._awake():
             out = teacher_features(self.family, self._real_score(), x0.to(self.device), cond, u=u, seed=seed,
                                    micro_batch=self.args.micro_batch_size or 8, index_offset=index_offset,
