@@ -6,7 +6,9 @@ Every metric works on decoded clips: frames in [-1, 1] and stereo waveforms in [
   every frame's digit (the 8x8 window holding the most ink) against the held-out test digits;
   ``frame_acc``: that classifier's accuracy on those digits against the prompted class.
 - ``sound_acc``: a small sound classifier's (trained here on the train clips, cached like the
-  digits classifier) accuracy against the prompted class.
+  digits classifier) accuracy against the prompted class; ``sound_fd``: Fréchet distance, in that
+  classifier's hidden features, of the sound against the held-out test clips' (the sound's
+  counterpart of ``frame_fd``).
 - ``agreement``: the fraction of clips whose sound's class is the picture's digit (the digits
   classifier's vote over the frames) *and* whose stereo balance follows the digit's motion (the
   balance moves the way the digit moves, by more than ``BALANCE_MIN_CHANGE``); both parts are
@@ -132,6 +134,11 @@ def sound_classes(audio: torch.Tensor) -> np.ndarray:
     return sound_classifier()(audio).argmax(1).numpy()
 
 
+def sound_features(audio: torch.Tensor) -> np.ndarray:
+    """The sound classifier's hidden features [N, 64] (after its ReLU): the space of ``sound_fd``."""
+    return sound_classifier().net[:2](spectrum(audio)).numpy()
+
+
 def balance(audio: torch.Tensor) -> torch.Tensor:
     """Right share of the energy per frame's stretch of sound [N, F]: 0 all left, 1 all right."""
     energy = audio.float().reshape(audio.shape[0], 2, sd.FRAMES, -1).pow(2).sum(-1)  # [N, 2, F]
@@ -147,6 +154,13 @@ def _test_features() -> np.ndarray:
     key = str(digits_metrics.classifier_path())
     if key not in _TEST_FEATURES:
         _TEST_FEATURES[key] = digits_metrics.features(digits_tensors("test")[0])
+    return _TEST_FEATURES[key]
+
+
+def _test_sound_features() -> np.ndarray:
+    key = str(sound_classifier_path())
+    if key not in _TEST_FEATURES:
+        _TEST_FEATURES[key] = sound_features(sd.make_clips("test", 0).audio)
     return _TEST_FEATURES[key]
 
 
@@ -175,6 +189,7 @@ def evaluate_decoded(frames: torch.Tensor, audio: torch.Tensor, labels) -> dict[
     same_class = sound == picture
     return {
         "frame_fd": digits_metrics.frechet_distance(feats, _test_features()),
+        "sound_fd": digits_metrics.frechet_distance(sound_features(audio), _test_sound_features()),
         "frame_acc": float((digits_metrics.predict(digits) == frame_labels).mean()),
         "sound_acc": float((sound == labels).mean()),
         "agreement": float((same_class & stereo).mean()),
