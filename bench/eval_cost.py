@@ -117,16 +117,15 @@ class InProcessRun:
         return self.actor.sample(prompt_index, seed, decode=False)
 
     def decode(self, latents):
-        start = time.perf_counter()
-        out = self.actor.decode(latents)
-        row = self.decoded[self.counter.phase]
-        row["clips"] += latents.shape[0]
-        row["seconds"] += time.perf_counter() - start
-        return out
+        return self._decoding(self.actor.decode, latents)
 
     def drift_stats(self, latents):
+        return self._decoding(self.actor.drift_stats, latents)
+
+    def _decoding(self, call, latents):
+        """``call(latents)``, its clips and seconds counted as decodes of the current phase."""
         start = time.perf_counter()
-        out = self.actor.drift_stats(latents)
+        out = call(latents)
         row = self.decoded[self.counter.phase]
         row["clips"] += latents.shape[0]
         row["seconds"] += time.perf_counter() - start
