@@ -115,9 +115,7 @@ def test_lease_one_owner_at_a_time(root):
         lease.Lease.acquire(root, "run-b", timeout_s=60)
     with pytest.raises(LeaseHeldError):
         lease.check(root, None, 60)
-    lease.check(root, "run-a", 60)  # its own retries pass
-    again = lease.Lease.acquire(root, "run-a", timeout_s=60)  # and take it over
-    again.release()
+    lease.check(root, "run-a", 60)  # its own preflight passes (acquiring decides)
     a.release()
     assert lease.read(root) is None
 
@@ -135,7 +133,7 @@ def test_lease_one_owner_at_a_time(root):
         lease.Lease.acquire(root, "run-c", timeout_s=60)
     c = lease.Lease.acquire(root, "run-c", timeout_s=3)
     assert lease.read(root)["owner"] == "run-c"
-    assert b.backend.renew("run-b") is None  # b finds it lost on its next heartbeat
+    assert b.backend.renew("run-b", b.holder) is None  # b finds it lost on its next heartbeat
     c.release()
     b.release()
 
@@ -151,6 +149,62 @@ def test_lease_one_owner_at_a_time(root):
         d.ensure()
     d.release()
     assert lease.read(root)["owner"] == "run-e"  # the new owner's lease is left alone
+
+
+# A process holding the lease for a flow run (argv: save URL, run id, timeout), as the first
+# process of a flow run that Prefect marked Crashed while it still runs: it prints "held", then,
+# once its heartbeat finds another holder, what ensure() (before any write) raises, and exits 3.
+HOLD_LEASE = """
+import sys, time
+from dmd2_core.run import lease
+from dmd2_core.errors import LeaseLostError, one_line
+held = lease.Lease.acquire(sys.argv[1], sys.argv[2], timeout_s=float(sys.argv[3]))
+print("held", flush=True)
+while held.lost is None:
+    time.sleep(0.05)
+try:
+    held.ensure()
+except LeaseLostError as exc:
+    print(one_line(exc), flush=True)
+    sys.exit(3)
+"""
+
+
+def test_a_rerun_of_a_flow_run_whose_first_process_lives_never_writes_beside_it(root):
+    """Prefect reran a flow run whose first process still runs (its API calls stopped, its
+    storage did not): the rerun, same flow-run id, refuses in one line while that process renews;
+    once it stops renewing (frozen), the rerun takes over and the first, woken, stops writing."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from dmd2_core.run import lease
+
+    first = subprocess.Popen([sys.executable, "-c", HOLD_LEASE, root, "flow-run-x", "3"], stdout=subprocess.PIPE,
+                             text=True, cwd=Path(__file__).resolve().parent.parent)
+    try:
+        assert first.stdout.readline().strip() == "held"
+        with pytest.raises(LeaseHeldError) as info:
+            lease.Lease.acquire(root, "flow-run-x", timeout_s=3)
+        msg = str(info.value)
+        assert "\n" not in msg and "in use by another process of this flow run" in msg and f"pid {first.pid})" in msg
+        assert lease.read(root)["pid"] == first.pid  # untouched: one writer
+
+        os.kill(first.pid, signal.SIGSTOP)  # frozen: its heartbeat stops
+        rerun = lease.Lease.acquire(root, "flow-run-x", timeout_s=3)
+        assert lease.read(root)["holder"] == rerun.holder
+        os.kill(first.pid, signal.SIGCONT)
+        out, _ = first.communicate(timeout=30)
+        assert first.returncode == 3 and out.count("\n") == 1, out
+        assert out.startswith("LeaseLostError: ") and "flow-run-x" in out, out
+        rerun.ensure()
+        assert lease.read(root)["holder"] == rerun.holder  # the woken process wrote nothing
+        rerun.release()
+    finally:
+        if first.poll() is None:
+            os.kill(first.pid, signal.SIGCONT)
+            first.kill()
 
 
 def test_a_lease_that_cannot_renew_stops_writing_once_another_run_may_take_it(tmp_path, monkeypatch):
