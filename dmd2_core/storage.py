@@ -27,6 +27,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -80,6 +81,26 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+_bounds = threading.local()  # this thread's (deadline, why) from ``bounded_by``
+
+
+@contextlib.contextmanager
+def bounded_by(deadline: Callable[[], float], why: str) -> Iterator[None]:
+    """This thread's storage calls in the block stop retrying once ``deadline()`` (monotonic,
+    read at each attempt) has passed: StorageUnavailableError naming ``why``."""
+    previous = getattr(_bounds, "value", None)
+    _bounds.value = (deadline, why)
+    try:
+        yield
+    finally:
+        _bounds.value = previous
+
+
+def _bound() -> tuple[float, str]:
+    bound = getattr(_bounds, "value", None)  # set by bounded_by
+    return (bound[0](), bound[1]) if bound is not None else (float("inf"), "")
+
+
 def retrying(fn: Callable[[], T], what: str, budget_s: float | None = None) -> T:
     """``fn()``, retried with exponential backoff while it fails with transient errors."""
     budget = RETRY_S if budget_s is None else budget_s
@@ -87,12 +108,18 @@ def retrying(fn: Callable[[], T], what: str, budget_s: float | None = None) -> T
     delay = RETRY_FIRST_DELAY_S
     attempt = 0
     while True:
+        bound, why = _bound()
+        if time.monotonic() > bound:
+            raise StorageUnavailableError(f"{what}: not attempted: {why}")
         try:
             return fn()
         except Exception as exc:  # noqa: BLE001 - classified below
             if not is_transient(exc):
                 raise
             attempt += 1
+            bound, why = _bound()
+            if time.monotonic() + delay > bound:
+                raise StorageUnavailableError(f"{what}: storage unavailable, no retry: {why} ({one_line(exc)})") from exc
             if time.monotonic() + delay > deadline:
                 raise StorageUnavailableError(
                     f"{what}: storage unavailable for {budget:.0f} s ({one_line(exc)})") from exc
@@ -334,14 +361,16 @@ def signed_url(url: str, expires: int) -> str:
     return fs.url(path, expires=int(expires))
 
 
-def s3_call(url: str, method: str, what: str | None = None, **kw) -> dict:
+def s3_call(url: str, method: str, what: str | None = None, budget_s: float | None = None, **kw) -> dict:
     """One S3 API call (``put_object``, ``delete_object``, ...) on the object at the s3:// ``url``,
-    retried: for what the file API cannot express, such as conditional writes."""
+    retried (for ``budget_s``, default the storage budget): for what the file API cannot express,
+    such as conditional writes."""
     bucket, _, key = filesystem(url)[1].partition("/")
-    return retrying(lambda: filesystem(url)[0].call_s3(method, Bucket=bucket, Key=key, **kw), what or f"{method} {url}")
+    return retrying(lambda: filesystem(url)[0].call_s3(method, Bucket=bucket, Key=key, **kw), what or f"{method} {url}",
+                    budget_s)
 
 
-def s3_get_object(url: str, what: str | None = None) -> tuple[bytes, str | None]:
+def s3_get_object(url: str, what: str | None = None, budget_s: float | None = None) -> tuple[bytes, str | None]:
     """The body and ETag of the object at the s3:// ``url`` from one GetObject (so the two always
     match), retried. Raises FileNotFoundError when there is no such object."""
     from fsspec.asyn import sync
@@ -357,7 +386,7 @@ def s3_get_object(url: str, what: str | None = None) -> tuple[bytes, str | None]
     def run():
         fs = filesystem(url)[0]
         return sync(fs.loop, get, fs)
-    return retrying(run, what or f"read {url}")
+    return retrying(run, what or f"read {url}", budget_s)
 
 
 def remove(url: str) -> None:

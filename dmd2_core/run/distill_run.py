@@ -61,6 +61,9 @@ class DistillRun:
 
         init_ray(self.args, num_groups=len(self.trainer_args))
         preflight_checks.check_cluster_resources(self.args, len(self.trainer_args))  # not a placement-group timeout
+        if self.lease is not None and self.lease.lost:  # a retry after a takeover: refused while the other lives
+            self.lease.release()
+            self.lease = None
         if self.lease is None:  # before any actor: a second run on the URL refuses here
             self.lease = lease.Lease.acquire(self.args.save, self.owner, self.args.lease_timeout_s)
         self.lease.ensure()

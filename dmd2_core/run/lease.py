@@ -11,9 +11,11 @@ are two holders: only one writes.
   so two runs racing for one URL cannot both win.
 - Held while the run lives: a daemon thread renews the heartbeat every ``timeout_s / 4``. A renewal
   that finds another holder marks the lease lost; ``ensure()`` then raises before the run writes a
-  checkpoint or moves the tracker. The lease also fences itself: once its last successful renewal
-  is older than ``timeout_s`` (renewals failing through a storage outage), another run may take it
-  over, so ``ensure()`` raises as well until a renewal succeeds again.
+  checkpoint or moves the tracker. The lease also fences itself: once renewals lapsed (a storage
+  outage), ``ensure()`` reads the lease before any write: still this holder's, it is renewed and the
+  run goes on; another's, the run stops writing (LeaseLostError, retried: the retry acquires it
+  again, refused while that run lives); unreadable past ``timeout_s``, the run writes nothing until
+  it can. Writes after the check are bounded by ``expires()`` (storage.bounded_by).
 - Taken over only once stale: its heartbeat is older than ``timeout_s``, or its process is gone
   (same host, pid no longer alive or reused). Another run's live lease is refused at once; one of
   the same flow run (a rerun) is watched for up to ``timeout_s``: taken over if it never renews
@@ -225,17 +227,18 @@ def _precondition_failed(exc: BaseException) -> bool:
 class _ObjectStore:
     """S3 (and any store s3fs speaks to) with conditional PutObject."""
 
-    def __init__(self, save_url: str):
+    def __init__(self, save_url: str, renew_budget_s: float):
         self.url = lease_url(save_url)
         self.etag: Optional[str] = None
+        self.renew_budget_s = renew_budget_s  # a renewal's retries: its heartbeat must not land late
 
-    def _call(self, method: str, **kw):
-        return storage.s3_call(self.url, method, f"lease {method} {self.url}", **kw)
+    def _call(self, method: str, budget_s: Optional[float] = None, **kw):
+        return storage.s3_call(self.url, method, f"lease {method} {self.url}", budget_s=budget_s, **kw)
 
-    def _get(self) -> tuple[Optional[dict], Optional[str]]:
+    def _get(self, budget_s: Optional[float] = None) -> tuple[Optional[dict], Optional[str]]:
         """The record and its ETag, from one GetObject (so the two always match)."""
         try:
-            data, etag = storage.s3_get_object(self.url, f"lease read {self.url}")
+            data, etag = storage.s3_get_object(self.url, f"lease read {self.url}", budget_s)
         except FileNotFoundError:
             return None, None
         try:
@@ -244,10 +247,10 @@ class _ObjectStore:
             record = {"owner": "?", "heartbeat": 0}
         return (record if isinstance(record, dict) else {"owner": "?", "heartbeat": 0}), etag
 
-    def _put(self, record: dict, **condition) -> Optional[str]:
+    def _put(self, record: dict, budget_s: Optional[float] = None, **condition) -> Optional[str]:
         """ETag of the written object, or None when the condition did not hold."""
         try:
-            return self._call("put_object", Body=json.dumps(record).encode(), **condition).get("ETag")
+            return self._call("put_object", budget_s, Body=json.dumps(record).encode(), **condition).get("ETag")
         except (FileExistsError, OSError) as exc:
             if isinstance(exc, FileExistsError) or _precondition_failed(exc):
                 return None
@@ -271,13 +274,13 @@ class _ObjectStore:
         raise LeaseHeldError(f"save: {takeover.save_url}: lease keeps changing under this run; another run is starting on it")
 
     def renew(self, owner: str, holder: str) -> Optional[dict]:
-        record = _record(owner, holder)
-        etag = self._put(record, IfMatch=self.etag) if self.etag else None
+        record, budget = _record(owner, holder), self.renew_budget_s
+        etag = self._put(record, budget, IfMatch=self.etag) if self.etag else None
         if etag is None:
-            current, current_etag = self._get()
+            current, current_etag = self._get(budget)
             if not current or current.get("holder") != holder:
                 return None
-            etag = self._put(record, IfMatch=current_etag)  # our own write whose reply was lost
+            etag = self._put(_record(owner, holder), budget, IfMatch=current_etag)  # our own write whose reply was lost
             if etag is None:
                 return None
         self.etag = etag
@@ -297,7 +300,7 @@ class Lease:
     def __init__(self, save_url: str, owner: str, timeout_s: float):
         self.save_url, self.owner, self.timeout_s = save_url, owner, float(timeout_s)
         self.holder = new_holder()
-        self.backend = _Local(save_url) if storage.is_local(save_url) else _ObjectStore(save_url)
+        self.backend = _Local(save_url) if storage.is_local(save_url) else _ObjectStore(save_url, max(1.0, self.timeout_s / 4))
         self.lost: Optional[str] = None
         self.renewed = time.monotonic()  # the last successful write of the heartbeat
         self._stop = threading.Event()
@@ -325,25 +328,49 @@ class Lease:
             try:
                 started = time.monotonic()
                 if self.backend.renew(self.owner, self.holder) is not None:
-                    self.renewed = started
+                    self.renewed = max(self.renewed, started)
                 else:
-                    record = read(self.save_url) or {}
-                    self.lost = f"save: {self.save_url}: this run's lease was taken over by {describe(record)}"
-                    log.error(self.lost)
+                    self._taken()
                     return
             except Exception as exc:  # noqa: BLE001 - an outage: keep trying, the timeout is generous
                 log.warning(f"lease: heartbeat of {self.save_url} failed ({one_line(exc)})")
 
+    def _taken(self) -> None:
+        record = read(self.save_url)
+        by = f"taken over by {describe(record)}" if record else "taken over (and released) by another run"
+        self.lost = (f"save: {self.save_url}: this run's lease was {by}; this process writes nothing more there "
+                     "(a retry takes the lease back only once that run is gone)")
+        log.error(self.lost)
+
+    def expires(self) -> float:
+        """When (``time.monotonic``) another run may take the lease over unless it is renewed
+        first; at once when it was lost. The bound of every write after ``ensure()``."""
+        return float("-inf") if self.lost else self.renewed + self.timeout_s
+
     def ensure(self) -> None:
-        """Raise LeaseLostError when another run took the URL over, or may have: no renewal
-        succeeded for ``timeout_s`` (checked before every write that matters: a checkpoint and the
-        tracker)."""
+        """Raise LeaseLostError (retried: the retry acquires the lease again) when this process may
+        not write to the save URL: another holder took it over, or renewals lapsed past
+        ``timeout_s`` and the lease cannot be read now. Renewals that lapsed (a storage outage)
+        are verified here first: the lease still ours is renewed and the run goes on. Checked
+        before every write that matters (a checkpoint, the tracker)."""
         if self.lost:
             raise LeaseLostError(self.lost)
-        age = time.monotonic() - self.renewed
-        if age > self.timeout_s:
+        if time.monotonic() - self.renewed <= self.timeout_s / 2:
+            return  # the heartbeat keeps it
+        started = time.monotonic()
+        try:
+            renewed = self.backend.renew(self.owner, self.holder)
+        except Exception as exc:  # noqa: BLE001 - storage still out: ours only while not stale
+            age = time.monotonic() - self.renewed
+            if age <= self.timeout_s:
+                return
             raise LeaseLostError(f"save: {self.save_url}: this run's lease was last renewed {age:.0f} s ago (timeout "
-                                 f"{self.timeout_s:.0f} s): another run may hold it now, so this run writes nothing more")
+                                 f"{self.timeout_s:.0f} s) and cannot be read now ({one_line(exc)}): another run may "
+                                 "hold it, so this run writes nothing until it can") from exc
+        if renewed is None:
+            self._taken()
+            raise LeaseLostError(self.lost)
+        self.renewed = max(self.renewed, started)
 
     def release(self) -> None:
         self._stop.set()
