@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 from dmd2_core import checkpoint
 from dmd2_core.run import preflight_checks
-from dmd2_core.run import lease
+from dmd2_core.run import lease, resume_check
 from dmd2_core.args import Args
 from dmd2_core.errors import NonFiniteError, RayWorkError, StoredFilesError
 from dmd2_core.run.preflight import handed_over, preflight
@@ -49,6 +49,7 @@ class DistillRun:
         # collected: the orchestrator sets it where nothing (an eval, a checkpoint) runs between
         self.rollout_ahead: Callable[[int], bool] = lambda iteration: False
         self.start_iteration = 0
+        self.resumed_with: list[str] = []  # 'role key saved -> now': this run's optimizer settings, not the checkpoint's
         self.done: tuple[int, int] = (0, len(PHASES))  # (iteration, phases of it done)
         self.schedule = Schedule.of(self.args)  # the orchestrator sets its own (the run's final iteration)
         self.save_tracker = SaveTracker(self.args)
@@ -78,6 +79,10 @@ class DistillRun:
             source = checkpoint.resume_url(self.args)
             resumed = checkpoint.read_tracker(source)
             if resumed is not None:
+                self.resumed_with = resume_check.setting_changes(self.trainer_args, source, resumed)
+                if self.resumed_with:
+                    log.warning("resume: this run's optimizer settings win over the checkpoint's: "
+                                + ", ".join(self.resumed_with))
                 for group in self.groups.values():
                     group.call("load", resumed, source)
         except Exception as exc:
