@@ -76,7 +76,7 @@ class Trainer(EvalSampling):
         self.local_batch = args.global_batch_size // self.dp_size  # a context group shares its rows
         self.rows = slice(self.dp_rank * self.local_batch, (self.dp_rank + 1) * self.local_batch)
         self.nonfinite = NonFiniteCounter(role, args.max_nonfinite_steps)
-        self._run_record: Optional[dict] = None
+        self.run_record = self._run_record()  # here, on every rank: a save never reads storage first
         self.vae = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.ema: Optional[list[torch.Tensor]] = None
@@ -311,7 +311,7 @@ class Trainer(EvalSampling):
         was_asleep = self.asleep
         self.wake_up()
         self._reshard()
-        extra = {"step": self.update.steps, "iteration": iteration, "run": self.run_record(), **self.nonfinite.state(),
+        extra = {"step": self.update.steps, "iteration": iteration, "run": self.run_record, **self.nonfinite.state(),
                  **self._disc_state()}
         pending = self.outputs.start(iteration, self.model, self.optimizer, self.ema, extra, self.checkpoint_pg, export)
         if was_asleep:
@@ -344,16 +344,14 @@ class Trainer(EvalSampling):
                 group.update(optimizer_settings(self.args))
         return self.update.steps
 
-    def run_record(self) -> dict:
+    def _run_record(self) -> dict:
         """What each checkpoint records of the run that wrote it: where it started (``load``, the
         model directory) and, for a LoRA, its adapters and an identity of the base weights."""
-        if self._run_record is None:
-            from dmd2_core.models import base_identity
+        from dmd2_core.models import base_identity
 
-            adapters = lora.adapter_record(self.args)
-            self._run_record = {**run_origin(self.args), "lora": adapters,
-                                "base": base_identity(self.args.hf_checkpoint) if adapters else None}
-        return self._run_record
+        adapters = lora.adapter_record(self.args)
+        return {**run_origin(self.args), "lora": adapters,
+                "base": base_identity(self.args.hf_checkpoint) if adapters else None}
 
     def _disc_state(self) -> dict:
         if self.disc is None:
