@@ -181,18 +181,18 @@ def test_a_rerun_of_a_flow_run_whose_first_process_lives_never_writes_beside_it(
 
     from dmd2_core.run import lease
 
-    first = subprocess.Popen([sys.executable, "-c", HOLD_LEASE, root, "flow-run-x", "3"], stdout=subprocess.PIPE,
+    first = subprocess.Popen([sys.executable, "-c", HOLD_LEASE, root, "flow-run-x", "4"], stdout=subprocess.PIPE,
                              text=True, cwd=Path(__file__).resolve().parent.parent)
     try:
         assert first.stdout.readline().strip() == "held"
         with pytest.raises(LeaseHeldError) as info:
-            lease.Lease.acquire(root, "flow-run-x", timeout_s=3)
+            lease.Lease.acquire(root, "flow-run-x", timeout_s=4)
         msg = str(info.value)
         assert "\n" not in msg and "in use by another process of this flow run" in msg and f"pid {first.pid})" in msg
         assert lease.read(root)["pid"] == first.pid  # untouched: one writer
 
         os.kill(first.pid, signal.SIGSTOP)  # frozen: its heartbeat stops
-        rerun = lease.Lease.acquire(root, "flow-run-x", timeout_s=3)
+        rerun = lease.Lease.acquire(root, "flow-run-x", timeout_s=4)
         assert lease.read(root)["holder"] == rerun.holder
         os.kill(first.pid, signal.SIGCONT)
         out, _ = first.communicate(timeout=30)
@@ -293,7 +293,7 @@ def test_a_rerun_takes_over_from_a_frozen_first_process_and_ends_as_an_uninterru
     from tasks.common import retry_runtime_failures
 
     save = str(tmp_path / "run")
-    args = tiny_args(tiny_teacher, save, run_name="dmd2-rerun", lease_timeout_s=2.0)
+    args = tiny_args(tiny_teacher, save, run_name="dmd2-rerun", lease_timeout_s=3.0)  # margin for a loaded machine
     first, rerun = DistillRun(args, owner="flow-run-x"), None
     try:
         first.start()
