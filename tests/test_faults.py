@@ -207,7 +207,7 @@ def test_a_rerun_of_a_flow_run_whose_first_process_lives_never_writes_beside_it(
             first.kill()
 
 
-def _storage_outage(owner, holder):
+def _storage_outage(*_):
     raise ConnectionRefusedError("storage unreachable")
 
 
@@ -356,11 +356,13 @@ def test_a_run_rides_out_an_s3_outage_during_a_checkpoint(ray_session, tiny_teac
     """The S3 endpoint goes down as checkpoint 1 starts (the trainers' saves and the tracker write
     hit refused connections) and comes back OUTAGE_S later: the checkpoint completes, the run goes
     on, and it ends bitwise equal to an uninterrupted run (the same Trainer code in this process);
-    every file written during the outage passes its sha256 check."""
+    every file written during the outage passes its sha256 check. The outage outlasts the lease
+    timeout (its renewals lapse): nobody took the lease, so the tracker write verifies it, renews it
+    and goes on."""
     import time
 
     save = f"{s3_bucket}/run"
-    args = tiny_args(tiny_teacher, save, run_name="dmd2-outage")
+    args = tiny_args(tiny_teacher, save, run_name="dmd2-outage", lease_timeout_s=OUTAGE_S / 2)
     with DistillRun(args) as run:
         run.iterate(1)
         start = time.monotonic()

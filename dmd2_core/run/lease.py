@@ -198,7 +198,7 @@ class _Local:
             storage.write_text(str(self.path), json.dumps(record))
             return record
 
-    def renew(self, owner: str, holder: str) -> Optional[dict]:
+    def renew(self, owner: str, holder: str, budget_s: Optional[float] = None) -> Optional[dict]:
         """The renewed record, or None when another holder holds the lease now."""
         with self.locked():
             current = self._read()
@@ -227,10 +227,9 @@ def _precondition_failed(exc: BaseException) -> bool:
 class _ObjectStore:
     """S3 (and any store s3fs speaks to) with conditional PutObject."""
 
-    def __init__(self, save_url: str, renew_budget_s: float):
+    def __init__(self, save_url: str):
         self.url = lease_url(save_url)
         self.etag: Optional[str] = None
-        self.renew_budget_s = renew_budget_s  # a renewal's retries: its heartbeat must not land late
 
     def _call(self, method: str, budget_s: Optional[float] = None, **kw):
         return storage.s3_call(self.url, method, f"lease {method} {self.url}", budget_s=budget_s, **kw)
@@ -273,8 +272,9 @@ class _ObjectStore:
                 return record
         raise LeaseHeldError(f"save: {takeover.save_url}: lease keeps changing under this run; another run is starting on it")
 
-    def renew(self, owner: str, holder: str) -> Optional[dict]:
-        record, budget = _record(owner, holder), self.renew_budget_s
+    def renew(self, owner: str, holder: str, budget: Optional[float] = None) -> Optional[dict]:
+        """As ``_Local.renew``; storage retried for ``budget`` seconds (default the storage budget)."""
+        record = _record(owner, holder)
         etag = self._put(record, budget, IfMatch=self.etag) if self.etag else None
         if etag is None:
             current, current_etag = self._get(budget)
@@ -300,7 +300,8 @@ class Lease:
     def __init__(self, save_url: str, owner: str, timeout_s: float):
         self.save_url, self.owner, self.timeout_s = save_url, owner, float(timeout_s)
         self.holder = new_holder()
-        self.backend = _Local(save_url) if storage.is_local(save_url) else _ObjectStore(save_url, max(1.0, self.timeout_s / 4))
+        self.backend = _Local(save_url) if storage.is_local(save_url) else _ObjectStore(save_url)
+        self.heartbeat_budget_s = max(1.0, self.timeout_s / 4)  # a heartbeat retried longer would land stale
         self.lost: Optional[str] = None
         self.renewed = time.monotonic()  # the last successful write of the heartbeat
         self._stop = threading.Event()
@@ -327,7 +328,7 @@ class Lease:
         while not self._stop.wait(interval):
             try:
                 started = time.monotonic()
-                if self.backend.renew(self.owner, self.holder) is not None:
+                if self.backend.renew(self.owner, self.holder, self.heartbeat_budget_s) is not None:
                     self.renewed = max(self.renewed, started)
                 else:
                     self._taken()
@@ -355,15 +356,20 @@ class Lease:
         before every write that matters (a checkpoint, the tracker)."""
         if self.lost:
             raise LeaseLostError(self.lost)
-        if time.monotonic() - self.renewed <= self.timeout_s / 2:
-            return  # the heartbeat keeps it
+        while time.monotonic() - self.renewed > self.timeout_s / 2:  # renewals lapsed: verify
+            if not self._verify():  # a slow success (storage just back) carries an old heartbeat: again
+                return
+
+    def _verify(self) -> bool:
+        """One renewal, its storage retried for the full budget as any other write's; False when
+        storage is still out but the lease not stale yet (the writes after are bounded by expires())."""
         started = time.monotonic()
         try:
             renewed = self.backend.renew(self.owner, self.holder)
         except Exception as exc:  # noqa: BLE001 - storage still out: ours only while not stale
             age = time.monotonic() - self.renewed
             if age <= self.timeout_s:
-                return
+                return False
             raise LeaseLostError(f"save: {self.save_url}: this run's lease was last renewed {age:.0f} s ago (timeout "
                                  f"{self.timeout_s:.0f} s) and cannot be read now ({one_line(exc)}): another run may "
                                  "hold it, so this run writes nothing until it can") from exc
@@ -371,6 +377,7 @@ class Lease:
             self._taken()
             raise LeaseLostError(self.lost)
         self.renewed = max(self.renewed, started)
+        return True
 
     def release(self) -> None:
         self._stop.set()
