@@ -44,29 +44,24 @@ def _other_model(url: str) -> None:
     save_model_dir(model, url, shift=3.0)
 
 
-def test_a_rerun_trains_with_its_own_lr_and_the_summary_says_so(tiny_teacher, tmp_path):
+def test_a_rerun_trains_with_its_own_lr_and_the_summary_says_so(ray_session, tiny_teacher, tmp_path):
     """Saved at 2 with lr 1e-4, resumed to 4 with lr 3e-5 (the fix for a diverging night): the
-    resumed trainers step with 3e-5, and the log and summary name the change."""
+    resumed trainers step with 3e-5, and the run (its log and summary) names the change."""
     from dmd2_core.report import summary_markdown
+    from dmd2_core.run.distill_run import DistillRun
 
     save = str(tmp_path / "run")
     _saved_run(tiny_args(tiny_teacher, save, lr=1e-4, num_iterations=2), 2)
-    rerun = tiny_args(tiny_teacher, save, lr=3e-5, num_iterations=4)
-    trainer_args = preflight(rerun)
-    trainers = in_process_trainers(rerun)
-    for trainer in trainers.values():
-        trainer.load(2)
-    assert [t.optimizer.param_groups[0]["lr"] for t in trainers.values()] == [3e-5, 3e-5]
-    pairs, _ = trainers["actor"].rollout(3)
-    scores, critic_metrics = trainers["critic"].train(3, pairs)
-    _, actor_metrics = trainers["actor"].train(3, pairs, scores)
-    assert actor_metrics["actor_lr"] == 3e-5 and critic_metrics["critic_lr"] == 3e-5
-
-    changes = resume_check.setting_changes(trainer_args, save, 2)
+    with DistillRun(tiny_args(tiny_teacher, save, lr=3e-5, num_iterations=4, run_name="dmd2-new-lr")) as run:
+        assert run.start_iteration == 2
+        row = run.iterate(3)
+        changes = run.resumed_with
+    assert row["actor_lr"] == 3e-5 and row["critic_lr"] == 3e-5
     assert changes == ["critic lr 0.0001 -> 3e-05", "actor lr 0.0001 -> 3e-05"]
-    summary = summary_markdown({"name": "run", "iteration": 2, "final": 4, "start": 2, "resumed_with": changes})
+    summary = summary_markdown({"name": "run", "iteration": 3, "final": 4, "start": 2, "resumed_with": changes})
     assert "Resumed with this run's optimizer settings, not the checkpoint's: critic lr 0.0001 -> 3e-05" in summary
-    assert resume_check.setting_changes(preflight(tiny_args(tiny_teacher, save, lr=1e-4, num_iterations=4)), save, 2) == []
+    same = tiny_args(tiny_teacher, save, lr=1e-4, num_iterations=4)
+    assert resume_check.setting_changes(preflight(same), save, 2) == []
 
 
 def test_a_save_url_holding_a_checkpoint_resumes_only_the_start_it_recorded(tiny_teacher, tmp_path):
