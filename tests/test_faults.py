@@ -125,6 +125,22 @@ def test_lease_one_owner_at_a_time(root):
     storage.write_text(lease.lease_url(root), json.dumps(record))
     b = lease.Lease.acquire(root, "run-b", timeout_s=60)
     assert lease.read(root)["owner"] == "run-b"
+    b.release()
+
+    # the same flow run's process killed and not yet reaped (a zombie): gone, taken over at once
+    import time
+
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    while lease._pid_stat(zombie.pid)[:1] != ["Z"]:
+        time.sleep(0.05)
+    record = {**lease._record("flow-run-z"), "pid": zombie.pid, "pid_start": lease._pid_start(zombie.pid)}
+    storage.write_text(lease.lease_url(root), json.dumps(record))
+    start = time.monotonic()
+    rerun = lease.Lease.acquire(root, "flow-run-z", timeout_s=60)
+    assert time.monotonic() - start < 5 and lease.read(root)["holder"] == rerun.holder
+    rerun.release()
+    zombie.wait()
+    b = lease.Lease.acquire(root, "run-b", timeout_s=60)
 
     # a live owner elsewhere whose heartbeat stopped: stale after the timeout
     record = {**lease._record("run-b"), "host": "elsewhere"}
@@ -138,8 +154,6 @@ def test_lease_one_owner_at_a_time(root):
     b.release()
 
     # a run whose lease was taken over stops writing: its heartbeat notices, ensure() raises
-    import time
-
     d = lease.Lease.acquire(root, "run-d", timeout_s=1.0)
     storage.write_text(lease.lease_url(root), json.dumps(lease._record("run-e")))
     deadline = time.monotonic() + 10

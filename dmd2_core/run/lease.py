@@ -46,13 +46,18 @@ log = logging.getLogger("dmd2")
 
 
 
+def _pid_stat(pid: int) -> list[str]:
+    """The fields of /proc/{pid}/stat after the command name ([] where unreadable)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
 def _pid_start(pid: int) -> Optional[str]:
     """The process start time (clock ticks since boot) from /proc, to tell a reused pid apart."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
+    fields = _pid_stat(pid)
+    return fields[19] if len(fields) > 19 else None
 
 
 def new_holder() -> str:
@@ -87,6 +92,8 @@ def stale_reason(record: dict, timeout_s: float, now: Optional[float] = None) ->
         start = _pid_start(pid)
         if record.get("pid_start") and start and start != record["pid_start"]:
             return f"its process {pid} is gone (pid reused)"
+        if _pid_stat(pid)[:1] == ["Z"]:  # killed, not yet reaped by its parent
+            return f"its process {pid} is gone (exited)"
     return None
 
 
