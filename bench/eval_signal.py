@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import math
 import multiprocessing as mp
@@ -77,7 +78,7 @@ import torch
 
 from dmd2_core import flow_matching as fm
 from dmd2_core.args import load_args
-from dmd2_core.evaluation import drift
+from dmd2_core.evaluation import drift, evaluators
 from dmd2_core.evaluation.kernel import projected_kid
 from dmd2_core.evaluation.teacher_features import teacher_features
 from dmd2_core.models import load_model_dir
@@ -97,17 +98,10 @@ TEACHER_GUIDANCE = 1.0  # the digits teacher's reference sampler: plain conditio
 DEFAULT_U = 0.5  # teacher_features' default schedule position
 # every modality at sigma 0.5: SD3 at u; H3 video at shift(u, 12) = 0.5, audio at shift(u, 3) = 0.5
 SIGNAL_U = {"digits": {"image": 0.5}, "av": {"video": 1.0 / 13.0, "audio": 1.0 / 4.0}}
-FPS = 16.0  # the minimax-h3 recipe's eval_fps: a clip of 4 frames is 0.25 s ...
-SAMPLE_RATE = int(sd.AUDIO_SAMPLES * FPS / sd.FRAMES)  # ... so its 256 samples are at 1024 Hz
-BAND_DRAWS = 8
-BAND_SEED = 10_000  # band draw r uses eval seed BAND_SEED + 1000 r
+FPS = 24  # MiniMax-H3's frame rate: a clip of 4 frames is 1/6 s ...
+SAMPLE_RATE = int(sd.AUDIO_SAMPLES * FPS / sd.FRAMES)  # ... so its 256 samples are at 1536 Hz
+PRODUCT = f"u{evaluators.FEATURE_U:g}"  # the teacher evaluator's features: the headline figures
 SEED_STRIDE = 1000  # the signal's eval seed of training seed s: eval_seed + 1000 s (H3 draws sample j from seed + j)
-BAND_K = 3.0
-# the smallest change a band flags, per statistic (a statistic the teacher never moves, such as
-# clipping, would otherwise be flagged by any sample that touches it)
-BAND_FLOORS = {"brightness": 0.01, "contrast": 0.01, "flicker": 0.01, "audio_loudness": 1.0, "audio_peak": 0.02,
-               "audio_clipping": 0.01, "audio_centroid": 10.0, "audio_silence": 0.02}
-DIVERSITY_FLOOR = 0.05  # relative: 5% of the reference's within-prompt diversity
 WORSE_MARGIN = 0.10
 SYNC_SHIFTS = (0, 1, 2, 4)
 # bench/quality_av.py's defaults: the CPU sizes of the minimax-h3 recipe
@@ -184,36 +178,44 @@ def teacher_samples(world: str, family, model, shift, labels, seed: int) -> torc
                         prompts.uncond(len(labels)), TEACHER_GUIDANCE)
 
 
-def features_at(family, model, x0, cond, us: dict[str, float]) -> dict[str, torch.Tensor]:
-    """Teacher features per modality, each at its own u."""
+def features_at(family, model, x0, cond, us: dict[str, float], index_offset: int = 0) -> dict[str, torch.Tensor]:
+    """Teacher features per modality, each at its own u (``evaluators.FEATURE_SEED``'s noise from
+    ``index_offset`` on)."""
     out = {}
     for u in sorted(set(us.values())):
-        feats = teacher_features(family, model, x0, cond, u=u, seed=0)
+        feats = teacher_features(family, model, finite(x0)[0], cond, u=u, seed=evaluators.FEATURE_SEED,
+                                 index_offset=index_offset)
         out.update({m: feats[m] for m, mu in us.items() if mu == u})
     return out
 
 
-def signal_features(world: str, family, model, x0, labels) -> dict[str, dict[str, torch.Tensor]]:
-    """{"signal": features at SIGNAL_U, "default_u": at u = 0.5} (the latter for H3 only)."""
-    cond = prompt_cond(world, labels)
-    out = {"signal": features_at(family, model, x0, cond, SIGNAL_U[world])}
-    if world == "av":
-        out["default_u"] = features_at(family, model, x0, cond, {m: DEFAULT_U for m in SIGNAL_U[world]})
-    return out
+def variants(world: str) -> dict[str, dict[str, float]]:
+    """The feature positions measured: the product's (``evaluators.FEATURE_U`` for every
+    modality, the headline), u = 0.25, and sigma 0.5 per modality (``SIGNAL_U``)."""
+    mods = SIGNAL_U[world]
+    return {PRODUCT: {m: evaluators.FEATURE_U for m in mods}, "u0.25": {m: 0.25 for m in mods}, "sigma0.5": dict(mods)}
 
 
-def drift_of(world: str, x0: torch.Tensor, feats: dict[str, torch.Tensor], labels) -> dict[str, float]:
-    """The drift statistics of decoded samples (saturation left out: every picture here is grey)
-    and the within-prompt diversity of their teacher features, per modality."""
+def all_features(world: str, family, model, x0, cond, index_offset: int = 0) -> dict[str, dict[str, torch.Tensor]]:
+    return {name: features_at(family, model, x0, cond, us, index_offset) for name, us in variants(world).items()}
+
+
+def decoded(world: str, x0: torch.Tensor):
+    """Samples as the product's decoders give them: digits images [N, 1, 8, 8]; sounding digits
+    {'video' [N, 1, F, H, W], 'audio' [N, 2, S], 'sample_rate'}."""
+    x0 = finite(x0)[0]
     if world == "digits":
-        stats = drift.picture_stats(x0.clamp(-1, 1))
-    else:
-        frames, audio = sd.decode(x0)
-        stats = {**drift.picture_stats(frames[:, None]),
-                 **{f"audio_{k}": v for k, v in drift.audio_stats(audio, SAMPLE_RATE).items()}}
-    stats.pop("saturation", None)
-    stats.update({f"{m}_diversity": v for m, v in drift.within_prompt_diversity(feats, labels).items()})
-    return stats
+        return x0.clamp(-1, 1)
+    frames, audio = sd.decode(x0)
+    return {"video": frames[:, None], "audio": audio, "sample_rate": SAMPLE_RATE, "fps": FPS}
+
+
+def eval_metrics(world: str, x0: torch.Tensor, feats: dict[str, torch.Tensor], labels) -> dict[str, float]:
+    """The product's drift metrics of an eval (``drift.media_stats``, keyed ``drift_<statistic>_<modality>``)
+    and the within-prompt diversity of its features (``diversity_<modality>``)."""
+    out = {f"drift_{k}": v for k, v in drift.pooled(drift.per_sample_stats(decoded(world, x0)))["value"].items()}
+    out.update({f"diversity_{m}": v for m, v in drift.within_prompt_diversity(feats, labels).items()})
+    return out
 
 
 def ground_truth(world: str, x0: torch.Tensor, labels) -> dict[str, float]:
@@ -253,31 +255,49 @@ def cached(run_dir: str, name: str, settings: dict, make):
 
 
 def reference(world: str, url: str, n: int, seed: int, run_dir: str) -> dict:
-    """The teacher's 50-step samples of eval seed ``seed``, their features and drift statistics."""
+    """The teacher's 50-step samples of eval seed ``seed``, their features and drift yardstick."""
     settings = {"world": world, "teacher": teacher_key(url), "n": n, "seed": seed, "steps": REFERENCE_STEPS,
-                "u": SIGNAL_U[world], "default_u": DEFAULT_U, "guidance": TEACHER_GUIDANCE, "v": 1}
+                "variants": variants(world), "guidance": TEACHER_GUIDANCE, "v": 3}
 
     def make():
         family, model, shift = load_teacher(world, url)
         labels = labels_for(world, n)
         x0 = teacher_samples(world, family, model, shift, labels, seed)
-        feats = signal_features(world, family, model, x0, labels)
-        return {"x0": x0, "features": feats, "drift": drift_of(world, x0, feats["signal"], labels)}
+        return {"x0": x0, "features": all_features(world, family, model, x0, prompt_cond(world, labels)),
+                "drift": drift.pooled(drift.per_sample_stats(decoded(world, x0)))}
 
     return cached(run_dir, f"reference-{world}", settings, make)
 
 
-def bands(world: str, url: str, n: int, run_dir: str) -> dict:
-    """Per statistic: the spread of the teacher reference's figure over BAND_DRAWS draws of n
-    samples (other eval seeds), and the band's half-width."""
-    draws = [reference(world, url, n, BAND_SEED + SEED_STRIDE * r, run_dir)["drift"] for r in range(BAND_DRAWS)]
-    out = {}
-    for stat in draws[0]:
-        values = np.array([d[stat] for d in draws], dtype=np.float64)
-        spread = float(np.nanstd(values, ddof=1))
-        floor = DIVERSITY_FLOOR * float(np.nanmean(values)) if stat.endswith("_diversity") else BAND_FLOORS[stat]
-        out[stat] = {"spread": spread, "half_width": max(BAND_K * math.sqrt(2) * spread, floor)}
-    return out
+def real_rows(world: str, url: str, n: int) -> tuple[torch.Tensor, dict]:
+    """``n`` rows of the world's real set (the GAN head's: digits' train split, the sounding-digits
+    teacher's real clips), a fixed random subset, with their conditions."""
+    if world == "digits":
+        from dmd2_core.toys import digits_world
+
+        real = digits_world.real_set()
+    else:
+        from dmd2_core.data import load_real_set
+
+        real = load_real_set(sounding_digits_teacher.ensure_real_set(url))
+    rows = torch.randperm(real.latents.shape[0], generator=torch.Generator().manual_seed(evaluators.REAL_ROWS_SEED))[:n]
+    return real.latents[rows], {k: v[rows] for k, v in real.cond.items()}
+
+
+def real_reference(world: str, url: str, n: int, n_drift: int, run_dir: str) -> dict:
+    """The second reference, as the teacher evaluator makes it (``evaluators.real_reference``):
+    the teacher's features of ``n`` real rows (re-noised from ``evaluators.REAL_NOISE_OFFSET``)
+    and the drift yardstick of the first ``n_drift`` of them."""
+    settings = {"world": world, "teacher": teacher_key(url), "n": n, "n_drift": n_drift, "variants": variants(world),
+                "v": 3}
+
+    def make():
+        family, model, _ = load_teacher(world, url)
+        x0, cond = real_rows(world, url, n)
+        return {"features": all_features(world, family, model, x0, cond, evaluators.REAL_NOISE_OFFSET),
+                "drift": drift.pooled(drift.per_sample_stats(decoded(world, x0[:n_drift])))}
+
+    return cached(run_dir, f"real-{world}", settings, make)
 
 
 # ---- students -------------------------------------------------------------------------------------
@@ -312,13 +332,13 @@ def overrides(world: str, spec: dict, seed: int, teacher: str, run_dir: str) -> 
 
 
 def student_job(job: dict) -> dict:
-    """One training run: its evaluations (ground truth on many samples; features and drift on the
-    signal's few; the final recipe clips' sync)."""
+    """One training run: at each of its evaluations the ground truth on many samples and the
+    signal's few samples themselves (``x``: their features, distances and drift are computed by
+    the main process, so another choice of features needs no retraining: ``--summarise-only``)."""
     torch.set_num_threads(1)
     start = time.perf_counter()
     world = job["world"]
     loop = ReferenceLoop(load_args("tiny" if world == "digits" else "minimax-h3", job["overrides"]))
-    teacher = loop.teacher  # the frozen teacher (no LoRA here: not a shared base)
     n_labels, gt_labels = labels_for(world, job["num_samples"]), labels_for(world, job["gt_samples"])
     evals = []
 
@@ -326,13 +346,11 @@ def student_job(job: dict) -> dict:
         with torch.no_grad():
             x_gt, ok_gt = finite(loop.sample(gt_labels.tolist(), job["gt_seed"]))
             x_sig, ok_sig = finite(loop.sample(n_labels.tolist(), job["signal_seed"]))
-            feats = signal_features(world, loop.family, teacher, x_sig, n_labels)
         line = {"world": world, "run": job["run"], "seed": job["seed"], "steps": job["steps"], "iteration": iteration,
-                "finite": ok_gt and ok_sig, "gt": ground_truth(world, x_gt, gt_labels),
-                "drift": drift_of(world, x_sig, feats["signal"], n_labels)}
+                "finite": ok_gt and ok_sig, "gt": ground_truth(world, x_gt, gt_labels)}
         if world == "av" and job["run"] == "recipe" and iteration == job["evals"][-1]:
             line["sync"] = sync_table(*sd.decode(x_gt))
-        evals.append({**line, "features": feats})
+        evals.append({**line, "x": x_sig})
         if job.get("progress"):
             with open(job["progress"], "a") as f:
                 f.write(json.dumps(line) + "\n")
@@ -364,97 +382,121 @@ def first_fd_worsening(fds: list[float]) -> int | None:
     return None
 
 
-def leaving(stats: dict, ref: dict, band: dict) -> list[str]:
-    out = []
-    for stat, b in band.items():
-        a, r = stats.get(stat, math.nan), ref.get(stat, math.nan)
-        if math.isnan(a) != math.isnan(r) or (not math.isnan(a) and abs(a - r) > b["half_width"]):
-            out.append(stat)
-    return out
-
-
 def r4(x):
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(float(x), 4)
 
 
-def summarise(results: list[dict], refs: dict, band: dict, ns, worlds: set) -> dict:
+MODALITIES = {"digits": [("image", "fd", 1.0)], "av": [("video", "frame_fd", 1.0), ("audio", "sound_acc", -1.0)]}
+TRUTH = {"digits": "fd", "av": "frame_fd"}
+FAILURES = {"digits": ("oversaturation", "collapse"), "av": ("collapse",)}
+
+
+def derive(results: list[dict], teachers: dict, ns) -> None:
+    """Per evaluation, in place: its samples' teacher features at every variant and the product's
+    eval metrics (drift, diversity)."""
+    for world, url in teachers.items():
+        family, model, _ = load_teacher(world, url)
+        labels = labels_for(world, ns.num_samples)
+        cond = prompt_cond(world, labels)
+        for r in (r for r in results if r["world"] == world):
+            for e in r["evals"]:
+                e["features"] = all_features(world, family, model, e["x"], cond)
+                e["metrics"] = eval_metrics(world, e["x"], e["features"][PRODUCT], labels)
+
+
+def distinct_students(results: list[dict], world: str, seed: int) -> list[tuple[str, dict]]:
+    """(run, evaluation) of a seed's distinct students: the 4-step iteration 0 once."""
+    rows, seen = [], set()
+    for r in sorted((r for r in results if r["world"] == world and r["seed"] == seed), key=lambda r: r["run"]):
+        for e in r["evals"]:
+            ident = ("iteration0", e["steps"]) if e["iteration"] == 0 else (r["run"], e["iteration"])
+            if ident not in seen:
+                seen.add(ident)
+                rows.append((r["run"], e))
+    return rows
+
+
+def ranking(results: list[dict], refs: dict, reals: dict, ns, worlds) -> dict:
+    """Per world, seed and student: the ground truth and the KIDs (against the teacher's samples
+    and against the real set, every variant); Spearman per modality, the mean over seeds."""
     out: dict = {}
-    modalities = {"digits": [("image", "fd", 1.0)], "av": [("video", "frame_fd", 1.0), ("audio", "sound_acc", -1.0)]}
     students: dict = {}
-    by_run = {}
-    for r in results:
-        by_run[(r["world"], r["run"], r["seed"])] = r["evals"]
-    for world, mods in modalities.items():
-        if world not in worlds:
-            continue
+    for world in worlds:
         students[world] = {}
         for seed in ns.seeds:
-            ref = refs[(world, seed)]
-            rows, seen = [], set()
-            for (w, run, s), ev in sorted(by_run.items()):
-                if w != world or s != seed:
-                    continue
-                for e in ev:
-                    ident = ("iteration0", e["steps"]) if e["iteration"] == 0 else (run, e["iteration"])
-                    if ident in seen:
-                        continue
-                    seen.add(ident)
-                    row = {"run": run, "steps": e["steps"], "iteration": e["iteration"], "finite": e["finite"],
-                           **{k: r4(v) for k, v in e["gt"].items() if k in ("fd", "frame_fd", "sound_acc", "acc", "agreement")}}
-                    for mod, _, _ in mods:
-                        row[f"kid_{mod}"] = r4(projected_kid(ref["features"]["signal"][mod], e["features"]["signal"][mod]))
-                        if "default_u" in ref["features"]:
-                            row[f"kid_{mod}_u0.5"] = r4(projected_kid(ref["features"]["default_u"][mod],
-                                                                      e["features"]["default_u"][mod]))
-                    rows.append(row)
+            ref, real = refs[(world, seed)], reals[world]
+            rows = []
+            for run, e in distinct_students(results, world, seed):
+                row = {"run": run, "steps": e["steps"], "iteration": e["iteration"], "finite": e["finite"],
+                       **{k: r4(v) for k, v in e["gt"].items() if k in ("fd", "frame_fd", "sound_acc", "acc")}}
+                for variant, (mod, _, _) in itertools.product(variants(world), MODALITIES[world]):
+                    suffix = "" if variant == PRODUCT else f"_{variant}"
+                    ours = e["features"][variant][mod]
+                    row[f"teacher_kid_{mod}{suffix}"] = r4(projected_kid(ref["features"][variant][mod], ours))
+                    row[f"real_kid_{mod}{suffix}"] = r4(projected_kid(real["features"][variant][mod], ours))
+                rows.append(row)
             students[world][str(seed)] = rows
-            for mod, truth, sign in mods:
-                gt = [sign * r[truth] for r in rows]
-                for suffix in ("", "_u0.5"):
-                    col = f"kid_{mod}{suffix}"
-                    if rows and col in rows[0]:
-                        out.setdefault(f"{world}_{mod}_spearman{suffix}_per_seed", []).append(
-                            r4(spearman([r[col] for r in rows], gt)))
             out.setdefault(f"{world}_num_students", []).append(len(rows))
-    for key in [k for k in out if k.endswith("_per_seed") and "spearman" in k]:
+            for mod, truth, sign in MODALITIES[world]:
+                gt = [sign * r[truth] for r in rows]
+                for kind, variant in itertools.product(("real_kid", "teacher_kid"), variants(world)):
+                    suffix = "" if variant == PRODUCT else f"_{variant}"
+                    col = f"{kind}_{mod}{suffix}"
+                    out.setdefault(f"{world}_{mod}_{kind}_spearman{suffix}_per_seed", []).append(
+                        r4(spearman([r[col] for r in rows], gt)))
+    for key in [k for k in out if k.endswith("_spearman_per_seed") or "_spearman_" in k and k.endswith("_per_seed")]:
         vals = [v for v in out[key] if v is not None]
         out[key.removesuffix("_per_seed")] = r4(sum(vals) / len(vals)) if vals else None
-    out["targets"] = {f"{k}_ge_0.8": out[k] is not None and out[k] >= 0.8
-                      for k in ("digits_image_spearman", "av_video_spearman", "av_audio_spearman") if k in out}
+    out["students"] = students
+    return out
 
-    # drift: each run's evaluations, the recipe run's iteration 0 in front of the failures'
-    truth_key = {"digits": "fd", "av": "frame_fd"}
-    drift_out = {}
-    for world, runs in (("digits", ("recipe", "oversaturation", "collapse")), ("av", ("recipe", "collapse"))):
-        if world not in worlds:
-            continue
-        for run in runs:
+
+def drift_runs(results: list[dict], refs: dict, reals: dict, ns, worlds) -> dict:
+    """The product's drift rule (``evaluators.drift_flags``) along each run: the recipe's iteration 0
+    is every run's start; the yardstick the real set's samples (these runs have a real set: the
+    product's choice), the teacher's reference beside it."""
+    by_run = {(r["world"], r["run"], r["seed"]): r["evals"] for r in results}
+    out: dict = {}
+    for world in worlds:
+        for run in ("recipe", *FAILURES[world]):
             name = ("" if world == "digits" else "av_") + ("healthy" if run == "recipe" else run)
             for seed in ns.seeds:
-                ev = list(by_run.get((world, run, seed), []))
-                if run != "recipe":
-                    zero = [e for e in by_run.get((world, "recipe", seed), []) if e["iteration"] == 0]
-                    ev = zero + ev
-                ref = refs[(world, seed)]["drift"]
-                flags = [leaving(e["drift"], ref, band[world]) for e in ev]
-                flag = next((i for i, f in enumerate(flags) if f), None)
-                fds = [e["gt"][truth_key[world]] for e in ev]
-                drift_out.setdefault(f"{name}_flag_eval", []).append(flag)
-                drift_out.setdefault(f"{name}_fd_worsens_eval", []).append(first_fd_worsening(fds))
-                drift_out.setdefault(f"{name}_history", []).append(
-                    [{"iteration": e["iteration"], truth_key[world]: r4(e["gt"][truth_key[world]]), "leaves": f,
-                      **{k: r4(v) for k, v in e["drift"].items()}} for e, f in zip(ev, flags)])
-    for failure in [f for f in ("oversaturation", "collapse", "av_collapse") if f"{f}_flag_eval" in drift_out]:
-        ok = []
-        for flag, worse in zip(drift_out[f"{failure}_flag_eval"], drift_out[f"{failure}_fd_worsens_eval"]):
-            ok.append(None if worse is None else flag is not None and flag <= worse)
-        drift_out[f"{failure}_flagged_at_or_before_fd_worsens"] = ok
-    out.update({k: v for k, v in drift_out.items() if not k.endswith("_history")})
-    out["drift_histories"] = {k.removesuffix("_history"): v for k, v in drift_out.items() if k.endswith("_history")}
-    out["bands"] = {w: {s: {"reference_spread": r4(b["spread"]), "half_width": r4(b["half_width"])} for s, b in bb.items()}
-                    for w, bb in band.items()}
-    out["reference_drift"] = {f"{w}_{s}": {k: r4(v) for k, v in refs[(w, s)]["drift"].items()} for (w, s) in refs}
-    out["students"] = students
+                zero = [e for e in by_run.get((world, "recipe", seed), []) if e["iteration"] == 0]
+                ev = zero + [e for e in by_run.get((world, run, seed), []) if e["iteration"] != 0]
+                fds = [e["gt"][TRUTH[world]] for e in ev]
+                out.setdefault(f"{name}_fd_worsens_eval", []).append(first_fd_worsening(fds))
+                for yard, yardstick in (("", reals[world]["drift"]), ("_teacher_yardstick", refs[(world, seed)]["drift"])):
+                    flags = [evaluators.drift_flags(e["metrics"], ev[0]["metrics"], yardstick) for e in ev]
+                    out.setdefault(f"{name}_flag_eval{yard}", []).append(next((i for i, f in enumerate(flags) if f), None))
+                    if not yard:
+                        out.setdefault("drift_histories", {}).setdefault(name, []).append(
+                            [{"iteration": e["iteration"], TRUTH[world]: r4(e["gt"][TRUTH[world]]), "flags": f,
+                              **{k: r4(v) for k, v in e["metrics"].items()}} for e, f in zip(ev, flags)])
+        out.setdefault("yardsticks", {})[world] = {
+            "real": {k: {"value": r4(v), "se": r4(reals[world]["drift"]["se"].get(k))}
+                     for k, v in reals[world]["drift"]["value"].items()},
+            **{f"teacher_seed{s}": {k: r4(v) for k, v in refs[(world, s)]["drift"]["value"].items()} for s in ns.seeds}}
+    for failure in [k.removesuffix("_flag_eval") for k in out if k.endswith("_flag_eval") and "healthy" not in k]:
+        out[f"{failure}_flagged_at_or_before_fd_worsens"] = [
+            None if worse is None else flag is not None and flag <= worse
+            for flag, worse in zip(out[f"{failure}_flag_eval"], out[f"{failure}_fd_worsens_eval"])]
+    for healthy in [k for k in out if k.endswith("healthy_flag_eval")]:
+        out[healthy.replace("_flag_eval", "_never_flagged")] = [f is None for f in out[healthy]]
+    return out
+
+
+def summarise(results: list[dict], refs: dict, reals: dict, ns, teachers: dict) -> dict:
+    worlds = [w for w in ("digits", "av") if w in teachers]
+    out = ranking(results, refs, reals, ns, worlds)
+    out.update(drift_runs(results, refs, reals, ns, worlds))
+    headline = [f"{w}_{m}_{kind}_spearman" for w in worlds for m, _, _ in MODALITIES[w] for kind in ("real_kid", "teacher_kid")]
+    out["targets"] = {
+        **{f"{k}_ge_0.8": out.get(k) is not None and out[k] >= 0.8 for k in headline},
+        **{f"{k}": all(v is not False for v in out[k]) and any(v for v in out[k])
+           for k in out if k.endswith("_flagged_at_or_before_fd_worsens")},
+        **{k: all(out[k]) for k in out if k.endswith("healthy_never_flagged")}}
+    if "av" in teachers:
+        out["sync"] = sync_figures(results, refs, ns)
     return out
 
 
@@ -475,6 +517,9 @@ def main() -> None:
     parser.add_argument("--collapse-lr-factor", type=float, default=30.0)
     parser.add_argument("--worlds", nargs="+", default=["digits", "av"], choices=["digits", "av"])
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--real-samples", type=int, default=512, help="real rows of the second reference (real_kid)")
+    parser.add_argument("--summarise-only", action="store_true",
+                        help="read the students' evaluations of the last run (--run-dir) instead of training them")
     parser.add_argument("--run-dir", default="runs/eval-signal")
     ns = parser.parse_args()
     torch.set_num_threads(1)
@@ -496,11 +541,11 @@ def main() -> None:
         sounding_digits_metrics.sound_classifier()
     digits_metrics.digits_classifier()  # trained once, before the workers race for it
 
-    refs, band = {}, {}
+    refs, reals = {}, {}
     for world, url in teachers.items():
         for seed in ns.seeds:
             refs[(world, seed)] = reference(world, url, ns.num_samples, ns.eval_seed + SEED_STRIDE * seed, ns.run_dir)
-        band[world] = bands(world, url, ns.num_samples, ns.run_dir)
+        reals[world] = real_reference(world, url, ns.real_samples, ns.num_samples, ns.run_dir)
     log(f"references ready ({time.perf_counter() - start:.0f}s)")
 
     gt_samples = dict(zip(("digits", "av"), ns.gt_samples))
@@ -514,34 +559,37 @@ def main() -> None:
     # the longest first: H3 iterations are ~3x the digits' and the recipe runs go furthest
     jobs.sort(key=lambda j: -max(j["evals"]) * (3 if j["world"] == "av" else 1))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    results = []
-    with mp.get_context("spawn").Pool(ns.workers) as pool:
-        for r in pool.imap_unordered(student_job, jobs):
-            results.append(r)
-            log(f"done: {r['world']} {r['run']} seed {r['seed']} in {r['wall_s']:.0f}s ({len(results)}/{len(jobs)})")
+    saved = os.path.join(ns.run_dir, "students.pt")  # every evaluation's samples and ground truth
+    if ns.summarise_only:
+        results = torch.load(saved)
+    else:
+        results = []
+        with mp.get_context("spawn").Pool(ns.workers) as pool:
+            for r in pool.imap_unordered(student_job, jobs):
+                results.append(r)
+                log(f"done: {r['world']} {r['run']} seed {r['seed']} in {r['wall_s']:.0f}s ({len(results)}/{len(jobs)})")
+        torch.save(results, saved)
 
-    out = summarise_worlds(results, refs, band, ns, teachers)
-    out.update({"num_samples": ns.num_samples, "gt_samples": gt_samples, "evals": evals, "seeds": ns.seeds,
-                "u": SIGNAL_U, "reference_steps": REFERENCE_STEPS, "band_k": BAND_K, "band_draws": BAND_DRAWS,
-                "worse_margin": WORSE_MARGIN, "oversaturation_guidance": ns.oversaturation_guidance,
+    derive(results, teachers, ns)
+    out = summarise(results, refs, reals, ns, teachers)
+    out.update({"num_samples": ns.num_samples, "real_samples": ns.real_samples, "gt_samples": gt_samples,
+                "evals": evals, "seeds": ns.seeds, "variants": {w: variants(w) for w in teachers}, "headline": PRODUCT,
+                "reference_steps": REFERENCE_STEPS, "band_k": evaluators.BAND_K, "worse_margin": WORSE_MARGIN, "oversaturation_guidance": ns.oversaturation_guidance,
                 "collapse_lr_factor": ns.collapse_lr_factor, "wall_s": round(time.perf_counter() - start, 1)})
     print(json.dumps(out))
 
 
-def summarise_worlds(results, refs, band, ns, teachers) -> dict:
-    """``summarise`` for the worlds that ran, plus the sync figures."""
-    present = set(teachers)
-    out = summarise(results, refs, band, ns, present)
+def sync_figures(results, refs, ns) -> dict:
+    """The stereo-balance sync of real clips, the teacher's and the final 4-step students', at
+    the shifts ``SYNC_SHIFTS`` (AV-Align has nothing to align on sounding digits)."""
     sync: dict = {"av_align": "not measurable on sounding digits: the tone is steady and the digit slides at "
                               "constant speed, so there are no sound onsets and no motion peaks to align"}
-    if "av" in present:
-        clips = sd.make_clips("test", 0)
-        sync["balance_sync_real_test_clips"] = sync_table(clips.frames, clips.audio)
-        sync["balance_sync_teacher_50"] = [sync_table(*sd.decode(refs[("av", s)]["x0"])) for s in ns.seeds]
-        sync["balance_sync_student_4_final"] = [e["sync"] for r in results if r["world"] == "av" and r["run"] == "recipe"
-                                                for e in r["evals"] if "sync" in e]
-    out["sync"] = sync
-    return out
+    clips = sd.make_clips("test", 0)
+    sync["balance_sync_real_test_clips"] = sync_table(clips.frames, clips.audio)
+    sync["balance_sync_teacher_50"] = [sync_table(*sd.decode(refs[("av", s)]["x0"])) for s in ns.seeds]
+    sync["balance_sync_student_4_final"] = [e["sync"] for r in results if r["world"] == "av" and r["run"] == "recipe"
+                                            for e in r["evals"] if "sync" in e]
+    return sync
 
 
 if __name__ == "__main__":

@@ -217,6 +217,9 @@ class Args(BaseModel):
         None, "eval", "Where the teacher's reference samples and features are cached (one entry per teacher and "
         "eval settings); default {save}/eval_reference. Share one URL across nights to sample the teacher once.")
     eval_reference_steps: int = _f(50, "eval", "The teacher's sampling steps for its reference samples.", ge=1)
+    eval_real_samples: int = _f(
+        256, "eval", "Rows of real_data the teacher evaluator also measures the student against (real_kid; "
+        "their teacher features are cached with the reference); 0: none.", ge=0)
     alert_regression_margin: float = _f(
         0.25, "eval", "A night whose best teacher-feature distance exceeds the previous nights' median by this "
         "fraction (or whose drift leaves its band) is reported as a regression.", ge=0)
@@ -254,6 +257,12 @@ class Args(BaseModel):
                 raise ValueError(f"{key}: {getattr(self, key)} is not supported: peft's adapter dropout draws its masks "
                                  "from torch's global generator, not the run's seeded streams, so a replay from a "
                                  "checkpoint and N ranks against 1 would train on different masks; set it to 0")
+        if self.micro_batch_size > self.global_batch_size:
+            raise ValueError(f"micro_batch_size: {self.micro_batch_size} is above global_batch_size "
+                             f"{self.global_batch_size}; set it to at most {self.global_batch_size}")
+        if self.run_name in ("", ".", "..") or any(c in self.run_name for c in "/\\\0"):
+            raise ValueError(f"run_name: {self.run_name!r} must be one path segment (no '/', not '.' or '..'): "
+                             "it names the run's actors and files")
         if self.gan_weight and not self.gan_critic_weight:
             raise ValueError("gan_critic_weight: must be > 0 when gan_weight is (the discriminator would never train)")
         return self

@@ -1,4 +1,8 @@
-"""`python -m dmd2_core` (console script `dmd2`): check a recipe, print each trainer's args."""
+"""`python -m dmd2_core` (console script `dmd2`): check a recipe, print each trainer's args.
+
+Every subcommand, and the flow's CLI (``flows.dmd2``), takes its options both ways: one option
+per flag (``--save URL``) and ``--set KEY=VALUE`` (the value parsed as YAML); a usage error is one
+line and exit 2."""
 
 from __future__ import annotations
 
@@ -26,44 +30,69 @@ def build_parser() -> ArgParser:
     plan = sub.add_parser("plan", help="the memory plan per group and rank, from the checkpoints' configs "
                           "(no weights loaded, no device needed); exit 2 when it does not fit")
     plan.add_argument("--recipe", required=True, help=f"recipe name ({', '.join(recipe_names())}) or YAML path")
-    plan.add_argument("--set", dest="set_items", action="append", default=[], metavar="KEY=VALUE",
-                      help="override one flag (value parsed as YAML); repeatable")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     add_arg_flags(plan)
     sub.add_parser("recipes", help="list the recipes")
     prep = sub.add_parser("prepare-prompts", help="encode a prompt list with the checkpoint's own text encoder")
-    prep.add_argument("--hf-checkpoint", required=True, help="diffusers pipeline directory (path or URL)")
-    prep.add_argument("--prompts-file", required=True, help="text file (path or URL), one prompt per line")
-    prep.add_argument("--out", required=True, help="where to write the prompt set (.safetensors, path or URL)")
+    prep.add_argument("--hf-checkpoint", help="diffusers pipeline directory (path or URL); required")
+    prep.add_argument("--prompts-file", help="text file (path or URL), one prompt per line; required")
+    prep.add_argument("--out", help="where to write the prompt set (.safetensors, path or URL); required")
     prep.add_argument("--negative-prompt", default="", help="the unconditional prompt for guidance (default empty)")
     prep.add_argument("--max-sequence-length", type=int, default=None, help="default: the pipeline's")
+    add_set_flag(prep, "set one of the options above, e.g. out=prompts.safetensors")
     lat = sub.add_parser("prepare-latents", help="encode images or clips with the checkpoint's own VAE, and their "
                          "captions with its text encoder, into a real set (the GAN head's real_data)")
-    lat.add_argument("--hf-checkpoint", required=True, help="diffusers pipeline directory with vae/ (path or URL)")
-    lat.add_argument("--images", required=True, help="directory (path or URL) of images, or clips for a video family")
-    lat.add_argument("--captions", required=True, help="text file: name<TAB>caption lines, or one caption per file in name order")
-    lat.add_argument("--out", required=True, help="where to write the real set (.safetensors, path or URL)")
+    lat.add_argument("--hf-checkpoint", help="diffusers pipeline directory with vae/ (path or URL); required")
+    lat.add_argument("--images", help="directory (path or URL) of images, or clips for a video family; required")
+    lat.add_argument("--captions", help="text file: name<TAB>caption lines, or one caption per file in name order; required")
+    lat.add_argument("--out", help="where to write the real set (.safetensors, path or URL); required")
     lat.add_argument("--latent-shape", type=int, nargs="+", default=None, help="[C, H, W] or [C, F, H, W]; default the model's")
     lat.add_argument("--num-frames", type=int, default=None, help="video + audio models: frames per clip (as the recipe's)")
     lat.add_argument("--height", type=int, default=None, help="video + audio models: clip height in pixels")
     lat.add_argument("--width", type=int, default=None, help="video + audio models: clip width in pixels")
     lat.add_argument("--negative-prompt", default="", help="the unconditional prompt for guidance (default empty)")
     lat.add_argument("--max-sequence-length", type=int, default=None, help="default: the pipeline's")
+    add_set_flag(lat, "set one of the options above, e.g. num_frames=16")
     return parser
+
+
+PREPARE_REQUIRED = {"prepare-prompts": ("hf_checkpoint", "prompts_file", "out"),
+                    "prepare-latents": ("hf_checkpoint", "images", "captions", "out")}
 
 
 # ---- CLI generated from the model -------------------------------------------------------------
 
 class ArgParser(argparse.ArgumentParser):
-    """argparse that reports any error as one line (with the nearest flag) and exits 2."""
+    """argparse that reports any error as one line (an unknown flag with the nearest one the
+    subcommand takes, never the refused flag itself) and exits 2."""
+
+    def parse_args(self, args=None, namespace=None):
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(unknown_flag(extras[0], _option_strings(chosen_subparser(self, ns) or self)))
+        return ns
 
     def error(self, message: str):  # noqa: D401 - argparse hook
         match = re.search(r"unrecognized arguments: (\S+)", message)
         if match:
-            flag = match.group(1).split("=")[0]
-            known = _option_strings(self)
-            message = f"unknown flag '{flag}'{nearest(flag, known)}"
-        self.exit(2, f"error: {message}\n")
+            message = unknown_flag(match.group(1), _option_strings(self))
+        self.exit(2, f"error: {' '.join(message.split())}\n")
+
+
+def unknown_flag(item: str, known: list[str]) -> str:
+    """The one line for an argument a parser does not take: the nearest flag it does take."""
+    flag = item.split("=")[0]
+    if not flag.startswith("-"):
+        return f"unexpected argument '{item}'"
+    return f"unknown flag '{flag}'{nearest(flag, [k for k in known if k != flag])}"
+
+
+def chosen_subparser(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Optional[argparse.ArgumentParser]:
+    """The subcommand's parser that parsed ``ns``, or None."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices.get(getattr(ns, action.dest, None))
+    return None
 
 
 def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
@@ -75,9 +104,16 @@ def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
     return found
 
 
+def add_set_flag(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument("--set", dest="set_items", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"{help} (value parsed as YAML); repeatable")
+
+
 def add_arg_flags(parser: argparse.ArgumentParser) -> None:
-    """One --flag per Args field, grouped. Values stay strings for the model to validate (so
-    errors name the key); unset flags stay absent so the recipe's value wins."""
+    """One --flag per Args field, grouped, and ``--set KEY=VALUE`` for any of them. Values stay
+    strings for the model to validate (so errors name the key); unset flags stay absent so the
+    recipe's value wins."""
+    add_set_flag(parser, "override one flag")
     groups: dict[str, argparse._ArgumentGroup] = {}
     for name, field in Args.model_fields.items():
         group_name = (field.json_schema_extra or {}).get("group", "other")
@@ -90,9 +126,38 @@ def add_arg_flags(parser: argparse.ArgumentParser) -> None:
         )
 
 
+def arg_overrides(ns: argparse.Namespace) -> dict:
+    """The Args overrides of a parse by ``add_arg_flags``: the per-flag options, then ``--set``."""
+    overrides = {k: v for k, v in vars(ns).items() if k in Args.model_fields}
+    overrides.update(parse_set(getattr(ns, "set_items", [])))
+    return overrides
+
+
+def apply_set_to_options(parser: argparse.ArgumentParser, ns: argparse.Namespace, required: tuple = ()) -> None:
+    """``--set KEY=VALUE`` onto a subcommand's own options (its types applied), then the
+    ``required`` ones checked: each failure one line naming the key."""
+    actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "set_items")}
+    for key, value in parse_set(ns.set_items).items():
+        action = actions.get(key)
+        if action is None:
+            raise ArgsError(f"unknown key '{key}' in --set{nearest(key, sorted(actions))}")
+        if action.type is not None and value is not None:
+            try:
+                value = [action.type(v) for v in value] if isinstance(value, list) else action.type(value)
+            except (TypeError, ValueError):
+                raise ArgsError(f"invalid value for '{key}' in --set: {value!r}") from None
+        setattr(ns, key, value)
+    for key in required:
+        if getattr(ns, key, None) is None:
+            raise ArgsError(f"--{key.replace('_', '-')} is not set (or --set {key}=...)")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
     try:
+        if ns.command in PREPARE_REQUIRED:
+            apply_set_to_options(chosen_subparser(parser, ns), ns, PREPARE_REQUIRED[ns.command])
         if ns.command == "recipes":
             print("\n".join(recipe_names()))
             return 0
@@ -117,9 +182,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(json.dumps({"out": ns.out, "samples": len(real), "latents": list(real.latents.shape[1:]),
                               "shapes": {k: list(v.shape) for k, v in real.cond.items()}}))
             return 0
-        overrides = {k: v for k, v in vars(ns).items() if k not in ("command", "recipe", "deep", "set_items", "json")}
-        overrides.update(parse_set(getattr(ns, "set_items", [])))
-        args = load_args(ns.recipe, overrides)
+        args = load_args(ns.recipe, arg_overrides(ns))
         if ns.command == "plan":
             from dmd2_core.run import preflight_checks
             from dmd2_core.memory import planner

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from safetensors.torch import load, save
@@ -57,6 +57,84 @@ def read_safetensors(url: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]
     tensors = load(data)
     header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
     return tensors, header.get("__metadata__") or {}
+
+
+class StoredRows:
+    """The tensors of a set file (a prompt or real set: one safetensors file, row i of each tensor
+    the i-th sample's) whose rows are read only when asked for, and only those: one ranged read per
+    run of consecutive rows (a seek locally, a Range request on an object store, as a trainer
+    reads its weight shards), so a reader's host memory holds the rows it uses, not the set."""
+
+    def __init__(self, url: str):
+        from dmd2_core.models.weight_files import WeightFiles, file_tensors
+
+        tensors, self.metadata = file_tensors(url)
+        self.url, self.files = url, WeightFiles.of_file(url, tensors)
+        self.shapes = {k: t.shape for k, t in tensors.items()}
+
+    def rows(self, keys: Sequence[str], index) -> dict[str, torch.Tensor]:
+        """``{key: tensor[index]}`` for each key (``index``: row numbers, in any order, repeats allowed)."""
+        index = torch.as_tensor(index, dtype=torch.long).reshape(-1)
+        if not keys:
+            return {}
+        n = self.shapes[keys[0]][0]
+        if len(index) and (int(index.min()) < 0 or int(index.max()) >= n):
+            raise IndexError(f"{self.url}: rows {index.tolist()} out of its {n}")
+        unique, inverse = torch.unique(index, return_inverse=True)
+        runs: list[list[int]] = []  # [start, stop) of each run of consecutive rows
+        for row in unique.tolist():
+            if runs and runs[-1][1] == row:
+                runs[-1][1] += 1
+            else:
+                runs.append([row, row + 1])
+        pieces = {(name, lo): rows for name, lo, _, rows in self.files.read_rows([(k, a, b) for k in keys for a, b in runs])}
+        out = {}
+        for key in keys:
+            parts = [pieces[(key, a)] for a, _ in runs]
+            whole = torch.cat(parts) if parts else torch.empty((0, *self.shapes[key][1:]),
+                                                               dtype=self.files.tensor(key).dtype)
+            out[key] = whole[inverse]
+        return out
+
+    def whole(self, key: str) -> torch.Tensor:
+        return self.rows([key], torch.arange(self.shapes[key][0]))[key]
+
+
+class StoredPromptSet:
+    """A prompt set file as a trainer reads it: the negative entry and the texts at once (small),
+    each row of the embeddings only when ``cond`` asks for it (``StoredRows``). Its ``cond`` and
+    ``uncond`` give what a loaded ``PromptSet``'s give."""
+
+    def __init__(self, url: str):
+        self.stored = StoredRows(url)
+        shapes, meta = self.stored.shapes, self.stored.metadata
+        self.keys = [k for k in shapes if not k.startswith("negative_")]
+        negative_keys = [k for k in shapes if k.startswith("negative_")]
+        if "prompt_embeds" not in self.keys or (negative_keys and {k.removeprefix("negative_") for k in negative_keys}
+                                                != set(self.keys)):
+            raise ValueError(f"{url}: a prompt set needs prompt_embeds and a negative_ entry for each key (or none: "
+                             "a guidance-distilled model's set)")
+        self.negative = {k.removeprefix("negative_"): self.stored.whole(k) for k in negative_keys}
+        self.size = shapes["prompt_embeds"][0]
+        self.prompts = json.loads(meta.get("prompts", "[]")) or [f"prompt {i}" for i in range(self.size)]
+        self.evaluator = None
+
+    def __len__(self) -> int:
+        return self.size
+
+    def cond(self, indices) -> dict[str, torch.Tensor]:
+        return self.stored.rows(self.keys, indices)
+
+    def uncond(self, n: int) -> dict[str, torch.Tensor]:
+        return {k: v.expand(n, *v.shape[1:]).clone() for k, v in self.negative.items()}
+
+
+def open_prompt_set(url: str):
+    """The prompt set a trainer conditions on: a built-in set (in memory), or a set file read row
+    by row as it is used (``StoredPromptSet``). ``load_prompt_set`` reads a file whole."""
+    if url in BUILTIN_SETS:
+        return builtin_set(url).prompt_set()
+    return StoredPromptSet(url)
 
 
 def builtin_set(name: Optional[str]):
@@ -110,6 +188,29 @@ def load_real_set(url: str) -> RealSet:
     tensors, _ = read_safetensors(url)
     latents = tensors.pop(REAL_LATENTS)
     return RealSet(latents.float(), {k: v.float() for k, v in tensors.items() if not k.startswith("negative_")})
+
+
+class StoredRealSet:
+    """A real set file as the critic's GAN head reads it: each batch's rows only (``StoredRows``),
+    in float32 as ``load_real_set`` gives them."""
+
+    def __init__(self, url: str):
+        self.stored = StoredRows(url)
+        self.keys = [k for k in self.stored.shapes if not k.startswith("negative_") and k != REAL_LATENTS]
+
+    def __len__(self) -> int:
+        return self.stored.shapes[REAL_LATENTS][0]
+
+    def batch(self, index: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        rows = {k: v.float() for k, v in self.stored.rows([REAL_LATENTS, *self.keys], index).items()}
+        return rows.pop(REAL_LATENTS), rows
+
+
+def open_real_set(url: str):
+    """The real set a critic reads: a built-in set (in memory), or a set file read batch by batch."""
+    if url in BUILTIN_SETS:
+        return builtin_set(url).real_set()
+    return StoredRealSet(url)
 
 
 def safetensors_shapes(url: str) -> dict[str, list[int]]:

@@ -52,6 +52,12 @@ class StorageUnavailableError(RuntimeError):
     failure (worth a retry of the task), not bad input."""
 
 
+class TransientError(RuntimeError):
+    """A runtime failure that a retry from the latest checkpoint may get past (a storage blip, a
+    failed write): what the other ranks of a trainer group raise when one of them hits one, so the
+    group's failure is retried whichever rank it began on."""
+
+
 class RayWorkError(RuntimeError):
     """Ray work failed (an actor died, a call timed out); retrying recovers from the checkpoint."""
 

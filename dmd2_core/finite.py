@@ -1,8 +1,10 @@
 """Non-finite values: a step whose loss or gradient norm is NaN/inf is skipped (no optimizer and
 no EMA update) and counted; too many skips in a row fail the run; nothing non-finite is saved.
 
-The trainer keeps one ``NonFiniteCounter`` per rank. All ranks see the same all-reduced gradient
-norm and the all-reduced loss flag, so they skip the same steps and stay in lockstep.
+The trainer keeps one ``NonFiniteCounter`` per rank, and a critic with a GAN head one more for
+the head's own steps (``gan_nonfinite``), limited by the same ``max_nonfinite_steps``. All ranks
+see the same all-reduced gradient norm and the all-reduced loss flag, so they skip the same steps
+and stay in lockstep.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> Optional[tuple
 class NonFiniteCounter:
     """Skipped steps of one trainer: in total, in the current train call, and in a row."""
 
-    def __init__(self, role: str, limit: int):
-        self.role, self.limit = role, int(limit)
+    def __init__(self, role: str, limit: int, key: str = "nonfinite"):
+        """``key``: the prefix of this counter's entries in a checkpoint's ``extra``."""
+        self.role, self.limit, self.key = role, int(limit), key
         self.total = 0
         self.in_a_row = 0
         self.this_call = 0
@@ -68,8 +71,8 @@ class NonFiniteCounter:
             )
 
     def state(self) -> dict:
-        return {"nonfinite_steps": self.total, "nonfinite_in_a_row": self.in_a_row}
+        return {f"{self.key}_steps": self.total, f"{self.key}_in_a_row": self.in_a_row}
 
     def load(self, extra: dict) -> None:
-        self.total = int(extra.get("nonfinite_steps", 0))
-        self.in_a_row = int(extra.get("nonfinite_in_a_row", 0))
+        self.total = int(extra.get(f"{self.key}_steps", 0))
+        self.in_a_row = int(extra.get(f"{self.key}_in_a_row", 0))

@@ -11,9 +11,10 @@ from dmd2_core.media.images import data_uri
 from dmd2_core.report import _v, best_eval, criterion, round_sig
 
 
-PER_MODALITY = ("teacher_kid_video", "teacher_kid_audio", "teacher_kid_image")
+PER_MODALITY = ("real_kid_video", "real_kid_audio", "real_kid_image",
+                "teacher_kid_video", "teacher_kid_audio", "teacher_kid_image")
 TOY_COLUMNS = ("acc", "diversity", "sound_acc", "agreement")
-NAMES = {"teacher_kid": "teacher KID", "fd": "FD", "frame_fd": "frame FD"}
+NAMES = {"real_kid": "real-set KID", "teacher_kid": "teacher KID", "fd": "FD", "frame_fd": "frame FD"}
 
 
 def night_row(view: dict, outcome: str, wall_s: float, run_id: str, link: Optional[str], date: str) -> dict:

@@ -23,8 +23,10 @@ SEGMENT_ITERATIONS = 100  # lines per segment file: the open one is rewritten, i
 # An eval's quality figures (evaluation.evaluators), shown where present: the teacher evaluator's
 # distances and drift count, the toy worlds' ground truth. Lower is better for each of CRITERIA,
 # and the first an eval has is the run's criterion for its best student.
-CRITERIA = ("teacher_kid", "fd", "frame_fd")
-QUALITY_KEYS = ("teacher_kid", "teacher_kid_video", "teacher_kid_audio", "teacher_kid_image", "drift_out",
+# With a real set the run distils towards it (its GAN head's data): the real-set KID comes first.
+CRITERIA = ("real_kid", "teacher_kid", "fd", "frame_fd")
+QUALITY_KEYS = ("real_kid", "real_kid_video", "real_kid_audio", "real_kid_image",
+                "teacher_kid", "teacher_kid_video", "teacher_kid_audio", "teacher_kid_image", "drift_out",
                 "fd", "acc", "diversity", "frame_fd", "sound_acc", "agreement")
 TABLE_COLUMNS = ("iteration", "dmd2_loss", "critic_loss", "dmd2_grad_norm", "actor_grad_norm",
                  "fd", "iteration_s")
@@ -160,7 +162,8 @@ PLOT_PANELS = (  # one scale a panel: dmd2_loss (~1e-8) beside critic_loss (~2.5
     ("DMD2 loss", ("dmd2_loss",)),
     ("critic loss", ("critic_loss",)),
     ("grad norms (log)", ("dmd2_grad_norm", "actor_grad_norm", "critic_grad_norm")),
-    ("teacher feature distance (lower is better)", ("teacher_kid_video", "teacher_kid_audio", "teacher_kid_image")),
+    ("KID to the real set, teacher features (lower is better)", ("real_kid_video", "real_kid_audio", "real_kid_image")),
+    ("KID to the teacher's samples (lower is better)", ("teacher_kid_video", "teacher_kid_audio", "teacher_kid_image")),
     ("drift statistics out of band", ("drift_out",)),
     ("FD", ("fd",)),
     ("accuracy, diversity", ("acc", "diversity")),
@@ -307,8 +310,12 @@ def summary_markdown(s: dict) -> str:
                 out += [f"[full size]({m['link']}) (link expires)", ""]
             if m.get("video_url") and str(m.get("play", "")).startswith(("http://", "https://")):
                 out += [f"[MP4 with sound]({m['play']}) (stored at `{m['video_url']}`)", ""]
-            elif m.get("video_url"):  # a local path: a link to it would open a page of the UI's, not the clip
-                out += [f"MP4 with sound: `{m['video_url']}` (local storage: open it with a video player)", ""]
+            elif m.get("inline_video"):  # a local path: a link to it would open a page of the UI's, not the clip
+                out += [f'<div><video controls preload="metadata" src="{m["inline_video"]}"></video></div>', "",
+                        f"MP4 with sound, played in place (stored at `{m['video_url']}`)", ""]
+            elif m.get("video_url"):
+                out += [f"MP4 with sound: `{m['video_url']}` (local storage, too large to play in place: open it "
+                        "with a video player)", ""]
     if s.get("plot"):
         out += ["## Losses, grad norms and quality", "", f"![metrics plot]({data_uri(s['plot'], 'image/png')})", ""]
     if evals:
@@ -348,10 +355,17 @@ def summary_markdown(s: dict) -> str:
 
 
 def drift_table(reference: dict, latest: dict, flags: list[str]) -> list[str]:
-    """The latest eval's drift statistics beside the teacher's own (its reference samples)."""
-    out = ["## Drift against the teacher (latest eval)", "", "| statistic | teacher | student | in band |", "|---|---|---|---|"]
-    for key, teacher in sorted(reference.items()):
+    """The latest eval's drift statistics beside the yardstick's (the real set's samples, or the
+    teacher's reference samples: ``drift.pooled``), and whether each is in its band
+    (``evaluators.drift_flags``)."""
+    source = "real set" if reference.get("source") == "real" else "teacher"
+    out = [f"## Drift against the {source} (latest eval)", "",
+           f"| statistic | {source} | ± (standard error) | student | in band |", "|---|---|---|---|---|"]
+    for key, value in sorted((reference.get("value") or {}).items()):
         student = latest.get(f"drift_{key}")
-        out.append(f"| {key} | {_v(round_sig(teacher))} | {'' if student is None else _v(round_sig(student))} | "
-                   f"{'no' if f'drift_{key}' in flags else 'yes'} |")
+        out.append(f"| {key} | {_v(round_sig(value))} | {_v(round_sig((reference.get('se') or {}).get(key)))} | "
+                   f"{'' if student is None else _v(round_sig(student))} | {'no' if f'drift_{key}' in flags else 'yes'} |")
+    collapsed = [k for k in flags if k.startswith("diversity_")]
+    if collapsed:
+        out += ["", f"Within-prompt diversity fell steeply from the first eval's (collapsing): {', '.join(collapsed)}."]
     return out + [""]

@@ -4,6 +4,7 @@
     {save}/latest_checkpointed_iteration.txt   the run tracker: the iteration every trainer saved
     {save}/trainers/{role}/iter_{i:07d}/       a trainer's checkpoint (drawn in dmd2_core/checkpoint)
     {save}/exports/iter_{i:07d}/               the student as a diffusers pipeline or LoRA (export/)
+    {save}/exports/iter_{i:07d}.staging-{n}/   an export being written, swapped in once complete
     {save}/best_student.json                   the run's best eval and its export: retention keeps it
     {save}/metrics.jsonl, {save}/metrics/      the metrics log and its segments (report.py)
     {save}/media/iter_{i:07d}[_p{prompt}].*    eval media (media/eval_media.py)
@@ -20,6 +21,7 @@ COMPLETE_NAME = "complete.json"
 STATE_NAME = "trainer_state.pt"
 DCP_DIR = "dcp"
 EXPORT_MARKER_NAME = "export.json"
+EXPORT_STAGING_SEP = ".staging-"  # {save}/exports/iter_{i:07d}.staging-{nonce}/: an export being written
 STATE_FILES = (STATE_NAME, f"{DCP_DIR}/.metadata")  # small: hashed on the driver before any actor starts
 
 

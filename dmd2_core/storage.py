@@ -27,7 +27,6 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -81,26 +80,6 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
-_bounds = threading.local()  # this thread's (deadline, why) from ``bounded_by``
-
-
-@contextlib.contextmanager
-def bounded_by(deadline: Callable[[], float], why: str) -> Iterator[None]:
-    """This thread's storage calls in the block stop retrying once ``deadline()`` (monotonic,
-    read at each attempt) has passed: StorageUnavailableError naming ``why``."""
-    previous = getattr(_bounds, "value", None)
-    _bounds.value = (deadline, why)
-    try:
-        yield
-    finally:
-        _bounds.value = previous
-
-
-def _bound() -> tuple[float, str]:
-    bound = getattr(_bounds, "value", None)  # set by bounded_by
-    return (bound[0](), bound[1]) if bound is not None else (float("inf"), "")
-
-
 def retrying(fn: Callable[[], T], what: str, budget_s: float | None = None) -> T:
     """``fn()``, retried with exponential backoff while it fails with transient errors."""
     budget = RETRY_S if budget_s is None else budget_s
@@ -108,18 +87,12 @@ def retrying(fn: Callable[[], T], what: str, budget_s: float | None = None) -> T
     delay = RETRY_FIRST_DELAY_S
     attempt = 0
     while True:
-        bound, why = _bound()
-        if time.monotonic() > bound:
-            raise StorageUnavailableError(f"{what}: not attempted: {why}")
         try:
             return fn()
         except Exception as exc:  # noqa: BLE001 - classified below
             if not is_transient(exc):
                 raise
             attempt += 1
-            bound, why = _bound()
-            if time.monotonic() + delay > bound:
-                raise StorageUnavailableError(f"{what}: storage unavailable, no retry: {why} ({one_line(exc)})") from exc
             if time.monotonic() + delay > deadline:
                 raise StorageUnavailableError(
                     f"{what}: storage unavailable for {budget:.0f} s ({one_line(exc)})") from exc
@@ -188,6 +161,12 @@ def read_bytes(url: str) -> bytes:
 
 
 MAX_SAFETENSORS_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
+# bits per element of every dtype a safetensors header may name
+SAFETENSORS_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16,
+    "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}
 
 
 def read_safetensors_header(url: str) -> tuple[dict, int]:
@@ -235,7 +214,25 @@ def safetensors_layout(url: str) -> tuple[dict, int, int]:
         if offsets[1] > data_size:
             raise SafetensorsHeaderError(f"truncated: tensor '{key}' ends at byte {offsets[1]} of the data, the file "
                                          f"holds {data_size} (cut off while it was written or downloaded)")
+        _check_span(key, info, offsets)
     return entries, data_size, 8 + len(header)
+
+
+def _check_span(key: str, info: dict, offsets: list[int]) -> None:
+    """A tensor's shape x dtype is exactly its byte span: a larger one would read the next
+    tensor's bytes, a smaller one leaves bytes nobody reads."""
+    shape, dtype = info.get("shape"), info.get("dtype")
+    if not (isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)):
+        raise SafetensorsHeaderError(f"tensor '{key}' has no valid shape ({shape!r})")
+    if dtype not in SAFETENSORS_DTYPE_BITS:
+        raise SafetensorsHeaderError(f"tensor '{key}' has an unknown dtype {dtype!r}")
+    bits = SAFETENSORS_DTYPE_BITS[dtype]
+    for n in shape:
+        bits *= n
+    span = offsets[1] - offsets[0]
+    if bits != span * 8:
+        raise SafetensorsHeaderError(f"tensor '{key}' ({dtype} {shape}) needs {bits / 8:g} bytes, its data_offsets "
+                                     f"span {span}")
 
 
 def read_ranges(ranges: list[tuple[str, int, int]]) -> list[bytes | bytearray]:
@@ -282,7 +279,7 @@ def read_text(url: str) -> str:
     return read_bytes(url).decode()
 
 
-def write_bytes(url: str, data: bytes, content_type: Optional[str] = None) -> None:
+def write_bytes(url: str, data: bytes, content_type: Optional[str] = None, budget_s: Optional[float] = None) -> None:
     """Write a file so readers see the old content or the new one, never a torn one: local files
     go through a temp name and an atomic rename; object stores put whole objects (with
     ``content_type`` when given, so a browser shows media instead of downloading octet-stream)."""
@@ -290,7 +287,7 @@ def write_bytes(url: str, data: bytes, content_type: Optional[str] = None) -> No
         def put():
             fs, path = filesystem(url)
             fs.pipe_file(path, data, **({"ContentType": content_type} if content_type else {}))
-        retrying(put, f"write {url}")
+        retrying(put, f"write {url}", budget_s)  # budget_s: retries end with it (default RETRY_S)
         return
     fs, path = filesystem(url)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -307,8 +304,8 @@ def write_bytes(url: str, data: bytes, content_type: Optional[str] = None) -> No
         raise
 
 
-def write_text(url: str, text: str) -> None:
-    write_bytes(url, text.encode())
+def write_text(url: str, text: str, budget_s: Optional[float] = None) -> None:
+    write_bytes(url, text.encode(), budget_s=budget_s)
 
 
 def upload_dir(local_dir: str | Path, url: str) -> None:

@@ -44,6 +44,8 @@ import statistics
 from datetime import timedelta
 from typing import Any, Optional
 
+from dmd2_core.nights_view import NAMES
+
 ALERT_AUTOMATION = "dmd2: tell a person when a run fails"
 REGRESSION_AUTOMATION = "dmd2: tell a person when a night regresses"
 STALE_AUTOMATION = "dmd2: tell a person when a deployment has no completed night"
@@ -131,8 +133,9 @@ def _plural(n: int, word: str) -> str:
 def night_regression(previous_rows: list[dict], row: dict, margin: float) -> Optional[str]:
     """Why this night (a row of the nights view) regressed, in one line; None when it did not.
 
-    - Its best teacher-feature distance ``row["best_tkd"]`` (KID, lower is better) against the
-      median ``m`` of the previous nights' (rows with a finite number, failed nights left out: their
+    - Its best figure by its criterion ``row["best"]`` (``row["criterion"]``: the real-set or
+      teacher KID, else the toy worlds' FD; lower is better) against the median ``m`` of the
+      previous nights' by the same criterion (rows with a finite number, failed nights left out: their
       best is an early one; at least one night): a regression when ``best > m + margin * s``. For
       ``m > 0``, ``s = m``: the relative rule ``best > m * (1 + margin)``. For ``m <= 0`` (the
       unbiased KID is at its noise floor: the student matches the teacher's features) a relative
@@ -143,19 +146,21 @@ def night_regression(previous_rows: list[dict], row: dict, margin: float) -> Opt
 
     Missing numbers (no best, no previous night with one) are no regression."""
     reasons = []
-    best = _number(row.get("best_tkd"))
-    values = [v for r in previous_rows
-              if not str(r.get("outcome") or "").startswith("failed") and (v := _number(r.get("best_tkd"))) is not None]
+    key = row.get("criterion")
+    name = NAMES.get(key, key)
+    best = _number(row.get("best"))
+    values = [v for r in previous_rows if r.get("criterion") == key
+              and not str(r.get("outcome") or "").startswith("failed") and (v := _number(r.get("best"))) is not None]
     if best is not None and values:
         median = statistics.median(values)
         scale = median if median > 0 else max(abs(median), max(values) - min(values))
         if best > median + margin * scale:
             nights = _plural(len(values), "previous night")
             if median > 0:
-                reasons.append(f"best teacher KID {best:.3g} is {100 * (best / median - 1):.0f}% above the median "
+                reasons.append(f"best {name} {best:.3g} is {100 * (best / median - 1):.0f}% above the median "
                                f"{median:.3g} of {nights} (margin {100 * margin:.0f}%)")
             else:
-                reasons.append(f"best teacher KID {best:.3g} is {best - median:.3g} above the median {median:.3g} of "
+                reasons.append(f"best {name} {best:.3g} is {best - median:.3g} above the median {median:.3g} of "
                                f"{nights}, more than {100 * margin:.0f}% of their spread {scale:.3g}")
     drift = row.get("drift_out") or []
     drift = [drift] if isinstance(drift, str) else [str(d) for d in drift]

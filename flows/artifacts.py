@@ -67,6 +67,19 @@ def _update(artifact_id, data: Any, description: Optional[str] = None) -> None:
         client.update_artifact(artifact_id, update)
 
 
+SUMMARY_MAX_CHARS = 1_000_000  # Prefect refuses an artifact whose event passes 1.5 MB (EventTooLarge)
+
+
+def summary_text(state: dict) -> str:
+    """The run summary's markdown; without the clips played in place when it would be too large
+    for Prefect (they stay named, and stored at their URL)."""
+    text = report.summary_markdown(state)
+    if len(text) > SUMMARY_MAX_CHARS:
+        media = [{k: v for k, v in m.items() if k != "inline_video"} for m in state.get("media") or []]
+        text = report.summary_markdown({**state, "media": media})
+    return text
+
+
 class RunArtifacts:
     """The run's artifacts. Create it inside the parent flow run (so they belong to it); update it
     from anywhere in the same process, subflows included."""
@@ -81,11 +94,11 @@ class RunArtifacts:
         old = existing_artifacts(flow_run_id, keys)
         if len(old) == len(KINDS):  # a crash rerun of this flow run: the same artifacts, from where it resumed
             self.summary_id, self.metrics_id, self.progress_id = old["summary"], old["metrics"], old["progress"]
-            _update(self.summary_id, report.summary_markdown(summary))
+            _update(self.summary_id, summary_text(summary))
             self.progress(done, force=True)
             return
         # Created in reading order; the UI lists a run's artifacts by id, so they are kept few.
-        self.summary_id = create_markdown_artifact(markdown=report.summary_markdown(summary), key=keys["summary"],
+        self.summary_id = create_markdown_artifact(markdown=summary_text(summary), key=keys["summary"],
                                                    description=f"DMD2 run summary: {summary['name']}")
         self.metrics_id = create_table_artifact(table=[{"iteration": done}], key=keys["metrics"],
                                                 description=self._metrics_description(0))
@@ -113,7 +126,7 @@ class RunArtifacts:
         most report.PLOT_POINTS / TABLE_ROWS rows, so a publish costs the same late in a run as early."""
         self.state["updated"] = _now()
         self.state["plot"] = report.plot_png(report.thin(rows, report.PLOT_POINTS), title=self.state["name"])
-        _update(self.summary_id, report.summary_markdown(self.state))
+        _update(self.summary_id, summary_text(self.state))
         table = report.metrics_table(rows[-report.TABLE_ROWS:])
         _update(self.metrics_id, json.dumps(table), self._metrics_description(len(rows)))
 

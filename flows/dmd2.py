@@ -33,7 +33,6 @@ from flows.environment import configure_environment
 if __name__ == "__main__":  # the CLI: Prefect and Ray read these settings when they are imported
     configure_environment()
 
-import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
@@ -48,8 +47,10 @@ from typing import Any, Optional  # noqa: E402
 import torch  # noqa: E402
 from prefect import flow, get_run_logger, tags  # noqa: E402
 
-from dmd2_core.args import Args, load_args, parse_set  # noqa: E402
-from dmd2_core.errors import ArgsError, LeaseLostError, NonFiniteError, StorageUnavailableError, StoredFilesError  # noqa: E402
+from dmd2_core.args import Args, load_args  # noqa: E402
+from dmd2_core.errors import (  # noqa: E402
+    ArgsError, LeaseLostError, NonFiniteError, StorageUnavailableError, StoredFilesError, TransientError,
+)
 from dmd2_core.run.distill_run import DistillRun  # noqa: E402
 from dmd2_core.run.preflight import hand_over  # noqa: E402
 from dmd2_core.report import QUALITY_KEYS  # noqa: E402
@@ -300,15 +301,12 @@ def dmd2(
 # ---- CLI --------------------------------------------------------------------------------------
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flows.dmd2", description="Run the dmd2 Prefect flow.")
+    from dmd2_core.cli import ArgParser, add_arg_flags, arg_overrides
+
+    parser = ArgParser(prog="python -m flows.dmd2", description="Run the dmd2 Prefect flow: every flag of a run "
+                       "as its own option (--save URL) or as --set KEY=VALUE (`python -m dmd2_core --help` lists them).")
     parser.add_argument("--recipe", default="tiny", help="Recipe name under deployments/recipes or a YAML path.")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="Override one flag (value parsed as YAML); repeatable.")
-    parser.add_argument("--num-iterations", type=int)
-    parser.add_argument("--hf-checkpoint")
-    parser.add_argument("--save")
-    parser.add_argument("--prompts")
-    parser.add_argument("--seed", type=int)
+    add_arg_flags(parser)
     ns = parser.parse_args(argv)
     from dmd2_core.run import reaper
     from flows.console import tracebacks_to_file
@@ -320,14 +318,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         return f"error: {exc}{where}"
 
     try:
-        overrides = parse_set(ns.overrides)
-        flat = dict(num_iterations=ns.num_iterations, hf_checkpoint=ns.hf_checkpoint, save=ns.save,
-                    prompts=ns.prompts, seed=ns.seed)
-        hand_over(resolve_args(ns.recipe, overrides, **flat))  # fail fast, before Prefect starts; the flow's run reuses it
+        overrides = arg_overrides(ns)
+        hand_over(resolve_args(ns.recipe, overrides))  # fail fast, before Prefect starts; the flow's run reuses it
         if argv is None:  # a process of its own: no orphans, one line on SIGINT/SIGTERM
             reaper.watch()
             reaper.raise_on_signals()
-        summary = dmd2(recipe=ns.recipe, overrides=overrides or None, **flat)
+        summary = dmd2(recipe=ns.recipe, overrides=overrides or None)
     except (ArgsError, StoredFilesError) as exc:
         print(line(exc), file=sys.stderr)
         return 2
@@ -337,7 +333,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"error: interrupted by {signal.Signals(signum).name}; rerun the same command to resume "
                   "from the latest checkpoint", file=sys.stderr)
             return 128 + int(signum)
-        if isinstance(exc, (NonFiniteError, LeaseLostError, StorageUnavailableError)):
+        if isinstance(exc, (NonFiniteError, LeaseLostError, StorageUnavailableError, TransientError)):
             print(line(exc), file=sys.stderr)
             return 1
         raise

@@ -15,6 +15,7 @@ from typing import Any, Optional
 from dmd2_core import checkpoint as ckpt
 from dmd2_core.args import Args
 from dmd2_core.run.distill_run import DistillRun
+from dmd2_core.evaluation.evaluators import drift_flags
 from dmd2_core.report import GAN_KEYS, QUALITY_KEYS, MetricsLog, best_eval, criterion
 from dmd2_core.run.save_tracker import read_best_student, write_best_student
 from dmd2_core.run.schedule import Schedule
@@ -47,7 +48,8 @@ class DriverBase:
         self.final = max(self.start, args.num_iterations)
         self.schedule = run.schedule = Schedule.of(args, final=self.final)
         self.last_eval: Optional[int] = None
-        self.last_ckpt: Optional[int] = self.start if (self.start and args.load_url == args.save) else None
+        # a rerun that resumed from the run's own save has its start's checkpoint (and export) already
+        self.last_ckpt: Optional[int] = self.start if (self.start and run.resumed_from == args.save) else None
         self.requested_ckpt: Optional[int] = self.last_ckpt
         self.log = MetricsLog(args.save, self.start)
         self.keys = artifacts.artifact_keys(name)  # the run's name carries its flow run id: one set per run
@@ -76,13 +78,14 @@ class DriverBase:
     def eval(self, i: int) -> dict:
         out = eval_media(self.run_id, i)
         self.last_eval = i
-        row = self.log.update(i, out["metrics"])
+        flags = drift_flags(out["metrics"], self.first_eval(out["metrics"]), out.get("reference") or {})
+        row = self.log.update(i, {**out["metrics"], **({"drift_out": float(len(flags))} if out.get("reference") else {})})
         self.result["media_urls"] += [m["url"] for m in out["media"]]
         quality = {k: out["metrics"][k] for k in QUALITY_KEYS if k in out["metrics"]}
         self.view["evals"] = [e for e in self.view["evals"] if e["iteration"] != i]
         self.view["evals"].append(eval_row(row))
         self.view["media"], self.view["media_iteration"] = out["media"], i
-        self.view["drift_flags"] = out.get("flags") or []
+        self.view["drift_flags"] = flags
         self.view["reference"] = out.get("reference") or self.view["reference"]
         best = best_eval(self.trained_evals())  # the start's student is the run's starting point, not its result
         if best is not None and best["iteration"] == i and (self.best or {}).get("iteration") != i:
@@ -91,6 +94,11 @@ class DriverBase:
             self.logger.info(f"eval at iteration {i}: " + fmt(quality)
                              + (f"; drift out of band: {', '.join(self.view['drift_flags'])}" if self.view["drift_flags"] else ""))
         return quality
+
+    def first_eval(self, latest: dict) -> dict:
+        """The run's first eval with drift figures (its start, against which drift is judged): from
+        the metrics log, which a resumed run reads back; ``latest`` when it is the first."""
+        return next((row for row in self.log.table() if any(k.startswith(("drift_", "diversity_")) for k in row)), latest)
 
     def _note_checkpoint(self, i: int, trainers: dict, export: Optional[str] = None) -> None:
         info = {"iteration": i, "trainers": trainers, "tracker": ckpt.tracker_url(self.args.save)}

@@ -23,9 +23,9 @@ from flows.alerts import REGRESSION_AUTOMATION, STALE_AUTOMATION, night_regressi
 REPO = Path(__file__).resolve().parent.parent
 
 
-def night(best_tkd, outcome: str = "completed", drift_out=None, run_id=None) -> dict:
-    return {"run_id": run_id or str(uuid.uuid4()), "outcome": outcome, "best_tkd": best_tkd,
-            "drift_out": drift_out or []}
+def night(best_tkd, outcome: str = "completed", drift_out=None, run_id=None, criterion="teacher_kid") -> dict:
+    return {"run_id": run_id or str(uuid.uuid4()), "outcome": outcome, "criterion": criterion, "best": best_tkd,
+            "best_tkd": best_tkd, "drift_out": drift_out or []}
 
 
 # ---- the rule ------------------------------------------------------------------------------------
@@ -47,6 +47,16 @@ def test_above_the_margin_names_the_numbers():
     assert night_regression([night(0.2)], night(0.3), 0.25) == \
         "best teacher KID 0.3 is 50% above the median 0.2 of 1 previous night (margin 25%)"
     assert night_regression([night(0.2)], night(0.3), 0.6) is None  # the run's margin decides
+
+
+def test_a_night_is_compared_with_the_nights_of_its_own_criterion():
+    before_real_set = [night(0.01), night(0.012)]  # teacher KID, before the nights had a real set
+    tonight = night(-0.05, criterion="real_kid")
+    assert night_regression(before_real_set, tonight, 0.25) is None
+    assert night_regression([night(0.2, criterion="real_kid")], night(0.3, criterion="real_kid"), 0.25) == \
+        "best real-set KID 0.3 is 50% above the median 0.2 of 1 previous night (margin 25%)"
+    assert night_regression([night(2.0, criterion="fd")], night(3.0, criterion="fd"), 0.25) == \
+        "best FD 3 is 50% above the median 2 of 1 previous night (margin 25%)"
 
 
 def test_drift_out_of_band_is_a_regression_whatever_the_kid():

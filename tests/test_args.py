@@ -117,6 +117,52 @@ def test_cli_check_prints_each_trainers_args_and_fails_cleanly(tmp_path):
     assert "dmd2 flags" in helptext and "--dmd2-critic-scoring" in helptext and "train flags" in helptext
 
 
+def test_every_subcommand_takes_the_same_override_syntax_and_fails_in_one_line(tmp_path, capsys):
+    """check, plan, prepare-* and the flow CLI take --set KEY=VALUE and the per-flag options
+    alike; every usage error (a bad value, an unknown flag, a batch or run name that cannot work)
+    is one line and exit 2, and a suggestion never names the flag it refuses."""
+    import contextlib
+    import io
+    import json
+
+    from flows.dmd2 import main as flow_main
+
+    ok = _cli("check", "--recipe", "tiny", "--set", "lr=3e-5", "--critic-lr", "2e-5")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["actor"]["lr"] == 3e-5 and json.loads(ok.stdout)["critic"]["lr"] == 2e-5
+    missing_teacher = _cli("prepare-prompts", "--set", "prompts_file=p.txt", "--set", f"out={tmp_path / 'o'}")
+    assert missing_teacher.stderr == "error: --hf-checkpoint is not set (or --set hf_checkpoint=...)\n"
+    cases = [
+        (("check", "--recipe", "tiny", "--set", "micro_batch_size=128"),
+         "error: invalid value for 'micro_batch_size' in recipe tiny with overrides: 128 is above global_batch_size 64"),
+        (("plan", "--recipe", "tiny", "--run-name", "nights/a"),
+         "error: invalid value for 'run_name' in recipe tiny with overrides: 'nights/a' must be one path segment"),
+        (("check", "--recipe", "tiny", "--sett", "lr=1"), "error: unknown flag '--sett'; did you mean '--set'?"),
+        (("prepare-prompts", "--json"), "error: unknown flag '--json'"),  # plan's flag, not this one's
+        (("prepare-latents", "--set", "num_frame=16"), "error: unknown key 'num_frame' in --set; did you mean 'num_frames'?"),
+        (("prepare-latents", "--num-frames", "many"), "error: argument --num-frames: invalid int value: 'many'"),
+    ]
+    for argv, line in cases:
+        out = _cli(*argv)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and out.stderr.startswith(line), (argv, out.stderr)
+        assert f"did you mean '{argv[1]}'" not in out.stderr, out.stderr
+
+    def flow(*argv) -> tuple[int, str]:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                code = flow_main(list(argv))
+            except SystemExit as exc:
+                code = exc.code
+        return code, err.getvalue() + capsys.readouterr().err
+
+    for argv, line in ((("--num-iterations", "many"), "error: invalid value for 'num_iterations'"),
+                       (("--lrr", "1"), "error: unknown flag '--lrr'; did you mean '--lr'?"),
+                       (("--set", "run_name=a/b"), "error: invalid value for 'run_name'")):
+        code, err = flow(*argv)
+        assert code == 2 and err.count("\n") == 1 and err.startswith(line), (argv, err)
+
+
 def test_settings_that_would_do_nothing_are_refused_before_any_actor(tiny_teacher, tmp_path, capsys):
     """A fine-tune from a checkpoint at iteration 4000 with num_iterations 200 (nothing to train),
     steps per rollout on the dmd2 actor (it takes one) and label_dropout (nothing trains with it):

@@ -210,3 +210,54 @@ def test_stereo_balance_and_data_uri():
     uri = data_uri(png)  # the one data-URI helper (dmd2_core.media.images)
     assert uri.startswith("data:image/png;base64,")
     assert base64.b64decode(uri.split(",", 1)[1]) == png
+
+
+def test_a_local_clip_plays_in_place_with_its_sound(tmp_path):
+    """A local save has no link a browser can open: the artifact carries the MP4 itself as a data
+    URI in a <video> (a preview with the same sound when the clip is too large), or names the path."""
+    from dmd2_core import report
+    from dmd2_core.media.eval_media import av_media_of
+
+    samples = {"video": moving_square()[None].permute(0, 2, 1, 3, 4), "audio": torch.from_numpy(left_tone())[None],
+               "sample_rate": SAMPLE_RATE}
+    strip, _ = av_media_of(samples, 0, str(tmp_path / "iter_p0"), "p0", 512 * 1024, inline_limit=512 * 1024)
+    assert strip["inline_video"].startswith("data:video/mp4;base64,")
+    inline = base64.b64decode(strip["inline_video"].split(",", 1)[1])
+    assert inline == (tmp_path / "iter_p0.mp4").read_bytes()
+    assert_tone_clip(av_clips.read_mp4(io.BytesIO(inline)))
+    text = report.summary_markdown({"name": "n", "iteration": 2, "final": 2, "evals": [], "media": [strip],
+                                    "media_iteration": 2})
+    assert f'<div><video controls preload="metadata" src="{strip["inline_video"]}"></video></div>' in text
+
+    big = torch.rand(12, 3, 320, 320) * 2 - 1  # noise: an MP4 far above the limit
+    samples = {"video": big[None].permute(0, 2, 1, 3, 4), "audio": torch.from_numpy(left_tone(12 / FPS))[None],
+               "sample_rate": SAMPLE_RATE}
+    full = (tmp_path / "big.mp4")
+    strip, _ = av_media_of(samples, 0, str(tmp_path / "big"), "p0", 1 << 30, inline_limit=1 << 30)
+    full_bytes = full.read_bytes()
+    limit = len(full_bytes) // 2
+    strip, _ = av_media_of(samples, 0, str(tmp_path / "big"), "p0", 1 << 30, inline_limit=limit)
+    preview = base64.b64decode(strip["inline_video"].split(",", 1)[1])
+    assert len(preview) <= limit
+    clip = av_clips.read_mp4(io.BytesIO(preview))
+    assert max(clip["frames"].shape[1:3]) == 256 and abs(len(clip["frames"]) - 12) <= 1
+    left, right = clip["audio"]
+    assert dominant_hz(left, SAMPLE_RATE) == pytest.approx(TONE_HZ, rel=0.05) and rms(right) < 0.05 * rms(left)
+
+    strip, _ = av_media_of(samples, 0, str(tmp_path / "big"), "p0", 1 << 30, inline_limit=1000)
+    assert strip["inline_video"] is None
+    text = report.summary_markdown({"name": "n", "iteration": 2, "final": 2, "evals": [], "media": [strip],
+                                    "media_iteration": 2})
+    assert "<video" not in text and f"MP4 with sound: `{tmp_path / 'big.mp4'}`" in text
+
+
+def test_a_summary_too_large_for_prefect_names_its_clips_instead_of_playing_them():
+    from flows.artifacts import SUMMARY_MAX_CHARS, summary_text
+
+    clip = {"src": "data:image/png;base64,AAAA", "url": "/r/m/iter_2_p0_frames.png", "full": True, "caption": "p0",
+            "video_url": "/r/m/iter_2_p0.mp4", "play": "/r/m/iter_2_p0.mp4"}
+    state = {"name": "n", "iteration": 2, "final": 2, "evals": [], "media_iteration": 2}
+    small = summary_text({**state, "media": [{**clip, "inline_video": "data:video/mp4;base64,AAAA"}]})
+    assert '<video controls preload="metadata" src="data:video/mp4;base64,AAAA">' in small
+    big = summary_text({**state, "media": [{**clip, "inline_video": "data:video/mp4;base64," + "A" * SUMMARY_MAX_CHARS}]})
+    assert len(big) < SUMMARY_MAX_CHARS and "<video" not in big and "MP4 with sound: `/r/m/iter_2_p0.mp4`" in big

@@ -15,7 +15,7 @@ class InProcessRun:
     """What an eval asks of a DistillRun, answered by in-process trainers (one rank each)."""
 
     def __init__(self, trainers: dict):
-        self.trainers, self.has_critic, self.references = trainers, "critic" in trainers, 0
+        self.trainers, self.has_critic, self.references, self.real_references = trainers, "critic" in trainers, 0, 0
 
     def sample(self, prompt_index, seed):
         return self.trainers["actor"].sample(prompt_index, seed)
@@ -23,8 +23,8 @@ class InProcessRun:
     def eval_latents(self, prompt_index, seed):
         return self.trainers["actor"].sample(prompt_index, seed, decode=False)
 
-    def decode(self, latents):
-        return self.trainers["actor"].decode(latents)
+    def drift_stats(self, latents):
+        return self.trainers["actor"].drift_stats(latents)
 
     def teacher_reference(self, prompt_index, seed, num_steps):
         self.references += 1
@@ -32,6 +32,10 @@ class InProcessRun:
 
     def teacher_features(self, latents, prompt_index, u, seed):
         return self.trainers["critic"].teacher_features(latents, prompt_index, u, seed)
+
+    def real_features(self, rows, u, seed, index_offset):
+        self.real_references += 1
+        return self.trainers["critic"].real_features(rows, u, seed, index_offset)
 
 
 def _args(teacher, save, **overrides):
@@ -68,11 +72,13 @@ def test_the_teacher_evaluator_ranks_a_broken_student_below_the_teacher_and_cach
     run = InProcessRun(in_process_trainers(args))
     first = evaluators.evaluate(run, args)
     m = first["metrics"]
-    assert {"teacher_kid_image", "teacher_kid", "diversity_image", "drift_brightness_image", "drift_out"} <= set(m)
+    assert {"teacher_kid_image", "teacher_kid", "diversity_image", "drift_brightness_image"} <= set(m)
     assert m["teacher_kid"] == m["teacher_kid_image"] and run.references == 1
-    assert set(first["reference"]) == {"brightness_image", "saturation_image", "contrast_image"}
+    assert set(first["reference"]["value"]) == set(first["reference"]["se"]) == {
+        "brightness_image", "saturation_image", "contrast_image"}
     again = evaluators.evaluate(run, args)  # the reference comes from the cache: the teacher samples once
     assert run.references == 1 and again["metrics"]["teacher_kid"] == pytest.approx(m["teacher_kid"])
+    assert again["reference"] == first["reference"]
     with torch.no_grad():  # a student whose weights are noise: far from the teacher in its own eyes
         for p in run.trainers["actor"].model.parameters():
             p.add_(torch.randn_like(p) * 0.5)
@@ -94,10 +100,46 @@ def test_another_eval_setting_misses_the_cache(tiny_teacher, tmp_path):
     assert run.references == 2
 
 
-def test_drift_flags_a_statistic_out_of_its_band():
-    teacher = {"brightness_image": 0.40, "saturation_image": 0.20, "centroid_audio": 1000.0}
-    student = {"brightness_image": 0.45, "saturation_image": 0.35, "centroid_audio": 1400.0}
-    assert evaluators.out_of_band(student, teacher) == ["centroid_audio", "saturation_image"]
+def test_a_real_set_is_a_second_reference_and_the_drift_yardstick(tiny_teacher, tmp_path):
+    """With real_data, the student is also measured against real rows in the teacher's eyes
+    (real_kid, their features made once and cached) and drift is judged against the real samples."""
+    args = _args(tiny_teacher, str(tmp_path / "run"), real_data="digits", eval_real_samples=40)
+    run = InProcessRun(in_process_trainers(args))
+    first = evaluators.evaluate(run, args)
+    m = first["metrics"]
+    assert m["real_kid"] == m["real_kid_image"] and run.real_references == 1
+    assert first["reference"]["source"] == "real" and set(first["reference"]["value"]) == {
+        "brightness_image", "saturation_image", "contrast_image"}
+    again = evaluators.evaluate(run, args)
+    assert run.real_references == 1 and again["metrics"]["real_kid"] == pytest.approx(m["real_kid"])
+    with torch.no_grad():
+        for p in run.trainers["actor"].model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    broken = evaluators.evaluate(run, args)["metrics"]
+    assert broken["real_kid"] > m["real_kid"] + 0.05, (m["real_kid"], broken["real_kid"])
+    without = evaluators.evaluate(run, args.model_copy(update={"eval_real_samples": 0}))
+    assert "real_kid" not in without["metrics"] and without["reference"]["source"] == "teacher"
+
+
+def test_drift_is_judged_from_the_runs_start_against_the_reference():
+    reference = {"value": {"contrast_image": 0.374, "brightness_image": 0.31, "centroid_audio": 1000.0},
+                 "se": {"contrast_image": 0.002, "brightness_image": 0.002, "centroid_audio": 5.0}}
+    start = {"drift_contrast_image": 0.355, "drift_brightness_image": 0.308, "drift_centroid_audio": 1100.0,
+             "diversity_image": 1.0}
+    # the start's own offset (a few-step sampler against the reference) is no drift
+    assert evaluators.drift_flags(start, start, reference) == []
+    # towards the reference, however far: an improving student
+    assert evaluators.drift_flags({**start, "drift_contrast_image": 0.379}, start, reference) == []
+    # within the band (3 sqrt(2) standard errors, at least the floor): noise
+    assert evaluators.drift_flags({**start, "drift_brightness_image": 0.300}, start, reference) == []
+    # away from the reference beyond the band: over-saturating, darkening, a centroid off by 30%
+    flagged = {**start, "drift_contrast_image": 0.398, "drift_brightness_image": 0.29, "drift_centroid_audio": 1400.0}
+    assert evaluators.drift_flags(flagged, start, reference) == [
+        "drift_brightness_image", "drift_centroid_audio", "drift_contrast_image"]
+    # a within-prompt diversity a tenth below the start's: collapsing (none to compare: not judged)
+    assert evaluators.drift_flags({**start, "diversity_image": 0.85}, start, reference) == ["diversity_image"]
+    assert evaluators.drift_flags({**start, "diversity_image": 0.95}, start, reference) == []
+    assert evaluators.drift_flags({"drift_contrast_image": 0.9}, {}, reference) == []
 
 
 def test_retention_keeps_the_best_students_export(tmp_path):

@@ -196,17 +196,23 @@ def test_bare_sd3_export_reproduces_eval_samples_with_the_manual_loop(tmp_path):
 
 
 def test_verification_catches_a_corrupted_write(wan_teacher, tmp_path, monkeypatch):
-    import dmd2_core.export.pipeline as export
+    from dmd2_core.export import stream
 
     model = perturbed_student(wan_teacher).model
-    real = export.write_transformer
+    real = stream.stream_tensors
 
-    def corrupting(family, config, state, directory, **kw):
-        state = dict(state)
-        state["proj_out.bias"] = state["proj_out.bias"] + 1.0
-        real(family, config, state, directory, **kw)
+    def corrupting(values, dtype, directory, *a, **kw):  # one byte of proj_out.bias changes on its way to the disk
+        out = real(values, dtype, directory, *a, **kw)
+        entry = next(e for e in out.entries if e.name == "proj_out.bias")
+        with open(directory / entry.file, "r+b") as f:
+            header = int.from_bytes(f.read(8), "little")
+            f.seek(8 + header + entry.start)
+            byte = f.read(1)
+            f.seek(8 + header + entry.start)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        return out
 
-    monkeypatch.setattr(export, "write_transformer", corrupting)
+    monkeypatch.setattr(stream, "stream_tensors", corrupting)
     url = export_url(str(tmp_path / "run"), 3)
     with pytest.raises(ModelDirError) as failed:
         export_student(url, model, teacher_url=wan_teacher, shift=WAN_SHIFT, num_steps=4,
@@ -236,13 +242,19 @@ def test_prune_exports_keeps_the_newest_complete_ones(tmp_path):
     broken = make(250, complete=False)  # interrupted midway, older than the newest complete
     in_flight = make(600, complete=False)  # newer than every complete one: maybe being written
     (Path(root) / "notes").mkdir()  # not an export dir: never touched
-    assert prune_exports(root, keep=0) == [broken]  # keep=0 keeps every complete export
+    killed = Path(root) / "iter_0000150.staging-0badc0de"  # an export killed before its swap
+    writing = Path(root) / "iter_0000600.staging-00c0ffee"  # the export under way
+    for staging in (killed, writing):
+        (staging / "transformer").mkdir(parents=True)
+    assert latest_exports(str(tmp_path / "run"))[-1] == urls[100]  # staging is never an export
+    assert prune_exports(root, keep=0) == [str(killed), broken]  # keep=0 keeps every complete export
     assert names() == ["iter_0000100", "iter_0000200", "iter_0000300", "iter_0000400", "iter_0000500",
-                       "iter_0000600", "notes"]
+                       "iter_0000600", writing.name, "notes"]
     assert latest_exports(str(tmp_path / "run")) == [urls[i] for i in (500, 400, 300, 200, 100)]
     removed = prune_exports(root, keep=2, protect=[urls[100], "iter_0000300"])
     assert removed == [urls[200]]
-    assert names() == ["iter_0000100", "iter_0000300", "iter_0000400", "iter_0000500", "iter_0000600", "notes"]
+    assert names() == ["iter_0000100", "iter_0000300", "iter_0000400", "iter_0000500", "iter_0000600",
+                       writing.name, "notes"]
     assert Path(in_flight).exists()
     assert prune_exports(root, keep=1) == [urls[100], urls[300], urls[400]]
     assert latest_exports(str(tmp_path / "run")) == [urls[500]]

@@ -278,17 +278,18 @@ def test_the_tracker_write_after_the_fence_never_outlasts_the_lease(tmp_path, mo
     held = lease.Lease.acquire(str(tmp_path), "run-a", timeout_s=2.0)
     monkeypatch.setattr(held.backend, "renew", _storage_outage)  # its heartbeat cannot land either
 
-    class Unreachable:  # an object store refusing every connection
+    class Unreachable:  # an object store whose writes are refused from now on
         def exists(self, path):
-            raise ConnectionRefusedError("connection refused")
+            return True  # the roles' markers, read before the outage
 
-        pipe_file = exists
+        def pipe_file(self, path, data, **kw):
+            raise ConnectionRefusedError("connection refused")
 
     monkeypatch.setattr(storage, "filesystem", lambda url: (Unreachable(), url.split("://", 1)[-1]))
     monkeypatch.setattr(storage, "RETRY_S", 30.0)
     tracker = SaveTracker(SimpleNamespace(save="s3://bucket/run", keep_last_n=2, keep_exports=1))
     start = time.monotonic()
-    with pytest.raises(StorageUnavailableError, match="this run's lease on s3://bucket/run may have expired") as info:
+    with pytest.raises(StorageUnavailableError, match=r"latest_checkpointed_iteration.txt: storage unavailable for [0-2] s") as info:
         tracker.track(held, 1, {"actor": [{"url": "s3://bucket/run/actor", "save_s": 0.0, "bytes": 0}]})
     assert time.monotonic() - start < held.timeout_s + 1.0 and "\n" not in str(info.value)
     assert tracker.pending is None and tracker.tracked is None

@@ -192,6 +192,32 @@ def test_a_nonfinite_critic_step_leaves_the_head_alone_and_a_nonfinite_head_is_n
     assert not (tmp_path / "trainers").exists()
 
 
+def test_a_head_whose_gradient_keeps_going_nonfinite_is_counted_and_stops_the_run(tiny_teacher, tmp_path):
+    """The head's gradient goes non-finite while the critic's stays finite: the head's steps are
+    skipped and reported (``gan_nonfinite``), and ``max_nonfinite_steps`` of them in a row end the
+    run in one line naming the head, as the critic's own skips would; the count survives a save."""
+    from dmd2_core.errors import NonFiniteError
+
+    roles = preflight(tiny_args(tiny_teacher, str(tmp_path), **GAN, max_nonfinite_steps=3))
+    actor, critic = Trainer(roles["actor"], "actor"), Trainer(roles["critic"], "critic")
+    steps = roles["critic"].num_steps_per_rollout
+    assert steps < 3  # one train call stays under the limit
+    pairs, _ = actor.rollout(1)
+    assert critic.train(1, pairs)[1]["gan_nonfinite"] == 0
+    head = {k: v.clone() for k, v in critic.disc.state_dict().items()}
+    critic.disc.fc2.weight.register_hook(lambda grad: grad * float("nan"))
+    metrics = critic.train(2, pairs)[1]
+    assert metrics["critic_nonfinite_steps"] == 0 and metrics["gan_nonfinite"] == steps
+    assert all(torch.equal(v, head[k]) for k, v in critic.disc.state_dict().items())
+    assert critic.save(2)["iteration"] == 2
+    fresh = Trainer(roles["critic"], "critic")
+    fresh.load(2, str(tmp_path))
+    assert fresh.learner.disc_nonfinite.in_a_row == steps
+    with pytest.raises(NonFiniteError, match=r"^critic GAN head: 3 non-finite steps in a row at iteration 3 "
+                                             r"\(GAN head gradient norm nan; max_nonfinite_steps=3\)"):
+        critic.train(3, pairs)
+
+
 def _real_file(path, n=6, shape=(1, 8, 8), tokens=4, dim=32, pooled=True):
     tensors = {"latents": torch.randn(n, *shape), "prompt_embeds": torch.randn(n, tokens, dim),
                "negative_prompt_embeds": torch.randn(1, tokens, dim)}

@@ -280,3 +280,21 @@ def test_minimax_h3_5s_with_lora_fits_one_node_of_80_gib_within_the_headroom_and
         critic = _groups(plan)["critic"]
         assert critic.teacher == 0 and 7.5 * GIB < critic.base < 8 * GIB  # 33.1 B in bf16 over 8 ranks
     assert "base" in planner.table(plan)
+
+
+def test_the_host_plan_counts_the_set_rows_a_step_reads_and_the_streaming_export_writer():
+    """MiniMax-H3 (33 B): each rank holds its rows of the prompt set (per-prompt conditions, not
+    the set) and rank 0 of the actor, exporting, one whole tensor at a time, not the 33 B model;
+    a merged LoRA export merges on the host: the model whole, twice with an EMA."""
+    plan = _plan("minimax-h3", **H3_5S)
+    size = planner.model_size(H3)
+    host = plan.host
+    assert host.parts["export_writer"] == size.largest_tensor * (4 + 2 * 2) < size.params * 2 / 20  # 2.1 of 66 GB
+    assert 0 < host.parts["set_rows"] < GIB
+    bigger = _plan("minimax-h3", global_batch_size=4 * plan.groups[0].cp_size * 16, **H3_5S).host
+    assert bigger.parts["set_rows"] > host.parts["set_rows"]
+    assert host.steady == host.ranks_per_node * (host.parts["sleep_stash"] + host.parts["async_save_staging"]
+                                                 + host.parts["offloaded"] + host.parts["processes"]
+                                                 + host.parts["set_rows"]) + host.parts["export_writer"]
+    merged = _plan("minimax-h3", lora_rank=16, export_merged=True, ema_decay=0.99, **H3_5S).host
+    assert merged.parts["export_writer"] >= 2 * size.params * 2

@@ -64,13 +64,13 @@ def test_bad_input_fails_in_preflight_in_one_line(case, tiny_teacher, tmp_path, 
     if "bucket" in case:
         request.getfixturevalue("s3_server")
     (tmp_path / "afile").write_text("not a directory")
-    started = []
-    monkeypatch.setattr("dmd2_core.run.groups.init_ray", lambda *a, **k: started.append(1))
+    started = []  # the run is entered (DistillRun.start): the refusal comes before it starts Ray
+    monkeypatch.setattr("dmd2_core.run.groups.init_ray", lambda *a, **k: started.append(1) or _stop())
     values = {"save": str(tmp_path / "run"), **make(tiny_teacher, tmp_path)}
     args = tiny_args(tiny_teacher, values.pop("save"), **values)
     t = time.monotonic()
-    with pytest.raises(Exception) as info:
-        DistillRun(args)
+    with pytest.raises(Exception) as info, DistillRun(args):
+        pass
     assert type(info.value).__name__ == exc_name and isinstance(info.value, ValueError)  # exit code 2
     assert re.search(pattern, str(info.value)), str(info.value)
     assert "\n" not in str(info.value)
@@ -85,6 +85,32 @@ def test_the_flow_cli_reports_bad_input_in_one_line_with_exit_2(tiny_teacher, tm
     code = main(["--recipe", "tiny", "--hf-checkpoint", tiny_teacher, "--save", str(tmp_path / "afile" / "run")])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: save: cannot write to") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("key", ["save", "load"])
+def test_an_unreachable_storage_endpoint_fails_preflight_at_once(key, tiny_teacher, tmp_path, capsys, monkeypatch):
+    """An S3 endpoint that never answered (a wrong AWS_ENDPOINT_URL) is named in one line within
+    seconds, exit 2; the storage retry budget is for outages of a store that answered before."""
+    import time
+
+    from dmd2_core import storage
+    from dmd2_core.run import preflight_checks
+    from tests.helpers import flow_cli_refusal, free_port
+
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    for name, value in (("AWS_ENDPOINT_URL", endpoint), ("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "x"),
+                        ("AWS_DEFAULT_REGION", "us-east-1")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.setattr(preflight_checks, "REACH_S", 2.0)
+    monkeypatch.setattr(storage, "RETRY_S", 20.0)  # what a run rides out once the store answered
+    url = "s3://dmd2-unreachable/run"
+    flags = ["--save", url] if key == "save" else ["--save", str(tmp_path / "run"), "--load", url]
+    start = time.monotonic()
+    err = flow_cli_refusal(capsys, monkeypatch, "--recipe", "tiny", "--hf-checkpoint", tiny_teacher, *flags)
+    assert time.monotonic() - start < 12
+    assert err.startswith(f"error: {key}: {url}: the storage endpoint did not answer for 2 s ("), err
+    assert not (tmp_path / "run").exists()
 
 
 def test_duplicate_recipe_keys_are_rejected(tmp_path):
@@ -133,3 +159,7 @@ def test_the_flow_cli_checks_its_input_once(tiny_teacher, tmp_path, monkeypatch)
     assert probes == [save] and owners == ["flow-run-1"]
     DistillRun(tiny_args(tiny_teacher, save))  # a later run in this process checks again
     assert probes == [save, save]
+
+
+def _stop():
+    raise RuntimeError("DistillRun.start reached init_ray: Ray and the actors would start now")

@@ -60,7 +60,7 @@ def test_hook_runs_before_micro_batching_and_shapes_the_update(tiny_teacher, tmp
     hooked = in_process_trainers(tiny_args(tiny_teacher, str(tmp_path / "a"), global_batch_size=4, micro_batch_size=1,
                                  train_input_hook_path="tests.hooks_fixture.require_whole_local_batch"))
     iterate_in_process(hooked, 1)  # the hook raises if it saw a micro-batch
-    zeroed = in_process_trainers(tiny_args(tiny_teacher, str(tmp_path / "b"), global_batch_size=4, clip_grad=0,
+    zeroed = in_process_trainers(tiny_args(tiny_teacher, str(tmp_path / "b"), global_batch_size=4, micro_batch_size=4, clip_grad=0,
                                  train_input_hook_path="tests.hooks_fixture.zero_dmd2_gradient",
                                  adam_beta1=0.9, weight_decay=0.0))
     before = zeroed["actor"].weights()

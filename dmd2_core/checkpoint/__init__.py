@@ -39,10 +39,12 @@ run started from (``load``, the model directory, a LoRA's adapters and base iden
 counters, the GAN head) goes in ``extra``, which must hold only what ``torch.load(weights_only=True)``
 reads back; ``save_trainer`` checks that before it writes anything.
 
-Only this format is read: a marker of any other names its path and format in one line.
+Only this format is read: a marker of any other names its path and format in one line. DCP's
+``.metadata`` is a pickle: it is read admitting only the classes DCP writes (``metadata``), so a
+tampered one is refused in one line instead of running code on every rank.
 
 Modules (the paths and file names are in ``dmd2_core.save_layout``): ``integrity`` (hashes, the marker, finite state),
-``collective`` (the ranks' agreement and retries), ``state`` (the trainer state as saved),
+``collective`` (the ranks' agreement and retries), ``metadata`` (DCP's .metadata, read safely), ``state`` (the trainer state as saved),
 ``save``, ``load``, ``tracker`` (and the pre-flight check), ``retention`` (checkpoints and exports).
 """
 

@@ -7,9 +7,34 @@ from __future__ import annotations
 import time
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dmd2_core import storage
-from dmd2_core.errors import CheckpointError, StorageUnavailableError, StoredFilesError, one_line
+from dmd2_core.errors import (
+    CheckpointError, LeaseLostError, NonFiniteError, StorageUnavailableError, StoredFilesError, TransientError, one_line,
+)
+
+# what a rank's failure is, as the other ranks of its group re-raise it (first match wins): every
+# rank then fails with the same class, so Prefect retries it or not whichever rank it began on
+_KINDS = (("checkpoint", CheckpointError), ("unavailable", StorageUnavailableError), ("nonfinite", NonFiniteError),
+          ("lease", LeaseLostError), ("input", ValueError))
+_RAISED_AS = {"checkpoint": CheckpointError, "unavailable": StorageUnavailableError, "nonfinite": NonFiniteError,
+              "lease": LeaseLostError, "input": StoredFilesError, "transient": TransientError}
+
+
+def failure_kind(exc: BaseException) -> str:
+    """The kind of ``exc`` among _RAISED_AS: a checkpoint that cannot be resumed from, storage
+    unavailable past the retry budget, non-finite state, a lost lease, bad input (any other
+    ValueError), else a transient runtime failure."""
+    return next((kind for kind, cls in _KINDS if isinstance(exc, cls)), "transient")
+
+
+def peer_failure(kind: str, what: str, rank: int, line: str) -> Exception:
+    """The error a rank raises for the failure of ``rank`` (``line``: its one-line form), of the
+    same class. A checkpoint error keeps its own message (it names the file)."""
+    if kind == "checkpoint":
+        return CheckpointError(line.split(": ", 1)[-1])
+    return _RAISED_AS[kind](f"{what}: failed on rank {rank} of the group ({line})")
 
 
 def checkpoint_group():
@@ -21,9 +46,9 @@ def checkpoint_group():
 
 def all_or_none(fn, what: str, process_group, gather: bool = False):
     """``fn()`` on every rank of the group (a collective; ``fn`` itself must not be one). When
-    any rank fails, every rank raises: the failing one its error, the others a StoredFilesError (a
-    CheckpointError for a checkpoint that cannot be resumed from) naming that rank, so no
-    rank is left waiting in a later collective for one that gave up. Returns this rank's result,
+    any rank fails, every rank raises: the failing one its error, the others one of the same kind
+    (``peer_failure``) naming that rank, so no rank is left waiting in a later collective for one
+    that gave up, and the group's failure is retried or not whichever rank hit it. Returns this rank's result,
     or with ``gather`` every rank's (a list by rank)."""
     error, result = None, None
     try:
@@ -31,7 +56,7 @@ def all_or_none(fn, what: str, process_group, gather: bool = False):
     except Exception as exc:  # noqa: BLE001 - shared with the group, then raised
         error = exc
     mine = (result if gather else None,
-            None if error is None else (isinstance(error, CheckpointError), one_line(error)))
+            None if error is None else (failure_kind(error), one_line(error)))
     if process_group is None:
         gathered = [mine]
     else:
@@ -41,10 +66,8 @@ def all_or_none(fn, what: str, process_group, gather: bool = False):
         raise error
     failed = next(((r, f) for r, (_, f) in enumerate(gathered) if f is not None), None)
     if failed is not None:
-        rank, (load_error, line) = failed
-        if load_error:
-            raise CheckpointError(line.split(": ", 1)[-1])
-        raise StoredFilesError(f"{what}: failed on rank {rank} of the group ({line})")
+        rank, (kind, line) = failed
+        raise peer_failure(kind, what, rank, line)
     return [r for r, _ in gathered] if gather else result
 
 
@@ -58,33 +81,53 @@ def collective_retrying(fn, what: str, process_group) -> None:
         error = None
         try:
             fn()
-        except Exception as exc:  # noqa: BLE001 - classified below
-            error = exc
-        vote = (error is None, error is None or _transient(error))
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - classified below
+            error = exc  # DCP's CheckpointException, a BaseException, carries every rank's failure
+        vote = (error is None, error is None or _transient(error),
+                None if error is None else (failure_kind(_first_cause(error)), one_line(_first_cause(error))))
         if process_group is not None:
             votes: list = [None] * dist.get_world_size(process_group)
             dist.all_gather_object(votes, vote, group=process_group)
         else:
             votes = [vote]
-        if all(ok for ok, _ in votes):
+        if all(ok for ok, _, _ in votes):
             return
-        if all(transient for _, transient in votes) and time.monotonic() + delay <= deadline:
-            storage.log.warning(f"storage: {what}: {one_line(error) if error else 'another rank failed'}; "
+        all_transient = all(transient for _, transient, _ in votes)
+        if all_transient and time.monotonic() + delay <= deadline:
+            storage.log.warning(f"storage: {what}: {one_line(_first_cause(error)) if error else 'another rank failed'}; "
                                 f"retry in {delay:.1f} s")
             time.sleep(delay)
             delay = min(delay * 2, storage.RETRY_MAX_DELAY_S)
             continue
-        if error is None:
-            raise StoredFilesError(f"{what}: failed on another rank of the group")
-        if all(transient for _, transient in votes):
+        if all_transient:
+            if error is None:
+                rank, _, line = next((r, *f) for r, (_, _, f) in enumerate(votes) if f is not None)
+                raise peer_failure("unavailable", what, rank, line)
             raise StorageUnavailableError(
-                f"{what}: storage unavailable for {storage.RETRY_S:.0f} s ({one_line(error)})") from error
-        raise error
+                f"{what}: storage unavailable for {storage.RETRY_S:.0f} s ({one_line(_first_cause(error))})") from None
+        if error is None or vote[1]:  # this rank is fine or only saw a blip: the failure is another's
+            rank, kind, line = next((r, *f) for r, (_, transient, f) in enumerate(votes) if not transient)
+            raise peer_failure(kind, what, rank, line)
+        cause = _first_cause(error)
+        if cause is error:
+            raise error
+        raise cause from None
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """The failures DCP wrapped in a CheckpointException (by rank), else ``exc`` itself."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, CheckpointException) and isinstance(failures, dict) and failures:
+        return [f[0] if isinstance(f, tuple) else f for _, f in sorted(failures.items())]
+    return [exc]
+
+
+def _first_cause(exc: BaseException) -> BaseException:
+    """The first failure in ``exc`` that is not a storage blip (else its first failure)."""
+    causes = _causes(exc)
+    return next((c for c in causes if not storage.is_transient(c)), causes[0])
 
 
 def _transient(exc: BaseException) -> bool:
     """A storage outage, also when DCP wrapped it (CheckpointException: the failure of each rank)."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        return all(storage.is_transient(getattr(f, "exception", f)) for f in failures.values())
-    return storage.is_transient(exc)
+    return all(storage.is_transient(c) for c in _causes(exc))

@@ -10,12 +10,12 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from dmd2_core import parallel, storage
 from dmd2_core.checkpoint.collective import all_or_none, collective_retrying
 from dmd2_core.checkpoint.integrity import check_files, read_current_marker
-from dmd2_core.errors import CheckpointError, StorageUnavailableError, StoredFilesError, one_line
+from dmd2_core.checkpoint.metadata import SafeReader
+from dmd2_core.errors import CheckpointError, StorageUnavailableError, StoredFilesError, TransientError, one_line
 from dmd2_core.save_layout import DCP_DIR, STATE_NAME, trainer_dir
 from dmd2_core.checkpoint.state import apply_param_groups, sharded_state, torch_load
 
@@ -36,14 +36,22 @@ def load_trainer(
     when the directory is missing, incomplete, in another format, corrupt or does not fit;
     nothing under the checkpoint is modified."""
     d = trainer_dir(load_url, role, iteration)
-    marker = read_current_marker(d)
-    if ema is not None and not marker.get("has_ema"):
-        raise CheckpointError(f"{d}: checkpoint has no ema weights but the trainer keeps an EMA")
+    rank = dist.get_rank(process_group) if process_group is not None else 0
+    # rank 0 reads the marker for the group: inside the wrapper, so its failure reaches every rank
+    marker = all_or_none(lambda: _read_marker_for(d, ema) if rank == 0 else None, f"load {d}", process_group,
+                         gather=True)[0]
     all_or_none(lambda: check_files(d, marker, hashes=False), f"load {d}", process_group)
     _check_hashes_shared(d, marker, process_group)
     meta = all_or_none(lambda: _read_state(d, marker), f"load {d}", process_group)
     _load_sharded(d, model, optimizer, ema, meta, process_group)
     return dict(meta.get("extra") or {})
+
+
+def _read_marker_for(d: str, ema) -> dict:
+    marker = read_current_marker(d)
+    if ema is not None and not marker.get("has_ema"):
+        raise CheckpointError(f"{d}: checkpoint has no ema weights but the trainer keeps an EMA")
+    return marker
 
 
 def read_weights(load_url: str, role: str, iteration: int, section: str = "model") -> dict[str, torch.Tensor]:
@@ -52,7 +60,7 @@ def read_weights(load_url: str, role: str, iteration: int, section: str = "model
     tests, not for resuming."""
     d = trainer_dir(load_url, role, iteration)
     read_current_marker(d)
-    reader = FsspecReader(storage.join(d, DCP_DIR))
+    reader = SafeReader(storage.join(d, DCP_DIR))
     saved = reader.read_metadata().state_dict_metadata
     prefix = f"{section}."
     target = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in saved.items()
@@ -101,10 +109,10 @@ def _load_sharded(d: str, model, optimizer, ema, meta: dict, process_group) -> N
             except ValueError as exc:
                 raise CheckpointError(f"{state_url}: optimizer state does not fit ({one_line(exc)})") from None
         target = sharded_state(model, optimizer, ema, init_optimizer=True)
-        reader = FsspecReader(dcp_url)
+        reader = SafeReader(dcp_url)
         try:
             saved = storage.retrying(reader.read_metadata, f"read {dcp_url}/.metadata").state_dict_metadata
-        except StorageUnavailableError:
+        except (StorageUnavailableError, CheckpointError):
             raise
         except Exception as exc:  # noqa: BLE001
             raise CheckpointError(f"{dcp_url}/.metadata: corrupt ({one_line(exc)})") from None
@@ -114,9 +122,9 @@ def _load_sharded(d: str, model, optimizer, ema, meta: dict, process_group) -> N
     try:
         collective_retrying(lambda: dcp.load(target, storage_reader=reader, process_group=process_group,
                                              no_dist=process_group is None), f"load {dcp_url}", process_group)
-    except (StorageUnavailableError, StoredFilesError):
+    except (StorageUnavailableError, StoredFilesError, TransientError):
         raise
-    except Exception as exc:  # noqa: BLE001 - DCP wraps every rank's failure in one exception
+    except Exception as exc:  # noqa: BLE001 - what DCP found wrong (collective_retrying unwrapped it)
         raise CheckpointError(f"{dcp_url}: does not fit the trainer ({_dcp_reason(exc)})") from None
     loaded = sharded_state(model, optimizer, ema)
     for key, value in target.items():  # DCP loads in place; a tensor it replaced is copied back

@@ -6,10 +6,11 @@ import re
 from typing import Any, Iterable
 
 from dmd2_core import storage
-from dmd2_core.save_layout import EXPORT_MARKER_NAME, complete_url, exports_root, trainer_dir
+from dmd2_core.save_layout import EXPORT_MARKER_NAME, EXPORT_STAGING_SEP, complete_url, exports_root, trainer_dir
 from dmd2_core.checkpoint.tracker import read_tracker
 
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
+_STAGING_RE = re.compile(r"^iter_(\d{7,})" + re.escape(EXPORT_STAGING_SEP))
 
 
 # ---- trainer checkpoints -------------------------------------------------------------------------
@@ -55,11 +56,13 @@ def prune(save_url: str, roles: Iterable[str], keep_last_n: int) -> list[str]:
 
 # ---- exports -------------------------------------------------------------------------------------
 
-def list_exports(root: str) -> list[dict[str, Any]]:
+def list_exports(root: str, staging: bool = False) -> list[dict[str, Any]]:
     """The export directories named iter_XXXXXXX under ``root``, oldest first:
-    [{"iteration", "url", "complete" (has export.json)}]."""
+    [{"iteration", "url", "complete" (has export.json)}]; ``staging``: instead the directories
+    exports are written in before they are swapped in (``iter_XXXXXXX.staging-*``, never complete)."""
     if not storage.exists(root):
         return []
+    pattern = _STAGING_RE if staging else _ITER_RE
 
     def ls():
         fs, path = storage.filesystem(root)
@@ -70,11 +73,11 @@ def list_exports(root: str) -> list[dict[str, Any]]:
         if entry.get("type") != "directory":
             continue
         name = entry["name"].rstrip("/").rpartition("/")[2]
-        match = _ITER_RE.match(name)
+        match = pattern.match(name)
         if match:
             url = storage.join(root, name)
             found.append({"iteration": int(match.group(1)), "url": url,
-                          "complete": storage.exists(storage.join(url, EXPORT_MARKER_NAME))})
+                          "complete": not staging and storage.exists(storage.join(url, EXPORT_MARKER_NAME))})
     return sorted(found, key=lambda e: e["iteration"])
 
 
@@ -86,8 +89,9 @@ def latest_exports(save_url: str) -> list[str]:
 def prune_exports(exports_root: str, keep: int, protect: Iterable[str] = ()) -> list[str]:
     """Delete all but the newest ``keep`` complete exports under ``exports_root`` (keep=0: keep
     them all), never one named in ``protect`` (URLs or iter_XXXXXXX names). Incomplete ones
-    (no export.json: a write interrupted midway) older than the newest complete one are
-    removed whatever ``keep`` is; newer ones may be a write under way and are left alone.
+    (no export.json: a write interrupted midway) and staging directories (an export killed
+    before it was swapped in) older than the newest complete one are removed whatever ``keep``
+    is; newer ones may be a write under way and are left alone.
     Each goes marker first, so a half-deleted export never looks complete. Returns the URLs
     removed."""
     if keep < 0:
@@ -101,7 +105,8 @@ def prune_exports(exports_root: str, keep: int, protect: Iterable[str] = ()) -> 
     if keep:
         doomed += complete[:-keep] if len(complete) > keep else []
     if newest is not None:
-        doomed += [e for e in entries if not e["complete"] and e["iteration"] < newest]
+        doomed += [e for e in entries + list_exports(exports_root, staging=True)
+                   if not e["complete"] and e["iteration"] < newest]
     removed = []
     for entry in sorted(doomed, key=lambda e: e["iteration"]):
         url = entry["url"]

@@ -243,3 +243,52 @@ def drift_stats(pictures: Optional[torch.Tensor] = None, audio: Optional[torch.T
         if pictures is not None and fps is not None and torch.as_tensor(pictures).dim() == 5:
             out["av_align"] = av_align(pictures, audio, sample_rate, fps)
     return out
+
+
+# ---- an eval's decoded samples -------------------------------------------------------------------
+
+def media_stats(decoded) -> dict[str, float]:
+    """``drift_stats`` of a family's decoded samples, keyed ``<statistic>_<modality>`` (and
+    ``av_align``): pictures [N, C, H, W] ('image'), videos [N, C, F, H, W] ('video'), a joint
+    model's {'video', 'audio', 'sample_rate', 'fps'}; samples that are not media (latents without
+    a decoder) have none."""
+    if isinstance(decoded, dict):
+        if decoded["video"].dim() != 5 or decoded["video"].shape[1] not in (1, 3):
+            return {}
+        raw = drift_stats(decoded["video"], decoded["audio"], int(decoded["sample_rate"]), float(decoded["fps"]))
+    elif torch.is_tensor(decoded) and decoded.dim() in (4, 5) and decoded.shape[1] in (1, 3):
+        raw = drift_stats(decoded)
+    else:
+        return {}
+    visual = "video" if isinstance(decoded, dict) or decoded.dim() == 5 else "image"
+    out = {}
+    for key, value in raw.items():
+        if key == "av_align":
+            out[key] = value
+        elif key.startswith("audio_"):
+            out[f"{key.removeprefix('audio_')}_audio"] = value
+        else:
+            out[f"{key}_{visual}"] = value
+    return out
+
+
+def per_sample_stats(decoded) -> list[dict[str, float]]:
+    """``media_stats`` of each sample on its own: every statistic is a mean over samples, so the
+    mean of these is the set's figure and their spread gives its standard error (``pooled``)."""
+    if isinstance(decoded, dict):
+        n = decoded["video"].shape[0]
+        return [media_stats({**decoded, "video": decoded["video"][i:i + 1], "audio": decoded["audio"][i:i + 1]})
+                for i in range(n)]
+    return [media_stats(decoded[i:i + 1]) for i in range(decoded.shape[0])] if torch.is_tensor(decoded) else []
+
+
+def pooled(per_sample: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """{"value": the mean over samples, "se": its standard error (NaN below 2 samples)} per key;
+    a sample's NaN (a silent clip's centroid, a clip without onsets' AV-Align) is left out."""
+    value, se = {}, {}
+    for key in per_sample[0] if per_sample else []:
+        xs = torch.tensor([p.get(key, math.nan) for p in per_sample], dtype=torch.float64)
+        xs = xs[torch.isfinite(xs)]
+        value[key] = float(xs.mean()) if len(xs) else math.nan
+        se[key] = float(xs.std() / math.sqrt(len(xs))) if len(xs) >= 2 else math.nan
+    return {"value": value, "se": se}

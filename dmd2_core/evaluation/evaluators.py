@@ -1,18 +1,25 @@
 """How an eval scores the student: one evaluator per run (``evaluator``; default the prompt set's).
 
 - ``teacher`` (any model, no weights but the teacher's): the student's K-step samples of
-  ``eval_num_samples`` eval prompts and noises against the teacher's own ``eval_reference_steps``-step
-  samples of the same prompts and noises, compared in the teacher's features per modality
-  (``teacher_kid_<modality>``, an unbiased kernel distance: ``kernel.projected_kid``; their mean is
-  ``teacher_kid``, the run's criterion for its best student), and drift statistics of the decoded
-  media (``drift_<statistic>_<modality>``) against the teacher's, each within a band
-  (``drift_out``: how many left theirs). The teacher's side is made once per teacher and eval
-  settings and cached (``reference_url``).
+  ``eval_num_samples`` eval prompts and noises compared in the teacher's own features per modality
+  (``kernel.projected_kid``, an unbiased kernel distance) with two references:
+  - the teacher's own ``eval_reference_steps``-step samples of the same prompts and noises
+    (``teacher_kid_<modality>``, their mean ``teacher_kid``);
+  - with a real set (``real_data``), ``eval_real_samples`` of its rows under their own conditions
+    (``real_kid_<modality>``, ``real_kid``): what a run with a GAN head distils towards, and the
+    run's criterion for its best student when present (``report.CRITERIA``). Its level carries a
+    constant offset where the eval prompts and the real set's captions differ: compare it across
+    evals and nights, not with 0.
+  Drift statistics of the decoded media (``drift_<statistic>_<modality>``) and the within-prompt
+  diversity of the features (``diversity_<modality>``) are judged by ``drift_flags`` against the
+  run's first eval and a yardstick: the real set's samples when there is one, else the teacher's
+  reference samples. Both references are made once per teacher and settings and cached
+  (``reference_url``).
 - ``digits`` and ``sounding-digits``: the toy worlds' own metrics (class-based ground truth),
   named in ``TOY_EVALUATORS`` and imported only by a run that uses them.
 
 The trainer groups do the model work (``DistillRun.eval_latents``, ``teacher_reference``,
-``teacher_features``, ``decode``); this module decides, caches and compares.
+``teacher_features``, ``real_features``, ``drift_stats``); this module decides, caches and compares.
 """
 
 from __future__ import annotations
@@ -27,8 +34,9 @@ import torch
 
 from dmd2_core import storage
 from dmd2_core.args import Args
-from dmd2_core.data import BUILTIN_SETS, prompt_texts, read_safetensors, write_safetensors
-from dmd2_core.evaluation.drift import drift_stats, within_prompt_diversity
+from dmd2_core.data import (BUILTIN_SETS, REAL_LATENTS, open_real_set, prompt_texts, read_safetensors, real_set_shapes,
+                            write_safetensors)
+from dmd2_core.evaluation.drift import pooled, within_prompt_diversity
 from dmd2_core.evaluation.kernel import projected_kid
 from dmd2_core.checkpoint.integrity import listing
 from dmd2_core.errors import ArgsError
@@ -36,17 +44,23 @@ from dmd2_core.save_layout import eval_reference_root
 
 TEACHER = "teacher"
 TOY_EVALUATORS = {"digits": "dmd2_core.toys.digits_world", "sounding-digits": "dmd2_core.toys.sounding_digits_world"}
-REFERENCE_FORMAT = 1  # bump when what a reference holds or how it is made changes: old entries are not hits
+REFERENCE_FORMAT = 2  # bump when what a reference holds or how it is made changes: old entries are not hits
 FEATURE_U = 0.5  # the schedule position the teacher sees the samples at (evaluation.teacher_features)
 FEATURE_SEED = 0
 PROJECTION_DIM = 64
-# How far a drift statistic may move from the teacher's before the eval flags it: (kind, width),
-# "abs" in the statistic's own units, "rel" a fraction of the teacher's value.
-DRIFT_BANDS = {
-    "brightness": ("abs", 0.08), "saturation": ("abs", 0.08), "contrast": ("abs", 0.06), "flicker": ("abs", 0.03),
-    "loudness": ("abs", 6.0), "peak": ("abs", 0.2), "clipping": ("abs", 0.01), "centroid": ("rel", 0.3),
-    "silence": ("abs", 0.2), "av_align": ("abs", 0.2),
+REAL_ROWS_SEED = 0
+REAL_NOISE_OFFSET = 1 << 30  # the real rows' re-noising noise: indices no eval sample uses
+# A drift statistic leaves its band when it moved from the run's first eval by more than
+# max(BAND_K * sqrt(2) * its standard error over the reference's samples, its floor) and away from
+# the reference; floors: (kind, width), "abs" in the statistic's own units, "rel" a fraction of
+# the reference's value: the smallest change that matters whatever the sample count.
+BAND_K = 3.0
+DRIFT_FLOORS = {
+    "brightness": ("abs", 0.01), "saturation": ("abs", 0.01), "contrast": ("abs", 0.01), "flicker": ("abs", 0.01),
+    "loudness": ("abs", 1.0), "peak": ("abs", 0.02), "clipping": ("abs", 0.01), "centroid": ("rel", 0.05),
+    "silence": ("abs", 0.02), "av_align": ("abs", 0.05),
 }
+DIVERSITY_DROP = 0.10  # a within-prompt diversity this fraction below the first eval's: collapsing
 
 
 def evaluator_of(args: Args) -> str:
@@ -81,14 +95,15 @@ def eval_order(args: Args, num_prompts: int) -> list[int]:
 
 
 def evaluate(run, args: Args) -> dict[str, Any]:
-    """The run's quality figures at this eval: {metrics: {key: float}, flags: [drift keys out of
-    band], reference: {statistic: the teacher's value}}."""
+    """The run's quality figures at this eval: {metrics: {key: float}, reference: the drift
+    yardstick ({"value", "se"}: ``drift.pooled``; "source": 'real' or 'teacher'), which
+    ``drift_flags`` judges the eval's drift with}."""
     name = evaluator_of(args)
     if name == TEACHER and not run.has_critic:  # no group holds the frozen teacher: no quality figures
-        return {"metrics": {}, "flags": [], "reference": {}}
+        return {"metrics": {}, "reference": {}}
     if name != TEACHER:
         world = importlib.import_module(TOY_EVALUATORS[name])
-        return {"metrics": world.quality(run.sample, args.eval_num_samples, args.eval_seed), "flags": [], "reference": {}}
+        return {"metrics": world.quality(run.sample, args.eval_num_samples, args.eval_seed), "reference": {}}
     order = eval_order(args, len(prompt_texts(args.prompts)))
     reference = teacher_reference(run, args, order)
     latents = run.eval_latents(order, args.eval_seed)
@@ -96,36 +111,63 @@ def evaluate(run, args: Args) -> dict[str, Any]:
     metrics = {f"teacher_kid_{m}": projected_kid(reference["features"][m], f, dim=PROJECTION_DIM)
                for m, f in sorted(features.items())}
     metrics["teacher_kid"] = sum(metrics.values()) / len(metrics)
+    real = real_reference(run, args)
+    if real:
+        metrics.update({f"real_kid_{m}": projected_kid(real["features"][m], f, dim=PROJECTION_DIM)
+                        for m, f in sorted(features.items())})
+        metrics["real_kid"] = sum(metrics[f"real_kid_{m}"] for m in features) / len(features)
     metrics.update({f"diversity_{m}": v for m, v in within_prompt_diversity(features, order).items()})
-    drift = media_drift(run.decode(latents), args)
-    metrics.update({f"drift_{k}": v for k, v in drift.items()})
-    flags = out_of_band(drift, reference["drift"])
-    metrics["drift_out"] = float(len(flags))
-    return {"metrics": metrics, "flags": [f"drift_{k}" for k in flags], "reference": reference["drift"]}
+    metrics.update({f"drift_{k}": v for k, v in pooled(run.drift_stats(latents))["value"].items()})
+    yardstick = real["drift"] if real else reference["drift"]
+    return {"metrics": metrics, "reference": {**yardstick, "source": "real" if real else "teacher"}}
 
 
 # ---- the teacher's side, made once ----------------------------------------------------------------
 
-def reference_key(args: Args, order: list[int]) -> str:
-    """What a cached reference must match to be a hit: the teacher (its URL and the bytes of its
-    transformer config and weight index), the prompts (URL and texts), the eval prompts and noise
-    seed, the sample shape, the teacher's sampler (steps, guidance, shift) and how features are
-    taken. A retrained teacher at the same URL changes its files' listing, so it misses."""
+def teacher_identity(args: Args) -> dict[str, Any]:
+    """What names the teacher whose eyes (and samples) a reference holds: its URL, the bytes of
+    its transformer config and its weight files' names and sizes (a retrained teacher at the same
+    URL changes them), and the features' settings."""
     from dmd2_core.models import describe_model_dir
 
     teacher_url = args.teacher_checkpoint or args.hf_checkpoint
-    info = describe_model_dir(teacher_url)
-    transformer = info["transformer_url"]
+    transformer = describe_model_dir(teacher_url)["transformer_url"]
     files = {name: size for name, size in listing(transformer).items() if name.endswith((".safetensors", ".json"))}
-    settings = {
-        "format": REFERENCE_FORMAT, "teacher": teacher_url,
-        "config": storage.read_text(storage.join(transformer, "config.json")), "files": files,
-        "prompts": args.prompts, "texts": prompt_texts(args.prompts), "order": order, "seed": args.eval_seed,
-        "latent_shape": args.latent_shape, "steps": args.eval_reference_steps,
-        "guidance": args.dmd2_guidance_scale, "shift": args.dmd2_shift, "u": FEATURE_U, "feature_seed": FEATURE_SEED,
-        "dtype": args.dtype,
-    }
+    return {"format": REFERENCE_FORMAT, "teacher": teacher_url,
+            "config": storage.read_text(storage.join(transformer, "config.json")), "files": files,
+            "u": FEATURE_U, "feature_seed": FEATURE_SEED, "dtype": args.dtype}
+
+
+def settings_key(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def reference_key(args: Args, order: list[int]) -> str:
+    """What a cached reference must match to be a hit: the teacher (``teacher_identity``), the
+    prompts (URL and texts), the eval prompts and noise seed, the sample shape and the teacher's
+    sampler (steps, guidance, shift)."""
+    return settings_key({
+        **teacher_identity(args), "prompts": args.prompts, "texts": prompt_texts(args.prompts), "order": order,
+        "seed": args.eval_seed, "latent_shape": args.latent_shape, "steps": args.eval_reference_steps,
+        "guidance": args.dmd2_guidance_scale, "shift": args.dmd2_shift})
+
+
+def real_rows(args: Args) -> list[int]:
+    """The real rows an eval compares with: ``eval_real_samples`` of ``real_data``, a fixed random
+    subset (the same for every eval and night), sorted; [] without a real set."""
+    if not args.real_data or not args.eval_real_samples:
+        return []
+    total = real_set_shapes(args.real_data)[REAL_LATENTS][0]
+    chosen = torch.randperm(total, generator=torch.Generator().manual_seed(REAL_ROWS_SEED))[:args.eval_real_samples]
+    return sorted(chosen.tolist())
+
+
+def real_key(args: Args, rows: list[int]) -> str:
+    """What a cached real reference must match: the teacher (``teacher_identity``), the real set
+    (its URL and the names, shapes and byte span of its tensors) and the rows."""
+    header, span = storage.read_safetensors_header(args.real_data) if args.real_data not in BUILTIN_SETS else ({}, 0)
+    return settings_key({**teacher_identity(args), "real_data": args.real_data, "real_header": header,
+                         "real_span": span, "rows": rows})
 
 
 def reference_url(args: Args) -> str:
@@ -144,7 +186,7 @@ def teacher_reference(run, args: Args, order: list[int]) -> dict[str, Any]:
         return {"features": tensors, "drift": meta["drift"], "url": url, "hit": True}
     latents = run.teacher_reference(order, args.eval_seed, args.eval_reference_steps)
     features = run.teacher_features(latents, order, FEATURE_U, FEATURE_SEED)
-    drift = media_drift(run.decode(latents), args)
+    drift = pooled(run.drift_stats(latents))
     write_safetensors(storage.join(url, "features.safetensors"), {m: f.contiguous() for m, f in features.items()})
     storage.write_text(marker, json.dumps({"format": REFERENCE_FORMAT, "teacher": args.teacher_checkpoint or args.hf_checkpoint,
                                            "samples": len(order), "steps": args.eval_reference_steps,
@@ -152,41 +194,61 @@ def teacher_reference(run, args: Args, order: list[int]) -> dict[str, Any]:
     return {"features": features, "drift": drift, "url": url, "hit": False}
 
 
+def real_reference(run, args: Args) -> dict[str, Any]:
+    """The second reference, from ``real_rows``: the teacher's features of them and the drift
+    statistics of the first ``eval_num_samples`` of them decoded ({features, drift}); cached as
+    the teacher's reference is, made on a miss; {} without a real set."""
+    rows = real_rows(args)
+    if not rows:
+        return {}
+    url = storage.join(reference_url(args), f"real-{real_key(args, rows)}")
+    marker = storage.join(url, "reference.json")
+    if storage.exists(marker):
+        features, _ = read_safetensors(storage.join(url, "features.safetensors"))
+        return {"features": features, "drift": json.loads(storage.read_text(marker))["drift"]}
+    features = run.real_features(rows, FEATURE_U, FEATURE_SEED, REAL_NOISE_OFFSET)
+    latents, _ = open_real_set(args.real_data).batch(torch.tensor(rows[:args.eval_num_samples]))
+    drift = pooled(run.drift_stats(latents))
+    write_safetensors(storage.join(url, "features.safetensors"), {m: f.contiguous() for m, f in features.items()})
+    storage.write_text(marker, json.dumps({"format": REFERENCE_FORMAT, "real_data": args.real_data,
+                                           "rows": len(rows), "drift": drift}, indent=1))
+    return {"features": features, "drift": drift}
+
+
 # ---- drift ----------------------------------------------------------------------------------------
 
-def media_drift(decoded, args: Args) -> dict[str, float]:
-    """Drift statistics of decoded samples, keyed ``<statistic>_<modality>`` (and ``av_align``):
-    pictures [N, C, H, W] ('image'), videos [N, C, F, H, W] ('video'), a joint model's
-    {'video', 'audio', 'sample_rate'}; latents without a decoder (a flat sample) have none."""
-    from dmd2_core.models.minimax_h3 import FPS
+def drift_flags(latest: dict[str, float], start: dict[str, float], reference: dict[str, Any]) -> list[str]:
+    """The metrics keys of ``latest`` (an eval's metrics) whose drift left its band, judged against
+    the run's first eval ``start`` and ``reference`` ({"value", "se"}: ``drift.pooled`` of the
+    real set's samples when the run has one, else of the teacher's reference samples; what the
+    run distils towards):
 
-    if isinstance(decoded, dict):
-        raw = drift_stats(decoded["video"], decoded["audio"], int(decoded["sample_rate"]), FPS)
-    elif torch.is_tensor(decoded) and decoded.dim() in (4, 5) and decoded.shape[1] in (1, 3):
-        raw = drift_stats(decoded)
-    else:
-        return {}
-    visual = "video" if isinstance(decoded, dict) or decoded.dim() == 5 else "image"
-    out = {}
-    for key, value in raw.items():
-        if key == "av_align":
-            out[key] = value
-        elif key.startswith("audio_"):
-            out[f"{key.removeprefix('audio_')}_audio"] = value
-        else:
-            out[f"{key}_{visual}"] = value
-    return out
-
-
-def out_of_band(student: dict[str, float], teacher: dict[str, float]) -> list[str]:
-    """The drift keys whose student value left its band around the teacher's (``DRIFT_BANDS``)."""
+    - ``drift_<statistic>_<modality>``: moved from the start by more than its band
+      (max(BAND_K * sqrt(2) * the reference's standard error, ``DRIFT_FLOORS``), sqrt(2) for a
+      difference of two draws of that size) and farther from the reference than the start was.
+      Judged from the start, a sampler's own offset (a 4-step sampler against 50 steps) is not a
+      drift, and a student moving towards the reference is not one either.
+    - ``diversity_<modality>``: fell by more than ``DIVERSITY_DROP`` of the start's (collapse).
+    """
+    values, errors = reference.get("value") or {}, reference.get("se") or {}
     flagged = []
-    for key, value in sorted(student.items()):
-        stat = key if key == "av_align" else key.rsplit("_", 1)[0]
-        band, ref = DRIFT_BANDS.get(stat), teacher.get(key)
-        if band is None or ref is None or not all(map(math.isfinite, (value, ref))):
+    for key, value in sorted(latest.items()):
+        first = start.get(key)
+        if not isinstance(value, (int, float)) or not isinstance(first, (int, float)) \
+                or not math.isfinite(value) or not math.isfinite(first):
             continue
-        kind, width = band
-        if abs(value - ref) > (width * abs(ref) if kind == "rel" else width):
+        if key.startswith("diversity_"):
+            if value < (1 - DIVERSITY_DROP) * first:
+                flagged.append(key)
+            continue
+        name = key.removeprefix("drift_")
+        floor = DRIFT_FLOORS.get(name if name == "av_align" else name.rsplit("_", 1)[0])
+        ref, se = values.get(name), errors.get(name)
+        if not key.startswith("drift_") or floor is None or not isinstance(ref, (int, float)) or not math.isfinite(ref):
+            continue
+        kind, width = floor
+        half_width = max(BAND_K * math.sqrt(2) * se if isinstance(se, (int, float)) and math.isfinite(se) else 0.0,
+                         width * abs(ref) if kind == "rel" else width)
+        if abs(value - first) > half_width and abs(value - ref) > abs(first - ref):
             flagged.append(key)
     return flagged

@@ -32,7 +32,7 @@ from dmd2_core.models import lora
 from dmd2_core.save_layout import EXPORT_MARKER_NAME
 from dmd2_core.models import describe_model_dir
 from dmd2_core.errors import ModelDirError
-from dmd2_core.export.files import EXPORT_FORMAT, cast, persistent, total_bytes, writable_dir
+from dmd2_core.export.files import EXPORT_FORMAT, cast, persistent, staged_export, total_bytes, writable_dir
 from dmd2_core.export.scheduler import SCHEDULER_CLASS, student_scheduler_config, verify_written_scheduler
 
 ONLINE_WEIGHT_NAME = "pytorch_lora_weights_online.safetensors"
@@ -54,7 +54,7 @@ def gather(model: torch.nn.Module, export_dtype: torch.dtype, metadata: dict, em
     """The collective half of a LoRA student's export, kept on the ``writer`` rank: the adapters
     (and their EMA) in fp32, ``{'online', 'ema', 'lora': metadata}``; ``merged``: the whole model
     with the adapters merged into the base, cast to ``export_dtype`` (``{'online', 'ema'}``, plain
-    diffusers names, as ``export.gather_student`` gives a full student)."""
+    diffusers names, which ``pipeline.write_export`` streams to files as it does a full student's)."""
     names = [n for n, _ in lora.trained(model)]
     online = _gather(lora.trained(model), writer, torch.float32)
     averaged = _gather(zip(names, ema), writer, torch.float32) if ema is not None else None
@@ -84,9 +84,32 @@ def write(url: str, family, gathered: dict, *, teacher_url: str, shift: float, n
     averaged = cast(lora.diffusers_lora_state(gathered["ema"]), export_dtype) if gathered.get("ema") is not None else None
     files = {lora.LORA_WEIGHT_NAME: averaged if averaged is not None else online,
              **({ONLINE_WEIGHT_NAME: online} if averaged is not None else {})}
-    storage.remove(storage.join(url, EXPORT_MARKER_NAME))
-    storage.remove(url)
-    with writable_dir(url) as directory:
+    with staged_export(url) as staging:
+        size, scheduler, export_s, verify_s = _write_files(staging, family, files, metadata, shift=shift,
+                                                           num_steps=num_steps, verify=verify, started=started)
+        marker = {
+            "format": EXPORT_FORMAT, "iteration": None if iteration is None else int(iteration),
+            "num_steps": int(num_steps), "shift": float(shift), "sigmas": fm.student_sigmas(num_steps, shift),
+            "dtype": str(export_dtype).removeprefix("torch."),
+            "lora": {**metadata, "weight_name": lora.LORA_WEIGHT_NAME, "loader": loader.__name__,
+                     "note": "load onto the teacher's pipeline: pipe.load_lora_weights(export)"},
+            "transformer": "ema" if averaged is not None else "online",
+            "transformer_online": ONLINE_WEIGHT_NAME if averaged is not None else None,
+            "scheduler": None if scheduler is None else {
+                "class": SCHEDULER_CLASS, **scheduler, "note": "set_timesteps(num_steps) gives the student's sigmas"},
+            "teacher": teacher_url, "pipeline": False, "components": [], "bytes": size,
+            "export_s": round(export_s, 3), "verified": bool(verify), "verify_s": round(verify_s, 3),
+        }
+        storage.write_text(storage.join(staging, EXPORT_MARKER_NAME), json.dumps(marker, indent=2) + "\n")
+    return {"url": url, "bytes": size, "export_s": export_s, "verify_s": verify_s, "pipeline": False}
+
+
+def _write_files(staging: str, family, files: dict, metadata: dict, *, shift: float, num_steps: int,
+                 verify: bool, started: float) -> tuple[int, Optional[dict], float, float]:
+    """Every file of a LoRA export but its marker, into ``staging``, verified: (bytes, the
+    scheduler's config or None, export_s, verify_s)."""
+    loader = lora.lora_loader(family)
+    with writable_dir(staging) as directory:
         for weight_name, state in files.items():
             loader.save_lora_weights(str(directory), transformer_lora_layers=state, weight_name=weight_name,
                                      transformer_lora_adapter_metadata=dict(metadata))
@@ -95,33 +118,18 @@ def write(url: str, family, gathered: dict, *, teacher_url: str, shift: float, n
         import diffusers
 
         scheduler = student_scheduler_config(shift, num_steps)
-        with writable_dir(storage.join(url, "scheduler")) as directory:
+        with writable_dir(storage.join(staging, "scheduler")) as directory:
             getattr(diffusers, SCHEDULER_CLASS)(**scheduler).save_pretrained(str(directory))
     export_s = time.perf_counter() - started
     verify_s = 0.0
     if verify:
         t0 = time.perf_counter()
         for weight_name, state in files.items():
-            _verify(storage.join(url, weight_name), state)
+            _verify(storage.join(staging, weight_name), state)
         if scheduler is not None:
-            verify_written_scheduler(url, num_steps, shift)
+            verify_written_scheduler(staging, num_steps, shift)
         verify_s = time.perf_counter() - t0
-    size = total_bytes(url)
-    marker = {
-        "format": EXPORT_FORMAT, "iteration": None if iteration is None else int(iteration),
-        "num_steps": int(num_steps), "shift": float(shift), "sigmas": fm.student_sigmas(num_steps, shift),
-        "dtype": str(export_dtype).removeprefix("torch."),
-        "lora": {**metadata, "weight_name": lora.LORA_WEIGHT_NAME, "loader": loader.__name__,
-                 "note": "load onto the teacher's pipeline: pipe.load_lora_weights(export)"},
-        "transformer": "ema" if averaged is not None else "online",
-        "transformer_online": ONLINE_WEIGHT_NAME if averaged is not None else None,
-        "scheduler": None if scheduler is None else {
-            "class": SCHEDULER_CLASS, **scheduler, "note": "set_timesteps(num_steps) gives the student's sigmas"},
-        "teacher": teacher_url, "pipeline": False, "components": [], "bytes": size,
-        "export_s": round(export_s, 3), "verified": bool(verify), "verify_s": round(verify_s, 3),
-    }
-    storage.write_text(storage.join(url, EXPORT_MARKER_NAME), json.dumps(marker, indent=2) + "\n")
-    return {"url": url, "bytes": size, "export_s": export_s, "verify_s": verify_s, "pipeline": False}
+    return total_bytes(staging), scheduler, export_s, verify_s
 
 
 def _verify(url: str, expected: dict[str, torch.Tensor]) -> None:

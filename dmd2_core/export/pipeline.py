@@ -38,6 +38,7 @@ import functools
 import json
 import re
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -45,15 +46,16 @@ from typing import Optional
 import torch
 
 from dmd2_core import flow_matching as fm
-from dmd2_core import parallel, storage
-from dmd2_core.export import adapters
-from dmd2_core.export.files import EXPORT_FORMAT, cast, persistent, total_bytes, writable_dir
+from dmd2_core import storage
+from dmd2_core.export import adapters, stream
+from dmd2_core.export.files import EXPORT_FORMAT, new_staging_url, staged_export, total_bytes, writable_dir
 from dmd2_core.save_layout import EXPORT_MARKER_NAME
-from dmd2_core.models import describe_model_dir, family_of, write_transformer
+from dmd2_core.models import describe_model_dir, family_of
 from dmd2_core.errors import ModelDirError, StorageUnavailableError, one_line
 from dmd2_core.export.scheduler import SCHEDULER_CLASS, student_scheduler_config, verify_written_scheduler
 
 ONLINE_DIR = "transformer_online"
+MODULAR_INDEX = "modular_model_index.json"
 
 
 # ---- the export ------------------------------------------------------------------------------
@@ -76,132 +78,160 @@ def export_student(
     """Export the student ``model`` (possibly FSDP2-sharded; ``ema``: its EMA tensors in
     parameter order, sharded like it) to ``url`` as a diffusers directory (layout in the module
     docstring). A collective: every rank of the trainer group calls it; the whole weights are
-    gathered tensor by tensor, only the ``writer`` rank keeps and writes them; the others return
-    None. The writer holds the gathered state (two copies with an EMA) plus, while verifying,
-    one reloaded transformer at a time.
+    gathered tensor by tensor and the ``writer`` rank writes each into its safetensors file as it
+    arrives (``export.stream``: a local staging directory, uploaded after for an object store),
+    so it never holds the model whole; the others return None.
 
-    A directory already at ``url`` is replaced (its export.json goes first). ``verify`` reloads
-    each written transformer with the family's model class and checks every tensor equals the
-    gathered one in ``export_dtype`` (and the safetensors hold ``export_dtype``); a mismatch
-    raises CheckpointError naming the path, and export.json is not written.
+    The export is written beside ``url`` and swapped in once complete (``files.staged_export``):
+    whatever is at ``url`` stays whole until then, a failed export leaves it as it was. ``verify``
+    reads every written tensor back, one at a time, and compares it with the checksum taken as it
+    was gathered, and checks the names and shapes against the family's model class (built on the
+    meta device) and the dtypes against ``export_dtype``; a mismatch raises ModelDirError naming
+    the path, and export.json is not written.
 
     Returns {"url", "bytes" (all files), "export_s" (gather + write), "verify_s", "pipeline"
     (True when the teacher is a pipeline-style checkpoint whose other components were copied)}.
-    ``run_write``: how the writer's half (no collective) runs, given it as a function of no
-    arguments; its return value is returned instead (the trainer runs it in a background thread
-    and gets a future). A LoRA student (``lora_metadata``: ``lora.adapter_metadata``) is written in
-    the family's diffusers LoRA format (``dmd2_core.export.adapters``), or with ``merged`` merged into
-    its base as a full export.
+    ``run_write``: how the writer's rest (no collective: the other components, verification, the
+    marker) runs, given it as a function of no arguments; its return value is returned instead
+    (the trainer runs it in a background thread and gets a future). A LoRA student
+    (``lora_metadata``: ``lora.adapter_metadata``) is written in the family's diffusers LoRA format
+    (``dmd2_core.export.adapters``), or with ``merged`` merged into its base as a full export (that
+    one merges on the writer's host: the merged model whole, once).
     """
     started = time.perf_counter()
     student_scheduler_config(shift, num_steps)  # fails alike on every rank, before the gather
     if lora_metadata is not None:
-        gathered = adapters.gather(model, export_dtype, lora_metadata, ema=ema, writer=writer, merged=merged)
+        staged = adapters.gather(model, export_dtype, lora_metadata, ema=ema, writer=writer, merged=merged)
     else:
-        gathered = gather_student(model, export_dtype, ema=ema, writer=writer)
-    if gathered is None:
+        staged = stream_student(url, model, export_dtype, ema=ema, writer=writer)
+    if staged is None:
         return None
-    write = functools.partial(write_export, url, model, gathered, teacher_url=teacher_url, shift=shift,
+    write = functools.partial(write_export, url, model, staged, teacher_url=teacher_url, shift=shift,
                               num_steps=num_steps, export_dtype=export_dtype, verify=verify, iteration=iteration,
                               started=started)
     return write() if run_write is None else run_write(write)
 
 
-def gather_student(model: torch.nn.Module, export_dtype: torch.dtype, ema=None,
-                   writer: bool = True) -> Optional[dict]:
-    """The collective half of an export: the whole weights (and EMA), cast to ``export_dtype``
-    tensor by tensor, kept on the ``writer`` rank's host ({'online', 'ema'}); None elsewhere.
-    Every rank of the group calls it, on the training process group, in the training thread."""
-    online = persistent(model, parallel.full_state_dict(model, keep=writer, dtype=export_dtype))
-    averaged = persistent(model, parallel.full_state_dict(model, ema, keep=writer, dtype=export_dtype)) \
-        if ema is not None else None
-    return {"online": online, "ema": averaged} if writer else None
+def stream_student(url: str, model: torch.nn.Module, export_dtype: torch.dtype, ema=None,
+                   writer: bool = True, values: Optional[dict] = None) -> Optional[dict]:
+    """The collective half of a full export: the transformer (the EMA when there is one, then the
+    trained weights as transformer_online) streamed, tensor by tensor, into the writer's staging
+    beside ``url`` (a local directory; for an object store a temporary one, uploaded by
+    ``write_export``). ``values``: whole states instead ({'online', 'ema'}: a merged LoRA's; no
+    collective). Returns, on the writer, what ``write_export`` finishes ({'staging', 'local',
+    'streamed': {directory: StreamedTransformer}}); None elsewhere."""
+    skip = frozenset(stream.non_persistent(model))
+    if values is not None:
+        parts = {"transformer": values.get("ema") or values["online"],
+                 **({ONLINE_DIR: values["online"]} if values.get("ema") else {})}
+    else:
+        parts = {"transformer": stream.model_tensors(model, ema),
+                 **({ONLINE_DIR: stream.model_tensors(model)} if ema is not None else {})}
+    staging = local = None
+    if writer:
+        staging = new_staging_url(url)
+        local = Path(storage.filesystem(staging)[1] if storage.is_local(staging)
+                     else tempfile.mkdtemp(prefix="dmd2-export-"))
+    try:
+        streamed = {name: stream.stream_tensors(tensors, export_dtype, local / name if writer else None, skip)
+                    for name, tensors in parts.items()}
+    except BaseException:
+        if writer:
+            shutil.rmtree(local, ignore_errors=True)
+        raise
+    return {"staging": staging, "local": local, "streamed": streamed} if writer else None
 
 
-def write_export(url: str, model: torch.nn.Module, gathered: dict, *, teacher_url: str, shift: float,
+def write_export(url: str, model: torch.nn.Module, staged: dict, *, teacher_url: str, shift: float,
                  num_steps: int, export_dtype: torch.dtype, verify: bool = True, iteration: Optional[int] = None,
                  started: Optional[float] = None) -> dict:
-    """The writer's half of an export (no collective: it may run in a background thread): write
-    ``gathered`` (from gather_student) at ``url``, verify, write export.json last."""
+    """The writer's half of an export (no collective: it may run in a background thread): from
+    ``stream_student``'s staging (or a LoRA's gathered adapters, or a merged LoRA's whole
+    states), the transformers' configs, the rest of the pipeline, verification, export.json last,
+    then the swap into ``url``."""
     started = time.perf_counter() if started is None else started
     family = family_of(model)
-    scheduler_config = student_scheduler_config(shift, num_steps)
-    if gathered.get("lora") is not None:  # the adapters alone, in the family's diffusers LoRA format
-        return adapters.write(url, family, gathered, teacher_url=teacher_url, shift=shift, num_steps=num_steps,
-                                 export_dtype=export_dtype, verify=verify, iteration=iteration, started=started)
-    online = cast(gathered["online"], export_dtype)
-    averaged = cast(gathered["ema"], export_dtype) if gathered.get("ema") is not None else None
-    primary = averaged if averaged is not None else online
+    if staged.get("lora") is not None:  # the adapters alone, in the family's diffusers LoRA format
+        return adapters.write(url, family, staged, teacher_url=teacher_url, shift=shift, num_steps=num_steps,
+                              export_dtype=export_dtype, verify=verify, iteration=iteration, started=started)
+    if "streamed" not in staged:  # a merged LoRA's whole states
+        staged = stream_student(url, model, export_dtype, values=staged)
+    try:
+        with staged_export(url, staging=staged["staging"]) as staging:
+            teacher = describe_model_dir(teacher_url)
+            if teacher["family"] != family.class_name:
+                raise ModelDirError(f"{teacher_url}: the teacher is a {teacher['family']}, the student a "
+                                    f"{family.class_name}")
+            for name in staged["streamed"]:
+                stream.write_config(family, model.config, staged["local"] / name)
+                if not storage.is_local(staging):
+                    storage.upload_dir(staged["local"] / name, storage.join(staging, name))
+            marker = _finish(staging, model, family, teacher, staged["streamed"], teacher_url=teacher_url, shift=shift,
+                             num_steps=num_steps, export_dtype=export_dtype, verify=verify, iteration=iteration,
+                             started=started)
+    finally:
+        if not storage.is_local(url):  # the local staging of an object store's export
+            shutil.rmtree(staged["local"], ignore_errors=True)
+    return {"url": url, "bytes": marker["bytes"], "export_s": marker["export_s"], "verify_s": marker["verify_s"],
+            "pipeline": marker["pipeline"]}
 
-    teacher = describe_model_dir(teacher_url)
-    if teacher["family"] != family.class_name:
-        raise ModelDirError(f"{teacher_url}: the teacher is a {teacher['family']}, the student a {family.class_name}")
-    if family.deterministic_student:  # the teacher's own (modular) pipeline steps the student: its schedulers stay
-        return _write_modular_export(url, model, family, online, averaged, teacher_url=teacher_url,
-                                     num_steps=num_steps, export_dtype=export_dtype, verify=verify,
-                                     iteration=iteration, started=started)
-    index, components = _pipeline_index(teacher_url, teacher, family)
 
-    storage.remove(storage.join(url, EXPORT_MARKER_NAME))
-    storage.remove(url)
-    transformers = {"transformer": primary}
-    if averaged is not None:
-        transformers[ONLINE_DIR] = online
-    for name, state in transformers.items():
-        with writable_dir(storage.join(url, name)) as directory:
-            write_transformer(family, model.config, state, directory)
-    import diffusers
+def _finish(staging: str, model, family, teacher: dict, streamed: dict, *, teacher_url: str, shift: float,
+            num_steps: int, export_dtype: torch.dtype, verify: bool, iteration: Optional[int], started: float) -> dict:
+    """Beside the streamed transformers in ``staging``: the scheduler (or the teacher's modular
+    index), the teacher's other components, the index, verification, then export.json."""
+    modular = family.deterministic_student  # the teacher's own (modular) pipeline steps the student
+    if modular:
+        index, components = _modular_index(teacher_url)
+        storage.write_text(storage.join(staging, MODULAR_INDEX), json.dumps(index, indent=2) + "\n")
+    else:
+        import diffusers
 
-    with writable_dir(storage.join(url, "scheduler")) as directory:
-        getattr(diffusers, SCHEDULER_CLASS)(**scheduler_config).save_pretrained(str(directory))
+        index, components = _pipeline_index(teacher_url, teacher, family)
+        scheduler_config = student_scheduler_config(shift, num_steps)
+        with writable_dir(storage.join(staging, "scheduler")) as directory:
+            getattr(diffusers, SCHEDULER_CLASS)(**scheduler_config).save_pretrained(str(directory))
+        storage.write_text(storage.join(staging, "model_index.json"), json.dumps(index, indent=2) + "\n")
     for name in components:
-        _copy_tree(storage.join(teacher_url, name), storage.join(url, name))
-    storage.write_text(storage.join(url, "model_index.json"), json.dumps(index, indent=2) + "\n")
+        _copy_tree(storage.join(teacher_url, name), storage.join(staging, name))
     export_s = time.perf_counter() - started
-
     verify_s = 0.0
     if verify:
         t0 = time.perf_counter()
-        for name, state in transformers.items():
-            verify_transformer(storage.join(url, name), family, state, export_dtype)
-        verify_written_scheduler(url, num_steps, shift)
+        for name, transformer in streamed.items():
+            stream.verify_streamed(storage.join(staging, name), family, transformer)
+        if not modular:
+            verify_written_scheduler(staging, num_steps, shift)
         verify_s = time.perf_counter() - t0
-
-    size = total_bytes(url)
+    averaged = ONLINE_DIR in streamed
     marker = {
-        "format": EXPORT_FORMAT,
-        "iteration": None if iteration is None else int(iteration),
-        "num_steps": int(num_steps),
-        "shift": float(shift),
-        "sigmas": fm.student_sigmas(num_steps, shift),
+        "format": EXPORT_FORMAT, "iteration": None if iteration is None else int(iteration),
+        "num_steps": int(num_steps), "shift": float(shift), "sigmas": fm.student_sigmas(num_steps, shift),
         "dtype": str(export_dtype).removeprefix("torch."),
-        "transformer": "ema" if averaged is not None else "online",
-        "transformer_online": ONLINE_DIR if averaged is not None else None,
-        "scheduler": {"class": SCHEDULER_CLASS, **scheduler_config,
-                      "note": "set_timesteps(num_steps) gives the student's sigmas; do not pass sigmas="},
-        "teacher": teacher_url,
-        "pipeline": teacher["transformer_url"] != teacher_url,  # a pipeline-style teacher
-        "components": components,
-        "bytes": size,
-        "export_s": round(export_s, 3),
-        "verified": bool(verify),
-        "verify_s": round(verify_s, 3),
+        "transformer": "ema" if averaged else "online", "transformer_online": ONLINE_DIR if averaged else None,
     }
-    storage.write_text(storage.join(url, EXPORT_MARKER_NAME), json.dumps(marker, indent=2) + "\n")
-    return {"url": url, "bytes": size, "export_s": export_s, "verify_s": verify_s, "pipeline": marker["pipeline"]}
+    if modular:  # its schedulers stay the teacher's: num_inference_steps = K + 1 steps the student's K sigmas
+        marker.update(num_inference_steps=int(num_steps) + 1, shift=float(family.fixed_shift or 1.0),
+                      sigmas=fm.student_sigmas(num_steps, 1.0), modality_sigmas=_modality_sigmas(staging, num_steps),
+                      scheduler={"note": "the teacher's schedulers; run the pipeline with "
+                                         f"num_inference_steps={num_steps + 1}"})
+    else:
+        marker["scheduler"] = {"class": SCHEDULER_CLASS, **scheduler_config,
+                               "note": "set_timesteps(num_steps) gives the student's sigmas; do not pass sigmas="}
+    marker.update(teacher=teacher_url, pipeline=modular or teacher["transformer_url"] != teacher_url,
+                  components=components, bytes=total_bytes(staging), export_s=round(export_s, 3),
+                  verified=bool(verify), verify_s=round(verify_s, 3))
+    storage.write_text(storage.join(staging, EXPORT_MARKER_NAME), json.dumps(marker, indent=2) + "\n")
+    return marker
 
 
-MODULAR_INDEX = "modular_model_index.json"
-
-
-def _write_modular_export(url: str, model, family, online: dict, averaged: Optional[dict], *, teacher_url: str,
-                          num_steps: int, export_dtype: torch.dtype, verify: bool, iteration: Optional[int],
-                          started: float) -> dict:
+def _modular_index(teacher_url: str) -> tuple[dict, list[str]]:
     """A student of a model whose sampler is its modular pipeline's (MiniMax-H3): the teacher's
     repository with the student's transformer. Its schedulers stay the teacher's: the pipeline run
     with ``num_inference_steps = K + 1`` steps exactly the student's K sigmas of both modalities
     (the grid ``linspace(1, 0, K + 1)`` through each scheduler's shift), with the student's
-    deterministic steps; ``ModularPipeline.from_pretrained(url)`` loads it."""
+    deterministic steps; ``ModularPipeline.from_pretrained(url)`` loads it. Returns the export's
+    modular index and the teacher's folders to copy."""
     index_url = storage.join(teacher_url, MODULAR_INDEX)
     try:
         index = json.loads(storage.read_text(index_url))
@@ -218,92 +248,19 @@ def _write_modular_export(url: str, model, family, online: dict, averaged: Optio
         if value[0] is not None and storage.exists(storage.join(teacher_url, folder)):
             components.append(folder)
     index.pop("transformer_ref", None)
-    storage.remove(storage.join(url, EXPORT_MARKER_NAME))
-    storage.remove(url)
-    primary = averaged if averaged is not None else online
-    transformers = {"transformer": primary, **({ONLINE_DIR: online} if averaged is not None else {})}
-    for name, state in transformers.items():
-        with writable_dir(storage.join(url, name)) as directory:
-            write_transformer(family, model.config, state, directory)
-    for name in components:
-        _copy_tree(storage.join(teacher_url, name), storage.join(url, name))
-    storage.write_text(storage.join(url, MODULAR_INDEX), json.dumps(index, indent=2) + "\n")
-    export_s = time.perf_counter() - started
-    verify_s = 0.0
+    return index, components
+
+
+def _modality_sigmas(staging: str, num_steps: int) -> dict[str, list[float]]:
     sigmas = {}
     for name in ("scheduler", "audio_scheduler"):
-        config = json.loads(storage.read_text(storage.join(url, name, "scheduler_config.json")))
+        config = json.loads(storage.read_text(storage.join(staging, name, "scheduler_config.json")))
         base = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float32)
         sigmas[name] = [float(s) for s in config["shift"] * base / (1 + (config["shift"] - 1) * base)][:-1]
-    if verify:
-        t0 = time.perf_counter()
-        for name, state in transformers.items():
-            verify_transformer(storage.join(url, name), family, state, export_dtype)
-        verify_s = time.perf_counter() - t0
-    size = total_bytes(url)
-    marker = {
-        "format": EXPORT_FORMAT, "iteration": None if iteration is None else int(iteration),
-        "num_steps": int(num_steps), "num_inference_steps": int(num_steps) + 1, "shift": float(family.fixed_shift or 1.0),
-        "sigmas": fm.student_sigmas(num_steps, 1.0), "modality_sigmas": sigmas,
-        "dtype": str(export_dtype).removeprefix("torch."),
-        "transformer": "ema" if averaged is not None else "online",
-        "transformer_online": ONLINE_DIR if averaged is not None else None,
-        "scheduler": {"note": f"the teacher's schedulers; run the pipeline with num_inference_steps={num_steps + 1}"},
-        "teacher": teacher_url, "pipeline": True, "components": components, "bytes": size,
-        "export_s": round(export_s, 3), "verified": bool(verify), "verify_s": round(verify_s, 3),
-    }
-    storage.write_text(storage.join(url, EXPORT_MARKER_NAME), json.dumps(marker, indent=2) + "\n")
-    return {"url": url, "bytes": size, "export_s": export_s, "verify_s": verify_s, "pipeline": True}
-
-
-def verify_transformer(url: str, family, expected: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-    """Reload the transformer directory at ``url`` with the family's model class and check it
-    holds ``expected`` exactly, stored in ``dtype``; CheckpointError naming ``url`` if not."""
-    from safetensors import safe_open
-
-    def fail(why: str):
-        raise ModelDirError(f"{url}: the exported transformer does not reload as written ({why})")
-
-    with storage.local_copy(url) as local:
-        stored: dict[str, str] = {}
-        for file in sorted(Path(local).glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
-                    stored[key] = f.get_slice(key).get_dtype()
-        missing = sorted(set(expected) - set(stored))
-        if missing:
-            fail(f"{len(missing)} tensors missing from the safetensors, e.g. '{missing[0]}'")
-        want = _safetensors_dtype(dtype)
-        wrong = sorted(k for k, v in expected.items() if v.is_floating_point() and stored[k] != want)
-        if wrong:
-            fail(f"'{wrong[0]}' is stored as {stored[wrong[0]]}, not {want}")
-        try:
-            reloaded = family.model_class.from_pretrained(str(local), torch_dtype=dtype)
-        except Exception as exc:  # noqa: BLE001 - one line naming the path
-            fail(one_line(exc))
-    tensors = dict(reloaded.named_parameters())
-    tensors.update(reloaded.named_buffers())
-    for key, value in expected.items():
-        got = tensors.get(key)
-        if got is None:
-            fail(f"the model has no '{key}'")
-        if tuple(got.shape) != tuple(value.shape):
-            fail(f"'{key}' has shape {tuple(got.shape)}, written {tuple(value.shape)}")
-        got = got.detach().to(value.dtype)  # modules diffusers keeps in fp32 are upcast: exact
-        same = (got == value) | (got.isnan() & value.isnan()) if value.is_floating_point() else got == value
-        if not bool(same.all()):
-            fail(f"'{key}' differs from the gathered weights")
-    del reloaded
+    return sigmas
 
 
 # ---- helpers ---------------------------------------------------------------------------------
-def _safetensors_dtype(dtype: torch.dtype) -> str:
-    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
-    if dtype not in names:
-        raise ValueError(f"export_dtype {dtype} is not a floating dtype safetensors stores")
-    return names[dtype]
-
-
 def _pipeline_index(teacher_url: str, teacher: dict, family) -> tuple[dict, list[str]]:
     """The export's model_index.json and the teacher components to copy along."""
     import diffusers

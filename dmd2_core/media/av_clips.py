@@ -94,6 +94,8 @@ def write_mp4(
     sample_rate: int,
     min_side: int = MIN_SIDE_PX,
     video_codec: Optional[str] = None,
+    crf: int = 18,
+    audio_bit_rate_per_channel: int = AUDIO_BIT_RATE_PER_CHANNEL,
 ) -> None:
     """Write an MP4 with an H.264 video stream (mpeg4 if PyAV's FFmpeg lacks libx264) and an AAC
     audio stream (mono or stereo, as ``audio`` has 1 or 2 channels; ``audio=None`` writes video only).
@@ -102,7 +104,9 @@ def write_mp4(
     Frames whose short side is below ``min_side`` are upscaled by an integer factor (nearest);
     an odd height or width is then padded by one replicated edge row/column, as yuv420p needs even
     sizes. Audio and video keep their own lengths (neither is trimmed or padded to the other).
-    ``video_codec`` overrides the choice of encoder (e.g. "mpeg4"). Files written to a path get
+    ``video_codec`` overrides the choice of encoder (e.g. "mpeg4"). ``crf``: H.264's constant rate
+    factor (18: visually lossless; each +6 about halves the size; mpeg4 gets the matching bit
+    rate). Files written to a path get
     the index at the front (``movflags=+faststart``, for progressive playback); FFmpeg cannot do
     that for file objects, whose MP4 keeps the index at the end (players fetch it by range request).
     """
@@ -120,18 +124,19 @@ def write_mp4(
     target = str(path_or_file) if is_path else path_or_file
     with av.open(target, mode="w", format="mp4", options={"movflags": "+faststart"} if is_path else None) as container:
         codec = video_codec or _video_codec()
-        video = container.add_stream(codec, rate=rate, options={"crf": "18", "preset": "veryfast"} if codec == "libx264" else None)
+        video = container.add_stream(codec, rate=rate,
+                                     options={"crf": str(int(crf)), "preset": "veryfast"} if codec == "libx264" else None)
         video.width, video.height = pixels.shape[2], pixels.shape[1]
         video.pix_fmt = "yuv420p"
         video.codec_context.time_base = 1 / rate
         if codec == "mpeg4":
-            video.bit_rate = 4_000_000
+            video.bit_rate = int(4_000_000 * 2 ** ((18 - crf) / 6))
         sound = None
         if waveform is not None:
             sound = container.add_stream("aac", rate=sample_rate)
             sound.layout = "stereo" if waveform.shape[0] == 2 else "mono"
             sound.format = "fltp"
-            sound.bit_rate = AUDIO_BIT_RATE_PER_CHANNEL * waveform.shape[0]
+            sound.bit_rate = int(audio_bit_rate_per_channel) * waveform.shape[0]
             sound.codec_context.time_base = Fraction(1, sample_rate)
         container.start_encoding()  # opens the encoders, so the AAC frame size is known
         chunk = (sound.codec_context.frame_size or 1024) if sound is not None else 0

@@ -14,13 +14,14 @@ from __future__ import annotations
 import io
 from typing import Any, Optional
 
+import torch
 from PIL import Image
 
 from dmd2_core import storage
 from dmd2_core.data import prompt_texts
 from dmd2_core.evaluation import evaluators
 from dmd2_core.evaluation.evaluators import eval_prompt_indices
-from dmd2_core.media.images import embed, image_grid, mime_type, png_bytes, video_media
+from dmd2_core.media.images import data_uri, embed, image_grid, mime_type, png_bytes, video_media
 from dmd2_core.save_layout import media_stem
 
 PRESIGN_EXPIRES_S = 7 * 24 * 3600  # the SigV4 maximum
@@ -72,7 +73,7 @@ def run_eval(run, iteration: int, embed_limit: int = 512 * 1024) -> dict[str, An
     if isinstance(samples, dict):  # video + sound: per prompt an MP4, a frame strip and a spectrogram
         for p in indices:
             j = order.index(p)
-            media += av_media_of(samples, j, f"{stem}_p{p}", texts[p], embed_limit)
+            media += av_media_of(samples, j, f"{stem}_p{p}", texts[p], embed_limit, INLINE_VIDEO_BYTES // len(indices))
     elif samples.dim() == 5:  # video [N, C, F, H, W]: one GIF per prompt
         for p in indices:
             rows = [j for j, q in enumerate(order) if q == p]
@@ -88,31 +89,67 @@ def run_eval(run, iteration: int, embed_limit: int = 512 * 1024) -> dict[str, An
     metrics.update(quality["metrics"])
     if quality["metrics"]:
         metrics["eval_quality_s"] = time.perf_counter() - t
-    return {"iteration": int(iteration), "metrics": metrics, "media": media, "flags": quality["flags"],
-            "reference": quality["reference"]}
+    return {"iteration": int(iteration), "metrics": metrics, "media": media, "reference": quality["reference"]}
 
 
 FPS_OF_SOUNDING_VIDEO = 24  # MiniMax-H3's frame rate; its clips play at it
+PREVIEW_SIDE_PX = 256
+PREVIEW_CRF = 32  # about a fifth of the bit rate of the stored clip's crf 18
+PREVIEW_AUDIO_BIT_RATE = 32_000  # per channel
+INLINE_VIDEO_BYTES = 256 * 1024  # an eval's clips played in place share this (the summary must stay small)
 
 
-def av_media_of(samples: dict, j: int, stem: str, caption: str, embed_limit: int) -> list[dict[str, Any]]:
+def av_media_of(samples: dict, j: int, stem: str, caption: str, embed_limit: int,
+                inline_limit: int = INLINE_VIDEO_BYTES) -> list[dict[str, Any]]:
     """Sample ``j`` of decoded video + sound ({'video' [N, 3, F, H, W], 'audio' [N, C, S],
-    'sample_rate'}): the MP4 with its soundtrack (linked), a frame strip and the spectrogram (shown)."""
+    'sample_rate'}): the MP4 with its soundtrack (linked, or played in place within
+    ``inline_limit`` bytes for local saves), a frame strip and the spectrogram (shown)."""
     from dmd2_core.media import av_clips
 
     frames = samples["video"][j].permute(1, 0, 2, 3)  # [F, 3, H, W]
     audio, rate = samples["audio"][j], int(samples["sample_rate"])
-    buf = io.BytesIO()
-    av_clips.write_mp4(buf, frames, audio, fps=FPS_OF_SOUNDING_VIDEO, sample_rate=rate)
+    mp4 = mp4_bytes(frames, audio, rate)
     mp4_url = f"{stem}.mp4"
-    storage.write_bytes(mp4_url, buf.getvalue(), content_type="video/mp4")
+    storage.write_bytes(mp4_url, mp4, content_type="video/mp4")
     play = media_url(mp4_url) or mp4_url
     strip = publish(f"{stem}_frames.png", av_clips.frame_strip_png(frames), f"{caption}: frames", embed_limit)
     spectrum = publish(f"{stem}_spectrogram.png", av_clips.spectrogram_png(audio, rate),
                         f"{caption}: soundtrack (left above right, balance {av_clips.stereo_balance(audio):+.2f})",
                         embed_limit)
     strip.update(video_url=mp4_url, play=play)
+    if not play.startswith(("http://", "https://")):  # local storage: no link a browser can open
+        strip["inline_video"] = inline_mp4(mp4, frames, audio, rate, inline_limit)
     return [strip, spectrum]
+
+
+def mp4_bytes(frames: torch.Tensor, audio: torch.Tensor, rate: int) -> bytes:
+    from dmd2_core.media import av_clips
+
+    buf = io.BytesIO()
+    av_clips.write_mp4(buf, frames, audio, fps=FPS_OF_SOUNDING_VIDEO, sample_rate=rate)
+    return buf.getvalue()
+
+
+def inline_mp4(mp4: bytes, frames: torch.Tensor, audio: torch.Tensor, rate: int, limit: int) -> Optional[str]:
+    """The clip as a ``data:video/mp4`` URI for the artifact to play in place (Prefect's markdown
+    renders a ``<video>`` whose source is a data URI; a link to a local path would open a page of
+    the UI's own): the MP4 itself when it fits ``limit`` bytes, else a preview (frames at most
+    ``PREVIEW_SIDE_PX`` on their long side, a lower bit rate, the same sound at a lower one);
+    None when neither fits."""
+    if len(mp4) > limit:
+        from dmd2_core.media import av_clips
+
+        height, width = frames.shape[-2:]
+        scale = min(1.0, PREVIEW_SIDE_PX / max(height, width))
+        size = (max(2, round(height * scale)), max(2, round(width * scale)))
+        small = frames if scale == 1.0 else torch.nn.functional.interpolate(frames.float(), size=size, mode="area")
+        buf = io.BytesIO()
+        av_clips.write_mp4(buf, small, audio, fps=FPS_OF_SOUNDING_VIDEO, sample_rate=rate, crf=PREVIEW_CRF,
+                           audio_bit_rate_per_channel=PREVIEW_AUDIO_BIT_RATE)
+        mp4 = buf.getvalue()
+        if len(mp4) > limit:
+            return None
+    return data_uri(mp4, "video/mp4")
 
 
 def publish(url: str, data: bytes, caption: str, embed_limit: int) -> dict[str, Any]:

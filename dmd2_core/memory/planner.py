@@ -61,6 +61,7 @@ class ModelSize:
     num_blocks: int
     config: dict = field(repr=False)
     fp32_params: int = 0  # kept in fp32 whatever the compute dtype (the family's keep_fp32_modules)
+    largest_tensor: int = 0  # elements of the largest parameter or buffer (what an export streams at once)
 
 
 @lru_cache(maxsize=16)
@@ -75,6 +76,7 @@ def model_size(url: str) -> ModelSize:
             for p in m.parameters()}
     return ModelSize(
         fp32_params=sum(fp32.values()),
+        largest_tensor=max((t.numel() for t in (*model.parameters(), *model.buffers())), default=0),
         params=sum(p.numel() for p in model.parameters()),
         buffers_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         largest_block=max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
@@ -106,6 +108,7 @@ class GroupPlan:
     activation_source: str = ""
     cp_size: int = 1
     base: int = 0  # a LoRA's frozen base (dmd2_core.memory.lora_terms); ``params`` etc. are then its adapters'
+    set_rows: int = 0  # on the host: the prompt (and real) set rows one step reads
 
     @property
     def resident(self) -> int:
@@ -203,7 +206,7 @@ def group_plan(role: str, args: Args, size: ModelSize, teacher: Optional[ModelSi
         params = grads = optimizer = ema = teacher_bytes = base = 0
     return GroupPlan(role, params, grads, optimizer, ema, teacher_bytes, buffers, gather, activations,
                      without, with_ckpt, offloaded, cp_buffers, guidance, rollout, saved, loaded,
-                     act.source, args.cp_size or 1, base)
+                     act.source, args.cp_size or 1, base, terms.set_rows(args, cond_bytes, sample_elements * fp32))
 
 
 def sample_activations(family, config: dict, args: Args, compute: int) -> acts.Activations:
@@ -297,7 +300,8 @@ def plan(trainer_args: dict[str, Args]) -> MemoryPlan:
     limit = device_limit(args)
     usable = int(limit * (1 - args.memory_headroom)) if limit is not None else None
     largest_block = max(s.largest_block for s in sizes.values()) * 4
-    host = terms.host_plan(args, groups, largest_block)
+    host = terms.host_plan(args, groups, largest_block, terms.export_writer(
+        trainer_args["actor"], size_of(trainer_args["actor"].hf_checkpoint)))
     return MemoryPlan(groups, args.num_devices, shard_size, peak, limit, notes, when, args.micro_batch_size,
                       reserve, usable, args.memory_headroom, args.cp_size or 1, decoder, host)
 

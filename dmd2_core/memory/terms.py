@@ -65,6 +65,31 @@ def rollout_buffers(args: Args, sample_elements: int, cond_bytes: int) -> int:
     return rows * ((args.dmd2_student_steps + 3) * sample_elements * 4 + cond_bytes)
 
 
+def set_rows(args: Args, cond_bytes: int, sample_bytes: int) -> int:
+    """Host bytes of the sets one step of a rank reads (data.StoredRows: only the rows it uses,
+    never the set): its rows' conditions and the negative entry, and with the GAN head its real
+    rows (latents and conditions)."""
+    dp = max(1, args.num_devices // (args.cp_size or 1))
+    rows = -(-args.global_batch_size // dp)
+    real = rows * (sample_bytes + cond_bytes) if args.loss_type == "dmd2_critic" and args.gan_critic_weight else 0
+    return rows * cond_bytes + cond_bytes + real
+
+
+EXPORT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def export_writer(args: Args, size) -> int:
+    """Rank 0 of the actor while it exports the student (export/stream.py): one whole tensor at a
+    time, gathered (fp32) and cast, and one read back while verifying; a merged LoRA export merges
+    on the host: the model whole in the export dtype, twice with an EMA. ``size``: the student's
+    ``planner.ModelSize``."""
+    dtype = EXPORT_BYTES.get(args.export_dtype or args.dtype, 4)
+    streamed = size.largest_tensor * (4 + 2 * dtype)
+    if args.lora_rank and args.export_merged:
+        return size.params * dtype * (2 if args.ema_decay else 1) + streamed
+    return streamed
+
+
 def eval_clips(args: Args) -> int:
     return len(args.eval_prompts or [0]) * args.eval_samples_per_prompt
 
@@ -103,21 +128,23 @@ class HostPlan:
         return self.usable is None or self.peak <= self.usable
 
 
-def host_plan(args: Args, groups: list, largest_block_bytes: int) -> HostPlan:
+def host_plan(args: Args, groups: list, largest_block_bytes: int, export: int = 0) -> HostPlan:
     """Host memory of one node (``DEVICES_PER_NODE`` ranks, fewer in a smaller run). Per rank:
     the load peak (load once, shard on arrival: each process's weight shards + the largest block
     whole; the optimizer state of a resume is restored shard by shard, never whole), the
     sleep stash (each sleeping group's device state), async-save staging (a copy of the trainable
-    shards), offloaded shards, and a fixed share per process."""
+    shards), offloaded shards, the set rows a step reads, and a fixed share per process; once per
+    node, the export writer (``export``: rank 0 of the actor, ``export_writer``)."""
     ranks = min(args.num_devices, DEVICES_PER_NODE)
     processes = len(groups) * HOST_PROCESS
     load = sum(g.loaded for g in groups) + len(groups) * largest_block_bytes + processes
     stash = sum(g.resident for g in groups) if args.sleep_after_train else 0
     staging = sum(g.saved for g in groups) if args.async_save else 0
     offloaded = sum(g.offloaded for g in groups)
-    steady = stash + staging + offloaded + processes
+    sets = sum(g.set_rows for g in groups)
+    steady = stash + staging + offloaded + processes + sets
     parts = {"load": load, "sleep_stash": stash, "async_save_staging": staging, "offloaded": offloaded,
-             "processes": processes}
+             "processes": processes, "set_rows": sets, "export_writer": export}
     limit = int(args.host_memory_gib * GIB) if args.host_memory_gib else None
     usable = int(limit * (1 - args.memory_headroom)) if limit else None
-    return HostPlan(ranks, ranks * load, ranks * steady, parts, limit, usable)
+    return HostPlan(ranks, ranks * load, ranks * steady + export, parts, limit, usable)

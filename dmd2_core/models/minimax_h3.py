@@ -310,16 +310,17 @@ class MiniMaxH3Family(ModelFamily):
     @torch.no_grad()
     def decode(self, vae, latents):
         """Flat samples -> {'video': [B, 3, F, H, W] in [-1, 1], 'audio': [B, 2, S] in [-1, 1],
-        'sample_rate'} as diffusers' decode steps produce them; without VAEs, the latents."""
+        'sample_rate', 'fps'} as diffusers' decode steps produce them; without VAEs, the latents."""
         video_latents, audio_lat = self.split(latents.float())
         if vae is None:
-            return {"video": video_latents, "audio": audio_lat.flatten(2), "sample_rate": AUDIO_LATENTS_PER_SECOND}
+            return {"video": video_latents, "audio": audio_lat.flatten(2), "sample_rate": AUDIO_LATENTS_PER_SECOND,
+                    "fps": FPS}
         videos, sounds = [], []
         for v, a in zip(video_latents, audio_lat):  # one clip at a time, as the pipeline decodes
             videos.append(self._decode_video(vae["video"], v[None]))
             sounds.append(self._decode_audio(vae["audio"], a))
         return {"video": torch.cat(videos), "audio": torch.stack(sounds),
-                "sample_rate": int(vae["audio"].config.sampling_rate)}
+                "sample_rate": int(vae["audio"].config.sampling_rate), "fps": FPS}
 
     @staticmethod
     def _decode_video(vae, latents):

@@ -22,6 +22,23 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
+def file_tensors(url: str) -> tuple[dict[str, "StoredTensor"], dict[str, str]]:
+    """Where each tensor of the safetensors file at ``url`` lies, and its metadata, from the header
+    alone (one small read). Raises WeightFilesError naming the file when it is not a whole one."""
+    try:
+        entries, _, data_start = storage.safetensors_layout(url)
+    except (SafetensorsHeaderError, FileNotFoundError) as exc:
+        raise WeightFilesError(f"{url}: not a whole safetensors file ({exc})") from None
+    tensors = {}
+    for key, info in entries.items():
+        if key == "__metadata__":
+            continue
+        if info.get("dtype") not in DTYPES:
+            raise WeightFilesError(f"{url}: tensor '{key}' has unsupported dtype {info.get('dtype')}")
+        tensors[key] = StoredTensor(url, DTYPES[info["dtype"]], tuple(info["shape"]), data_start + info["data_offsets"][0])
+    return tensors, entries.get("__metadata__") or {}
+
+
 @dataclass(frozen=True)
 class StoredTensor:
     file_url: str
@@ -54,18 +71,15 @@ class WeightFiles:
             raise WeightFilesError(f"{folder}: no {WEIGHTS_NAME} nor {INDEX_NAME}")
         self.tensors: dict[str, StoredTensor] = {}
         for name in files:
-            url = storage.join(folder, name)
-            try:
-                entries, _, data_start = storage.safetensors_layout(url)
-            except (SafetensorsHeaderError, FileNotFoundError) as exc:
-                raise WeightFilesError(f"{url}: not a whole safetensors file ({exc})") from None
-            for key, info in entries.items():
-                if key == "__metadata__":
-                    continue
-                if info.get("dtype") not in DTYPES:
-                    raise WeightFilesError(f"{url}: tensor '{key}' has unsupported dtype {info.get('dtype')}")
-                self.tensors[key] = StoredTensor(url, DTYPES[info["dtype"]], tuple(info["shape"]),
-                                                 data_start + info["data_offsets"][0])
+            self.tensors.update(file_tensors(storage.join(folder, name))[0])
+
+    @classmethod
+    def of_file(cls, url: str, tensors: dict[str, StoredTensor]) -> "WeightFiles":
+        """The ``tensors`` of one safetensors file (``file_tensors``: a prompt or real set), read
+        row range by row range."""
+        files = cls.__new__(cls)
+        files.folder, files.tensors = url, tensors
+        return files
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors

@@ -50,6 +50,7 @@ class DistillRun:
         self.rollout_ahead: Callable[[int], bool] = lambda iteration: False
         self.start_iteration = 0
         self.resumed_with: list[str] = []  # 'role key saved -> now': this run's optimizer settings, not the checkpoint's
+        self.resumed_from: Optional[str] = None  # the URL whose checkpoint the groups loaded (None: a fresh start)
         self.done: tuple[int, int] = (0, len(PHASES))  # (iteration, phases of it done)
         self.schedule = Schedule.of(self.args)  # the orchestrator sets its own (the run's final iteration)
         self.save_tracker = SaveTracker(self.args)
@@ -89,10 +90,11 @@ class DistillRun:
             self._stop_groups()
             raise _as_ray_error(exc) from exc
         self.start_iteration = resumed or 0
+        self.resumed_from = source if resumed is not None else None
         self.done = (self.start_iteration, len(PHASES))
         self.handoff, self.started = {}, {}
         self.broken = False
-        self.save_tracker.forget()  # a save in flight when the groups broke is never tracked
+        self.save_tracker.resume(resumed if source == self.args.save else None)  # a save in flight is never tracked
         return self.start_iteration
 
     def __enter__(self) -> "DistillRun":
@@ -265,12 +267,20 @@ class DistillRun:
     def decode(self, latents):
         return self._call_or_break(lambda: self.groups["actor"].call("decode", latents)[0])
 
+    def drift_stats(self, latents) -> list[dict]:
+        """Each sample's drift statistics, decoded and measured by the actor's rank 0."""
+        return self._call_or_break(lambda: self.groups["actor"].call("drift_stats", latents)[0])
+
     def teacher_reference(self, prompt_index: list[int], seed: int, num_steps: int):
         """The frozen teacher's own samples (latents) from the noise of ``sample(prompt_index, seed)``."""
         return self._call_or_break(lambda: self._scorer().call("teacher_reference", prompt_index, seed, num_steps)[0])
 
     def teacher_features(self, latents, prompt_index: list[int], u: float, seed: int) -> dict:
         return self._call_or_break(lambda: self._scorer().call("teacher_features", latents, prompt_index, u, seed)[0])
+
+    def real_features(self, rows: list[int], u: float, seed: int, index_offset: int) -> dict:
+        """The teacher's features of real rows (``real_data``) under their own conditions."""
+        return self._call_or_break(lambda: self._scorer().call("real_features", rows, u, seed, index_offset)[0])
 
     def _scorer(self):
         """The group that holds the frozen teacher: the critic's."""

@@ -15,7 +15,7 @@ are two holders: only one writes.
   outage), ``ensure()`` reads the lease before any write: still this holder's, it is renewed and the
   run goes on; another's, the run stops writing (LeaseLostError, retried: the retry acquires it
   again, refused while that run lives); unreadable past ``timeout_s``, the run writes nothing until
-  it can. Writes after the check are bounded by ``expires()`` (storage.bounded_by).
+  it can. Writes after the check are bounded by ``expires()`` (the tracker's ``deadline``).
 - Taken over only once stale: its heartbeat is older than ``timeout_s``, or its process is gone
   (same host, pid no longer alive or reused). Another run's live lease is refused at once; one of
   the same flow run (a rerun) is watched for up to ``timeout_s``: taken over if it never renews

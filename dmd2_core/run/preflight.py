@@ -29,6 +29,8 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
                       ("save", "the run's storage URL")):
         if not getattr(args, key):
             raise ArgsError(f"{key} is not set: point it at {what}")
+    preflight_checks.check_reachable({"save": args.save, "load": args.load, "hf_checkpoint": args.hf_checkpoint,
+                                      "prompts": args.prompts})
     preflight_checks.check_ray_address(args.ray_address)
     teacher = describe_model_dir(args.hf_checkpoint)
     args = preflight_checks.check_family_args(args, teacher)

@@ -6,7 +6,9 @@ outage comes through as StorageUnavailableError (not bad input)."""
 from __future__ import annotations
 
 import json
+import os
 import socket
+import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,6 +20,44 @@ from dmd2_core.errors import ArgsError, SafetensorsHeaderError, StorageUnavailab
 
 
 # ---- save -------------------------------------------------------------------------------------
+
+REACH_S = 15.0  # an endpoint that never answers is named within this (plus one attempt's timeouts)
+_answered: set[tuple[str, str]] = set()  # (endpoint, bucket) that answered in this process
+
+
+def check_reachable(urls: dict[str, Optional[str]]) -> None:
+    """Each S3 URL (``key`` -> URL) whose endpoint has not answered yet in this process must
+    answer (anything: an object, 'no such key', 'access denied') within REACH_S, else one line
+    naming the key and the URL. The storage retry budget (DMD2_STORAGE_RETRY_S) is for outages of
+    a store that answered before: a wrong endpoint or a store that is not there fails now."""
+    import fsspec
+
+    for key, url in urls.items():
+        if not url or not str(url).startswith(("s3://", "s3a://")):
+            continue
+        path = str(url).split("://", 1)[1]
+        endpoint = (os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "aws", path.split("/")[0])
+        if endpoint in _answered:
+            continue
+        # one attempt at a time, short timeouts, no retries inside botocore or s3fs
+        fs = fsspec.filesystem("s3", skip_instance_cache=True, config_kwargs={
+            "connect_timeout": 3, "read_timeout": 5, "retries": {"max_attempts": 1}})
+        fs.retries = 1
+        deadline, last = time.monotonic() + REACH_S, None
+        while True:
+            try:
+                fs.info(path)
+                break
+            except Exception as exc:  # noqa: BLE001 - any answer but a transient error is an answer
+                if not storage.is_transient(exc):
+                    break
+                last = exc
+            if time.monotonic() + 1.0 > deadline:
+                raise ArgsError(f"{key}: {url}: the storage endpoint did not answer for {REACH_S:.0f} s "
+                                f"({one_line(last)}); check AWS_ENDPOINT_URL and the network")
+            time.sleep(1.0)
+        _answered.add(endpoint)
+
 
 def probe_write(save_url: str, key: str = "save") -> None:
     """Write and remove a small object under the URL of ``key``; on local storage also remove the

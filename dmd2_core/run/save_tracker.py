@@ -10,7 +10,7 @@ import time
 from typing import Any, Optional
 
 from dmd2_core import checkpoint, storage
-from dmd2_core.save_layout import best_student_url
+from dmd2_core.save_layout import EXPORT_MARKER_NAME, best_student_url, export_url
 from dmd2_core.args import Args
 
 
@@ -19,15 +19,21 @@ class SaveTracker:
         self.args = args
         self.pending: Optional[int] = None  # the iteration of an asynchronous save not yet tracked
         self.tracked: Optional[dict] = None  # the latest tracked checkpoint: iteration, trainer dirs
+        self.reused_export: Optional[str] = None  # the pending save's export, already complete: not rewritten
+        self.tracked_iteration: Optional[int] = None  # the tracker's iteration as this process knows it
 
     def save(self, groups: dict[str, Any], lease, iteration: int, export: bool, wait: bool) -> dict:
         """Every group saves ``iteration`` (the actor also exports the student when ``export``).
-        Returns the blocked time and, once tracked, the save's time."""
+        An iteration the tracker already names whose export is complete (a checkpoint-task retry
+        after the tracker moved, a rerun of a finished run) is not exported again: that export is
+        the run's. Returns the blocked time and, once tracked, the save's time."""
         start = time.perf_counter()
         lease.ensure()
         metrics = self.finish(groups, lease, wait=True)  # a later save waits for the earlier one
-        out = {role: group.call("save", iteration, export and role == "actor") for role, group in groups.items()}
-        self.pending = iteration
+        reused = export_url(self.args.save, iteration) if export and self.exported(iteration) else None
+        out = {role: group.call("save", iteration, export and not reused and role == "actor")
+               for role, group in groups.items()}
+        self.pending, self.reused_export = iteration, reused
         metrics["checkpoint_blocked_s"] = time.perf_counter() - start
         if all("save_s" in o for outs in out.values() for o in outs):
             metrics.update(self.track(lease, iteration, out))
@@ -44,19 +50,31 @@ class SaveTracker:
             return {}
         return self.track(lease, self.pending, status)
 
-    def forget(self) -> None:
-        """The groups that were writing the save in flight are gone: it is never tracked."""
-        self.pending = None
+    def resume(self, tracked: Optional[int]) -> None:
+        """The groups were (re)built from the run's own checkpoint of ``tracked`` (None: from
+        ``load`` or from scratch): the save in flight when they broke is never tracked."""
+        self.pending = self.reused_export = None
+        self.tracked_iteration = tracked
+
+    def exported(self, iteration: int) -> bool:
+        """Whether ``iteration``'s export is complete and belongs to a tracked checkpoint (one at or
+        before the tracker's iteration), so that the weights it holds are the run's for good. A save
+        past the tracker (every save of a run going forward) reads no storage here."""
+        if self.tracked_iteration is None or iteration > self.tracked_iteration:
+            return False
+        return storage.exists(storage.join(export_url(self.args.save, iteration), EXPORT_MARKER_NAME))
 
     def track(self, lease, iteration: int, done: dict[str, list[dict]]) -> dict:
         """Every role's save of ``iteration`` is durable: move the tracker, then apply retention."""
         lease.ensure()  # never move the tracker of a URL another run took over, nor retry past the lease
-        with storage.bounded_by(lease.expires, f"this run's lease on {self.args.save} may have expired by then"):
-            checkpoint.write_tracker(self.args.save, iteration, roles=list(done))
-        self.pending = None
+        checkpoint.write_tracker(self.args.save, iteration, roles=list(done), deadline=lease.expires())
+        self.pending, self.tracked_iteration = None, iteration
         self.tracked = {"iteration": iteration, "trainers": {role: outs[0]["url"] for role, outs in done.items()}}
         pruned = checkpoint.prune(self.args.save, list(done), self.args.keep_last_n)
         exported = {k: v for k, v in done.get("actor", [{}])[0].items() if k.startswith("export_")}
+        if self.reused_export and not exported:
+            exported = {"export_url": self.reused_export}
+        self.reused_export = None
         if exported:
             self.tracked["export"] = exported["export_url"]
             checkpoint.prune_exports(checkpoint.exports_root(self.args.save), self.args.keep_exports,

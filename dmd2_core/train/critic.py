@@ -14,7 +14,7 @@ from dmd2_core.train import gan
 from dmd2_core.args import Args
 from dmd2_core.data import RealSet
 from dmd2_core.train.dmd2_method import micro_batches
-from dmd2_core.finite import is_finite, nonfinite_rows
+from dmd2_core.finite import NonFiniteCounter, is_finite, nonfinite_rows
 from dmd2_core.train.model_update import ModelUpdate
 
 SCORED = "dmd2_critic"  # the loss type whose train also scores the student's samples
@@ -34,11 +34,14 @@ class Critic:
         self.local_batch = rows.stop - rows.start
         self.teacher, self.disc, self.disc_optimizer, self.real = teacher, disc, disc_optimizer, real
         self.modality_weights = args.dmd2_modality_weights
+        # the head's skipped steps: limited like the critic's own, and saved with the head
+        self.disc_nonfinite = NonFiniteCounter(f"{role} GAN head", args.max_nonfinite_steps, key="gan_nonfinite")
 
     def train(self, iteration: int, pairs: dict) -> tuple[dict, dict]:
         """Flow-matching steps on the pairs' (detached) x0; scoring (loss type dmd2_critic), also
         the scores. Returns (outputs handed to the actor, metrics)."""
         args, B = self.args, self.local_batch
+        self.disc_nonfinite.begin()
         x0 = pairs["x0"].detach()
         cond = self.cond(pairs["prompt_index"])
         global_shape = (args.global_batch_size, *x0.shape[1:])
@@ -73,13 +76,15 @@ class Critic:
             grad_norm, stepped = self.update.step(iteration, is_finite(total))
             grad_norms.append(grad_norm)
             if self.disc is not None:
-                self._disc_step(stepped)
+                self._disc_step(iteration, stepped)
         metrics = {f"{self.role}_loss": sum(losses) / len(losses), f"{self.role}_loss_last": losses[-1],
                    f"{self.role}_grad_norm": grad_norms[-1], f"{self.role}_lr": self.update.lr,
                    f"{self.role}_sigma_mean": torch.cat(sigmas).mean().item(),
                    f"{self.role}_sigma_min": torch.cat(sigmas).min().item(),
                    f"{self.role}_sigma_max": torch.cat(sigmas).max().item(),
                    **{f"{self.role}_loss_{name}": value for name, value in modality_losses.items()}}
+        if self.disc is not None:  # the same skips on every rank: counted once, by the first rows' rank
+            metrics["gan_nonfinite"] = self.disc_nonfinite.this_call if self.rows.start == 0 else 0
         if not scoring:
             return {}, metrics
         grad = torch.cat([s["grad"] for s in scores])
@@ -144,10 +149,11 @@ class Critic:
         x, cond = self.real.batch(index)
         return x.to(self.device), noise.to(self.device), {k: v.to(self.device) for k, v in cond.items()}
 
-    def _disc_step(self, critic_stepped: bool) -> float:
+    def _disc_step(self, iteration: int, critic_stepped: bool) -> float:
         """The GAN head's own step; replicated on every rank, so its gradient is all-reduced.
-        Skipped with a skipped critic step (the ranks voted on that one) and on a non-finite
-        gradient norm (the same on every rank once all-reduced)."""
+        Skipped with a skipped critic step (the ranks voted on that one, and counted it) and on a
+        non-finite gradient norm (the same on every rank once all-reduced): counted, and
+        ``max_nonfinite_steps`` such skips in a row fail the run."""
         params = [p for p in self.disc.parameters() if p.grad is not None]
         norm = float("nan")
         if critic_stepped:
@@ -158,6 +164,7 @@ class Critic:
             norm = torch.nn.utils.clip_grad_norm_(params, self.args.clip_grad or float("inf")).item()
             if is_finite(norm):
                 self.disc_optimizer.step()
+            self.disc_nonfinite.record(is_finite(norm), iteration, f"GAN head gradient norm {norm}")
         self.disc_optimizer.zero_grad(set_to_none=True)
         return norm
 

@@ -58,6 +58,40 @@ class EvalSampling:
             self._reshard()
         return self._rank0(out)
 
+    @torch.no_grad()
+    def real_features(self, rows: list[int], u: float, seed: int, index_offset: int) -> Optional[dict]:
+        """The frozen teacher's features of rows ``rows`` of the run's real set under their own
+        conditions, re-noised from ``index_offset`` on (not the eval samples' noise: the two sets
+        must be independent for their kernel distance): {modality: [R, width]} on rank 0. Critic
+        group only."""
+        from dmd2_core.data import open_real_set
+        from dmd2_core.evaluation.teacher_features import teacher_features
+
+        x0, cond = open_real_set(self.args.real_data).batch(torch.tensor(rows))  # those rows alone
+        with self._awake():
+            out = teacher_features(self.family, self._real_score(), x0.to(self.device), cond, u=u, seed=seed,
+                                   micro_batch=self.args.micro_batch_size or 8, index_offset=index_offset,
+                                   stop=self.world_size == 1)
+            self._reshard()
+        return self._rank0(out)
+
+    @torch.no_grad()
+    def drift_stats(self, x0: torch.Tensor) -> Optional[list[dict]]:
+        """Each sample's drift statistics (``drift.per_sample_stats``) of latents ``x0``, decoded on
+        rank 0 a media eval's clips at a time (the memory plan's decoder term), so the decoded
+        media never all exist at once nor cross to the driver; other ranks None."""
+        from dmd2_core.evaluation.drift import per_sample_stats
+        from dmd2_core.memory.terms import eval_clips
+
+        chunk = eval_clips(self.args)
+        out = []
+        with self._awake():
+            for start in range(0, x0.shape[0], chunk):
+                decoded = self._decode(x0[start:start + chunk])
+                if decoded is not None:
+                    out += per_sample_stats(decoded)
+        return out if self.rank == 0 else None
+
     def decode(self, x0: torch.Tensor):
         """Latents -> media on rank 0 (the family's decoder; latents as they are without one)."""
         with self._awake():

@@ -30,8 +30,10 @@ class RankOutputs:
     def start(self, iteration: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
               ema: Optional[Sequence[torch.Tensor]], extra: dict, process_group, export: bool) -> checkpoint.PendingSave:
         """Every rank writes its own shards (DCP); rank 0 the marker. ``export``: the student
-        (and its EMA) is also gathered to rank 0 and written as a diffusers pipeline. The caller
-        waits for the previous save first (``status(wait=True)``)."""
+        (and its EMA) is also gathered to rank 0 tensor by tensor and streamed into its files here,
+        in the training thread (export/stream.py: rank 0 never holds it whole); the rest of the
+        pipeline, the verification and the swap run in the background with ``async_save``. The
+        caller waits for the previous save first (``status(wait=True)``)."""
         args = self.args
         self.checkpoint = checkpoint.save_trainer(args.save, self.role, iteration, model, optimizer, ema=ema, extra=extra,
                                                   process_group=process_group, asynchronous=args.async_save)

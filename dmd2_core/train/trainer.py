@@ -24,7 +24,7 @@ from dmd2_core.models import lora
 from dmd2_core.train.actor import Actor
 from dmd2_core.args import Args
 from dmd2_core.train.critic import SCORED, Critic
-from dmd2_core.data import load_prompt_set, load_real_set
+from dmd2_core.data import open_prompt_set, open_real_set
 from dmd2_core.train.device_stash import DeviceStash, distinct_storages, slot
 from dmd2_core.train.eval_sampling import EvalSampling
 from dmd2_core.finite import NonFiniteCounter
@@ -68,10 +68,10 @@ class Trainer(EvalSampling):
         self.args = args.model_copy(update={"dmd2_shift": self.shift})
         self.real = self.disc = self.disc_optimizer = None  # the GAN head: critic only, its own optimizer
         if args.loss_type == SCORED and args.gan_critic_weight:
-            self.real = load_real_set(args.real_data)
+            self.real = open_real_set(args.real_data)
             self.disc = gan.build_head(self.family.feature_dim(self.model), args.seed).to(self.device)
             self.disc_optimizer = torch.optim.AdamW(self.disc.parameters(), **optimizer_settings(args))
-        self.prompts = load_prompt_set(args.prompts)
+        self.prompts = open_prompt_set(args.prompts)
         self.shape = self.family.sample_shape(self.model, args.latent_shape)
         self.local_batch = args.global_batch_size // self.dp_size  # a context group shares its rows
         self.rows = slice(self.dp_rank * self.local_batch, (self.dp_rank + 1) * self.local_batch)
@@ -342,6 +342,7 @@ class Trainer(EvalSampling):
             self.disc_optimizer.load_state_dict(extra["disc_optimizer"])
             for group in self.disc_optimizer.param_groups:  # this run's settings, as the model's optimizer
                 group.update(optimizer_settings(self.args))
+            self.learner.disc_nonfinite.load(extra)
         return self.update.steps
 
     def _run_record(self) -> dict:
@@ -356,7 +357,8 @@ class Trainer(EvalSampling):
     def _disc_state(self) -> dict:
         if self.disc is None:
             return {}
-        return {"disc": self.disc.state_dict(), "disc_optimizer": self.disc_optimizer.state_dict()}
+        return {"disc": self.disc.state_dict(), "disc_optimizer": self.disc_optimizer.state_dict(),
+                **self.learner.disc_nonfinite.state()}
 
 
 def _wake_metric(role: str, woke: dict) -> dict:

@@ -47,6 +47,28 @@ def test_a_teacher_cut_off_half_way_is_named_before_any_actor(tiny_teacher, tmp_
     assert not save.exists()
 
 
+def test_a_teacher_whose_header_outgrows_its_bytes_is_named_before_any_actor(tiny_teacher, tmp_path, capsys, monkeypatch):
+    """A header whose shape x dtype is larger than the tensor's byte span would have the ranks
+    read the next tensor's bytes as this one's: refused, naming the file and the tensor."""
+    import json
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny_teacher, teacher)
+    (weights,) = teacher.rglob("*.safetensors")
+    data = weights.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    key = next(k for k, v in header.items() if k != "__metadata__" and v["shape"])
+    header[key]["shape"][0] *= 2  # offsets and file size unchanged
+    encoded = json.dumps(header).encode()
+    weights.write_bytes(len(encoded).to_bytes(8, "little") + encoded + data[8 + n:])
+    save = tmp_path / "run"
+    err = _cli(capsys, monkeypatch, "--hf-checkpoint", str(teacher), "--save", str(save))
+    assert f"{weights}: not a whole safetensors file (tensor '{key}' " in err and "its data_offsets span" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not save.exists()
+
+
 @pytest.mark.parametrize("which", ["prompts", "real_data"])
 def test_a_truncated_prompt_set_or_real_set_is_named_before_any_actor(tiny_teacher, tmp_path, capsys, monkeypatch, which):
     path = tmp_path / f"{which}.safetensors"
@@ -152,12 +174,18 @@ def test_a_truncated_shard_and_a_load_url_without_a_checkpoint_fail_before_any_a
     shard = Path(ckpt.trainer_dir(str(save), "actor", 1)) / "dcp" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])
     before = _files(save)
-    started = []
-    monkeypatch.setattr("dmd2_core.run.groups.init_ray", lambda *a, **k: started.append(1))
-    with pytest.raises(CheckpointError, match=re.escape(f"{shard}: corrupt (100 bytes")):
-        DistillRun(tiny_args(tiny_teacher, str(save), run_name="broken-truncated"))
+    started = []  # the run is entered (DistillRun.start): the refusal comes before it starts Ray
+    monkeypatch.setattr("dmd2_core.run.groups.init_ray", lambda *a, **k: started.append(1) or _stop())
+    with pytest.raises(CheckpointError, match=re.escape(f"{shard}: corrupt (100 bytes")), \
+            DistillRun(tiny_args(tiny_teacher, str(save), run_name="broken-truncated")):
+        pass
     fresh = tiny_args(tiny_teacher, str(tmp_path / "fresh"), load=str(tmp_path / "rnu"))
     with pytest.raises(CheckpointError, match=re.escape(f"load: no checkpoint at {tmp_path / 'rnu'} "
-                                                              f"(no latest_checkpointed_iteration.txt); did you mean")):
-        DistillRun(fresh)
+                                                              f"(no latest_checkpointed_iteration.txt); did you mean")), \
+            DistillRun(fresh):
+        pass
     assert not started and _files(save) == before
+
+
+def _stop():
+    raise RuntimeError("DistillRun.start reached init_ray: Ray and the actors would start now")

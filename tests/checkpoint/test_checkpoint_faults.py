@@ -101,33 +101,78 @@ def test_saving_the_tracked_iteration_again_never_destroys_it(tmp_path, monkeypa
     assert_same_optimizer(opt, again_opt)
 
 
-def _rank_main(rank: int, world: int, scenario: str, root: str) -> str:
-    """One rank of a 2-rank gloo group (a process of its own) running ``scenario``; returns its outcome."""
+def test_a_storage_blip_inside_dcp_is_retried_not_called_a_bad_checkpoint(tmp_path, monkeypatch):
+    """DCP wraps a rank's read error in its CheckpointException (a BaseException): a connection
+    reset while reading the shards is retried and the load completes; a permanent error is
+    named as a checkpoint that cannot be loaded."""
+    from dmd2_core.checkpoint.metadata import SafeReader
+
+    root = str(tmp_path / "run")
+    saved(root)
+    read_data, calls = SafeReader.read_data, []
+
+    def blip_once(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ConnectionResetError("connection reset by peer")
+        return read_data(self, *args, **kwargs)
+    monkeypatch.setattr(SafeReader, "read_data", blip_once)
+    monkeypatch.setattr(storage, "RETRY_FIRST_DELAY_S", 0.01)
+    ckpt.load_trainer(root, "student", 1, *fresh())
+    assert len(calls) == 2
+
+    monkeypatch.setattr(SafeReader, "read_data", lambda self, *a, **k: (_ for _ in ()).throw(PermissionError("denied")))
+    with pytest.raises(CheckpointError, match="PermissionError: denied"):
+        ckpt.load_trainer(root, "student", 1, *fresh())
+
+
+def _rank_main(rank: int, world: int, scenario: str, root: str) -> list[str]:
+    """One rank of a 2-rank gloo group (a process of its own) running ``scenario``; returns its
+    outcome of each load or save it tried."""
     import torch.distributed as dist
 
-    model, opt = fresh()
-    try:
-        if scenario == "save" and rank == 0:  # rank 0 cannot write its part before the barrier
+    def outcome(call) -> str:
+        try:
+            call()
+            return "ok"
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            return one_line(exc)
+
+    def load():
+        ckpt.load_trainer(root, "student", 1, *fresh(), process_group=dist.group.WORLD)
+    if scenario == "save":
+        if rank == 0:  # rank 0 cannot write its part before the barrier
             storage.write_bytes = lambda url, data: (_ for _ in ()).throw(OSError("disk gone on rank 0"))
-        if scenario == "load" and rank == 1:  # rank 1 cannot read the files it hashes
-            storage.sha256 = lambda url: (_ for _ in ()).throw(StorageUnavailableError(f"{url}: down"))
-        if scenario == "save":
-            ckpt.save_trainer(root, "student", 2, model, opt, process_group=dist.group.WORLD).result()
-        else:
-            ckpt.load_trainer(root, "student", 1, model, opt, process_group=dist.group.WORLD)
-        return "ok"
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        return one_line(exc)
+        return [outcome(lambda: ckpt.save_trainer(root, "student", 2, *fresh(), process_group=dist.group.WORLD).result())]
+    read_text, sha256, outcomes = storage.read_text, storage.sha256, []
+    if rank == 0:  # rank 0 cannot read the checkpoint's marker
+        storage.read_text = lambda url: (_ for _ in ()).throw(StorageUnavailableError(f"{url}: down"))
+    outcomes.append(outcome(load))
+    storage.read_text = read_text
+    if rank == 1:  # rank 1 cannot read the files it hashes
+        storage.sha256 = lambda url: (_ for _ in ()).throw(StorageUnavailableError(f"{url}: down"))
+    outcomes.append(outcome(load))
+    storage.sha256 = sha256
+    return outcomes
 
 
+@pytest.mark.multi_rank
 @pytest.mark.parametrize("scenario", ["save", "load"])
 def test_a_failure_on_one_rank_reaches_every_rank_of_the_group(tmp_path, scenario):
-    """Rank 0 fails before the save's first collective, or rank 1 while hashing at load: both
-    ranks raise at once (none waits for the group's timeout), the other one naming the failure."""
+    """Rank 0 fails before the save's first collective; at load rank 0 cannot read the marker,
+    then rank 1 cannot read the files it hashes: both ranks raise at once (none waits for the
+    group's timeout), the other one naming the failure with the same class: a runtime failure
+    stays one (Prefect retries it from the checkpoint whichever rank hit it), never a ValueError
+    the CLI would call bad input."""
     root = str(tmp_path / "run")
     saved(root)
     # a rank left waiting in a collective fails the test after 60 s (RankFailure: still running)
     outcomes = spawn_ranks(2, _rank_main, scenario, root, timeout_s=60)
-    failing, other = (0, 1) if scenario == "save" else (1, 0)
-    assert outcomes[failing].startswith("OSError: disk gone" if scenario == "save" else "StorageUnavailableError")
-    assert outcomes[other].startswith("StoredFilesError") and f"rank {failing}" in outcomes[other], outcomes[other]
+    if scenario == "save":
+        assert outcomes[0][0].startswith("OSError: disk gone")
+        assert outcomes[1][0].startswith("TransientError") and "rank 0" in outcomes[1][0], outcomes[1]
+        return
+    for attempt, failing in enumerate((0, 1)):
+        assert outcomes[failing][attempt].startswith("StorageUnavailableError: ") and ": down" in outcomes[failing][attempt]
+        other = outcomes[1 - failing][attempt]
+        assert other.startswith("StorageUnavailableError") and f"rank {failing}" in other, (attempt, other)

@@ -170,6 +170,41 @@ def test_a_checkpoint_in_another_format_fails_in_one_line(tmp_path, found, verdi
         {p: b for p, b in before.items()}
 
 
+class _RunsAShellCommand:
+    """A pickle payload: unpickling it runs ``touch <marker>``."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_dcp_metadata_that_would_run_code_is_refused_in_one_line(tmp_path):
+    """Whoever can write a checkpoint can rewrite its .metadata and the sha256 recorded beside
+    it; the metadata is read admitting only what DCP writes, so the payload never runs."""
+    import hashlib
+    import pickle
+
+    root = str(tmp_path / "run")
+    d = saved(root)
+    ran = tmp_path / "payload-ran"
+    metadata = local_path(storage.join(d, "dcp", ".metadata"))
+    metadata.write_bytes(pickle.dumps(_RunsAShellCommand(ran)))
+    marker_url = storage.join(d, "complete.json")
+    marker = json.loads(storage.read_text(marker_url))
+    marker["files"]["dcp/.metadata"] = metadata.stat().st_size
+    marker["sha256"]["dcp/.metadata"] = hashlib.sha256(metadata.read_bytes()).hexdigest()
+    storage.write_text(marker_url, json.dumps(marker))
+    ckpt.write_tracker(root, 1)
+    for call in (lambda: ckpt.load_trainer(root, "student", 1, *fresh()), lambda: ckpt.read_weights(root, "student", 1)):
+        with pytest.raises(CheckpointError) as info:
+            call()
+        assert str(info.value).startswith(f"{storage.join(d, 'dcp', '.metadata')}: refused: it names ")
+        assert "\n" not in str(info.value)
+    assert not ran.exists()
+
+
 # ---- retention --------------------------------------------------------------------------------
 
 def test_retention_keeps_the_newest_and_never_the_tracked(tmp_path):
