@@ -264,10 +264,10 @@ def test_crash_during_save_keeps_tracker(root, monkeypatch):
 
     real_write = storage.write_bytes
 
-    def crashing_write(url, data):
+    def crashing_write(url, data, **kw):
         if "/trainers/critic/iter_0000002/" in url and url.endswith("complete.json"):
             raise OSError("simulated crash while saving the critic")
-        real_write(url, data)
+        real_write(url, data, **kw)
 
     monkeypatch.setattr(storage, "write_bytes", crashing_write)
     with pytest.raises(OSError, match=re.escape("simulated crash")):
