@@ -23,8 +23,11 @@ def write_tracker(save_url: str, iteration: int, roles: Optional[Iterable[str]] 
             url = complete_url(save_url, role, iteration)
             if not storage.exists(url):
                 raise CheckpointError(f"{url}: missing; not recording iteration {iteration} as checkpointed")
-    budget = None if deadline is None else deadline - time.monotonic()
-    if budget is not None and budget <= 0:
+    if deadline is None:
+        storage.write_text(tracker_url(save_url), f"{int(iteration)}\n")
+        return
+    budget = deadline - time.monotonic()
+    if budget <= 0:
         raise StorageUnavailableError(f"{tracker_url(save_url)}: not written: this run's lease may have expired meanwhile")
     storage.write_text(tracker_url(save_url), f"{int(iteration)}\n", budget_s=budget)
 
