@@ -66,6 +66,7 @@ class StandIn:
 
         self.trainer_args = {c.role: compute_trainer_args(args, c) for c in compute_trainer_configs(args)}
         self.args = self.trainer_args["actor"]
+        self.resumed_with: list[str] = []  # a fresh start: no optimizer setting changed
 
     def start(self) -> int:
         return 0
@@ -156,9 +157,9 @@ def measure(api: str, home: Path | None, iterations: int, window: int, server_pi
     writes: list[tuple[str, int, int, float]] = []  # (segment, lines, bytes, seconds)
     original_write = storage.write_text
 
-    def write_text(url, text):
+    def write_text(url, text, **kw):
         t = time.perf_counter()
-        original_write(url, text)
+        original_write(url, text, **kw)
         if "/metrics/" in str(url):
             writes.append((str(url), text.count("\n"), len(text), time.perf_counter() - t))
     storage.write_text = write_text

@@ -152,7 +152,7 @@ class Args(BaseModel):
         None, "train", "Module names (peft target_modules) that get adapters; default the attention projections "
         "to_q, to_k, to_v, to_out.0."
     )
-    lora_dropout: float = _f(0.0, "train", "Dropout on the LoRA adapters' input.", ge=0, lt=1)
+    lora_dropout: float = _f(0.0, "train", "Dropout on the LoRA adapters' input: only 0 (its masks are not replayable).", ge=0, lt=1)
 
     # --- dmd2 ----------------------------------------------------------------------------------
     critic_lr: Optional[float] = _f(None, "dmd2", "Critic (fake score) learning rate; defaults to lr.", gt=0)
@@ -201,7 +201,7 @@ class Args(BaseModel):
     critic_lora_target_modules: Optional[list[str]] = _f(
         None, "dmd2", "The fake score's LoRA target modules; defaults to lora_target_modules."
     )
-    critic_lora_dropout: Optional[float] = _f(None, "dmd2", "The fake score's LoRA dropout; defaults to lora_dropout.", ge=0, lt=1)
+    critic_lora_dropout: Optional[float] = _f(None, "dmd2", "The fake score's LoRA dropout; defaults to lora_dropout (only 0).", ge=0, lt=1)
 
     # --- eval ----------------------------------------------------------------------------------
     eval_interval: int = _f(0, "eval", "Eval media and metrics every N iterations (0: never).", ge=0)
@@ -252,6 +252,11 @@ class Args(BaseModel):
                              f"{self.num_steps_per_rollout}); the critic's steps per rollout are dmd2_update_ratio")
         if self.export_merged and not self.lora_rank:
             raise ValueError("export_merged: only a LoRA student (lora_rank > 0) has adapters to merge")
+        for key in ("lora_dropout", "critic_lora_dropout"):  # until its masks come from the run's seeded streams
+            if getattr(self, key):
+                raise ValueError(f"{key}: {getattr(self, key)} is not supported: peft's adapter dropout draws its masks "
+                                 "from torch's global generator, not the run's seeded streams, so a replay from a "
+                                 "checkpoint and N ranks against 1 would train on different masks; set it to 0")
         if self.micro_batch_size > self.global_batch_size:
             raise ValueError(f"micro_batch_size: {self.micro_batch_size} is above global_batch_size "
                              f"{self.global_batch_size}; set it to at most {self.global_batch_size}")

@@ -69,14 +69,15 @@ class NonFiniteError(RuntimeError):
 
 
 class LeaseLostError(RuntimeError):
-    """This run's lease was taken over by another run; it must not write to the URL any more."""
+    """This process's lease on its save URL was taken over (or cannot be verified): it writes
+    nothing more there. Retried: the retry acquires the lease again, which is refused in one line
+    (LeaseHeldError) while the other run lives and taken back once it is gone."""
 
 
 # Configuration errors fail the same way every time: ArgsError and StoredFilesError are ValueErrors,
 # and so is a ValueError raised inside a trainer (Ray re-raises it as an instance of its cause).
-# NonFiniteError: a replay from the checkpoint would hit the same non-finite values again;
-# LeaseLostError: another run owns the save URL now.
-NEVER_RETRY = (ArgsError, StoredFilesError, ValueError, NonFiniteError, LeaseLostError)
+# NonFiniteError: a replay from the checkpoint would hit the same non-finite values again.
+NEVER_RETRY = (ArgsError, StoredFilesError, ValueError, NonFiniteError)
 
 
 def one_line(exc: BaseException) -> str:

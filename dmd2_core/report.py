@@ -288,6 +288,8 @@ def summary_markdown(s: dict) -> str:
     out = [f"# {s['name']}", ""]
     out.append(f"**{s.get('status', 'running')}**: iteration {s['iteration']} of {s['final']}"
                + (f" (resumed after {s['start']})" if s.get("start") else "") + "."
+               + (f" Resumed with this run's optimizer settings, not the checkpoint's: {', '.join(s['resumed_with'])}."
+                  if s.get("resumed_with") else "")
                + (f" Updated {s['updated']}." if s.get("updated") else ""))
     evals = s.get("evals") or []
     if len(evals) >= 2 and _quality(evals[0]):

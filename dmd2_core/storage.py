@@ -279,7 +279,7 @@ def read_text(url: str) -> str:
     return read_bytes(url).decode()
 
 
-def write_bytes(url: str, data: bytes, content_type: Optional[str] = None) -> None:
+def write_bytes(url: str, data: bytes, content_type: Optional[str] = None, budget_s: Optional[float] = None) -> None:
     """Write a file so readers see the old content or the new one, never a torn one: local files
     go through a temp name and an atomic rename; object stores put whole objects (with
     ``content_type`` when given, so a browser shows media instead of downloading octet-stream)."""
@@ -287,7 +287,7 @@ def write_bytes(url: str, data: bytes, content_type: Optional[str] = None) -> No
         def put():
             fs, path = filesystem(url)
             fs.pipe_file(path, data, **({"ContentType": content_type} if content_type else {}))
-        retrying(put, f"write {url}")
+        retrying(put, f"write {url}", budget_s)  # budget_s: retries end with it (default RETRY_S)
         return
     fs, path = filesystem(url)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -304,8 +304,8 @@ def write_bytes(url: str, data: bytes, content_type: Optional[str] = None) -> No
         raise
 
 
-def write_text(url: str, text: str) -> None:
-    write_bytes(url, text.encode())
+def write_text(url: str, text: str, budget_s: Optional[float] = None) -> None:
+    write_bytes(url, text.encode(), budget_s=budget_s)
 
 
 def upload_dir(local_dir: str | Path, url: str) -> None:
@@ -358,14 +358,16 @@ def signed_url(url: str, expires: int) -> str:
     return fs.url(path, expires=int(expires))
 
 
-def s3_call(url: str, method: str, what: str | None = None, **kw) -> dict:
+def s3_call(url: str, method: str, what: str | None = None, budget_s: float | None = None, **kw) -> dict:
     """One S3 API call (``put_object``, ``delete_object``, ...) on the object at the s3:// ``url``,
-    retried: for what the file API cannot express, such as conditional writes."""
+    retried (for ``budget_s``, default the storage budget): for what the file API cannot express,
+    such as conditional writes."""
     bucket, _, key = filesystem(url)[1].partition("/")
-    return retrying(lambda: filesystem(url)[0].call_s3(method, Bucket=bucket, Key=key, **kw), what or f"{method} {url}")
+    return retrying(lambda: filesystem(url)[0].call_s3(method, Bucket=bucket, Key=key, **kw), what or f"{method} {url}",
+                    budget_s)
 
 
-def s3_get_object(url: str, what: str | None = None) -> tuple[bytes, str | None]:
+def s3_get_object(url: str, what: str | None = None, budget_s: float | None = None) -> tuple[bytes, str | None]:
     """The body and ETag of the object at the s3:// ``url`` from one GetObject (so the two always
     match), retried. Raises FileNotFoundError when there is no such object."""
     from fsspec.asyn import sync
@@ -381,7 +383,7 @@ def s3_get_object(url: str, what: str | None = None) -> tuple[bytes, str | None]
     def run():
         fs = filesystem(url)[0]
         return sync(fs.loop, get, fs)
-    return retrying(run, what or f"read {url}")
+    return retrying(run, what or f"read {url}", budget_s)
 
 
 def remove(url: str) -> None:

@@ -56,13 +56,14 @@ class DriverBase:
         self.result: dict[str, Any] = {
             "run_id": run_id, "name": name, "start_iteration": self.start, "final_iteration": self.final,
             "metrics_url": self.log.url, "media_urls": [], "checkpoint": None, "artifact_keys": self.keys,
+            "resumed_with": run.resumed_with,
         }
         self.view: dict[str, Any] = {
             "name": name, "iteration": self.start, "final": self.final, "start": self.start, "status": "running",
             "trainer_args": shown_args(run.trainer_args),
             "evals": [eval_row(row) for row in self.log.table() if any(row.get(q) is not None for q in QUALITY_KEYS)],
             "media": [], "metrics_url": self.log.url, "checkpoint": None, "student": None,
-            "best_student": None, "drift_flags": [], "reference": {},
+            "best_student": None, "drift_flags": [], "reference": {}, "resumed_with": run.resumed_with,
         }
         self.best = read_best_student(args.save)  # the run's best eval with an export: kept by retention
         self.export_best: Optional[int] = None  # an eval that became the best: its save exports

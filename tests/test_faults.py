@@ -115,9 +115,7 @@ def test_lease_one_owner_at_a_time(root):
         lease.Lease.acquire(root, "run-b", timeout_s=60)
     with pytest.raises(LeaseHeldError):
         lease.check(root, None, 60)
-    lease.check(root, "run-a", 60)  # its own retries pass
-    again = lease.Lease.acquire(root, "run-a", timeout_s=60)  # and take it over
-    again.release()
+    lease.check(root, "run-a", 60)  # its own preflight passes (acquiring decides)
     a.release()
     assert lease.read(root) is None
 
@@ -127,6 +125,22 @@ def test_lease_one_owner_at_a_time(root):
     storage.write_text(lease.lease_url(root), json.dumps(record))
     b = lease.Lease.acquire(root, "run-b", timeout_s=60)
     assert lease.read(root)["owner"] == "run-b"
+    b.release()
+
+    # the same flow run's process killed and not yet reaped (a zombie): gone, taken over at once
+    import time
+
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    while lease._pid_stat(zombie.pid)[:1] != ["Z"]:
+        time.sleep(0.05)
+    record = {**lease._record("flow-run-z"), "pid": zombie.pid, "pid_start": lease._pid_start(zombie.pid)}
+    storage.write_text(lease.lease_url(root), json.dumps(record))
+    start = time.monotonic()
+    rerun = lease.Lease.acquire(root, "flow-run-z", timeout_s=60)
+    assert time.monotonic() - start < 5 and lease.read(root)["holder"] == rerun.holder
+    rerun.release()
+    zombie.wait()
+    b = lease.Lease.acquire(root, "run-b", timeout_s=60)
 
     # a live owner elsewhere whose heartbeat stopped: stale after the timeout
     record = {**lease._record("run-b"), "host": "elsewhere"}
@@ -135,13 +149,11 @@ def test_lease_one_owner_at_a_time(root):
         lease.Lease.acquire(root, "run-c", timeout_s=60)
     c = lease.Lease.acquire(root, "run-c", timeout_s=3)
     assert lease.read(root)["owner"] == "run-c"
-    assert b.backend.renew("run-b") is None  # b finds it lost on its next heartbeat
+    assert b.backend.renew("run-b", b.holder) is None  # b finds it lost on its next heartbeat
     c.release()
     b.release()
 
     # a run whose lease was taken over stops writing: its heartbeat notices, ensure() raises
-    import time
-
     d = lease.Lease.acquire(root, "run-d", timeout_s=1.0)
     storage.write_text(lease.lease_url(root), json.dumps(lease._record("run-e")))
     deadline = time.monotonic() + 10
@@ -153,32 +165,181 @@ def test_lease_one_owner_at_a_time(root):
     assert lease.read(root)["owner"] == "run-e"  # the new owner's lease is left alone
 
 
-def test_a_lease_that_cannot_renew_stops_writing_once_another_run_may_take_it(tmp_path, monkeypatch):
-    """Storage retries outlast the lease timeout: a run whose heartbeats fail for longer than the
-    timeout must refuse to write (another run may have taken the URL over meanwhile), in one line,
-    and write again once a renewal succeeds while it still holds the lease."""
-    import time
+# A process holding the lease for a flow run (argv: save URL, run id, timeout), as the first
+# process of a flow run that Prefect marked Crashed while it still runs: it prints "held", then,
+# once its heartbeat finds another holder, what ensure() (before any write) raises, and exits 3.
+HOLD_LEASE = """
+import sys, time
+from dmd2_core.run import lease
+from dmd2_core.errors import LeaseLostError, one_line
+held = lease.Lease.acquire(sys.argv[1], sys.argv[2], timeout_s=float(sys.argv[3]))
+print("held", flush=True)
+while held.lost is None:
+    time.sleep(0.05)
+try:
+    held.ensure()
+except LeaseLostError as exc:
+    print(one_line(exc), flush=True)
+    sys.exit(3)
+"""
+
+
+def test_a_rerun_of_a_flow_run_whose_first_process_lives_never_writes_beside_it(root):
+    """Prefect reran a flow run whose first process still runs (its API calls stopped, its
+    storage did not): the rerun, same flow-run id, refuses in one line while that process renews;
+    once it stops renewing (frozen), the rerun takes over and the first, woken, stops writing."""
+    import os
+    import signal
+    import subprocess
+    import sys
 
     from dmd2_core.run import lease
+
+    first = subprocess.Popen([sys.executable, "-c", HOLD_LEASE, root, "flow-run-x", "4"], stdout=subprocess.PIPE,
+                             text=True, cwd=Path(__file__).resolve().parent.parent)
+    try:
+        assert first.stdout.readline().strip() == "held"
+        with pytest.raises(LeaseHeldError) as info:
+            lease.Lease.acquire(root, "flow-run-x", timeout_s=4)
+        msg = str(info.value)
+        assert "\n" not in msg and "in use by another process of this flow run" in msg and f"pid {first.pid})" in msg
+        assert lease.read(root)["pid"] == first.pid  # untouched: one writer
+
+        os.kill(first.pid, signal.SIGSTOP)  # frozen: its heartbeat stops
+        rerun = lease.Lease.acquire(root, "flow-run-x", timeout_s=4)
+        assert lease.read(root)["holder"] == rerun.holder
+        os.kill(first.pid, signal.SIGCONT)
+        out, _ = first.communicate(timeout=30)
+        assert first.returncode == 3 and out.count("\n") == 1, out
+        assert out.startswith("LeaseLostError: ") and "flow-run-x" in out, out
+        rerun.ensure()
+        assert lease.read(root)["holder"] == rerun.holder  # the woken process wrote nothing
+        rerun.release()
+    finally:
+        if first.poll() is None:
+            os.kill(first.pid, signal.SIGCONT)
+            first.kill()
+
+
+def _storage_outage(*_):
+    raise ConnectionRefusedError("storage unreachable")
+
+
+def test_a_lease_whose_renewals_lapsed_is_verified_before_the_run_stops_writing(tmp_path, monkeypatch):
+    """Storage retries outlast the lease timeout. Renewals that lapsed are checked against the
+    lease before a write: still ours (nobody took it during the outage) -> renewed and the run goes
+    on at once; unreadable past the timeout -> no write, in one line; taken by another run -> no
+    write, a retried error naming that run."""
+    import time
+
+    from prefect.states import Failed
+
+    from dmd2_core.run import lease
+    from tasks.common import retry_runtime_failures
 
     root = str(tmp_path)
     held = lease.Lease.acquire(root, "run-a", timeout_s=1.0)
     renew = held.backend.renew
-
-    def outage(owner):
-        raise OSError("storage unreachable")
-
-    monkeypatch.setattr(held.backend, "renew", outage)
+    monkeypatch.setattr(held.backend, "renew", _storage_outage)
     held.ensure()
     time.sleep(1.3)
-    assert lease.stale_reason(lease.read(root), 1.0) is not None  # another run would take it over now
-    with pytest.raises(LeaseLostError, match=r"last renewed \d+ s ago \(timeout 1 s\)") as info:
+    assert lease.stale_reason(lease.read(root), 1.0) is not None  # another run could take it over now
+    with pytest.raises(LeaseLostError, match=r"last renewed \d+ s ago \(timeout 1 s\) and cannot be read now") as info:
         held.ensure()
     assert "\n" not in str(info.value)
-    monkeypatch.setattr(held.backend, "renew", renew)  # storage is back, nobody took the lease
-    time.sleep(0.8)
-    held.ensure()
+    monkeypatch.setattr(held.backend, "renew", renew)  # storage is back, nobody took the lease:
+    held.ensure()  # verified and renewed here, not by the next heartbeat
+    assert lease.read(root)["holder"] == held.holder and lease.stale_reason(lease.read(root), 1.0) is None
+
+    monkeypatch.setattr(held.backend, "renew", _storage_outage)  # out again, and this time
+    time.sleep(1.3)
+    other = lease.Lease.acquire(root, "run-b", timeout_s=1.0)  # another run takes the stale lease over
+    monkeypatch.setattr(held.backend, "renew", renew)
+    with pytest.raises(LeaseLostError) as info:
+        held.ensure()
+    msg = str(info.value)
+    assert "\n" not in msg and "this run's lease was taken over by run 'run-b'" in msg, msg
+    assert retry_runtime_failures(None, None, Failed(data=info.value))  # the retry re-acquires (refused while run-b lives)
     held.release()
+    assert lease.read(root)["holder"] == other.holder  # left alone
+    other.release()
+
+
+def test_the_tracker_write_after_the_fence_never_outlasts_the_lease(tmp_path, monkeypatch):
+    """The tracker write passes the fence, then meets a storage outage: it stops retrying when the
+    lease could go stale (another run may own the URL by then), not after the 300 s budget."""
+    import time
+    from types import SimpleNamespace
+
+    from dmd2_core.errors import StorageUnavailableError
+    from dmd2_core.run import lease
+    from dmd2_core.run.save_tracker import SaveTracker
+
+    held = lease.Lease.acquire(str(tmp_path), "run-a", timeout_s=2.0)
+    monkeypatch.setattr(held.backend, "renew", _storage_outage)  # its heartbeat cannot land either
+
+    class Unreachable:  # an object store whose writes are refused from now on
+        def exists(self, path):
+            return True  # the roles' markers, read before the outage
+
+        def pipe_file(self, path, data, **kw):
+            raise ConnectionRefusedError("connection refused")
+
+    monkeypatch.setattr(storage, "filesystem", lambda url: (Unreachable(), url.split("://", 1)[-1]))
+    monkeypatch.setattr(storage, "RETRY_S", 30.0)
+    tracker = SaveTracker(SimpleNamespace(save="s3://bucket/run", keep_last_n=2, keep_exports=1))
+    start = time.monotonic()
+    with pytest.raises(StorageUnavailableError, match=r"latest_checkpointed_iteration.txt: storage unavailable for [0-2] s") as info:
+        tracker.track(held, 1, {"actor": [{"url": "s3://bucket/run/actor", "save_s": 0.0, "bytes": 0}]})
+    assert time.monotonic() - start < held.timeout_s + 1.0 and "\n" not in str(info.value)
+    assert tracker.pending is None and tracker.tracked is None
+    held.release()
+
+
+def test_a_rerun_takes_over_from_a_frozen_first_process_and_ends_as_an_uninterrupted_run(
+        ray_session, tiny_teacher, tmp_path, monkeypatch):
+    """The first process of flow run X checkpoints iteration 1, then its heartbeats stop landing
+    (frozen); Prefect starts X again: the rerun waits for the lease to go stale, takes it over and
+    resumes. The first, woken, stops at its next write in one line (retried: its retry is refused
+    while the rerun lives), and the rerun ends with an uninterrupted run's weights."""
+    from prefect.states import Failed
+
+    from dmd2_core.run import lease
+    from tasks.common import retry_runtime_failures
+
+    save = str(tmp_path / "run")
+    args = tiny_args(tiny_teacher, save, run_name="dmd2-rerun", lease_timeout_s=3.0)  # margin for a loaded machine
+    first, rerun = DistillRun(args, owner="flow-run-x"), None
+    try:
+        first.start()
+        first.iterate(1)
+        first.checkpoint(1, wait=True)
+        renew = first.lease.backend.renew
+        monkeypatch.setattr(first.lease.backend, "renew", _storage_outage)  # frozen
+        rerun = DistillRun(args, owner="flow-run-x")
+        assert rerun.start() == 1
+        assert lease.read(save)["holder"] == rerun.lease.holder
+        monkeypatch.setattr(first.lease.backend, "renew", renew)  # woken
+        with pytest.raises(LeaseLostError) as info:
+            first.checkpoint(2, wait=True)
+        msg = str(info.value)
+        assert "\n" not in msg and "lease was taken over by run 'flow-run-x'" in msg, msg
+        assert retry_runtime_failures(None, None, Failed(data=info.value))
+        with pytest.raises(LeaseHeldError, match="in use by another process of this flow run"):
+            first.checkpoint(2, wait=True)  # the retry
+        assert ckpt.read_tracker(save) == 1
+        rerun.iterate(2)
+        rerun.checkpoint(2, wait=True)
+        digests = {role: rerun.group_call(role, "state_digest")[0] for role in rerun.groups}
+    finally:
+        first.shutdown()
+        if rerun is not None:
+            rerun.shutdown()
+    assert ckpt.read_tracker(save) == 2 and lease.read(save) is None
+    uninterrupted = in_process_trainers(tiny_args(tiny_teacher, str(tmp_path / "uninterrupted"), run_name="dmd2-rerun"))
+    for i in (1, 2):
+        iterate_in_process(uninterrupted, i)
+    assert digests == {role: t.state_digest() for role, t in uninterrupted.items()}
 
 
 def test_second_run_on_one_url_refuses_before_any_actor(ray_session, tiny_teacher, tmp_path, capsys):
@@ -210,11 +371,13 @@ def test_a_run_rides_out_an_s3_outage_during_a_checkpoint(ray_session, tiny_teac
     """The S3 endpoint goes down as checkpoint 1 starts (the trainers' saves and the tracker write
     hit refused connections) and comes back OUTAGE_S later: the checkpoint completes, the run goes
     on, and it ends bitwise equal to an uninterrupted run (the same Trainer code in this process);
-    every file written during the outage passes its sha256 check."""
+    every file written during the outage passes its sha256 check. The outage outlasts the lease
+    timeout (its renewals lapse): nobody took the lease, so the tracker write verifies it, renews it
+    and goes on."""
     import time
 
     save = f"{s3_bucket}/run"
-    args = tiny_args(tiny_teacher, save, run_name="dmd2-outage")
+    args = tiny_args(tiny_teacher, save, run_name="dmd2-outage", lease_timeout_s=OUTAGE_S / 2)
     with DistillRun(args) as run:
         run.iterate(1)
         start = time.monotonic()

@@ -89,6 +89,19 @@ def test_bad_lora_settings_fail_in_one_line(tiny_teacher, tmp_path, overrides, n
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("key", ["lora_dropout", "critic_lora_dropout"])
+def test_lora_dropout_is_refused_before_any_actor(tiny_teacher, tmp_path, capsys, monkeypatch, key):
+    """peft's adapter dropout draws unseeded masks: replay and N ranks == 1 rank would not hold.
+    A value above 0 is refused in one line naming the key, exit 2, before Ray starts."""
+    from tests.helpers import flow_cli_refusal
+
+    save = tmp_path / "run"
+    err = flow_cli_refusal(capsys, monkeypatch, "--recipe", "tiny", "--hf-checkpoint", tiny_teacher, "--save", str(save),
+                           "--set", "lora_rank=2", "--set", f"{key}=0.1")
+    assert f"'{key}'" in err and "set it to 0" in err, err
+    assert not save.exists()
+
+
 # ---- sharded ranks, checkpoints (Ray, gloo) -------------------------------------------------------
 
 @pytest.mark.multi_rank

@@ -32,8 +32,10 @@ planning, the hash gather) run on a separate gloo process group (``checkpoint_gr
 the training one. Storage outages are retried like every other write (``storage.RETRY_S``), the
 ranks agreeing on each retry.
 
-Exact resume: weights (fp32 masters), EMA and AdamW state are the bytes that were saved; every
-param-group setting (``lr`` ...) is the saved one. Anything else a trainer needs (iteration, step
+Exact resume: weights (fp32 masters), EMA and AdamW state are the bytes that were saved; the
+param-group settings (``lr``, betas, weight decay) are the resuming run's own (its ``lr`` is the
+fix for a diverging run; run/resume_check.py reports the change). ``extra['run']`` records what the
+run started from (``load``, the model directory, a LoRA's adapters and base identity). Anything else a trainer needs (iteration, step
 counters, the GAN head) goes in ``extra``, which must hold only what ``torch.load(weights_only=True)``
 reads back; ``save_trainer`` checks that before it writes anything.
 

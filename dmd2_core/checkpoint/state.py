@@ -8,7 +8,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from dmd2_core import storage
+from dmd2_core.errors import CheckpointError, StorageUnavailableError, one_line
 from dmd2_core.models import lora
+from dmd2_core.save_layout import STATE_NAME, trainer_dir
 
 
 def sharded_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
@@ -53,7 +56,9 @@ def param_groups(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimiz
 
 
 def apply_param_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved_groups: list[dict]) -> None:
-    """The saved settings (lr, betas, ...) win over the ones the optimizer was built with."""
+    """Check that the saved parameter groups are the optimizer's. Their settings (lr, betas,
+    weight decay) stay the ones the optimizer was built with: a rerun's settings win over the
+    saved ones (its ``lr`` is the usual fix for a diverging run); ``setting_changes`` says which."""
     names = {id(p): n for n, p in model.named_parameters()}
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(f"{len(saved_groups)} parameter groups saved, the optimizer has {len(optimizer.param_groups)}")
@@ -64,7 +69,20 @@ def apply_param_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         if sorted(saved["params"]) != sorted(current):
             extra = sorted(set(saved["params"]) ^ set(current))
             raise ValueError(f"saved parameters do not match the model's (e.g. {extra[:2]})")
-        group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+SETTINGS = ("lr", "betas", "weight_decay", "eps")
+
+
+def setting_changes(saved_groups: list[dict], settings: dict) -> dict[str, tuple]:
+    """The optimizer settings that differ from the saved ones: name -> (saved, now)."""
+    saved = saved_groups[0] if saved_groups else {}
+    return {k: (_plain(saved[k]), _plain(settings[k])) for k in SETTINGS
+            if k in saved and k in settings and _plain(saved[k]) != _plain(settings[k])}
+
+
+def _plain(value):
+    return list(value) if isinstance(value, (tuple, list)) else value
 
 
 def torch_bytes(obj: Any) -> bytes:
@@ -75,3 +93,18 @@ def torch_bytes(obj: Any) -> bytes:
 
 def torch_load(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def read_trainer_state(load_url: str, role: str, iteration: int) -> dict:
+    """A checkpoint's ``trainer_state.pt`` (param groups, extra) read in this process, before any
+    actor: what the run that wrote it recorded. Raises CheckpointError naming the file."""
+    url = storage.join(trainer_dir(load_url, role, iteration), STATE_NAME)
+    try:
+        state = torch_load(storage.read_bytes(url))
+    except StorageUnavailableError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"{url}: cannot read ({one_line(exc)})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{url}: corrupt trainer state (not a dict)")
+    return state

@@ -3,6 +3,7 @@ the checkpoint it names."""
 
 from __future__ import annotations
 
+import time
 from typing import Iterable, Optional
 
 from dmd2_core import storage
@@ -11,15 +12,24 @@ from dmd2_core.errors import CheckpointError, StorageUnavailableError, one_line
 from dmd2_core.save_layout import STATE_FILES, complete_url, tracker_url, trainer_dir
 
 
-def write_tracker(save_url: str, iteration: int, roles: Optional[Iterable[str]] = None) -> None:
+def write_tracker(save_url: str, iteration: int, roles: Optional[Iterable[str]] = None,
+                  deadline: Optional[float] = None) -> None:
     """Record ``iteration`` as the run's latest checkpoint (atomic). Call it from the driver after
-    every trainer's save_trainer returned; with ``roles`` it first checks each one's marker."""
+    every trainer's save_trainer returned; with ``roles`` it first checks each one's marker. With
+    a ``deadline`` (``time.monotonic``: when the run's lease may go to another run) the write is
+    never attempted or retried past it (StorageUnavailableError, retried)."""
     if roles is not None:
         for role in roles:
             url = complete_url(save_url, role, iteration)
             if not storage.exists(url):
                 raise CheckpointError(f"{url}: missing; not recording iteration {iteration} as checkpointed")
-    storage.write_text(tracker_url(save_url), f"{int(iteration)}\n")
+    if deadline is None:
+        storage.write_text(tracker_url(save_url), f"{int(iteration)}\n")
+        return
+    budget = deadline - time.monotonic()
+    if budget <= 0:
+        raise StorageUnavailableError(f"{tracker_url(save_url)}: not written: this run's lease may have expired meanwhile")
+    storage.write_text(tracker_url(save_url), f"{int(iteration)}\n", budget_s=budget)
 
 
 def read_tracker(load_url: str) -> Optional[int]:

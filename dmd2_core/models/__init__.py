@@ -7,6 +7,7 @@ directory (``config.json``). The family is chosen from the transformer config's 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -228,3 +229,24 @@ def write_transformer(family: ModelFamily, config, state: dict[str, torch.Tensor
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         (directory / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+IDENTITY_SAMPLE_BYTES = 1 << 20
+
+
+def base_identity(url: str) -> str:
+    """An identity of a model directory's transformer weights, cheap enough for every resume: the
+    sha256 of its config and, per safetensors file, its name, size, header and the first and last
+    MiB of its tensor bytes (a fine-tune of the same architecture differs there, a copy does not)."""
+    transformer = describe_model_dir(url)["transformer_url"]
+    digest = hashlib.sha256(storage.read_bytes(storage.join(transformer, "config.json")))
+    for name in sorted(n for n in storage.list_names(transformer) if n.endswith(".safetensors")):
+        file_url = storage.join(transformer, name)
+        entries, data_size, data_start = storage.safetensors_layout(file_url)
+        head = min(IDENTITY_SAMPLE_BYTES, data_size)
+        ranges = [(file_url, data_start, data_start + head),
+                  (file_url, data_start + data_size - head, data_start + data_size)]
+        digest.update(json.dumps([name, data_size, entries], sort_keys=True).encode())
+        for part in storage.read_ranges(ranges):
+            digest.update(part)
+    return digest.hexdigest()[:16]

@@ -162,6 +162,14 @@ def diffusers_lora_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return {n.replace(f".{ADAPTER}.", "."): v for n, v in state.items() if is_adapter(n)}
 
 
+def adapter_record(args: Args) -> Optional[dict]:
+    """What a LoRA checkpoint's adapters are (rank, alpha, targets); None for full fine-tuning."""
+    if not args.lora_rank:
+        return None
+    cfg = config(args)
+    return {"rank": cfg.r, "alpha": float(cfg.lora_alpha), "targets": sorted(cfg.target_modules)}
+
+
 def adapter_metadata(args: Args) -> dict:
     """The LoraConfig diffusers' loader rebuilds the adapter from (rank, alpha, targets)."""
     cfg = config(args)

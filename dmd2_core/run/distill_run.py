@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 from dmd2_core import checkpoint
 from dmd2_core.run import preflight_checks
-from dmd2_core.run import lease
+from dmd2_core.run import lease, resume_check
 from dmd2_core.args import Args
 from dmd2_core.errors import NonFiniteError, RayWorkError, StoredFilesError
 from dmd2_core.run.preflight import handed_over, preflight
@@ -30,7 +30,7 @@ PHASES = ("rollout", "critic_train_and_score", "sleep_critic", "student_train", 
 
 class DistillRun:
     def __init__(self, args: Args, owner: str | None = None):
-        # the lease owner: the flow run's id, so that its retries take the lease over
+        # the run that owns the save URL's lease: the flow run's id (the lease adds this process's host, pid and a nonce)
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         checked = handed_over(args)  # the CLI's preflight of these args, before Prefect started
         if checked is None:
@@ -49,6 +49,7 @@ class DistillRun:
         # collected: the orchestrator sets it where nothing (an eval, a checkpoint) runs between
         self.rollout_ahead: Callable[[int], bool] = lambda iteration: False
         self.start_iteration = 0
+        self.resumed_with: list[str] = []  # 'role key saved -> now': this run's optimizer settings, not the checkpoint's
         self.resumed_from: Optional[str] = None  # the URL whose checkpoint the groups loaded (None: a fresh start)
         self.done: tuple[int, int] = (0, len(PHASES))  # (iteration, phases of it done)
         self.schedule = Schedule.of(self.args)  # the orchestrator sets its own (the run's final iteration)
@@ -62,6 +63,9 @@ class DistillRun:
 
         init_ray(self.args, num_groups=len(self.trainer_args))
         preflight_checks.check_cluster_resources(self.args, len(self.trainer_args))  # not a placement-group timeout
+        if self.lease is not None and self.lease.lost:  # a retry after a takeover: refused while the other lives
+            self.lease.release()
+            self.lease = None
         if self.lease is None:  # before any actor: a second run on the URL refuses here
             self.lease = lease.Lease.acquire(self.args.save, self.owner, self.args.lease_timeout_s)
         self.lease.ensure()
@@ -76,6 +80,10 @@ class DistillRun:
             source = checkpoint.resume_url(self.args)
             resumed = checkpoint.read_tracker(source)
             if resumed is not None:
+                self.resumed_with = resume_check.setting_changes(self.trainer_args, source, resumed)
+                if self.resumed_with:
+                    log.warning("resume: this run's optimizer settings win over the checkpoint's: "
+                                + ", ".join(self.resumed_with))
                 for group in self.groups.values():
                     group.call("load", resumed, source)
         except Exception as exc:

@@ -10,7 +10,7 @@ from typing import Optional
 
 from dmd2_core import checkpoint, storage
 from dmd2_core.run import preflight_checks
-from dmd2_core.run import lease
+from dmd2_core.run import lease, resume_check
 from dmd2_core.evaluation.evaluators import TEACHER, eval_prompt_indices, evaluator_of
 from dmd2_core.memory import planner
 from dmd2_core.args import Args
@@ -73,6 +73,8 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
         check_weight_files(url)
     source = checkpoint.resume_url(args)
     resumed = checkpoint.validate_resume(source, list(trainer_args))
+    if resumed is not None:  # the start it recorded (load, model, LoRA and its base) is the one asked for
+        resume_check.check_resume(args, trainer_args, source, resumed)
     if resumed is None and args.load and args.load != args.save:
         raise CheckpointError(
             f"load: no checkpoint at {args.load} (no {checkpoint.TRACKER_NAME})"

@@ -66,8 +66,8 @@ class SaveTracker:
 
     def track(self, lease, iteration: int, done: dict[str, list[dict]]) -> dict:
         """Every role's save of ``iteration`` is durable: move the tracker, then apply retention."""
-        lease.ensure()  # never move the tracker of a URL another run took over
-        checkpoint.write_tracker(self.args.save, iteration, roles=list(done))
+        lease.ensure()  # never move the tracker of a URL another run took over, nor retry past the lease
+        checkpoint.write_tracker(self.args.save, iteration, roles=list(done), deadline=lease.expires())
         self.pending, self.tracked_iteration = None, iteration
         self.tracked = {"iteration": iteration, "trainers": {role: outs[0]["url"] for role, outs in done.items()}}
         pruned = checkpoint.prune(self.args.save, list(done), self.args.keep_last_n)

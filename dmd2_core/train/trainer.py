@@ -32,6 +32,7 @@ from dmd2_core.train.input_hook import batch_size, train_input_hook
 from dmd2_core.train.model_update import ModelUpdate
 from dmd2_core.train.rank_outputs import RankOutputs
 from dmd2_core.train.rank_models import TrainerModels
+from dmd2_core.train.trainer_config import optimizer_settings, run_origin
 
 
 def pick_device(args: Args) -> torch.device:
@@ -69,13 +70,13 @@ class Trainer(EvalSampling):
         if args.loss_type == SCORED and args.gan_critic_weight:
             self.real = open_real_set(args.real_data)
             self.disc = gan.build_head(self.family.feature_dim(self.model), args.seed).to(self.device)
-            self.disc_optimizer = torch.optim.AdamW(self.disc.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                                                    weight_decay=args.weight_decay)
+            self.disc_optimizer = torch.optim.AdamW(self.disc.parameters(), **optimizer_settings(args))
         self.prompts = open_prompt_set(args.prompts)
         self.shape = self.family.sample_shape(self.model, args.latent_shape)
         self.local_batch = args.global_batch_size // self.dp_size  # a context group shares its rows
         self.rows = slice(self.dp_rank * self.local_batch, (self.dp_rank + 1) * self.local_batch)
         self.nonfinite = NonFiniteCounter(role, args.max_nonfinite_steps)
+        self.run_record = self._run_record()  # here, on every rank: a save never reads storage first
         self.vae = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.ema: Optional[list[torch.Tensor]] = None
@@ -108,8 +109,7 @@ class Trainer(EvalSampling):
             if module is not None:
                 context_parallel.enable(module, self.mesh, args.cp_size, self.device, trainable, self.family)
         self.optimizer = torch.optim.AdamW(
-            lora.trained_parameters(self.model), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-            weight_decay=args.weight_decay, foreach=True,  # one dispatch per op over all shards
+            lora.trained_parameters(self.model), **optimizer_settings(args), foreach=True,  # one dispatch per op over all shards
         )
         if args.ema_decay:
             self.ema = [p.detach().clone() for p in lora.trained_parameters(self.model)]
@@ -311,7 +311,8 @@ class Trainer(EvalSampling):
         was_asleep = self.asleep
         self.wake_up()
         self._reshard()
-        extra = {"step": self.update.steps, "iteration": iteration, **self.nonfinite.state(), **self._disc_state()}
+        extra = {"step": self.update.steps, "iteration": iteration, "run": self.run_record, **self.nonfinite.state(),
+                 **self._disc_state()}
         pending = self.outputs.start(iteration, self.model, self.optimizer, self.ema, extra, self.checkpoint_pg, export)
         if was_asleep:
             self.sleep()
@@ -339,8 +340,19 @@ class Trainer(EvalSampling):
         if self.disc is not None and "disc" in extra:  # a checkpoint from before the head keeps the fresh head
             self.disc.load_state_dict(extra["disc"])
             self.disc_optimizer.load_state_dict(extra["disc_optimizer"])
+            for group in self.disc_optimizer.param_groups:  # this run's settings, as the model's optimizer
+                group.update(optimizer_settings(self.args))
             self.learner.disc_nonfinite.load(extra)
         return self.update.steps
+
+    def _run_record(self) -> dict:
+        """What each checkpoint records of the run that wrote it: where it started (``load``, the
+        model directory) and, for a LoRA, its adapters and an identity of the base weights."""
+        from dmd2_core.models import base_identity
+
+        adapters = lora.adapter_record(self.args)
+        return {**run_origin(self.args), "lora": adapters,
+                "base": base_identity(self.args.hf_checkpoint) if adapters else None}
 
     def _disc_state(self) -> dict:
         if self.disc is None:

@@ -47,6 +47,18 @@ def _default(value, fallback):
     return fallback if value is None else value
 
 
+def optimizer_settings(args: Args) -> dict[str, Any]:
+    """The AdamW settings a trainer builds its optimizer with (a resume keeps them, not the
+    checkpoint's: the rerun's ``lr`` is the fix for a diverging run)."""
+    return {"lr": args.lr, "betas": (args.adam_beta1, args.adam_beta2), "weight_decay": args.weight_decay}
+
+
+def run_origin(args: Args) -> dict[str, Any]:
+    """What a trainer's run started from, recorded in each checkpoint: ``load`` (None: the
+    teacher's weights) and the model directory it was built from."""
+    return {"load": args.load, "hf_checkpoint": args.hf_checkpoint}
+
+
 def compute_trainer_configs(args: Args) -> list[TrainerConfig]:
     """The run's trainers, in the order their groups train within one iteration."""
     if args.loss_type == "dmd2":
