@@ -1,23 +1,27 @@
-"""Does the frozen teacher's own feature distance rank students the way ground truth does? On the two
-toy worlds where ground truth exists (digits: the SD3 digits teacher; sounding digits: the small
-MiniMax-H3 teacher), train students of different quality with the in-process reference loop, and
-at each of their evaluations measure
+"""Does the frozen teacher's own feature distance rank students the way ground truth does, and does
+the drift rule flag failures in time? On the two toy worlds where ground truth exists (digits: the
+SD3 digits teacher; sounding digits: the small MiniMax-H3 teacher), train students of different
+quality with the in-process reference loop, keep each evaluation's ``--num-samples`` (32: the
+minimax-h3 recipe's ``eval_num_samples``) samples, and measure them as the teacher evaluator does
+(``dmd2_core.evaluation.evaluators``):
 
-- the signal, at the sample count a run evaluates with (``--num-samples``, 32: the minimax-h3
-  recipe's ``eval_num_samples``): ``projected_kid`` between the teacher's features
-  (``teacher_features``) of the teacher's 50-step Euler samples and of the student's K-step
-  samples, both from the same prompts and the same starting noise (row i of each), per modality;
-- the ground truth on many samples (``--gt-samples``): digits FD (lower better); sounding digits'
-  frame FD (lower better) and sound accuracy (higher better);
-- the drift statistics (``dmd2_core.evaluation.drift``) of the student's decoded samples and the
-  within-prompt diversity of its teacher features, against the teacher reference's,
+- ``projected_kid`` of the student's samples in the teacher's features (``teacher_features`` at
+  the evaluator's ``FEATURE_U``; two other positions beside it) against two references: the
+  teacher's 50-step Euler samples of the same prompts and noise (``teacher_kid``) and 512 rows of
+  the world's real set, the GAN head's (``real_kid``, the run's criterion where there is one);
+- the drift metrics (``drift.per_sample_stats`` pooled; within-prompt diversity), judged by
+  ``evaluators.drift_flags`` from each run's first evaluation against the real set's samples (the
+  teacher's samples beside it);
+- the ground truth on many samples (``--gt-samples``): digits FD; sounding digits' frame FD and
+  sound FD (``sounding_digits_metrics``), the sound accuracy beside it,
 
 and print one JSON line:
 
-  {"digits_image_spearman": .., "av_video_spearman": .., "av_audio_spearman": .. (means over the
-   seeds), "..._per_seed": [..], "targets": {..}, "oversaturation_flag_eval": [..],
-   "oversaturation_fd_worsens_eval": [..], "collapse_...", "healthy_...", "bands": {..},
-   "sync": {..}, "students": {..}, "wall_s": ..}
+  {"digits_image_real_kid_spearman": .., "av_video_real_kid_spearman": .., "av_audio_real_kid_spearman": ..,
+   "..._teacher_kid_spearman": .. (means over the seeds; ``_per_seed``, other feature positions and
+   the audio against sound accuracy beside), "targets": {..}, "oversaturation_flag_eval": [..],
+   "oversaturation_fd_worsens_eval": [..], "collapse_...", "healthy_...", "av_...", "yardsticks": {..},
+   "drift_histories": {..}, "sync": {..}, "students": {..}, "wall_s": ..}
 
 Students, per training seed (``--seeds``): the recipe's 4-step student at the iterations of
 ``--evals`` (0 is the teacher's weights sampled in 4 student steps), a 1-step student at its first
@@ -31,29 +35,21 @@ bench/quality_av.py's CPU sizes of the ``minimax-h3`` recipe with its defaults.
 Spearman: per seed, over that seed's distinct students (the 4-step iteration 0 is one student,
 shared by the runs of 4 steps), of the KID against the ground truth, sign-adjusted so that +1 is
 a perfect ranking: digits image KID against FD, video KID against frame FD, audio KID against
-the sound error rate (1 - sound accuracy).
+sound FD (and, beside, against the sound error rate 1 - sound accuracy).
 
-Noise level of the features: every modality at sigma 0.5 (SD3: u = 0.5; MiniMax-H3: video at
-u = 1/13, where shift(u, 12) = 0.5, audio at u = 1/4, where shift(u, 3) = 0.5); the figures at
-the family's default u = 0.5 for both H3 modalities (video at sigma 0.92) are reported beside
-them as ``..._spearman_u0.5``.
-
-Drift bands: the teacher's 50-step reference is drawn ``BAND_DRAWS`` more times (32 samples each,
-other seeds); a statistic's spread s is its standard deviation over those draws, and a student
-leaves the band when |student - reference| > max(BAND_K * sqrt(2) * s, floor), the sqrt(2) for a
-difference of two draws of that size and the floor (``BAND_FLOORS``) a resolution below which no
-change matters. A run is flagged at its first evaluation where any statistic leaves its band;
-its ground-truth FD worsens at its first evaluation whose FD is more than ``WORSE_MARGIN`` above
-the best before it.
+"FD worsens" at a run's first evaluation more than ``WORSE_MARGIN`` above the best before it
+(the recipe's iteration 0 starts every run); a run is flagged at its first evaluation with any
+key out of its band.
 
 Sync: AV-Align needs sound onsets and motion peaks, and a sounding digit has neither (a steady tone,
 a digit sliding at constant speed). What the world does have is the stereo balance following the
 digit's column: ``balance_sync`` scores that per frame, and ``delay_audio`` shifts a clip's sound
 by k frames, so a sync figure must fall with k (reported at k = 0, 1, 2, 4).
 
+    cp -r tests/fixtures/av_teacher runs/av-teacher    # once: the committed 4000-step teacher (else trained)
     python bench/eval_signal.py [--seeds 0 1] [--num-samples 32] [--evals 0 10 20 40 80 160] [--workers 2]
 
-The teacher's reference features and band draws are cached under ``--run-dir`` per (teacher,
+The teacher's references (its samples, the real rows' features, their drift) are cached under ``--run-dir`` per (teacher,
 settings): a rerun does not resample them.
 """
 
