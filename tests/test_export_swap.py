@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 
+import time
+
 import pytest
 import torch
 
@@ -48,8 +50,13 @@ class InProcessGroup:
 
 
 class HeldLease:
+    """A lease held throughout (the lease's own behaviour is tests/test_lease.py's)."""
+
     def ensure(self) -> None:
         pass
+
+    def expires(self) -> float:
+        return time.monotonic() + 3600.0
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
@@ -129,6 +136,7 @@ def test_a_rerun_of_a_finished_fine_tune_does_not_save_or_export_its_end_again(t
 
     class Rerun:  # what the driver reads of a DistillRun that resumed from where the run saved
         trainer_args = {"actor": args}
+        resumed_with: list[str] = []  # the rerun changed no optimizer setting
 
         def start(self) -> int:
             self.resumed_from = checkpoint.resume_url(args)
