@@ -28,7 +28,7 @@ import hashlib
 import importlib
 import json
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -105,13 +105,14 @@ def evaluate(run, args: Args) -> dict[str, Any]:
         world = importlib.import_module(TOY_EVALUATORS[name])
         return {"metrics": world.quality(run.sample, args.eval_num_samples, args.eval_seed), "reference": {}}
     order = eval_order(args, len(prompt_texts(args.prompts)))
-    reference = teacher_reference(run, args, order)
+    identity = teacher_identity(args)  # one listing and config read an eval, shared by both references' keys
+    reference = teacher_reference(run, args, order, identity)
     latents = run.eval_latents(order, args.eval_seed)
     features = run.teacher_features(latents, order, FEATURE_U, FEATURE_SEED)
     metrics = {f"teacher_kid_{m}": projected_kid(reference["features"][m], f, dim=PROJECTION_DIM)
                for m, f in sorted(features.items())}
     metrics["teacher_kid"] = sum(metrics.values()) / len(metrics)
-    real = real_reference(run, args)
+    real = real_reference(run, args, identity)
     if real:
         metrics.update({f"real_kid_{m}": projected_kid(real["features"][m], f, dim=PROJECTION_DIM)
                         for m, f in sorted(features.items())})
@@ -142,12 +143,12 @@ def settings_key(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def reference_key(args: Args, order: list[int]) -> str:
+def reference_key(args: Args, order: list[int], identity: Optional[dict[str, Any]] = None) -> str:
     """What a cached reference must match to be a hit: the teacher (``teacher_identity``), the
     prompts (URL and texts), the eval prompts and noise seed, the sample shape and the teacher's
     sampler (steps, guidance, shift)."""
     return settings_key({
-        **teacher_identity(args), "prompts": args.prompts, "texts": prompt_texts(args.prompts), "order": order,
+        **(identity or teacher_identity(args)), "prompts": args.prompts, "texts": prompt_texts(args.prompts), "order": order,
         "seed": args.eval_seed, "latent_shape": args.latent_shape, "steps": args.eval_reference_steps,
         "guidance": args.dmd2_guidance_scale, "shift": args.dmd2_shift})
 
@@ -162,11 +163,11 @@ def real_rows(args: Args) -> list[int]:
     return sorted(chosen.tolist())
 
 
-def real_key(args: Args, rows: list[int]) -> str:
+def real_key(args: Args, rows: list[int], identity: Optional[dict[str, Any]] = None) -> str:
     """What a cached real reference must match: the teacher (``teacher_identity``), the real set
     (its URL and the names, shapes and byte span of its tensors) and the rows."""
     header, span = storage.read_safetensors_header(args.real_data) if args.real_data not in BUILTIN_SETS else ({}, 0)
-    return settings_key({**teacher_identity(args), "real_data": args.real_data, "real_header": header,
+    return settings_key({**(identity or teacher_identity(args)), "real_data": args.real_data, "real_header": header,
                          "real_span": span, "rows": rows})
 
 
@@ -174,11 +175,11 @@ def reference_url(args: Args) -> str:
     return args.eval_reference_url or eval_reference_root(args.save)
 
 
-def teacher_reference(run, args: Args, order: list[int]) -> dict[str, Any]:
+def teacher_reference(run, args: Args, order: list[int], identity: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """The teacher's features and drift statistics of its own samples: read from the cache when
     an entry of the same key is there (complete: its JSON is written last), else made by the
     critic group and written."""
-    url = storage.join(reference_url(args), reference_key(args, order))
+    url = storage.join(reference_url(args), reference_key(args, order, identity))
     marker = storage.join(url, "reference.json")
     if storage.exists(marker):
         meta = json.loads(storage.read_text(marker))
@@ -194,14 +195,14 @@ def teacher_reference(run, args: Args, order: list[int]) -> dict[str, Any]:
     return {"features": features, "drift": drift, "url": url, "hit": False}
 
 
-def real_reference(run, args: Args) -> dict[str, Any]:
+def real_reference(run, args: Args, identity: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """The second reference, from ``real_rows``: the teacher's features of them and the drift
     statistics of the first ``eval_num_samples`` of them decoded ({features, drift}); cached as
     the teacher's reference is, made on a miss; {} without a real set."""
     rows = real_rows(args)
     if not rows:
         return {}
-    url = storage.join(reference_url(args), f"real-{real_key(args, rows)}")
+    url = storage.join(reference_url(args), f"real-{real_key(args, rows, identity)}")
     marker = storage.join(url, "reference.json")
     if storage.exists(marker):
         features, _ = read_safetensors(storage.join(url, "features.safetensors"))

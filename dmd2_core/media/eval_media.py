@@ -122,11 +122,13 @@ def av_media_of(samples: dict, j: int, stem: str, caption: str, embed_limit: int
     return [strip, spectrum]
 
 
-def mp4_bytes(frames: torch.Tensor, audio: torch.Tensor, rate: int) -> bytes:
+def mp4_bytes(frames: torch.Tensor, audio: torch.Tensor, rate: int, **encoding) -> bytes:
+    """A clip as MP4 bytes at MiniMax-H3's frame rate (``encoding``: ``av_clips.write_mp4``'s
+    crf and audio bit rate)."""
     from dmd2_core.media import av_clips
 
     buf = io.BytesIO()
-    av_clips.write_mp4(buf, frames, audio, fps=FPS_OF_SOUNDING_VIDEO, sample_rate=rate)
+    av_clips.write_mp4(buf, frames, audio, fps=FPS_OF_SOUNDING_VIDEO, sample_rate=rate, **encoding)
     return buf.getvalue()
 
 
@@ -137,16 +139,11 @@ def inline_mp4(mp4: bytes, frames: torch.Tensor, audio: torch.Tensor, rate: int,
     ``PREVIEW_SIDE_PX`` on their long side, a lower bit rate, the same sound at a lower one);
     None when neither fits."""
     if len(mp4) > limit:
-        from dmd2_core.media import av_clips
-
         height, width = frames.shape[-2:]
         scale = min(1.0, PREVIEW_SIDE_PX / max(height, width))
         size = (max(2, round(height * scale)), max(2, round(width * scale)))
         small = frames if scale == 1.0 else torch.nn.functional.interpolate(frames.float(), size=size, mode="area")
-        buf = io.BytesIO()
-        av_clips.write_mp4(buf, small, audio, fps=FPS_OF_SOUNDING_VIDEO, sample_rate=rate, crf=PREVIEW_CRF,
-                           audio_bit_rate_per_channel=PREVIEW_AUDIO_BIT_RATE)
-        mp4 = buf.getvalue()
+        mp4 = mp4_bytes(small, audio, rate, crf=PREVIEW_CRF, audio_bit_rate_per_channel=PREVIEW_AUDIO_BIT_RATE)
         if len(mp4) > limit:
             return None
     return data_uri(mp4, "video/mp4")
