@@ -17,7 +17,7 @@ import math
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional
 
 import torch
 
@@ -100,17 +100,27 @@ def model_tensors(model: torch.nn.Module, shards: Optional[Iterable[torch.Tensor
     return values
 
 
-def stream_tensors(values: dict[str, torch.Tensor], dtype: torch.dtype, directory: Optional[Path],
+def tensor_specs(values: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of ``values``: a mapping that reads its tensors only when indexed
+    (a checkpoint read tensor by tensor) says them through its ``specs`` without reading any."""
+    specs = getattr(values, "specs", None)
+    if specs is not None:
+        return dict(specs)
+    return {name: (tuple(v.shape), v.dtype) for name, v in values.items()}
+
+
+def stream_tensors(values: Mapping[str, torch.Tensor], dtype: torch.dtype, directory: Optional[Path],
                    skip: frozenset[str] | set[str] = frozenset(), max_shard_bytes: int = MAX_SHARD_BYTES
                    ) -> Optional[StreamedTransformer]:
-    """Write ``values`` (local or distributed tensors; floating ones cast to ``dtype``, names in
+    """Write ``values`` (local or distributed tensors, or a mapping that reads each when indexed:
+    ``tensor_specs``; floating ones cast to ``dtype``, names in
     ``skip`` left out) as a transformer's safetensors files in the local ``directory``, one whole
     tensor at a time. A collective where the tensors are distributed: every rank of the group
     calls it (in the training thread) and takes part in every gather; only the writer (the rank
     given a ``directory``) writes, keeping each tensor's crc32. Returns the writer's
     StreamedTransformer, None on the other ranks."""
-    entries = [Entry(name, tuple(v.shape), dtype if v.is_floating_point() else v.dtype)
-               for name, v in values.items() if name not in skip]
+    entries = [Entry(name, shape, dtype if stored.is_floating_point else stored)
+               for name, (shape, stored) in tensor_specs(values).items() if name not in skip]
     by_name = {e.name: e for e in entries}
     out, handles = None, {}
     if directory is not None:
@@ -120,8 +130,8 @@ def stream_tensors(values: dict[str, torch.Tensor], dtype: torch.dtype, director
             handles[members[0].file] = handle = open(directory / members[0].file, "wb")
             handle.write(_header(members))
     try:
-        for name, value in values.items():
-            whole = parallel.full(value).detach()  # every rank takes part in every gather
+        for name in values:
+            whole = parallel.full(values[name]).detach()  # every rank takes part in every gather
             if out is None or name not in by_name:
                 continue
             # a copy even where the dtype and device agree: numpy's view of a tensor makes its storage
