@@ -347,11 +347,14 @@ class Trainer(EvalSampling):
 
     def _run_record(self) -> dict:
         """What each checkpoint records of the run that wrote it: where it started (``load``, the
-        model directory) and, for a LoRA, its adapters and an identity of the base weights."""
+        model directory), for a LoRA its adapters and an identity of the base weights, and the
+        student's sampler and export dtype (what ``python -m dmd2_core export`` writes it with)."""
         from dmd2_core.models import base_identity
 
         adapters = lora.adapter_record(self.args)
-        return {**run_origin(self.args), "lora": adapters,
+        student = {"num_steps": self.args.dmd2_student_steps, "shift": float(self.shift),
+                   "export_dtype": self.args.export_dtype or self.args.dtype}
+        return {**run_origin(self.args), "lora": adapters, "student": student,
                 "base": base_identity(self.args.hf_checkpoint) if adapters else None}
 
     def _disc_state(self) -> dict:
