@@ -53,11 +53,23 @@ def build_parser() -> ArgParser:
     lat.add_argument("--negative-prompt", default="", help="the unconditional prompt for guidance (default empty)")
     lat.add_argument("--max-sequence-length", type=int, default=None, help="default: the pipeline's")
     add_set_flag(lat, "set one of the options above, e.g. num_frames=16")
+    exp = sub.add_parser("export", help="export any checkpoint of a run, after the fact, in the format its user loads")
+    exp.add_argument("--load", help="the run's save URL (path or URL) holding the checkpoint; required")
+    exp.add_argument("--iteration", type=int, default=None, help="the checkpoint's iteration (default: the newest complete)")
+    exp.add_argument("--out", help="where to write the export (a directory, path or URL); required")
+    exp.add_argument("--format", help="pipeline, merged, lora-diffusers, peft or original; required")
+    exp.add_argument("--hf-checkpoint", default=None, help="the model directory (the LoRA's base, the pipeline's other "
+                     "components); default the one the checkpoint records")
+    exp.add_argument("--num-steps", type=int, default=None, help="the student's steps (default: the run's)")
+    exp.add_argument("--shift", type=float, default=None, help="the student's sigma shift (default: the run's)")
+    exp.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the run's export dtype)")
+    add_set_flag(exp, "set one of the options above, e.g. iteration=200")
     return parser
 
 
 PREPARE_REQUIRED = {"prepare-prompts": ("hf_checkpoint", "prompts_file", "out"),
-                    "prepare-latents": ("hf_checkpoint", "images", "captions", "out")}
+                    "prepare-latents": ("hf_checkpoint", "images", "captions", "out"),
+                    "export": ("load", "out", "format")}
 
 
 # ---- CLI generated from the model -------------------------------------------------------------
@@ -181,6 +193,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                                    clip=None if None in geometry else geometry)
             print(json.dumps({"out": ns.out, "samples": len(real), "latents": list(real.latents.shape[1:]),
                               "shapes": {k: list(v.shape) for k, v in real.cond.items()}}))
+            return 0
+        if ns.command == "export":
+            from dmd2_core.export.after import export_checkpoint, plan_export
+
+            plan = plan_export(ns.load, ns.out, ns.format, ns.iteration, ns.hf_checkpoint, ns.num_steps, ns.shift,
+                               ns.dtype)
+            print(json.dumps(export_checkpoint(plan)))
             return 0
         args = load_args(ns.recipe, arg_overrides(ns))
         if ns.command == "plan":

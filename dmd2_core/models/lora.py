@@ -177,6 +177,12 @@ def adapter_metadata(args: Args) -> dict:
             "lora_dropout": 0.0, "bias": "none", "use_dora": False}
 
 
+def metadata_of_record(record: dict) -> dict:
+    """``adapter_metadata`` of the adapters a checkpoint recorded (``adapter_record``'s keys)."""
+    return {"r": int(record["rank"]), "lora_alpha": float(record["alpha"]), "target_modules": sorted(record["targets"]),
+            "lora_dropout": 0.0, "bias": "none", "use_dora": False}
+
+
 def merged_state(state: dict[str, torch.Tensor], metadata: dict, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
     """A whole LoRA state (peft names) merged into plain diffusers names: W + (alpha / r) B A for
     every adapted layer (in fp32, then ``dtype``), the base's other tensors as they are."""

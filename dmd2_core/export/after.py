@@ -1,0 +1,247 @@
+"""Any checkpoint of a run, exported after the fact (``python -m dmd2_core export``): the student
+(the ``actor`` trainer) of ``{load}/trainers/actor/iter_N`` written to ``out`` as
+
+- ``pipeline``: a diffusers pipeline directory (for MiniMax-H3 its modular repository), exactly
+  the run's own export at ``export_interval`` (``export.pipeline``; a LoRA merged into its base);
+- ``merged``: the student's transformer directory alone (config.json and safetensors), a LoRA
+  merged into its base;
+- ``lora-diffusers``: the family's diffusers LoRA, as the run's LoRA export (``export.adapters``);
+- ``peft``: a peft adapter directory that ``PeftModel.from_pretrained(base, out)`` loads;
+- ``original``: the family's original (non-diffusers) LoRA layout, where diffusers converts it
+  back (``export.lora_layouts.ORIGINAL_LAYOUTS``), in ``pytorch_lora_weights.safetensors``.
+
+The weights are the EMA's where the checkpoint keeps one (``pipeline`` and ``lora-diffusers`` also
+write the trained ones beside them, as the run does). Everything is decided before a weight is
+read (``plan_export``): a bad format, a missing iteration, a format the checkpoint cannot give
+is one line. Full weights stream tensor by tensor from the checkpoint's shards into the files
+(``checkpoint.tensors``, ``export.stream``); a LoRA's base streams from the teacher's files.
+``out`` is written beside itself and swapped in once complete (``files.staged_export``), so it
+is never half-written; an existing ``out`` is replaced only when it is an export (has export.json).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from dmd2_core import storage
+from dmd2_core.args import Args, nearest
+from dmd2_core.checkpoint.integrity import check_files, read_current_marker
+from dmd2_core.checkpoint.retention import saved_iterations
+from dmd2_core.checkpoint.state import read_trainer_state
+from dmd2_core.checkpoint.tensors import CheckpointTensors, dcp_sections
+from dmd2_core.errors import ArgsError, CheckpointError
+from dmd2_core.export import adapters, lora_layouts, pipeline, stream
+from dmd2_core.export.files import EXPORT_FORMAT, staged_export, total_bytes, writable_dir
+from dmd2_core.models import FAMILIES, base_identity, describe_model_dir, lora
+from dmd2_core.models.weight_files import WeightFiles
+from dmd2_core.save_layout import EXPORT_MARKER_NAME, STATE_FILES, trainer_dir
+
+FORMATS = ("pipeline", "merged", "lora-diffusers", "peft", "original")
+LORA_FORMATS = ("lora-diffusers", "peft", "original")
+STUDENT = "actor"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class ExportPlan:
+    """What ``export_checkpoint`` writes, all of it read from small files (no weights)."""
+    load: str
+    iteration: int
+    out: str
+    format: str
+    family: object
+    teacher: str
+    config: dict  # the transformer's config.json
+    lora: Optional[dict]  # adapter_metadata of a LoRA student; None: full weights
+    has_ema: bool
+    num_steps: int
+    shift: float
+    dtype: torch.dtype
+
+
+def plan_export(load: str, out: str, format: str, iteration: Optional[int] = None, hf_checkpoint: Optional[str] = None,
+                num_steps: Optional[int] = None, shift: Optional[float] = None, dtype: Optional[str] = None) -> ExportPlan:
+    """Every check before a weight is read; ArgsError or CheckpointError, one line, if one fails."""
+    if format not in FORMATS:
+        raise ArgsError(f"format: unknown format '{format}' (one of {', '.join(FORMATS)}){nearest(format, FORMATS)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ArgsError(f"dtype: '{dtype}' is not one of {', '.join(DTYPES)}{nearest(dtype, DTYPES)}")
+    iteration = pick_iteration(load, iteration)
+    d = trainer_dir(load, STUDENT, iteration)
+    check_files(d, read_current_marker(d), hashes=STATE_FILES)  # listing, sizes, the small files' hashes
+    record = (read_trainer_state(load, STUDENT, iteration).get("extra") or {}).get("run") or {}
+    sections = dcp_sections(load, STUDENT, iteration)
+    is_lora = any(lora.is_adapter(n) for n in sections.get("model", {}))
+    where = f"the checkpoint at {d}"
+    if format in LORA_FORMATS and not is_lora:
+        raise ArgsError(f"format: {format} is a LoRA format and {where} holds full weights (no LoRA); "
+                        "use pipeline or merged")
+    teacher = hf_checkpoint or record.get("hf_checkpoint")
+    if not teacher:
+        raise ArgsError(f"hf_checkpoint: {where} does not record its model directory; set --hf-checkpoint")
+    info = describe_model_dir(teacher)
+    family = FAMILIES[info["family"]]
+    config = json.loads(storage.read_text(storage.join(info["transformer_url"], "config.json")))
+    metadata = None
+    if is_lora:
+        if not record.get("lora"):
+            raise CheckpointError(f"{d}: holds LoRA adapters but records no LoRA settings (rank, alpha, targets)")
+        metadata = lora.metadata_of_record(record["lora"])
+        if record.get("base") and base_identity(teacher) != record["base"]:
+            raise ArgsError(f"hf_checkpoint: {teacher} is not the base the adapters of {where} were trained on "
+                            f"({record.get('hf_checkpoint')}); point --hf-checkpoint at that base")
+    if format == "original":
+        _check_original(family.class_name, lora_layouts.adapted_modules(sections["model"]))
+    if not is_lora:
+        _check_fits(d, family, config, sections["model"])
+    _check_out(out)
+    student = record.get("student") or {}
+    return ExportPlan(
+        load=load, iteration=iteration, out=out, format=format, family=family, teacher=teacher, config=config,
+        lora=metadata, has_ema="ema" in sections, num_steps=int(num_steps or student.get("num_steps")
+                                                                 or Args.model_fields["dmd2_student_steps"].default),
+        shift=float(shift or student.get("shift") or info["shift"]),
+        dtype=getattr(torch, dtype or student.get("export_dtype") or "float32"))
+
+
+def pick_iteration(load: str, iteration: Optional[int]) -> int:
+    """The student's newest complete checkpoint, or ``iteration`` when it has one there;
+    CheckpointError naming the nearest complete ones if not."""
+    complete = sorted(i for i, whole in saved_iterations(load, STUDENT).items() if whole)
+    root = storage.join(load, "trainers", STUDENT)
+    if not complete:
+        where = root if storage.exists(load) else f"{load}{storage.nearest_sibling(load)}"
+        raise CheckpointError(f"{where}: no complete checkpoint of the student (is --load the run's save URL?)")
+    if iteration is None:
+        return complete[-1]
+    if iteration not in complete:
+        below, above = [i for i in complete if i < iteration], [i for i in complete if i > iteration]
+        close = below[-1:] + above[:1]  # the nearest on each side
+        raise CheckpointError(f"{trainer_dir(load, STUDENT, iteration)}: no complete checkpoint at iteration {iteration}; "
+                              f"nearest: {', '.join(map(str, close))}")
+    return iteration
+
+
+def _check_original(class_name: str, modules: list[str]) -> None:
+    if class_name not in lora_layouts.ORIGINAL_LAYOUTS:
+        known = ", ".join(FAMILIES[c].pipeline_class for c in lora_layouts.ORIGINAL_LAYOUTS)
+        raise ArgsError(f"format: diffusers documents no original (non-diffusers) LoRA layout for {class_name} "
+                        f"(only {known}); use lora-diffusers or peft")
+    odd = lora_layouts.unmapped_module(class_name, modules)
+    if odd is not None:
+        raise ArgsError(f"format: the adapter on '{odd}' has no name in {class_name}'s original layout that diffusers "
+                        "converts back; use lora-diffusers or peft")
+
+
+def _check_fits(d: str, family, config: dict, saved: dict) -> None:
+    """A full student's saved tensors are the family's model's, name for name and shape for shape."""
+    with torch.device("meta"):
+        wanted = {k: tuple(v.shape) for k, v in family.model_class.from_config(config).state_dict().items()}
+    for name in sorted(set(wanted) | set(saved)):
+        if wanted.get(name) != (saved[name][0] if name in saved else None):
+            raise CheckpointError(f"{d}: '{name}' does not fit the model directory's {family.class_name} "
+                                  f"(checkpoint {saved.get(name, (None,))[0]}, model {wanted.get(name)})")
+
+
+def _check_out(out: str) -> None:
+    if storage.exists(out) and storage.list_names(out) and not storage.exists(storage.join(out, EXPORT_MARKER_NAME)):
+        raise ArgsError(f"out: {out} exists and is not an export (no {EXPORT_MARKER_NAME}); pick a new path")
+
+
+# ---- writing ------------------------------------------------------------------------------------
+def export_checkpoint(plan: ExportPlan) -> dict:
+    """Write ``plan``'s export; returns {'out', 'format', 'iteration', 'bytes', 'export_s'}."""
+    started = time.perf_counter()
+    if plan.lora is not None:
+        online = dict(CheckpointTensors(plan.load, STUDENT, plan.iteration, "model"))  # adapters: small
+        ema = dict(CheckpointTensors(plan.load, STUDENT, plan.iteration, "ema")) if plan.has_ema else None
+    else:
+        online = CheckpointTensors(plan.load, STUDENT, plan.iteration, "model")
+        ema = _Overlay(CheckpointTensors(plan.load, STUDENT, plan.iteration, "ema"), online) if plan.has_ema else None
+    if plan.format == "lora-diffusers":
+        adapters.write(plan.out, plan.family, {"online": online, "ema": ema, "lora": plan.lora}, teacher_url=plan.teacher,
+                       shift=plan.shift, num_steps=plan.num_steps, export_dtype=plan.dtype, iteration=plan.iteration)
+    elif plan.format in ("peft", "original"):
+        _write_adapter_layout(plan, ema if ema is not None else online)
+    else:
+        if plan.lora is not None:
+            files = WeightFiles(describe_model_dir(plan.teacher)["transformer_url"])
+            names = list(_meta_model(plan).state_dict())
+            online = lora_layouts.MergedTensors(files, names, online, plan.lora)
+            ema = lora_layouts.MergedTensors(files, names, ema, plan.lora) if ema is not None else None
+        if plan.format == "pipeline":
+            model = _meta_model(plan)
+            staged = pipeline.stream_student(plan.out, model, plan.dtype, values={"online": online, "ema": ema})
+            pipeline.write_export(plan.out, model, staged, teacher_url=plan.teacher, shift=plan.shift,
+                                  num_steps=plan.num_steps, export_dtype=plan.dtype, iteration=plan.iteration,
+                                  started=started)
+        else:
+            _write_transformer(plan, ema if ema is not None else online)
+    return {"out": plan.out, "format": plan.format, "iteration": plan.iteration, "bytes": total_bytes(plan.out),
+            "export_s": round(time.perf_counter() - started, 3)}
+
+
+def _meta_model(plan: ExportPlan) -> torch.nn.Module:
+    with torch.device("meta"):
+        return plan.family.model_class.from_config(plan.config)
+
+
+def _write_transformer(plan: ExportPlan, tensors) -> None:
+    model = _meta_model(plan)
+    with staged_export(plan.out) as staging:
+        with writable_dir(staging) as directory:
+            streamed = stream.stream_tensors(tensors, plan.dtype, directory, stream.non_persistent(model))
+            stream.write_config(plan.family, model.config, directory)
+        stream.verify_streamed(staging, plan.family, streamed)
+        _write_marker(staging, plan, {"weights": stream.WEIGHTS_NAME})
+
+
+def _write_adapter_layout(plan: ExportPlan, adapter_state: dict) -> None:
+    from safetensors.torch import save_file
+
+    with staged_export(plan.out) as staging:
+        with writable_dir(staging) as directory:
+            if plan.format == "peft":
+                state = {k: v.to(plan.dtype).contiguous() for k, v in lora_layouts.peft_state(adapter_state).items()}
+                save_file(state, str(directory / lora_layouts.PEFT_WEIGHT_NAME), metadata={"format": "pt"})
+                config = {**lora_layouts.peft_config(plan.lora), "base_model_name_or_path": plan.teacher}
+                (directory / lora_layouts.PEFT_CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+                files = {"weights": lora_layouts.PEFT_WEIGHT_NAME, "config": lora_layouts.PEFT_CONFIG_NAME}
+            else:
+                state = lora_layouts.original_state(plan.family.class_name, adapter_state, plan.lora, plan.dtype)
+                save_file(state, str(directory / lora.LORA_WEIGHT_NAME), metadata={"format": "pt"})
+                lora_layouts.check_original(str(directory), lora.lora_loader(plan.family), adapter_state, plan.lora,
+                                            plan.dtype)
+                files = {"weights": lora.LORA_WEIGHT_NAME, "loader": lora.lora_loader(plan.family).__name__}
+        _write_marker(staging, plan, files)
+
+
+def _write_marker(staging: str, plan: ExportPlan, files: dict) -> None:
+    marker = {"format": EXPORT_FORMAT, "layout": plan.format, "iteration": plan.iteration, "checkpoint": plan.load,
+              "teacher": plan.teacher, "num_steps": plan.num_steps, "shift": plan.shift,
+              "dtype": str(plan.dtype).removeprefix("torch."), "transformer": "ema" if plan.has_ema else "online",
+              "lora": plan.lora, **files, "bytes": total_bytes(staging)}
+    storage.write_text(storage.join(staging, EXPORT_MARKER_NAME), json.dumps(marker, indent=2) + "\n")
+
+
+class _Overlay(Mapping):
+    """A full student's EMA: its parameters' averages over the model section (the buffers)."""
+
+    def __init__(self, ema: CheckpointTensors, model: CheckpointTensors):
+        self.ema, self.model = ema, model
+        self.specs = {n: ema.specs.get(n, spec) for n, spec in model.specs.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.ema[name] if name in self.ema.specs else self.model[name]
+
+    def __iter__(self):
+        return iter(self.specs)
+
+    def __len__(self) -> int:
+        return len(self.specs)
