@@ -198,10 +198,17 @@ def test_h3_original_layout_fuses_qkv_and_round_trips_through_its_loader(tmp_pat
     MiniMaxH3LoraLoaderMixin.load_lora_into_transformer(state, transformer=base)
     assert_same_adapted_layers(student, base)
 
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    repository = str(tmp_path / "repository")  # its modular repository, the student merged in
+    export("--load", save, "--out", repository, "--format", "pipeline")
+    assert (Path(repository) / "modular_model_index.json").is_file() and (Path(repository) / "audio_vae").is_dir()
+    assert_same_adapted_layers(student, MiniMaxH3Transformer3DModel.from_pretrained(repository, subfolder="transformer"))
+
 
 # ---- object storage, the run's own export ------------------------------------------------------------
 
-def test_s3_checkpoint_to_s3_pipeline(wan_teacher, s3_bucket, tmp_path):
+def test_s3_checkpoint_to_an_s3_export_swapped_over_the_previous(wan_teacher, s3_bucket, tmp_path):
     from diffusers import WanTransformer3DModel
 
     save, out = f"{s3_bucket}/run", f"{s3_bucket}/exports/merged"
@@ -214,28 +221,41 @@ def test_s3_checkpoint_to_s3_pipeline(wan_teacher, s3_bucket, tmp_path):
     export("--load", save, "--out", out, "--format", "merged", "--iteration", "4")  # over an export: swapped
 
 
-def test_after_the_fact_equals_the_runs_own_export(tiny_teacher, tmp_path):
+def _same_tensors(ours: str, theirs: str) -> None:
+    """The safetensors file, or transformer directory, at ``ours`` holds ``theirs``'s tensors exactly."""
+    from dmd2_core.models.weight_files import WeightFiles, file_tensors
+
+    def open_files(url: str) -> WeightFiles:
+        return WeightFiles.of_file(url, file_tensors(url)[0]) if url.endswith(".safetensors") else WeightFiles(url)
+
+    a, b = open_files(ours), open_files(theirs)
+    assert set(a.tensors) == set(b.tensors)
+    for name in a.tensors:
+        rows = a.shape(name)[0] if a.shape(name) else 1
+        assert torch.equal(next(a.read_rows([(name, 0, rows)]))[3], next(b.read_rows([(name, 0, rows)]))[3]), name
+
+
+@pytest.mark.parametrize("student", ["full", "lora"])
+def test_after_the_fact_equals_the_runs_own_export(tiny_teacher, tmp_path, student):
     """A trainer's save with export=True and a later export of the same checkpoint hold the same
-    student (the scheduler from the sampler the checkpoint records)."""
+    student, with the sampler (steps, shift) the checkpoint recorded."""
     from dmd2_core.run.distill_run import preflight
     from dmd2_core.train.trainer import Trainer
-    from dmd2_core.models.weight_files import WeightFiles
     from tests.helpers import tiny_args
 
+    adapters = dict(lora_rank=4, lora_alpha=8.0) if student == "lora" else {}
     args = tiny_args(tiny_teacher, str(tmp_path / "run"), loss_type="flow_matching", ema_decay=0.5,
-                     dmd2_student_steps=2, dmd2_shift=2.0)
+                     dmd2_student_steps=2, dmd2_shift=2.0, **adapters)
     actor = Trainer(preflight(args)["actor"], "actor")
     actor.train(1, actor.rollout(1)[0])
     run_export = actor.save(1, export=True)["export_url"]
     out = str(tmp_path / "later")
-    export("--load", args.save, "--out", out, "--format", "pipeline")
-    for sub in ("transformer", "transformer_online"):
-        ours, theirs = WeightFiles(f"{run_export}/{sub}"), WeightFiles(f"{out}/{sub}")
-        assert set(ours.tensors) == set(theirs.tensors)
-        for name in ours.tensors:
-            rows = ours.shape(name)[0] if ours.shape(name) else 1
-            assert torch.equal(next(ours.read_rows([(name, 0, rows)]))[3], next(theirs.read_rows([(name, 0, rows)]))[3])
-    for file in ("scheduler/scheduler_config.json", "model_index.json"):
+    export("--load", args.save, "--out", out, "--format", "lora-diffusers" if adapters else "pipeline")
+    parts = (["pytorch_lora_weights.safetensors", "pytorch_lora_weights_online.safetensors"] if adapters
+             else ["transformer", "transformer_online"])
+    for part in parts:
+        _same_tensors(f"{out}/{part}", f"{run_export}/{part}")
+    for file in ("scheduler/scheduler_config.json",) + (() if adapters else ("model_index.json",)):
         assert (Path(out) / file).read_text() == (Path(run_export) / file).read_text()
 
 
