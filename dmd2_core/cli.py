@@ -1,4 +1,5 @@
-"""`python -m dmd2_core` (console script `dmd2`): check a recipe, print each trainer's args.
+"""`python -m dmd2_core` (console script `dmd2`): check a recipe, print each trainer's args, plan its
+memory, prepare prompt and real sets, export any checkpoint after the fact.
 
 Every subcommand, and the flow's CLI (``flows.dmd2``), takes its options both ways: one option
 per flag (``--save URL``) and ``--set KEY=VALUE`` (the value parsed as YAML); a usage error is one

@@ -301,6 +301,8 @@ def test_refusals_are_one_line_before_any_weight(wan_teacher, wan_lora_run, tmp_
     assert "is not an export" in err and (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
     err = refusal(capsys, "--load", save, "--out", out, "--set", "format=pipline")
     assert "did you mean 'pipeline'" in err
+    err = refusal(capsys, "--load", save, "--out", out, "--format", "pipeline", "--num-steps", "0")
+    assert "num_steps" in err
     assert not Path(out).exists()
 
 

@@ -38,6 +38,7 @@ from dmd2_core.checkpoint.tensors import CheckpointTensors, dcp_sections
 from dmd2_core.errors import ArgsError, CheckpointError
 from dmd2_core.export import adapters, lora_layouts, pipeline, stream
 from dmd2_core.export.files import EXPORT_FORMAT, staged_export, total_bytes, writable_dir
+from dmd2_core.export.scheduler import student_scheduler_config
 from dmd2_core.models import FAMILIES, base_identity, describe_model_dir, lora
 from dmd2_core.models.weight_files import WeightFiles
 from dmd2_core.save_layout import EXPORT_MARKER_NAME, STATE_FILES, trainer_dir
@@ -65,11 +66,13 @@ class ExportPlan:
     dtype: torch.dtype
 
 
-def plan_export(load: str, out: str, format: str, iteration: Optional[int] = None, hf_checkpoint: Optional[str] = None,
-                num_steps: Optional[int] = None, shift: Optional[float] = None, dtype: Optional[str] = None) -> ExportPlan:
+def plan_export(load: str, out: str, export_format: str, iteration: Optional[int] = None,
+                hf_checkpoint: Optional[str] = None, num_steps: Optional[int] = None, shift: Optional[float] = None,
+                dtype: Optional[str] = None) -> ExportPlan:
     """Every check before a weight is read; ArgsError or CheckpointError, one line, if one fails."""
-    if format not in FORMATS:
-        raise ArgsError(f"format: unknown format '{format}' (one of {', '.join(FORMATS)}){nearest(format, FORMATS)}")
+    if export_format not in FORMATS:
+        raise ArgsError(f"format: unknown format '{export_format}' (one of {', '.join(FORMATS)})"
+                        f"{nearest(export_format, FORMATS)}")
     if dtype is not None and dtype not in DTYPES:
         raise ArgsError(f"dtype: '{dtype}' is not one of {', '.join(DTYPES)}{nearest(dtype, DTYPES)}")
     iteration = pick_iteration(load, iteration)
@@ -79,8 +82,8 @@ def plan_export(load: str, out: str, format: str, iteration: Optional[int] = Non
     sections = dcp_sections(load, STUDENT, iteration)
     is_lora = any(lora.is_adapter(n) for n in sections.get("model", {}))
     where = f"the checkpoint at {d}"
-    if format in LORA_FORMATS and not is_lora:
-        raise ArgsError(f"format: {format} is a LoRA format and {where} holds full weights (no LoRA); "
+    if export_format in LORA_FORMATS and not is_lora:
+        raise ArgsError(f"format: {export_format} is a LoRA format and {where} holds full weights (no LoRA); "
                         "use pipeline or merged")
     teacher = hf_checkpoint or record.get("hf_checkpoint")
     if not teacher:
@@ -96,18 +99,24 @@ def plan_export(load: str, out: str, format: str, iteration: Optional[int] = Non
         if record.get("base") and base_identity(teacher) != record["base"]:
             raise ArgsError(f"hf_checkpoint: {teacher} is not the base the adapters of {where} were trained on "
                             f"({record.get('hf_checkpoint')}); point --hf-checkpoint at that base")
-    if format == "original":
+    if export_format == "original":
         _check_original(family.class_name, lora_layouts.adapted_modules(sections["model"]))
     if not is_lora:
         _check_fits(d, family, config, sections["model"])
     _check_out(out)
     student = record.get("student") or {}
-    return ExportPlan(
-        load=load, iteration=iteration, out=out, format=format, family=family, teacher=teacher, config=config,
-        lora=metadata, has_ema="ema" in sections, num_steps=int(num_steps or student.get("num_steps")
-                                                                 or Args.model_fields["dmd2_student_steps"].default),
-        shift=float(shift or student.get("shift") or info["shift"]),
-        dtype=getattr(torch, dtype or student.get("export_dtype") or "float32"))
+    if num_steps is None:
+        num_steps = student.get("num_steps") or Args.model_fields["dmd2_student_steps"].default
+    if shift is None:
+        shift = student.get("shift") or info["shift"]
+    num_steps, shift = int(num_steps), float(shift)
+    try:
+        student_scheduler_config(shift, num_steps)
+    except ValueError as exc:
+        raise ArgsError(f"num_steps / shift: {exc}") from None
+    return ExportPlan(load=load, iteration=iteration, out=out, format=export_format, family=family, teacher=teacher,
+                      config=config, lora=metadata, has_ema="ema" in sections, num_steps=num_steps, shift=shift,
+                      dtype=getattr(torch, dtype or student.get("export_dtype") or "float32"))
 
 
 def pick_iteration(load: str, iteration: Optional[int]) -> int:
@@ -210,8 +219,7 @@ def _write_adapter_layout(plan: ExportPlan, adapter_state: dict) -> None:
             if plan.format == "peft":
                 state = {k: v.to(plan.dtype).contiguous() for k, v in lora_layouts.peft_state(adapter_state).items()}
                 save_file(state, str(directory / lora_layouts.PEFT_WEIGHT_NAME), metadata={"format": "pt"})
-                config = {**lora_layouts.peft_config(plan.lora), "base_model_name_or_path": plan.teacher}
-                (directory / lora_layouts.PEFT_CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+                lora_layouts.peft_config(plan.lora, plan.teacher).save_pretrained(str(directory))
                 files = {"weights": lora_layouts.PEFT_WEIGHT_NAME, "config": lora_layouts.PEFT_CONFIG_NAME}
             else:
                 state = lora_layouts.original_state(plan.family.class_name, adapter_state, plan.lora, plan.dtype)

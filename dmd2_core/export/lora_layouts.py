@@ -2,7 +2,7 @@
 tensor. The adapters arrive as a checkpoint holds them (peft names, ``<module>.lora_A.default.weight``)
 with the LoRA settings the run recorded (``lora.adapter_metadata``'s keys).
 
-- ``peft_files``: a peft adapter directory (``adapter_config.json``, ``adapter_model.safetensors``
+- ``peft_config``, ``peft_state``: a peft adapter directory (``adapter_config.json``, ``adapter_model.safetensors``
   keyed ``base_model.model.<module>.lora_A.weight``) that ``peft.PeftModel.from_pretrained`` loads
   onto the base transformer.
 - ``original_state``: the family's original (non-diffusers) key layout, for the families whose
@@ -19,7 +19,6 @@ with the LoRA settings the run recorded (``lora.adapter_metadata``'s keys).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from typing import Callable, Iterator, Optional
@@ -49,13 +48,12 @@ def _pair(adapters: dict[str, torch.Tensor], module: str) -> tuple[torch.Tensor,
 
 
 # ---- peft ---------------------------------------------------------------------------------------
-def peft_config(metadata: dict) -> dict:
-    """adapter_config.json of the adapters (what ``LoraConfig.save_pretrained`` writes)."""
+def peft_config(metadata: dict, base: str):
+    """The adapters' LoraConfig (its ``save_pretrained`` writes adapter_config.json)."""
     from peft import LoraConfig
 
-    config = LoraConfig(r=int(metadata["r"]), lora_alpha=metadata["lora_alpha"],
-                        target_modules=list(metadata["target_modules"]), lora_dropout=0.0, bias="none")
-    return json.loads(json.dumps(config.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+    return LoraConfig(r=int(metadata["r"]), lora_alpha=metadata["lora_alpha"], base_model_name_or_path=base,
+                      target_modules=list(metadata["target_modules"]), lora_dropout=0.0, bias="none")
 
 
 def peft_state(adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
