@@ -179,19 +179,19 @@ def export_checkpoint(plan: ExportPlan) -> dict:
     elif plan.format in ("peft", "original"):
         _write_adapter_layout(plan, ema if ema is not None else online)
     else:
-        if plan.lora is not None:
+        model = _meta_model(plan)
+        if plan.lora is not None:  # merged into the base, tensor by tensor
             files = WeightFiles(describe_model_dir(plan.teacher)["transformer_url"])
-            names = list(_meta_model(plan).state_dict())
+            names = list(model.state_dict())
             online = lora_layouts.MergedTensors(files, names, online, plan.lora)
             ema = lora_layouts.MergedTensors(files, names, ema, plan.lora) if ema is not None else None
         if plan.format == "pipeline":
-            model = _meta_model(plan)
             staged = pipeline.stream_student(plan.out, model, plan.dtype, values={"online": online, "ema": ema})
             pipeline.write_export(plan.out, model, staged, teacher_url=plan.teacher, shift=plan.shift,
                                   num_steps=plan.num_steps, export_dtype=plan.dtype, iteration=plan.iteration,
                                   started=started)
         else:
-            _write_transformer(plan, ema if ema is not None else online)
+            _write_transformer(plan, model, ema if ema is not None else online)
     return {"out": plan.out, "format": plan.format, "iteration": plan.iteration, "bytes": total_bytes(plan.out),
             "export_s": round(time.perf_counter() - started, 3)}
 
@@ -201,8 +201,7 @@ def _meta_model(plan: ExportPlan) -> torch.nn.Module:
         return plan.family.model_class.from_config(plan.config)
 
 
-def _write_transformer(plan: ExportPlan, tensors) -> None:
-    model = _meta_model(plan)
+def _write_transformer(plan: ExportPlan, model: torch.nn.Module, tensors) -> None:
     with staged_export(plan.out) as staging:
         with writable_dir(staging) as directory:
             streamed = stream.stream_tensors(tensors, plan.dtype, directory, stream.non_persistent(model))

@@ -189,7 +189,7 @@ class MergedTensors(Mapping):
 
     def __init__(self, files, names: list[str], adapters: dict[str, torch.Tensor], metadata: dict):
         self.files, self.adapters, self.scale = files, adapters, scale_of(metadata)
-        merged = {n for m in adapted_modules(adapters) for n in (f"{m}.weight",)}
+        merged = {f"{m}.weight" for m in adapted_modules(adapters)}
         self.specs = {n: (files.shape(n), torch.float32 if n in merged else files.tensor(n).dtype) for n in names}
 
     def __getitem__(self, name: str) -> torch.Tensor:
