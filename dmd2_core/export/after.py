@@ -207,7 +207,7 @@ def _write_transformer(plan: ExportPlan, model: torch.nn.Module, tensors) -> Non
             streamed = stream.stream_tensors(tensors, plan.dtype, directory, stream.non_persistent(model))
             stream.write_config(plan.family, model.config, directory)
         stream.verify_streamed(staging, plan.family, streamed)
-        _write_marker(staging, plan, {"weights": stream.WEIGHTS_NAME})
+        _write_marker(staging, plan, {"weights": sorted({entry.file for entry in streamed.entries})})
 
 
 def _write_adapter_layout(plan: ExportPlan, adapter_state: dict) -> None:
@@ -219,13 +219,13 @@ def _write_adapter_layout(plan: ExportPlan, adapter_state: dict) -> None:
                 state = {k: v.to(plan.dtype).contiguous() for k, v in lora_layouts.peft_state(adapter_state).items()}
                 save_file(state, str(directory / lora_layouts.PEFT_WEIGHT_NAME), metadata={"format": "pt"})
                 lora_layouts.peft_config(plan.lora, plan.teacher).save_pretrained(str(directory))
-                files = {"weights": lora_layouts.PEFT_WEIGHT_NAME, "config": lora_layouts.PEFT_CONFIG_NAME}
+                files = {"weights": [lora_layouts.PEFT_WEIGHT_NAME], "config": lora_layouts.PEFT_CONFIG_NAME}
             else:
                 state = lora_layouts.original_state(plan.family.class_name, adapter_state, plan.lora, plan.dtype)
                 save_file(state, str(directory / lora.LORA_WEIGHT_NAME), metadata={"format": "pt"})
                 lora_layouts.check_original(str(directory), lora.lora_loader(plan.family), adapter_state, plan.lora,
                                             plan.dtype)
-                files = {"weights": lora.LORA_WEIGHT_NAME, "loader": lora.lora_loader(plan.family).__name__}
+                files = {"weights": [lora.LORA_WEIGHT_NAME], "loader": lora.lora_loader(plan.family).__name__}
         _write_marker(staging, plan, files)
 
 
