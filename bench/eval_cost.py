@@ -109,12 +109,12 @@ class InProcessRun:
         self.actor, self.critic, self.counter, self.has_critic = actor, critic, counter, True
         self.decoded: dict = defaultdict(lambda: {"clips": 0, "seconds": 0.0})
 
-    def sample(self, prompt_index, seed):
-        latents = self.eval_latents(prompt_index, seed)
+    def sample(self, prompt_index, seed, num_steps=None):
+        latents = self.eval_latents(prompt_index, seed, num_steps)
         return self.decode(latents)
 
-    def eval_latents(self, prompt_index, seed):
-        return self.actor.sample(prompt_index, seed, decode=False)
+    def eval_latents(self, prompt_index, seed, num_steps=None):
+        return self.actor.sample(prompt_index, seed, decode=False, num_steps=num_steps)
 
     def decode(self, latents):
         return self._decoding(self.actor.decode, latents)
@@ -195,7 +195,7 @@ def standin(tmp: str) -> tuple[dict, object]:
     # one iteration per stop step (k ~ U{0..K-1}): their mean is the expected iteration
     by_step = {}
     for i in range(1, 200):
-        by_step.setdefault(draw_stop_step(args, i), i)
+        by_step.setdefault(draw_stop_step(args, i, args.dmd2_student_steps), i)
         if len(by_step) == args.dmd2_student_steps:
             break
     with phase(counter, "iteration", walls):

@@ -69,7 +69,8 @@ def regression(ns, steps: int) -> dict:
     """The regression pull of a student of fewer steps than the teacher's sampler it is pulled to
     (a student of as many steps would only be pulled back to where it starts)."""
     weight, n = getattr(ns, "regression_weight", 0.0), getattr(ns, "regression_steps", 4)
-    return {"dmd2_regression_weight": weight, "dmd2_regression_steps": n} if weight and steps < n else {}
+    most = max(steps) if isinstance(steps, list) else steps  # a set: its largest K is not pulled back
+    return {"dmd2_regression_weight": weight, "dmd2_regression_steps": n} if weight and most < n else {}
 
 
 def cpu_overrides(teacher: str, steps: int, seed: int, ns, sets: dict) -> dict:
@@ -90,17 +91,20 @@ def cpu_overrides(teacher: str, steps: int, seed: int, ns, sets: dict) -> dict:
 def distill(job: dict) -> dict:
     torch.set_num_threads(1)
     start = time.perf_counter()
-    loop = ReferenceLoop(load_args("minimax-h3", job["overrides"]))
+    args = load_args("minimax-h3", job["overrides"])
+    loop = ReferenceLoop(args)
     labels = sounding_digits_metrics.balanced_labels(job["num_samples"])
     evals = []
 
     def evaluate(iteration):
-        samples = loop.sample(labels.tolist(), job["eval_seed"])
-        selection = digits_metrics.frechet_distance(frame_features(samples), job["target"])
-        line = {"steps": job["steps"], "seed": job["seed"], "iteration": iteration, "selection_fd": selection,
-                **sounding_digits_metrics.evaluate_clips(samples, labels)}
-        evals.append(line)
-        _log(job, line)
+        for k in args.student_step_counts:  # a student of several step counts: a line per K
+            samples = loop.sample(labels.tolist(), job["eval_seed"], num_steps=k)
+            selection = digits_metrics.frechet_distance(frame_features(samples), job["target"])
+            line = {"steps": job["steps"], "seed": job["seed"], "iteration": iteration, "selection_fd": selection,
+                    **({"at_steps": k} if isinstance(job["steps"], list) else {}),
+                    **sounding_digits_metrics.evaluate_clips(samples, labels)}
+            evals.append(line)
+            _log(job, line)
 
     evaluate(0)
     for i in range(1, job["iterations"] + 1):
@@ -160,7 +164,8 @@ def main() -> None:
                         "standard error of 3 points)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--eval-seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, nargs="+", default=[4, 1])
+    parser.add_argument("--steps", type=step_counts, nargs="+", default=[4, 1],
+                        help="the students' step counts; a comma list (2,4,8) is one student of that set")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=16, help="the recipe's global batch (at 8 the 1-step "
                         "student's stereo agreement was 3.5 points lower)")
@@ -219,7 +224,7 @@ def main() -> None:
         results = []
         for r in pool.imap_unordered(distill, jobs):
             results.append(r)
-            print(f"done: {r['steps']}-step seed {r['seed']} in {r['wall_s']:.0f}s ({len(results)}/{len(jobs)})",
+            print(f"done: {steps_name(r['steps'])}-step seed {r['seed']} in {r['wall_s']:.0f}s ({len(results)}/{len(jobs)})",
                   file=sys.stderr)
     report(table, [e for r in results for e in r["evals"]], ns, time.perf_counter() - start)
 
@@ -232,24 +237,84 @@ def summarise(path: str) -> None:
     report(head["teacher"], [x for x in lines if "iteration" in x], argparse.Namespace(**head["ns"]), None)
 
 
+def step_counts(text: str):
+    """``4`` one step count; ``2,4,8`` one student of that set."""
+    counts = [int(k) for k in text.split(",")]
+    return counts[0] if len(counts) == 1 else counts
+
+
+def steps_name(steps) -> str:
+    return ",".join(str(k) for k in steps) if isinstance(steps, list) else str(steps)
+
+
+def any_steps(evals: list[dict], steps: list[int], seeds) -> dict:
+    """One student of several step counts: per K its figures at the student's best eval (the
+    lowest mean selection distance over its K, the product's criterion) and its final one."""
+    mine = [e for e in evals if e["steps"] == steps]
+    out = {}
+    for k in steps:
+        rows = []
+        for s in seeds:
+            lines = [e for e in mine if e["seed"] == s]
+            complete = [i for i in {e["iteration"] for e in lines} if sum(e["iteration"] == i for e in lines) == len(steps)]
+            if not complete:
+                continue
+            mean = {i: sum(e["selection_fd"] for e in lines if e["iteration"] == i) / len(steps) for i in complete}
+            best = min(complete, key=lambda i: (mean[i], i))
+            at = {e["iteration"]: e for e in lines if e["at_steps"] == k and e["iteration"] in complete}
+            picked = _pick([at[i] for i in sorted(at)])
+            picked["best"] = {m: at[best][m] for m in (*METRICS, "iteration", "selection_fd")}
+            rows.append({"seed": s, **picked})
+        if rows:
+            out[str(k)] = {"best": _mean(rows, "best"), "final": _mean(rows, "final"), "per_seed": rows}
+    return out
+
+
+def any_steps_targets(student: dict, steps: list[int]) -> dict:
+    """Issue 42's checks: at 4 steps the student of the set no worse than the dedicated 4-step one
+    in frame FD, sound accuracy and agreement; each figure improving (or equal) with K."""
+    per_k, name = student.get(steps_name(steps), {}).get("at_steps", {}), steps_name(steps)
+    out = {}
+    if "4" in per_k and "4" in student:
+        a, d = per_k["4"]["final"], student["4"]["final"]
+        out.update({f"{name}_at_4_frame_fd_no_worse_than_dedicated_4": a["frame_fd"] <= d["frame_fd"],
+                    f"{name}_at_4_sound_acc_no_worse_than_dedicated_4": a["sound_acc"] >= d["sound_acc"],
+                    f"{name}_at_4_agreement_no_worse_than_dedicated_4": a["agreement"] >= d["agreement"]})
+    finals = [per_k[str(k)]["final"] for k in steps if str(k) in per_k]
+    if len(finals) == len(steps):
+        out.update({f"{name}_frame_fd_improving_with_k": all(x["frame_fd"] >= y["frame_fd"] for x, y in zip(finals, finals[1:])),
+                    f"{name}_sound_acc_improving_with_k": all(x["sound_acc"] <= y["sound_acc"] for x, y in zip(finals, finals[1:])),
+                    f"{name}_agreement_improving_with_k": all(x["agreement"] <= y["agreement"] for x, y in zip(finals, finals[1:]))})
+    return out
+
+
 def report(table: dict, evals: list[dict], ns, wall_s) -> None:
     student = {}
     for k in ns.steps:
+        if isinstance(k, list):
+            per_k = any_steps(evals, k, ns.seeds)
+            if per_k:
+                student[steps_name(k)] = {"at_steps": per_k}
+            continue
         rows = sorted(({"seed": s, **_pick([e for e in evals if (e["steps"], e["seed"]) == (k, s)])}
                        for s in ns.seeds if any((e["steps"], e["seed"]) == (k, s) for e in evals)),
                       key=lambda r: r["seed"])
         if rows:
             student[str(k)] = {"best": _mean(rows, "best"), "final": _mean(rows, "final"), "per_seed": rows}
+    checks = targets(table, student)
+    for k in (s for s in ns.steps if isinstance(s, list)):
+        checks.update(any_steps_targets(student, k))
     out = {"teacher": table, "real": {m: round(v, 4) for m, v in sounding_digits_metrics.real_clip_stats(ns.num_samples).items()},
-           "student": student, "targets": targets(table, student),
-           "complete": all(r["final"]["iteration"] == ns.iterations for v in student.values() for r in v["per_seed"])
+           "student": student, "targets": checks,
+           "complete": all(r["final"]["iteration"] == ns.iterations for v in student.values()
+                           for per in ([v] if "per_seed" in v else v["at_steps"].values()) for r in per["per_seed"])
            and len(student) == len(ns.steps),
            "iterations": ns.iterations, "eval_every": ns.eval_every, "seeds": ns.seeds, "num_samples": ns.num_samples,
            "batch_size": ns.batch_size, "lr": ns.lr, "ema_decay": ns.ema or None, "update_ratio": ns.update_ratio,
            "min_sigma": getattr(ns, "min_sigma", 0.02),
            "modality_weights": {"video": ns.video_weight, "audio": ns.audio_weight},
            "gan": gan_weights(ns, parse_set(getattr(ns, "sets", []))),
-           "regression": {str(k): regression(ns, k) for k in ns.steps if regression(ns, k)},
+           "regression": {steps_name(k): regression(ns, k) for k in ns.steps if regression(ns, k)},
            "set": getattr(ns, "sets", []),
            "wall_s": None if wall_s is None else round(wall_s, 1)}
     print(json.dumps(out))

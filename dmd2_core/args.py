@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from dmd2_core.errors import ArgsError
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "deployments" / "recipes"
@@ -168,7 +168,16 @@ class Args(BaseModel):
         None, "dmd2", "The critic group's CPU offload (fake score and teacher); defaults to fsdp_cpu_offload."
     )
     dmd2_update_ratio: int = _f(5, "dmd2", "Critic updates per student update (two time-scale rule).", ge=1)
-    dmd2_student_steps: int = _f(4, "dmd2", "Student sampling steps K.", ge=1)
+    dmd2_student_steps: int | list[int] = _f(
+        4, "dmd2", "Student sampling steps K, or a set of them (e.g. [1, 2, 4, 8]): one student for every K of the set, "
+        "each iteration drawing its K (dmd2_student_steps_weights) and evaluated at each.")
+    dmd2_student_steps_weights: Optional[list[float]] = _f(
+        None, "dmd2", "With a set of step counts: how often each K is drawn, one weight per K in ascending order of K "
+        "(default equal).")
+    dmd2_student_sampler: Optional[Literal["renoise", "euler"]] = _f(
+        None, "dmd2", "How the student moves between its steps: renoise (its x0 re-noised with fresh noise, LCM's) or "
+        "euler (along its velocity, no fresh noise: one diffusers scheduler then serves every step count); default "
+        "the family's (MiniMax-H3 euler, others renoise).")
     dmd2_guidance_scale: float = _f(1.0, "dmd2", "Teacher classifier-free guidance scale for the real score.", ge=0)
     dmd2_critic_scoring: Literal["fused", "original"] = _f(
         "fused", "dmd2", "fused: score on the critic's last-step inputs; original: separate scoring pass before it."
@@ -224,8 +233,33 @@ class Args(BaseModel):
         0.25, "eval", "A night whose best teacher-feature distance exceeds the previous nights' median by this "
         "fraction (or whose drift leaves its band) is reported as a regression.", ge=0)
 
+    @field_validator("dmd2_student_steps")
+    @classmethod
+    def _one_or_a_set(cls, value):
+        """A set of step counts, ascending and without repeats; a set of one is that K (today's student)."""
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("a set of step counts needs at least one K")
+            bad = [k for k in value if k < 1]
+            if bad:
+                raise ValueError(f"every K must be >= 1 (got {bad[0]})")
+            value = sorted(set(value))
+            return value[0] if len(value) == 1 else value
+        if value < 1:
+            raise ValueError(f"K must be >= 1 (got {value})")
+        return value
+
     @model_validator(mode="after")
     def _check_relations(self) -> "Args":
+        weights = self.dmd2_student_steps_weights
+        if weights is not None:
+            counts = self.student_step_counts
+            if len(counts) == 1:
+                raise ValueError("dmd2_student_steps_weights: only a set of step counts (dmd2_student_steps: [1, 2, 4, 8]) "
+                                 "draws its K; remove it or give a set")
+            if len(weights) != len(counts) or any(not w > 0 for w in weights):
+                raise ValueError(f"dmd2_student_steps_weights: one positive weight per K of {list(counts)} "
+                                 f"(got {weights})")
         if self.sleep_after_train is None:
             self.sleep_after_train = self.device == "cuda"
         if self.dmd2_min_sigma >= self.dmd2_max_sigma:
@@ -268,6 +302,16 @@ class Args(BaseModel):
         return self
 
     # ---- derived values (one place each) ------------------------------------------------------
+    @property
+    def student_step_counts(self) -> tuple[int, ...]:
+        """The student's step counts, ascending: (K,) for one."""
+        steps = self.dmd2_student_steps
+        return tuple(steps) if isinstance(steps, list) else (steps,)
+
+    @property
+    def max_student_steps(self) -> int:
+        return self.student_step_counts[-1]
+
     @property
     def load_url(self) -> str:
         return self.load or self.save

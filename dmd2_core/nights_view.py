@@ -9,6 +9,7 @@ from typing import Optional
 
 from dmd2_core.media.images import data_uri
 from dmd2_core.report import _v, best_eval, criterion, round_sig
+from dmd2_core.step_counts import at_steps, split_steps
 
 
 PER_MODALITY = ("real_kid_video", "real_kid_audio", "real_kid_image",
@@ -33,6 +34,12 @@ def night_row(view: dict, outcome: str, wall_s: float, run_id: str, link: Option
            "wall_s": round(float(wall_s), 1), "link": link,
            "student": view.get("best_student") or view.get("student")}
     row.update({k: last.get(k) for k in (*PER_MODALITY, *TOY_COLUMNS) if last.get(k) is not None})
+    counts = sorted({k for e in evals for key in e for k in [split_steps(key)[1]] if k is not None})
+    if key and counts:  # a student of several step counts: its final and best (the run's student) at each
+        row["steps"] = {str(k): {"final": last.get(at_steps(key, k)), "best": best.get(at_steps(key, k)),
+                                 **{c: last.get(at_steps(c, k)) for c in (*PER_MODALITY, *TOY_COLUMNS)
+                                    if last.get(at_steps(c, k)) is not None}}
+                        for k in counts}
     return row
 
 
@@ -79,14 +86,22 @@ def nights_markdown(deployment: str, rows: list[dict], plot: Optional[bytes]) ->
     out += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in reversed(rows):
         run = f"[{r.get('name')}]({r['link']})" if r.get("link") else f"`{r.get('name')}`"
-        cells = [r.get("date"), run, r.get("outcome"), r.get("final"), r.get("best"), *(r.get(c) for c in extra),
+        several = bool(r.get("steps"))
+        cells = [r.get("date"), run + (" (mean over step counts)" if several else ""), r.get("outcome"), r.get("final"),
+                 r.get("best"), *(None if several else r.get(c) for c in extra),
                  *([", ".join(r.get("drift_out") or []) or "none"] if drift else []),
                  f"{r.get('iteration') if r.get('iteration') is not None else '-'}/{r.get('final_iteration')}",
                  f"{r.get('wall_s')} s"]
-        out.append("| " + " | ".join("" if c is None else _v(round_sig(c)) if isinstance(c, float) else str(c)
-                                     for c in cells) + " |")
+        out.append(_cells(cells))
+        for k, figures in (r.get("steps") or {}).items():  # a row per step count of the night's student
+            out.append(_cells(["", f"at {k} steps", "", figures.get("final"), figures.get("best"),
+                               *(figures.get(c) for c in extra), *([""] if drift else []), "", ""]))
     out.append("")
     students = [r for r in reversed(rows) if r.get("student")]
     if students:
         out += ["Students (each run's best): " + "; ".join(f"{r.get('date')} `{r['student']}`" for r in students[:5]), ""]
     return "\n".join(out)
+
+
+def _cells(cells: list) -> str:
+    return "| " + " | ".join("" if c is None else _v(round_sig(c)) if isinstance(c, float) else str(c) for c in cells) + " |"

@@ -18,6 +18,7 @@ from dmd2_core import storage
 from dmd2_core.save_layout import METRICS_SEGMENTS_DIR, metrics_segment_url, metrics_url
 from dmd2_core.args import Args
 from dmd2_core.media.images import data_uri
+from dmd2_core.step_counts import STEPS_MARK, per_steps_rows, split_steps, steps_label
 
 SEGMENT_ITERATIONS = 100  # lines per segment file: the open one is rewritten, its size is bounded
 # An eval's quality figures (evaluation.evaluators), shown where present: the teacher evaluator's
@@ -34,8 +35,6 @@ SIGNIFICANT = 4
 PLOT_POINTS = 400  # the plot sees at most this many rows (thin), the table the newest TABLE_ROWS:
 TABLE_ROWS = 200   # a summary costs the same at iteration 4000 as at 40
 GAN_KEYS = ("gan_d_loss_real", "gan_d_loss_fake", "gan_grad_norm", "gan_dmd_grad_ratio")
-
-
 # ---- strict JSON ------------------------------------------------------------------------------
 
 def _finite(value: Any) -> Any:
@@ -185,9 +184,11 @@ def plot_png(rows: list[dict], title: str = "") -> Optional[bytes]:
     """A PNG of losses, grad norms, FD, accuracy/diversity and the GAN head's metrics over
     iterations (one panel each; panels without data are left out). None when no panel has data."""
     panels = []
+    stepped = sorted({key for r in rows for key in r if split_steps(key)[1] is not None},
+                     key=lambda key: (split_steps(key)[0], split_steps(key)[1]))
     for name, keys in PLOT_PANELS:
         series = {}
-        for k in keys:
+        for k in [*keys, *(s for s in stepped if split_steps(s)[0] in keys)]:  # each step count's beside
             pts = [(int(r["iteration"]), float(r[k])) for r in rows
                    if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)
                    and math.isfinite(float(r[k]))]
@@ -292,12 +293,15 @@ def summary_markdown(s: dict) -> str:
                   if s.get("resumed_with") else "")
                + (f" Updated {s['updated']}." if s.get("updated") else ""))
     evals = s.get("evals") or []
-    if len(evals) >= 2 and _quality(evals[0]):
-        out.append(f"Quality before -> after: {_quality(evals[0])} -> {_quality(evals[-1])} "
-                   f"(iterations {evals[0]['iteration']} -> {evals[-1]['iteration']}).")
+    if len(evals) >= 2:
+        for first, last in zip(per_steps_rows(evals[0]), per_steps_rows(evals[-1])):
+            if _quality(first):
+                out.append(f"Quality{steps_label(first)} before -> after: {_quality(first)} -> {_quality(last)} "
+                           f"(iterations {evals[0]['iteration']} -> {evals[-1]['iteration']}).")
     best = best_eval(evals)
     if best:
-        out.append(f"Best eval so far: iteration {best['iteration']} ({_quality(best)}).")
+        out.append(f"Best eval so far: iteration {best['iteration']} ({_quality(best)}"
+                   f"{steps_label(per_steps_rows(best)[0])}).")
     out.append("")
     if s.get("media"):
         out += [f"## Samples, iteration {s.get('media_iteration')}", ""]
@@ -319,10 +323,11 @@ def summary_markdown(s: dict) -> str:
     if s.get("plot"):
         out += ["## Losses, grad norms and quality", "", f"![metrics plot]({data_uri(s['plot'], 'image/png')})", ""]
     if evals:
-        cols = [c for c in ("iteration", *QUALITY_KEYS, "dmd2_loss", "critic_loss", *GAN_KEYS)
-                if any(e.get(c) is not None for e in evals)]
+        shown = [r for e in sorted(evals, key=lambda e: -e["iteration"]) for r in per_steps_rows(e)]
+        cols = [c for c in ("iteration", "steps", *QUALITY_KEYS, "dmd2_loss", "critic_loss", *GAN_KEYS)
+                if any(e.get(c) is not None for e in shown)]
         out += ["## Evals (newest first)", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-        for e in sorted(evals, key=lambda e: -e["iteration"]):
+        for e in shown:
             out.append("| " + " | ".join(_v(round_sig(e.get(c))) if e.get(c) is not None else "" for c in cols) + " |")
         out.append("")
     if s.get("reference"):
@@ -357,14 +362,19 @@ def summary_markdown(s: dict) -> str:
 def drift_table(reference: dict, latest: dict, flags: list[str]) -> list[str]:
     """The latest eval's drift statistics beside the yardstick's (the real set's samples, or the
     teacher's reference samples: ``drift.pooled``), and whether each is in its band
-    (``evaluators.drift_flags``)."""
+    (``evaluators.drift_flags``); a student of several step counts has a column per K."""
     source = "real set" if reference.get("source") == "real" else "teacher"
+    counts = sorted({k for key in latest for k in [split_steps(key)[1]] if k is not None})
+    names = [f"drift_{{}}{STEPS_MARK}{k}" for k in counts] or ["drift_{}"]
+    students = [f"{k} steps" for k in counts] or ["student"]
     out = [f"## Drift against the {source} (latest eval)", "",
-           f"| statistic | {source} | ± (standard error) | student | in band |", "|---|---|---|---|---|"]
+           f"| statistic | {source} | ± (standard error) | " + " | ".join(students) + " | in band |",
+           "|---|---|---|" + "---|" * len(students) + "---|"]
     for key, value in sorted((reference.get("value") or {}).items()):
-        student = latest.get(f"drift_{key}")
+        cells = [latest.get(name.format(key)) for name in names]
         out.append(f"| {key} | {_v(round_sig(value))} | {_v(round_sig((reference.get('se') or {}).get(key)))} | "
-                   f"{'' if student is None else _v(round_sig(student))} | {'no' if f'drift_{key}' in flags else 'yes'} |")
+                   + " | ".join("" if c is None else _v(round_sig(c)) for c in cells) + " | "
+                   + ("no" if any(name.format(key) in flags for name in names) else "yes") + " |")
     collapsed = [k for k in flags if k.startswith("diversity_")]
     if collapsed:
         out += ["", f"Within-prompt diversity fell steeply from the first eval's (collapsing): {', '.join(collapsed)}."]

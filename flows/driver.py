@@ -17,6 +17,7 @@ from dmd2_core.args import Args
 from dmd2_core.run.distill_run import DistillRun
 from dmd2_core.evaluation.evaluators import drift_flags
 from dmd2_core.report import GAN_KEYS, QUALITY_KEYS, MetricsLog, best_eval, criterion
+from dmd2_core.step_counts import split_steps
 from dmd2_core.run.save_tracker import read_best_student, write_best_student
 from dmd2_core.run.schedule import Schedule
 from flows import artifacts, runs
@@ -34,7 +35,8 @@ def fmt(metrics: dict) -> str:
 def eval_row(row: dict) -> dict:
     """What the summary's evals table keeps of a metrics row: quality, losses, the GAN head's."""
     kept = {k: row.get(k) for k in EVAL_COLUMNS if k in row or k in ("iteration", *QUALITY_KEYS)}
-    return kept | {k: v for k, v in row.items() if k.startswith(("drift_", "diversity_"))}  # beside the teacher's
+    return kept | {k: v for k, v in row.items() if k.startswith(("drift_", "diversity_"))  # beside the teacher's
+                   or split_steps(k)[0] in EVAL_COLUMNS}  # each step count's of a student of several
 
 
 class DriverBase:

@@ -17,11 +17,11 @@ class InProcessRun:
     def __init__(self, trainers: dict):
         self.trainers, self.has_critic, self.references, self.real_references = trainers, "critic" in trainers, 0, 0
 
-    def sample(self, prompt_index, seed):
-        return self.trainers["actor"].sample(prompt_index, seed)
+    def sample(self, prompt_index, seed, num_steps=None):
+        return self.trainers["actor"].sample(prompt_index, seed, num_steps=num_steps)
 
-    def eval_latents(self, prompt_index, seed):
-        return self.trainers["actor"].sample(prompt_index, seed, decode=False)
+    def eval_latents(self, prompt_index, seed, num_steps=None):
+        return self.trainers["actor"].sample(prompt_index, seed, decode=False, num_steps=num_steps)
 
     def drift_stats(self, latents):
         return self.trainers["actor"].drift_stats(latents)

@@ -185,14 +185,14 @@ def test_a_checkpoint_without_its_audio_vae_is_named(h3, tmp_path):
 def test_export_loads_in_diffusers_modular_pipeline_and_reproduces_eval_samples(h3, tmp_path):
     """The exported student is a MiniMax-H3 repository: ModularPipeline.from_pretrained loads it
     (t2va), and with num_inference_steps = K + 1 and seed s + j it reproduces the project's eval
-    sample j, video and audio latents both."""
+    sample j, video and audio latents both, at each step count of a student of several."""
     from dmd2_core import checkpoint
     from dmd2_core.models.h3_repository import run_t2va
     from dmd2_core.train.trainer import Trainer
 
     save = tmp_path / "run"
     args = load_args("minimax-h3", dict(CPU, hf_checkpoint=h3["url"], prompts=h3["prompts"], save=str(save),
-                                        async_save=False))
+                                        async_save=False, dmd2_student_steps=[2, 4]))
     roles = preflight(args)
     actor, critic = Trainer(roles["actor"], "actor"), Trainer(roles["critic"], "critic")
     pairs, _ = actor.rollout(1)
@@ -202,16 +202,18 @@ def test_export_loads_in_diffusers_modular_pipeline_and_reproduces_eval_samples(
     url = saved["export_url"]
     assert url == checkpoint.export_url(str(save), 1)
     marker = json.loads((save / "exports" / "iter_0000001" / "export.json").read_text())
-    assert marker["num_inference_steps"] == 5 and marker["transformer"] == "ema"
-    ours = actor.sample([1, 2], seed=7, decode=False)  # rows j use seed 7 + j
+    assert marker["num_inference_steps"] == [3, 5] and marker["num_steps"] == [2, 4] and marker["transformer"] == "ema"
     prompts = h3_prompt_set()
     family = h3["family"]
-    for j, p in enumerate([1, 2]):
-        length = int(prompts.embeds["prompt_lengths"][p])
-        theirs = run_t2va(url, prompts.embeds["prompt_embeds"][p:p + 1, :length], num_inference_steps=5,
-                          num_frames=124, height=32, width=32, seed=7 + j)
-        joined = family.join(theirs["latents"][None], theirs["audio_latents"][None])
-        torch.testing.assert_close(joined, ours[j:j + 1], atol=2e-4, rtol=2e-4)
+    for k in (2, 4):
+        ours = actor.sample([1, 2], seed=7, decode=False, num_steps=k)  # rows j use seed 7 + j
+        for j, p in enumerate([1, 2]):
+            length = int(prompts.embeds["prompt_lengths"][p])
+            theirs = run_t2va(url, prompts.embeds["prompt_embeds"][p:p + 1, :length], num_inference_steps=k + 1,
+                              num_frames=124, height=32, width=32, seed=7 + j)
+            joined = family.join(theirs["latents"][None], theirs["audio_latents"][None])
+            torch.testing.assert_close(joined, ours[j:j + 1], atol=2e-4, rtol=2e-4)
+    assert not torch.allclose(ours, actor.sample([1, 2], seed=7, decode=False, num_steps=2), atol=1e-3)
 
 
 @pytest.mark.multi_rank

@@ -69,7 +69,7 @@ def test_critic_hands_over_g_dmd_plus_g_reg_and_the_actor_x0_gradient_is_the_sum
         tiny_teacher, tmp_path, scoring, monkeypatch):
     kw = dict(dmd2_critic_scoring=scoring, dmd2_student_steps=4)
     plain_args = tiny_args(tiny_teacher, str(tmp_path), **kw)
-    iteration = next(i for i in range(1, 100) if dmd2_method.draw_stop_step(plain_args, i) > 0)  # mid-rollout
+    iteration = next(i for i in range(1, 100) if dmd2_method.draw_stop_step(plain_args, i, 4) > 0)  # mid-rollout
     actor = Trainer(preflight(tiny_args(tiny_teacher, str(tmp_path), dmd2_regression_weight=WEIGHT, **kw))["actor"], "actor")
     pairs, _ = actor.rollout(iteration)
     assert pairs["sigma"][0].item() < 1.0

@@ -24,6 +24,7 @@ The trainer groups do the model work (``DistillRun.eval_latents``, ``teacher_ref
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import json
@@ -40,6 +41,7 @@ from dmd2_core.evaluation.drift import pooled, within_prompt_diversity
 from dmd2_core.evaluation.kernel import projected_kid
 from dmd2_core.checkpoint.integrity import listing
 from dmd2_core.errors import ArgsError
+from dmd2_core.step_counts import split_steps
 from dmd2_core.save_layout import eval_reference_root
 
 TEACHER = "teacher"
@@ -94,20 +96,23 @@ def eval_order(args: Args, num_prompts: int) -> list[int]:
     return [prompts[i % len(prompts)] for i in range(args.eval_num_samples)]
 
 
-def evaluate(run, args: Args) -> dict[str, Any]:
-    """The run's quality figures at this eval: {metrics: {key: float}, reference: the drift
-    yardstick ({"value", "se"}: ``drift.pooled``; "source": 'real' or 'teacher'), which
-    ``drift_flags`` judges the eval's drift with}."""
+def evaluate(run, args: Args, num_steps: Optional[int] = None) -> dict[str, Any]:
+    """The run's quality figures at this eval, of the student's ``num_steps``-step samples
+    (default its largest step count): {metrics: {key: float}, reference: the drift yardstick
+    ({"value", "se"}: ``drift.pooled``; "source": 'real' or 'teacher'), which ``drift_flags``
+    judges the eval's drift with}. The references do not depend on the step count: every K
+    of a student is measured against the same cached ones."""
     name = evaluator_of(args)
     if name == TEACHER and not run.has_critic:  # no group holds the frozen teacher: no quality figures
         return {"metrics": {}, "reference": {}}
     if name != TEACHER:
         world = importlib.import_module(TOY_EVALUATORS[name])
-        return {"metrics": world.quality(run.sample, args.eval_num_samples, args.eval_seed), "reference": {}}
+        sample = functools.partial(run.sample, num_steps=num_steps)
+        return {"metrics": world.quality(sample, args.eval_num_samples, args.eval_seed), "reference": {}}
     order = eval_order(args, len(prompt_texts(args.prompts)))
     identity = teacher_identity(args)  # one listing and config read an eval, shared by both references' keys
     reference = teacher_reference(run, args, order, identity)
-    latents = run.eval_latents(order, args.eval_seed)
+    latents = run.eval_latents(order, args.eval_seed, num_steps=num_steps)
     features = run.teacher_features(latents, order, FEATURE_U, FEATURE_SEED)
     metrics = {f"teacher_kid_{m}": projected_kid(reference["features"][m], f, dim=PROJECTION_DIM)
                for m, f in sorted(features.items())}
@@ -242,7 +247,7 @@ def drift_flags(latest: dict[str, float], start: dict[str, float], reference: di
             if value < (1 - DIVERSITY_DROP) * first:
                 flagged.append(key)
             continue
-        name = key.removeprefix("drift_")
+        name = split_steps(key)[0].removeprefix("drift_")  # each step count's, against the one yardstick
         floor = DRIFT_FLOORS.get(name if name == "av_align" else name.rsplit("_", 1)[0])
         ref, se = values.get(name), errors.get(name)
         if not key.startswith("drift_") or floor is None or not isinstance(ref, (int, float)) or not math.isfinite(ref):

@@ -26,14 +26,13 @@ from typing import Optional
 
 import torch
 
-from dmd2_core import flow_matching as fm
 from dmd2_core import parallel, storage
 from dmd2_core.models import lora
 from dmd2_core.save_layout import EXPORT_MARKER_NAME
 from dmd2_core.models import describe_model_dir
 from dmd2_core.errors import ModelDirError
 from dmd2_core.export.files import EXPORT_FORMAT, cast, persistent, staged_export, total_bytes, writable_dir
-from dmd2_core.export.scheduler import SCHEDULER_CLASS, student_scheduler_config, verify_written_scheduler
+from dmd2_core.export.scheduler import StudentSteps, verify_written_scheduler, write_scheduler
 
 ONLINE_WEIGHT_NAME = "pytorch_lora_weights_online.safetensors"
 
@@ -89,14 +88,14 @@ def write(url: str, family, gathered: dict, *, teacher_url: str, shift: float, n
                                                            num_steps=num_steps, verify=verify, started=started)
         marker = {
             "format": EXPORT_FORMAT, "iteration": None if iteration is None else int(iteration),
-            "num_steps": int(num_steps), "shift": float(shift), "sigmas": fm.student_sigmas(num_steps, shift),
+            **StudentSteps.of(num_steps).marker(shift), "shift": float(shift),
             "dtype": str(export_dtype).removeprefix("torch."),
             "lora": {**metadata, "weight_name": lora.LORA_WEIGHT_NAME, "loader": loader.__name__,
                      "note": "load onto the teacher's pipeline: pipe.load_lora_weights(export)"},
             "transformer": "ema" if averaged is not None else "online",
             "transformer_online": ONLINE_WEIGHT_NAME if averaged is not None else None,
             "scheduler": None if scheduler is None else {
-                "class": SCHEDULER_CLASS, **scheduler, "note": "set_timesteps(num_steps) gives the student's sigmas"},
+                "class": scheduler[0], **scheduler[1], "note": "set_timesteps(num_steps) gives the student's sigmas"},
             "teacher": teacher_url, "pipeline": False, "components": [], "bytes": size,
             "export_s": round(export_s, 3), "verified": bool(verify), "verify_s": round(verify_s, 3),
         }
@@ -105,21 +104,18 @@ def write(url: str, family, gathered: dict, *, teacher_url: str, shift: float, n
 
 
 def _write_files(staging: str, family, files: dict, metadata: dict, *, shift: float, num_steps: int,
-                 verify: bool, started: float) -> tuple[int, Optional[dict], float, float]:
+                 verify: bool, started: float) -> tuple[int, Optional[tuple[str, dict]], float, float]:
     """Every file of a LoRA export but its marker, into ``staging``, verified: (bytes, the
-    scheduler's config or None, export_s, verify_s)."""
+    scheduler's (class, config) or None, export_s, verify_s)."""
     loader = lora.lora_loader(family)
     with writable_dir(staging) as directory:
         for weight_name, state in files.items():
             loader.save_lora_weights(str(directory), transformer_lora_layers=state, weight_name=weight_name,
                                      transformer_lora_adapter_metadata=dict(metadata))
     scheduler = None
-    if not family.deterministic_student:  # a modular pipeline (MiniMax-H3) steps the student with its own
-        import diffusers
-
-        scheduler = student_scheduler_config(shift, num_steps)
+    if not family.modular_pipeline:  # a modular pipeline (MiniMax-H3) steps the student with its own
         with writable_dir(storage.join(staging, "scheduler")) as directory:
-            getattr(diffusers, SCHEDULER_CLASS)(**scheduler).save_pretrained(str(directory))
+            scheduler = write_scheduler(str(directory), shift, num_steps)
     export_s = time.perf_counter() - started
     verify_s = 0.0
     if verify:

@@ -52,7 +52,7 @@ from dmd2_core.export.files import EXPORT_FORMAT, new_staging_url, staged_export
 from dmd2_core.save_layout import EXPORT_MARKER_NAME
 from dmd2_core.models import describe_model_dir, family_of
 from dmd2_core.errors import ModelDirError, StorageUnavailableError, one_line
-from dmd2_core.export.scheduler import SCHEDULER_CLASS, student_scheduler_config, verify_written_scheduler
+from dmd2_core.export.scheduler import StudentSteps, student_scheduler, verify_written_scheduler, write_scheduler
 
 ONLINE_DIR = "transformer_online"
 MODULAR_INDEX = "modular_model_index.json"
@@ -99,7 +99,8 @@ def export_student(
     one merges on the writer's host: the merged model whole, once).
     """
     started = time.perf_counter()
-    student_scheduler_config(shift, num_steps)  # fails alike on every rank, before the gather
+    if not family_of(model).modular_pipeline:
+        student_scheduler(shift, num_steps)  # fails alike on every rank, before the gather
     if lora_metadata is not None:
         staged = adapters.gather(model, export_dtype, lora_metadata, ema=ema, writer=writer, merged=merged)
     else:
@@ -180,17 +181,15 @@ def _finish(staging: str, model, family, teacher: dict, streamed: dict, *, teach
             num_steps: int, export_dtype: torch.dtype, verify: bool, iteration: Optional[int], started: float) -> dict:
     """Beside the streamed transformers in ``staging``: the scheduler (or the teacher's modular
     index), the teacher's other components, the index, verification, then export.json."""
-    modular = family.deterministic_student  # the teacher's own (modular) pipeline steps the student
+    modular = family.modular_pipeline  # the teacher's own (modular) pipeline steps the student
+    steps = StudentSteps.of(num_steps)
     if modular:
         index, components = _modular_index(teacher_url)
         storage.write_text(storage.join(staging, MODULAR_INDEX), json.dumps(index, indent=2) + "\n")
     else:
-        import diffusers
-
-        index, components = _pipeline_index(teacher_url, teacher, family)
-        scheduler_config = student_scheduler_config(shift, num_steps)
         with writable_dir(storage.join(staging, "scheduler")) as directory:
-            getattr(diffusers, SCHEDULER_CLASS)(**scheduler_config).save_pretrained(str(directory))
+            scheduler_class, scheduler_config = write_scheduler(str(directory), shift, steps)
+        index, components = _pipeline_index(teacher_url, teacher, family, scheduler_class)
         storage.write_text(storage.join(staging, "model_index.json"), json.dumps(index, indent=2) + "\n")
     for name in components:
         _copy_tree(storage.join(teacher_url, name), storage.join(staging, name))
@@ -206,17 +205,22 @@ def _finish(staging: str, model, family, teacher: dict, streamed: dict, *, teach
     averaged = ONLINE_DIR in streamed
     marker = {
         "format": EXPORT_FORMAT, "iteration": None if iteration is None else int(iteration),
-        "num_steps": int(num_steps), "shift": float(shift), "sigmas": fm.student_sigmas(num_steps, shift),
+        **steps.marker(shift), "shift": float(shift),
         "dtype": str(export_dtype).removeprefix("torch."),
         "transformer": "ema" if averaged else "online", "transformer_online": ONLINE_DIR if averaged else None,
     }
     if modular:  # its schedulers stay the teacher's: num_inference_steps = K + 1 steps the student's K sigmas
-        marker.update(num_inference_steps=int(num_steps) + 1, shift=float(family.fixed_shift or 1.0),
-                      sigmas=fm.student_sigmas(num_steps, 1.0), modality_sigmas=_modality_sigmas(staging, num_steps),
-                      scheduler={"note": "the teacher's schedulers; run the pipeline with "
-                                         f"num_inference_steps={num_steps + 1}"})
+        counts = steps.counts
+        one = len(counts) == 1
+        marker.update(num_inference_steps=counts[0] + 1 if one else [k + 1 for k in counts],
+                      shift=float(family.fixed_shift or 1.0),
+                      sigmas=fm.student_sigmas(counts[0], 1.0) if one else {str(k): fm.student_sigmas(k, 1.0) for k in counts},
+                      modality_sigmas=_modality_sigmas(staging, counts[0]) if one else
+                      {str(k): _modality_sigmas(staging, k) for k in counts},
+                      scheduler={"note": "the teacher's schedulers; run the pipeline with num_inference_steps = "
+                                         + (f"{counts[0] + 1}" if one else f"K + 1 for K in {list(counts)}")})
     else:
-        marker["scheduler"] = {"class": SCHEDULER_CLASS, **scheduler_config,
+        marker["scheduler"] = {"class": scheduler_class, **scheduler_config,
                                "note": "set_timesteps(num_steps) gives the student's sigmas; do not pass sigmas="}
     marker.update(teacher=teacher_url, pipeline=modular or teacher["transformer_url"] != teacher_url,
                   components=components, bytes=total_bytes(staging), export_s=round(export_s, 3),
@@ -261,11 +265,11 @@ def _modality_sigmas(staging: str, num_steps: int) -> dict[str, list[float]]:
 
 
 # ---- helpers ---------------------------------------------------------------------------------
-def _pipeline_index(teacher_url: str, teacher: dict, family) -> tuple[dict, list[str]]:
+def _pipeline_index(teacher_url: str, teacher: dict, family, scheduler_class: str) -> tuple[dict, list[str]]:
     """The export's model_index.json and the teacher components to copy along."""
     import diffusers
 
-    student = {"transformer": ["diffusers", family.class_name], "scheduler": ["diffusers", SCHEDULER_CLASS]}
+    student = {"transformer": ["diffusers", family.class_name], "scheduler": ["diffusers", scheduler_class]}
     if teacher["transformer_url"] == teacher_url:  # a bare transformer directory
         return {"_class_name": family.pipeline_class, "_diffusers_version": diffusers.__version__, **student}, []
     index_url = storage.join(teacher_url, "model_index.json")

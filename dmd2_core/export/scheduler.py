@@ -1,14 +1,65 @@
 """The exported student's scheduler: the diffusers scheduler config whose ``set_timesteps(K)``
-gives the student's K sigmas, so a pipeline's ``num_inference_steps=K`` is the student's sampler."""
+gives the student's K sigmas, so a pipeline's ``num_inference_steps=K`` is the student's sampler.
+
+- A student that re-noises its x0 with fresh noise between steps (LCM's sampler) gets
+  ``FlowMatchLCMScheduler``: a config solved for its one K (``student_scheduler_config``). That
+  scheduler's grid ends at a fixed sigma for every K (and is undefined at K = 1 with a terminal),
+  so no one config serves a set of step counts.
+- A student that steps along its velocity (Euler, no fresh noise) gets
+  ``FlowMapEulerDiscreteScheduler(shift=S)``, whose ``set_timesteps(K)`` is the student's
+  ``shift(linspace(1, 0, K + 1)[:-1])`` at every K: one export serves every step count of a set.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Sequence, Union
 
 from dmd2_core import flow_matching as fm
 
 SCHEDULER_CLASS = "FlowMatchLCMScheduler"
+EULER_SCHEDULER_CLASS = "FlowMapEulerDiscreteScheduler"
+
+
+@dataclass(frozen=True)
+class StudentSteps:
+    """The step counts a student serves, ascending, and whether it steps by Euler."""
+    counts: tuple[int, ...]
+    euler: bool = False
+
+    @classmethod
+    def of(cls, num_steps: Union[int, Sequence[int], "StudentSteps"], euler: bool = False) -> "StudentSteps":
+        if isinstance(num_steps, StudentSteps):
+            return num_steps
+        counts = (int(num_steps),) if isinstance(num_steps, int) else tuple(sorted({int(k) for k in num_steps}))
+        return cls(counts, bool(euler))
+
+    def marker(self, shift: float) -> dict[str, Any]:
+        """export.json's ``num_steps`` and ``sigmas``: one K as before, a set as lists per K."""
+        if len(self.counts) == 1:
+            return {"num_steps": self.counts[0], "sigmas": fm.student_sigmas(self.counts[0], shift)}
+        return {"num_steps": list(self.counts), "sigmas": {str(k): fm.student_sigmas(k, shift) for k in self.counts}}
+
+
+def student_scheduler(shift: float, num_steps: Union[int, Sequence[int], StudentSteps]) -> tuple[str, dict[str, Any]]:
+    """(diffusers scheduler class, config) whose ``set_timesteps(K)`` gives ``fm.student_sigmas(K,
+    shift)`` for every K the student serves; ValueError where none does (a re-noising student
+    of several step counts: the run refuses that before it starts)."""
+    steps = StudentSteps.of(num_steps)
+    if steps.euler:
+        config: dict[str, Any] = {"num_train_timesteps": 1000, "shift": float(shift)}
+        for k in steps.counts:
+            err = max(abs(g - w) for g, w in zip(scheduler_sigmas(config, k, EULER_SCHEDULER_CLASS),
+                                                 fm.student_sigmas(k, shift)))
+            if err > 1e-6:
+                raise ValueError(f"{EULER_SCHEDULER_CLASS} does not give the student's sigmas for shift {shift}, "
+                                 f"K {k} (max error {err:.2e})")
+        return EULER_SCHEDULER_CLASS, config
+    if len(steps.counts) > 1:
+        raise ValueError(f"a re-noising student of step counts {list(steps.counts)}: {SCHEDULER_CLASS} serves one "
+                         "step count per config; train it with dmd2_student_sampler=euler")
+    return SCHEDULER_CLASS, student_scheduler_config(shift, steps.counts[0])
 
 
 def student_scheduler_config(shift: float, num_steps: int, num_train_timesteps: int = 1000) -> dict[str, Any]:
@@ -51,23 +102,37 @@ def student_scheduler_config(shift: float, num_steps: int, num_train_timesteps: 
     return config
 
 
-def scheduler_sigmas(config: dict, num_steps: int) -> list[float]:
-    """The K sigmas a pipeline's ``set_timesteps(num_steps)`` gives with this config."""
+def scheduler_sigmas(config: dict, num_steps: int, class_name: str = SCHEDULER_CLASS) -> list[float]:
+    """The K sigmas a pipeline's ``set_timesteps(num_steps)`` gives with this config (of
+    ``class_name``, or the class the config names)."""
     import diffusers
 
-    scheduler = getattr(diffusers, SCHEDULER_CLASS)(**config)
+    name = config.get("_class_name", class_name)
+    scheduler = getattr(diffusers, name)(**{k: v for k, v in config.items() if not k.startswith("_")})
     scheduler.set_timesteps(num_steps)
     return [float(s) for s in scheduler.sigmas[:-1]]
 
 
-def verify_written_scheduler(url: str, num_steps: int, shift: float) -> None:
-    """The scheduler written under ``url``/scheduler gives the student's sigmas; CheckpointError naming it if not."""
+def write_scheduler(directory: str, shift: float, num_steps) -> tuple[str, dict[str, Any]]:
+    """The student's scheduler saved into the local ``directory``; returns (class, config)."""
+    import diffusers
+
+    name, config = student_scheduler(shift, num_steps)
+    getattr(diffusers, name)(**config).save_pretrained(directory)
+    return name, config
+
+
+def verify_written_scheduler(url: str, num_steps, shift: float) -> None:
+    """The scheduler written under ``url``/scheduler gives the student's sigmas at each of its
+    step counts; ModelDirError naming it if not."""
     import json
 
     from dmd2_core import storage
     from dmd2_core.errors import ModelDirError
 
-    got = scheduler_sigmas(json.loads(storage.read_text(storage.join(url, "scheduler", "scheduler_config.json"))),
-                           num_steps)
-    if max(abs(g - w) for g, w in zip(got, fm.student_sigmas(num_steps, shift))) > 1e-6:
-        raise ModelDirError(f"{storage.join(url, 'scheduler')}: the written scheduler does not give the student's sigmas")
+    config = json.loads(storage.read_text(storage.join(url, "scheduler", "scheduler_config.json")))
+    for k in StudentSteps.of(num_steps).counts:
+        got = scheduler_sigmas(config, k)
+        if len(got) != k or max(abs(g - w) for g, w in zip(got, fm.student_sigmas(k, shift))) > 1e-6:
+            raise ModelDirError(f"{storage.join(url, 'scheduler')}: the written scheduler does not give the student's "
+                                f"sigmas at {k} steps")

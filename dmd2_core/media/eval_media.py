@@ -22,6 +22,8 @@ from dmd2_core.data import prompt_texts
 from dmd2_core.evaluation import evaluators
 from dmd2_core.evaluation.evaluators import eval_prompt_indices
 from dmd2_core.media.images import data_uri, embed, image_grid, mime_type, png_bytes, video_media
+from dmd2_core.report import CRITERIA
+from dmd2_core.step_counts import at_steps, mean_over_steps
 from dmd2_core.save_layout import media_stem
 
 PRESIGN_EXPIRES_S = 7 * 24 * 3600  # the SigV4 maximum
@@ -54,42 +56,67 @@ def media_url(url: str, expires: int = PRESIGN_EXPIRES_S) -> Optional[str]:
 # ---- the eval step of a run -------------------------------------------------------------------
 
 def run_eval(run, iteration: int, embed_limit: int = 512 * 1024) -> dict[str, Any]:
-    """Eval of a DistillRun (anything with ``.args`` and ``.sample(prompt_index, seed)``) at
-    ``iteration``: K-step student samples of the eval prompts saved as media under the run's save
-    URL, plus {fd, acc, diversity} on ``eval_num_samples`` balanced digits when the prompt set is
-    digits. Returns {iteration, metrics, media: [{url, browser_url, src, link, full, caption, bytes}]}."""
+    """Eval of a DistillRun (anything with ``.args`` and ``.sample(prompt_index, seed,
+    num_steps)``) at ``iteration``, at each of the student's step counts K: K-step samples of
+    the eval prompts saved as media under the run's save URL, and the run's evaluator's figures.
+    A student of one K has its figures under their own names; one of several has each K's under
+    ``report.at_steps(name, K)`` and the mean over K of each criterion under its name (what
+    chooses its best eval). Returns {iteration, metrics, media: [{url, browser_url, src, link,
+    full, caption, bytes}], reference}."""
     import time
 
     args = run.args
-    start = time.perf_counter()
+    counts = args.student_step_counts
+    several = len(counts) > 1
+    metrics: dict[str, float] = {}
+    media: list[dict[str, Any]] = []
+    reference: dict[str, Any] = {}
+    media_s = quality_s = 0.0
+    for k in counts:
+        start = time.perf_counter()
+        media += eval_media(run, iteration, k if several else None, embed_limit, INLINE_VIDEO_BYTES // len(counts))
+        t = time.perf_counter()
+        quality = evaluators.evaluate(run, args, k)
+        quality_s += time.perf_counter() - t
+        media_s += t - start
+        metrics.update({at_steps(key, k) if several else key: v for key, v in quality["metrics"].items()})
+        reference = quality["reference"] or reference
+    if several:
+        metrics.update(mean_over_steps(metrics, counts, CRITERIA))
+    metrics["eval_media_s"] = media_s
+    if quality_s and any(not key.startswith("eval_") for key in metrics):
+        metrics["eval_quality_s"] = quality_s
+    return {"iteration": int(iteration), "metrics": metrics, "media": media, "reference": reference}
+
+
+def eval_media(run, iteration: int, num_steps: Optional[int], embed_limit: int, inline_limit: int) -> list[dict[str, Any]]:
+    """The media of one eval at one step count (``num_steps``: None for a student of one K,
+    whose files keep their names): a PNG grid, a GIF per prompt, or per prompt an MP4 with
+    sound, its frame strip and spectrogram."""
+    args = run.args
     texts = prompt_texts(args.prompts)
     indices = eval_prompt_indices(args, len(texts))
     per_prompt = args.eval_samples_per_prompt
     # Sample-major order: row s holds sample s of every eval prompt (a column per prompt).
     order = [p for _ in range(per_prompt) for p in indices]
-    samples = run.sample(order, args.eval_seed)
-    stem = media_stem(args.save, iteration)
+    samples = run.sample(order, args.eval_seed, num_steps=num_steps)
+    stem = media_stem(args.save, iteration) + (f"_k{num_steps}" if num_steps else "")
+    steps = f"{num_steps} steps: " if num_steps else ""
     media = []
     if isinstance(samples, dict):  # video + sound: per prompt an MP4, a frame strip and a spectrogram
         for p in indices:
             j = order.index(p)
-            media += av_media_of(samples, j, f"{stem}_p{p}", texts[p], embed_limit, INLINE_VIDEO_BYTES // len(indices))
+            media += av_media_of(samples, j, f"{stem}_p{p}", steps + texts[p], embed_limit, inline_limit // len(indices))
     elif samples.dim() == 5:  # video [N, C, F, H, W]: one GIF per prompt
         for p in indices:
             rows = [j for j, q in enumerate(order) if q == p]
             data = video_media(samples[rows], fps=args.eval_fps)
-            media.append(publish(f"{stem}_p{p}.gif", data, texts[p], embed_limit))
+            media.append(publish(f"{stem}_p{p}.gif", data, steps + texts[p], embed_limit))
     else:
         data = png_bytes(image_grid(samples, nrow=len(indices)))
-        caption = f"iteration {iteration}: columns = prompts {indices}, {per_prompt} samples each"
+        caption = f"{steps}iteration {iteration}: columns = prompts {indices}, {per_prompt} samples each"
         media.append(publish(f"{stem}.png", data, caption, embed_limit))
-    metrics: dict[str, float] = {"eval_media_s": time.perf_counter() - start}
-    t = time.perf_counter()
-    quality = evaluators.evaluate(run, args)
-    metrics.update(quality["metrics"])
-    if quality["metrics"]:
-        metrics["eval_quality_s"] = time.perf_counter() - t
-    return {"iteration": int(iteration), "metrics": metrics, "media": media, "reference": quality["reference"]}
+    return media
 
 
 FPS_OF_SOUNDING_VIDEO = 24  # MiniMax-H3's frame rate; its clips play at it

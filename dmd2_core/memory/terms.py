@@ -62,7 +62,7 @@ def rollout_buffers(args: Args, sample_elements: int, cond_bytes: int) -> int:
     (grad, x0_real, x0_fake) -- K + 3 samples each at most at once -- and the conditions."""
     dp = max(1, args.num_devices // (args.cp_size or 1))
     rows = -(-args.global_batch_size // dp)
-    return rows * ((args.dmd2_student_steps + 3) * sample_elements * 4 + cond_bytes)
+    return rows * ((args.max_student_steps + 3) * sample_elements * 4 + cond_bytes)
 
 
 def set_rows(args: Args, cond_bytes: int, sample_bytes: int) -> int:

@@ -17,6 +17,7 @@ class ModelFamily:
     has_audio: bool = False
     guidance_distilled: bool = False  # guidance baked into the weights: one forward, no CFG
     deterministic_student: bool = False  # the student steps by Euler (eta 0) instead of fresh noise
+    modular_pipeline: bool = False  # its diffusers pipeline is modular and its own schedulers step the student
     fixed_shift: Optional[float] = None  # the project's sigma shift, where the family fixes it
     keep_fp32_modules: bool = False  # shard the model's _keep_in_fp32_modules in fp32
     segments: Optional[dict[str, slice]] = None  # modalities of a flat sample; None: one

@@ -145,6 +145,7 @@ class MiniMaxH3Family(ModelFamily):
     has_audio = True
     guidance_distilled = True
     deterministic_student = True
+    modular_pipeline = True
     fixed_shift = 1.0  # the project's sigma is the shared schedule position u
     vae_class = "AutoencoderKLMiniMaxH3"
     audio_vae_class = "AutoencoderKLMiniMaxH3Audio"

@@ -255,14 +255,17 @@ class DistillRun:
         return metrics
 
     # ---- eval and checkpoints -----------------------------------------------------------------
-    def sample(self, prompt_index: list[int], seed: int):
-        """K-step student samples in pixel space: every actor rank samples (a sharded forward is
-        a collective), rank 0 decodes and returns them."""
-        return self._call_or_break(lambda: self.groups["actor"].call("sample", prompt_index, seed)[0])
+    def sample(self, prompt_index: list[int], seed: int, num_steps: Optional[int] = None):
+        """K-step student samples in pixel space (``num_steps``: one of its step counts, default
+        its largest): every actor rank samples (a sharded forward is a collective), rank 0
+        decodes and returns them."""
+        return self._call_or_break(lambda: self.groups["actor"].call("sample", prompt_index, seed,
+                                                                     num_steps=num_steps)[0])
 
-    def eval_latents(self, prompt_index: list[int], seed: int):
+    def eval_latents(self, prompt_index: list[int], seed: int, num_steps: Optional[int] = None):
         """The same samples as latents (the teacher evaluator's input)."""
-        return self._call_or_break(lambda: self.groups["actor"].call("sample", prompt_index, seed, decode=False)[0])
+        return self._call_or_break(lambda: self.groups["actor"].call("sample", prompt_index, seed, decode=False,
+                                                                     num_steps=num_steps)[0])
 
     def decode(self, latents):
         return self._call_or_break(lambda: self.groups["actor"].call("decode", latents)[0])

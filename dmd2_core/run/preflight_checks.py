@@ -134,6 +134,7 @@ def check_family_args(args: Args, teacher: dict[str, Any]) -> Args:
     if family.fixed_shift is not None and args.dmd2_shift not in (None, family.fixed_shift):
         raise ArgsError(f"dmd2_shift: {name} shifts each modality by its own scheduler {teacher.get('modality_shifts')}; "
                         f"leave dmd2_shift unset (got {args.dmd2_shift:g})")
+    check_student_sampler(args, family, name)
     geometry = [args.num_frames, args.height, args.width]
     if any(v is not None for v in geometry):
         if not family.has_audio:
@@ -159,6 +160,23 @@ def check_family_args(args: Args, teacher: dict[str, Any]) -> Args:
             if not value >= 0:
                 raise ArgsError(f"dmd2_modality_weights: {key} weight must be >= 0 (got {value})")
     return args
+
+
+def check_student_sampler(args: Args, family, name: str) -> None:
+    """The student's sampler is one its export can step: a modular pipeline (MiniMax-H3) steps by
+    Euler only, and only an Euler student serves a set of step counts from one diffusers
+    scheduler (export/scheduler.py)."""
+    from dmd2_core.train.dmd2_method import student_is_euler
+
+    euler = student_is_euler(family, args)
+    if family.modular_pipeline and not euler:
+        raise ArgsError(f"dmd2_student_sampler: {name}'s pipeline steps the student by Euler; set it to euler or "
+                        "leave it unset (got renoise)")
+    if len(args.student_step_counts) > 1 and not euler:
+        raise ArgsError(f"dmd2_student_sampler: a set of step counts {list(args.student_step_counts)} needs "
+                        f"dmd2_student_sampler=euler for {name}: one diffusers scheduler serves every step count only "
+                        "for a student that steps by Euler (FlowMapEulerDiscreteScheduler); the re-noising one's "
+                        "(FlowMatchLCMScheduler) serves one")
 
 
 # ---- latent shape -----------------------------------------------------------------------------

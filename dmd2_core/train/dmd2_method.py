@@ -6,6 +6,7 @@ numbers for the same sample.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,13 +20,44 @@ from dmd2_core.models.base import ModelFamily
 from dmd2_core.sampling import guided_velocity, student_sample
 
 
-def draw_stop_step(args: Args, iteration: int) -> int:
-    """The DMD2 step strategy: k ~ U{0..K-1} per iteration (backward simulation), the same on
-    every rank; without backward simulation the student trains at its first step (pure noise)."""
+def draw_student_steps(args: Args, iteration: int) -> int:
+    """The step count K this iteration's rollout runs: the student's K, or with a set of them
+    one drawn by ``dmd2_student_steps_weights`` from its own stream (so a set of one draws
+    nothing and every other stream is today's), the same on every rank."""
+    counts = args.student_step_counts
+    if len(counts) == 1:
+        return counts[0]
+    weights = torch.tensor(args.dmd2_student_steps_weights or [1.0] * len(counts), dtype=torch.float64)
+    g = rng.generator(args.seed, iteration, "student_steps")
+    return counts[int(torch.multinomial(weights, 1, generator=g))]
+
+
+def draw_stop_step(args: Args, iteration: int, num_steps: int) -> int:
+    """The DMD2 step strategy: k ~ U{0..K-1} per iteration (backward simulation over the
+    iteration's K-step schedule), the same on every rank; without backward simulation the
+    student trains at its first step (pure noise)."""
     if not args.dmd2_backward_simulation:
         return 0
     g = rng.generator(args.seed, iteration, "stop_step")
-    return int(torch.randint(args.dmd2_student_steps, (1,), generator=g))
+    return int(torch.randint(num_steps, (1,), generator=g))
+
+
+def student_is_euler(family: ModelFamily, args: Args) -> bool:
+    """Whether the student steps along its velocity (no fresh noise): ``dmd2_student_sampler``,
+    else the family's own."""
+    if args.dmd2_student_sampler is None:
+        return family.deterministic_student
+    return args.dmd2_student_sampler == "euler"
+
+
+def with_student_sampler(family: ModelFamily, args: Args) -> ModelFamily:
+    """``family`` stepping the student as ``dmd2_student_sampler`` says (a copy when it differs)."""
+    euler = student_is_euler(family, args)
+    if euler == family.deterministic_student:
+        return family
+    changed = copy.copy(family)
+    changed.deterministic_student = euler
+    return changed
 
 
 @dataclass
@@ -42,12 +74,13 @@ def plan_rollout(args: Args, iteration: int, num_prompts: int, shape: tuple[int,
     """The rollout of ``rows`` of the global batch: the stop step and the prompts are drawn for the
     whole batch (G numbers), the noise for these rows only."""
     G = args.global_batch_size
-    k = draw_stop_step(args, iteration)
+    num_steps = draw_student_steps(args, iteration)
+    k = draw_stop_step(args, iteration, num_steps)
     prompt_index = torch.randint(num_prompts, (G,), generator=rng.generator(args.seed, iteration, "prompts"))[rows]
     noise = rng.randn_rows((G, *shape), rows, args.seed, iteration, "noise")
     renoise = [] if deterministic else [rng.randn_rows((G, *shape), rows, args.seed, iteration, f"renoise/{j}")
                                         for j in range(k)]
-    return RolloutPlan(k, fm.student_sigmas(args.dmd2_student_steps, args.dmd2_shift), prompt_index, noise, renoise)
+    return RolloutPlan(k, fm.student_sigmas(num_steps, args.dmd2_shift), prompt_index, noise, renoise)
 
 
 @torch.no_grad()

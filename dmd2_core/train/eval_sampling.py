@@ -18,15 +18,16 @@ class EvalSampling:
     """Mixed into ``Trainer``: the eval's calls, each waking a sleeping trainer and putting it back."""
 
     @torch.no_grad()
-    def sample(self, prompt_index: list[int], seed: int, decode: bool = True):
-        """Full K-step student samples (EMA weights when kept) for eval; same seed, same noise.
-        Rank 0 decodes (``decode``) and returns them: a tensor, or for a joint model
-        {'video', 'audio', 'sample_rate'}; other ranks None."""
+    def sample(self, prompt_index: list[int], seed: int, decode: bool = True, num_steps: Optional[int] = None):
+        """Full K-step student samples (EMA weights when kept) for eval; same seed, same noise;
+        ``num_steps`` one of the student's step counts (default its largest). Rank 0 decodes
+        (``decode``) and returns them: a tensor, or for a joint model {'video', 'audio',
+        'sample_rate'}; other ranks None."""
         with self._awake():
             with self._ema_weights():
                 x0 = dmd2_method.eval_samples(self.family, self.model, self._cond(torch.tensor(prompt_index)),
-                                              (len(prompt_index), *self.shape), seed, self.args.dmd2_student_steps,
-                                              self.shift, self.device)
+                                              (len(prompt_index), *self.shape), seed,
+                                              num_steps or self.args.max_student_steps, self.shift, self.device)
             self._reshard()
             return self._rank0(self._decode(x0) if decode else x0)
 

@@ -14,6 +14,7 @@ import torch
 from dmd2_core import checkpoint
 from dmd2_core.models import lora
 from dmd2_core.export import pipeline as exporting
+from dmd2_core.export.scheduler import StudentSteps
 from dmd2_core.args import Args
 
 
@@ -22,8 +23,9 @@ class RankOutputs:
     durable. With ``args.async_save`` the checkpoint and the export are written in the
     background."""
 
-    def __init__(self, args: Args, role: str, rank: int, shift: float):
+    def __init__(self, args: Args, role: str, rank: int, shift: float, euler: bool = False):
         self.args, self.role, self.rank, self.shift = args, role, rank, shift
+        self.steps = StudentSteps.of(args.dmd2_student_steps, euler)  # what the export's scheduler serves
         self.checkpoint: Optional[checkpoint.PendingSave] = None
         self.export: Optional[concurrent.futures.Future] = None
 
@@ -42,7 +44,7 @@ class RankOutputs:
             run_write = functools.partial(_in_background, name=f"dmd2-export-{iteration}") if args.async_save else _done
             self.export = exporting.export_student(
                 checkpoint.export_url(args.save, iteration), model, teacher_url=args.hf_checkpoint,
-                shift=self.shift, num_steps=args.dmd2_student_steps,
+                shift=self.shift, num_steps=self.steps,
                 export_dtype=getattr(torch, args.export_dtype or args.dtype), ema=ema,
                 writer=self.rank == 0, iteration=iteration, run_write=run_write,
                 lora_metadata=lora.adapter_metadata(args) if args.lora_rank else None, merged=args.export_merged)

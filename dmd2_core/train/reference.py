@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import time
+from typing import Optional
 
 import torch
 
@@ -39,7 +40,8 @@ class ReferenceLoop:
         teacher = load_model_dir(args.hf_checkpoint)
         self.args = args.model_copy(update={"dmd2_shift": args.dmd2_shift or teacher.shift})
         # a joint model (MiniMax-H3) needs its clip geometry and its two schedules bound
-        self.family = teacher.family.bind(args.latent_shape, teacher.model, teacher.modality_shifts)
+        self.family = dmd2_method.with_student_sampler(
+            teacher.family.bind(args.latent_shape, teacher.model, teacher.modality_shifts), args)
         self.student = lora.attach(load_model_dir(args.hf_checkpoint).model, args)
         from dmd2_core.train.trainer_config import TrainerConfig, compute_trainer_args, critic_overrides
 
@@ -127,6 +129,7 @@ class ReferenceLoop:
                 for e, p in zip(self.ema.parameters(), self.student.parameters()):
                     e.lerp_(p, 1.0 - args.ema_decay)
         return {"iteration": iteration, "stop_step": plan.stop_step, "critic_loss": critic_loss.item(),
+                **({"student_steps": len(plan.sigmas)} if len(args.student_step_counts) > 1 else {}),
                 "critic_grad_norm": critic_norm, "dmd2_loss": loss.item(), "actor_grad_norm": student_norm,
                 "dmd2_grad_norm": scores["grad"].flatten(1).norm(dim=1).mean().item(),
                 **({} if gan_grad is None else {"gan_grad_norm": gan_grad.flatten(1).norm(dim=1).mean().item()}),
@@ -135,9 +138,10 @@ class ReferenceLoop:
     def run(self, num_iterations: int, first: int = 1) -> list[dict]:
         return [self.iterate(i) for i in range(first, first + num_iterations)]
 
-    def sample(self, prompt_index, seed: int) -> torch.Tensor:
-        """K-step samples (EMA weights when kept), the same noise as Trainer.sample."""
+    def sample(self, prompt_index, seed: int, num_steps: Optional[int] = None) -> torch.Tensor:
+        """K-step samples (EMA weights when kept), the same noise as Trainer.sample; ``num_steps``
+        one of the student's step counts (default its largest)."""
         model = self.ema if self.ema is not None else self.student
         return dmd2_method.eval_samples(self.family, model, self.cond(torch.as_tensor(prompt_index)),
-                                 (len(prompt_index), *self.shape), seed, self.args.dmd2_student_steps,
+                                 (len(prompt_index), *self.shape), seed, num_steps or self.args.max_student_steps,
                                  self.args.dmd2_shift)

@@ -63,7 +63,8 @@ class Trainer(EvalSampling):
         self.models = TrainerModels(args, self.dtype, teacher if args.loss_type == SCORED and not lora.shares_base(args)
                                     else None)
         self.model, self.teacher = self.models.model, self.models.teacher
-        self.family = self.models.family.bind(args.latent_shape, self.model, self.models.modality_shifts)
+        self.family = dmd2_method.with_student_sampler(
+            self.models.family.bind(args.latent_shape, self.model, self.models.modality_shifts), args)
         self.shift = args.dmd2_shift or self.models.shift
         self.args = args.model_copy(update={"dmd2_shift": self.shift})
         self.real = self.disc = self.disc_optimizer = None  # the GAN head: critic only, its own optimizer
@@ -83,7 +84,7 @@ class Trainer(EvalSampling):
         self.update: Optional[ModelUpdate] = None
         self.learner: Optional[Union[Actor, Critic]] = None  # what ``train`` runs: by loss type
         self._stash: Optional[DeviceStash] = None
-        self.outputs = RankOutputs(self.args, role, rank, self.shift)
+        self.outputs = RankOutputs(self.args, role, rank, self.shift, self.family.deterministic_student)
         self.checkpoint_pg = None
         if world_size == 1:
             self.init_process_group()
@@ -157,6 +158,7 @@ class Trainer(EvalSampling):
         pairs = dmd2_method.rollout_pairs(self.family, self.model, self._cond, _on(plan, self.device))
         self._reshard()
         metrics = {"stop_step": plan.stop_step, "rollout_sigma": plan.sigmas[plan.stop_step],
+                   **({"student_steps": len(plan.sigmas)} if len(self.args.student_step_counts) > 1 else {}),
                    "rollout_s": time.perf_counter() - start, **_wake_metric(self.role, woke)}
         return _cpu(pairs), metrics
 
