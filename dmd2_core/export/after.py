@@ -38,7 +38,7 @@ from dmd2_core.checkpoint.tensors import CheckpointTensors, dcp_sections
 from dmd2_core.errors import ArgsError, CheckpointError
 from dmd2_core.export import adapters, lora_layouts, pipeline, stream
 from dmd2_core.export.files import EXPORT_FORMAT, staged_export, total_bytes, writable_dir
-from dmd2_core.export.scheduler import student_scheduler_config
+from dmd2_core.export.scheduler import StudentSteps, student_scheduler
 from dmd2_core.models import FAMILIES, base_identity, describe_model_dir, lora
 from dmd2_core.models.weight_files import WeightFiles
 from dmd2_core.save_layout import EXPORT_MARKER_NAME, STATE_FILES, trainer_dir
@@ -61,7 +61,7 @@ class ExportPlan:
     config: dict  # the transformer's config.json
     lora: Optional[dict]  # adapter_metadata of a LoRA student; None: full weights
     has_ema: bool
-    num_steps: int
+    num_steps: StudentSteps  # the step counts the student serves and its sampler
     shift: float
     dtype: torch.dtype
 
@@ -109,9 +109,9 @@ def plan_export(load: str, out: str, export_format: str, iteration: Optional[int
         num_steps = student.get("num_steps") or Args.model_fields["dmd2_student_steps"].default
     if shift is None:
         shift = student.get("shift") or info["shift"]
-    num_steps, shift = int(num_steps), float(shift)
+    num_steps, shift = StudentSteps.of(num_steps, student.get("euler", family.deterministic_student)), float(shift)
     try:
-        student_scheduler_config(shift, num_steps)
+        student_scheduler(shift, num_steps)
     except ValueError as exc:
         raise ArgsError(f"num_steps / shift: {exc}") from None
     return ExportPlan(load=load, iteration=iteration, out=out, format=export_format, family=family, teacher=teacher,
@@ -231,7 +231,7 @@ def _write_adapter_layout(plan: ExportPlan, adapter_state: dict) -> None:
 
 def _write_marker(staging: str, plan: ExportPlan, files: dict) -> None:
     marker = {"format": EXPORT_FORMAT, "layout": plan.format, "iteration": plan.iteration, "checkpoint": plan.load,
-              "teacher": plan.teacher, "num_steps": plan.num_steps, "shift": plan.shift,
+              "teacher": plan.teacher, **plan.num_steps.marker(plan.shift), "shift": plan.shift,
               "dtype": str(plan.dtype).removeprefix("torch."), "transformer": "ema" if plan.has_ema else "online",
               "lora": plan.lora, **files, "bytes": total_bytes(staging)}
     storage.write_text(storage.join(staging, EXPORT_MARKER_NAME), json.dumps(marker, indent=2) + "\n")

@@ -47,6 +47,8 @@ def student_scheduler(shift: float, num_steps: Union[int, Sequence[int], Student
     shift)`` for every K the student serves; ValueError where none does (a re-noising student
     of several step counts: the run refuses that before it starts)."""
     steps = StudentSteps.of(num_steps)
+    if not (shift > 0 and all(k >= 1 for k in steps.counts)):
+        raise ValueError(f"shift must be positive and num_steps >= 1, got shift={shift}, num_steps={list(steps.counts)}")
     if steps.euler:
         config: dict[str, Any] = {"num_train_timesteps": 1000, "shift": float(shift)}
         for k in steps.counts:

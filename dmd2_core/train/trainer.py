@@ -355,7 +355,7 @@ class Trainer(EvalSampling):
 
         adapters = lora.adapter_record(self.args)
         student = {"num_steps": self.args.dmd2_student_steps, "shift": float(self.shift),
-                   "export_dtype": self.args.export_dtype or self.args.dtype}
+                   "euler": self.family.deterministic_student, "export_dtype": self.args.export_dtype or self.args.dtype}
         return {**run_origin(self.args), "lora": adapters, "student": student,
                 "base": base_identity(self.args.hf_checkpoint) if adapters else None}
 
