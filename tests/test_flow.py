@@ -266,26 +266,36 @@ def test_actor_killed_mid_run_recovers_to_same_weights(reference, tiny_teacher, 
 
 def test_flow_on_s3_shows_presigned_media(harness, tiny_teacher, s3_bucket):
     """With save on S3: checkpoints, metrics.jsonl and media land in the bucket, and the summary
-    embeds a thumbnail linked to a presigned URL a browser (here urllib) can open."""
+    embeds a thumbnail linked to a presigned URL a browser (here urllib) can open. The student
+    serves two step counts: each has its eval figures, media and summary rows, and the export's
+    scheduler gives both."""
     import urllib.request
 
     from dmd2_core import storage
+    from dmd2_core.export.scheduler import verify_written_scheduler
 
     save = f"{s3_bucket}/runs/tiny"
     from flows.dmd2 import dmd2
 
-    state = dmd2(recipe="tiny", overrides=dict(FAST), num_iterations=1, hf_checkpoint=tiny_teacher,
-                 save=save, return_state=True)
+    state = dmd2(recipe="tiny", overrides=dict(FAST, dmd2_student_steps=[1, 2], dmd2_student_sampler="euler"),
+                 num_iterations=1, hf_checkpoint=tiny_teacher, save=save, return_state=True)
     assert state.is_completed(), state.message
     summary = state.result()
     assert storage.read_text(f"{save}/latest_checkpointed_iteration.txt").strip() == "1"
-    assert len(storage.read_text(f"{save}/metrics.jsonl").splitlines()) == 2
-    assert summary["media_urls"][-1] == f"{save}/media/iter_0000001.png"
+    rows = [json.loads(line) for line in storage.read_text(f"{save}/metrics.jsonl").splitlines()]
+    assert len(rows) == 2 and rows[1]["fd"] == pytest.approx((rows[1]["fd@1"] + rows[1]["fd@2"]) / 2)
+    assert rows[1]["student_steps"] in (1, 2)
+    assert summary["media_urls"][-2:] == [f"{save}/media/iter_0000001_k1.png", f"{save}/media/iter_0000001_k2.png"]
+    verify_written_scheduler(f"{save}/exports/iter_0000001", [1, 2], json.loads(
+        storage.read_text(f"{save}/exports/iter_0000001/export.json"))["shift"])
     text = read_artifacts(state.state_details.flow_run_id, summary["artifact_keys"]["summary"])[-1].data
+    assert "Quality at 1 steps before -> after" in text and "Quality at 2 steps before -> after" in text
     # the picture survives the presigned link's expiry: a thumbnail data URI, and the full file's
     # link on its own line below it (an image inside a link shows as text in the default UI)
     match = re.search(r"\n!\[[^\]]*\]\((data:image/png;base64,[^)]+)\)\n(?:.*\n)*?\[full size\]\((http[^)]+)\)", text)
     assert match, text[:2000]
+    linked = [url for url in summary["media_urls"][-2:] if url.rsplit("/", 1)[1] in match.group(2)]
+    assert len(linked) == 1, match.group(2)  # the first grid shown: the 1-step student's
     with urllib.request.urlopen(match.group(2), timeout=10) as resp:
-        assert resp.read() == storage.read_bytes(summary["media_urls"][-1])
+        assert resp.read() == storage.read_bytes(linked[0])
         assert resp.headers["Content-Type"] == "image/png"  # shown by a browser, not downloaded
