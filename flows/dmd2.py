@@ -158,13 +158,13 @@ class Driver(DriverBase):
         if saves or self.export_best == i:  # a new best eval: its student is saved and exported now
             self.checkpoint(i, wait=self.schedule.waits_at(i))
         self.log.update(i, {"wall_time": time.time()})
-        self.track(i)
         every = self.args.summary_interval
         if evals or saves or (every and i - self.published >= every):
             self.publish(i)  # costs the same at any iteration (flows/artifacts.py)
         else:
             self.log.write()
             self.artifacts.progress(i)
+        self.track(i)  # after the log holds the row: a rerun skips what the log had, never what it lacked
         self.view["iteration"] = i
         self.logger.info(f"iteration {i}/{self.final} {_fmt(row)} ({metrics['iteration_s']:.2f}s)")
         return row

@@ -1,7 +1,7 @@
 """TensorBoard event files: scalars, eval images (a GIF is an image TensorBoard animates) and the
 soundtracks as audio; the configuration as text. A resumed run writes into the same log
-directory with ``purge_step``: TensorBoard's readers drop whatever an earlier attempt wrote from
-that step on (an iteration written but never recorded in the metrics log), so each step shows once."""
+directory with ``purge_step`` (the first step it will write): TensorBoard's readers drop whatever an
+earlier attempt wrote from that step on, so each step shows once whatever an attempt left behind."""
 
 from __future__ import annotations
 
