@@ -56,7 +56,7 @@ class DriverBase:
         self.requested_ckpt: Optional[int] = self.last_ckpt
         self.log = MetricsLog(args.save, self.start)
         self.trackers = Trackers.open(args, args.tracker_run_name or name, args.model_dump(mode="json"),
-                                      self.start, self.log.last_found)
+                                      self.start, self.log.last_found, self.log.rows)
         self.media_at: dict[int, list[dict]] = {}  # an eval's media, until its iteration's row goes to the trackers
         self.keys = artifacts.artifact_keys(name)  # the run's name carries its flow run id: one set per run
         self.result: dict[str, Any] = {

@@ -7,8 +7,11 @@ the offline run files."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import struct
+import subprocess
 import sys
 import zlib
 from pathlib import Path
@@ -17,7 +20,7 @@ import pytest
 import torch
 
 from dmd2_core.errors import NonFiniteError
-from tests.helpers import FAST, flow_cli_refusal
+from tests.helpers import FAST, REPO, flow_cli_refusal
 
 ALL = ["tensorboard", "mlflow", "wandb"]
 
@@ -148,23 +151,38 @@ def _eval_media(save: Path, step: int) -> list[dict]:
     return av_media_of(samples, 0, f"{media_stem(str(save), step)}_p0", "a dog barking", 512 * 1024)
 
 
+def first_attempt_then_killed(save: str) -> None:
+    """Attempt 1 of the sinks alone: steps 0..4 (an eval's media at 0 and 4), then SIGKILL: no
+    tracker is closed or flushed by it."""
+    from dmd2_core.args import load_args
+    from dmd2_core.trackers.sinks import Trackers
+
+    args = load_args(None, {"save": save, "trackers": ALL, "run_name": "dmd2-sinks", "lr": 3e-5})
+    first = Trackers.open(args, "attempt", args.model_dump(mode="json"), start=0, logged=-1)
+    for i in range(5):
+        first.write(i, {"iteration": i, "dmd2_loss": 1.0 / (i + 1), "iteration_s": 0.5, "note": "x", "skipped": False},
+                    _eval_media(Path(save), i) if i in (0, 4) else None)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def test_a_rerun_continues_each_tracker_run_and_never_writes_a_step_twice(tmp_path, mlflow_tables):
-    """Attempt 1 gives steps 0..4 (media at 0 and 4), then dies; the metrics log held them all.
-    The rerun resumes from iteration 2 and replays 2..4 (different timings) before 5 and 6: each
-    tracker keeps one run, one value per step (the first written), and the media of both evals."""
+    """Attempt 1 gives steps 0..4 (media at 0 and 4) and is killed; the metrics log held them all.
+    The rerun resumes from iteration 2 and replays 2..4 (other timings) before 5 and 6: each
+    tracker keeps one run, one value per step and the media of every eval. TensorBoard and MLflow
+    held all five steps (their first values stay); W&B's killed process had written none of them
+    (it writes its run file every 15 s), so W&B is given 0..2 from the metrics log (media from the
+    save) and 3..4 by the replay."""
     from dmd2_core.args import load_args
     from dmd2_core.trackers.sinks import Trackers
 
     save = with_mlflow_tables(tmp_path / "run", mlflow_tables)
-    args = load_args(None, {"save": str(save), "trackers": ALL, "run_name": "dmd2-sinks", "lr": 3e-5})
-    config = args.model_dump(mode="json")
-    first = Trackers.open(args, "attempt", config, start=0, logged=-1)
-    for i in range(5):
-        first.write(i, {"iteration": i, "dmd2_loss": 1.0 / (i + 1), "iteration_s": 0.5, "note": "x", "skipped": False},
-                    _eval_media(save, i) if i in (0, 4) else None)
-    first.close(failed=True)
+    killed = subprocess.run([sys.executable, "-c", f"from tests.test_trackers import first_attempt_then_killed as f; f({str(save)!r})"],
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     state = json.loads((save / "trackers.json").read_text())
-    rerun = Trackers.open(args, "rerun", config, start=2, logged=4)
+    args = load_args(None, {"save": str(save), "trackers": ALL, "run_name": "dmd2-sinks", "lr": 3e-5})
+    kept = {i: {"iteration": i, "dmd2_loss": 1.0 / (i + 1), "iteration_s": 0.5} for i in range(3)}  # the log's, up to 2
+    rerun = Trackers.open(args, "rerun", args.model_dump(mode="json"), start=2, logged=4, rows=kept)
     for i in range(2, 7):
         rerun.write(i, {"iteration": i, "dmd2_loss": 1.0 / (i + 1), "iteration_s": 9.0},
                     _eval_media(save, i) if i in (2, 4, 6) else None)
@@ -195,12 +213,12 @@ def test_a_rerun_continues_each_tracker_run_and_never_writes_a_step_twice(tmp_pa
     rows, configs, dirs = wandb_history(save, state["runs"]["wandb"]["run_id"])
     assert len(dirs) == 2  # one run, written by two processes: `wandb sync` appends the second
     assert [r["_step"] for r in rows] == list(range(7))
-    assert [r["iteration_s"] for r in rows] == [0.5] * 5 + [9.0] * 2
+    assert [r["iteration_s"] for r in rows] == [0.5] * 3 + [9.0] * 4
     assert [r["_step"] for r in rows if "eval/p0/_type" in r] == [0, 4, 6]
     assert {r["eval/p0/_type"] for r in rows if "eval/p0/_type" in r} == {"video-file"}
     assert {r["eval/p0_sound/_type"] for r in rows if "eval/p0_sound/_type" in r} == {"audio-file"}
     assert {r["eval/p0_frames/_type"] for r in rows if "eval/p0_frames/_type" in r} == {"image-file"}
-    assert [c["lr"] for c in configs if "lr" in c] == [3e-05]  # the configuration, once
+    assert [c["lr"] for c in configs if "lr" in c] == [3e-05]  # the killed attempt's never reached the file
     for r in rows:
         if "eval/p0_sound/path" in r:
             assert (dirs[r["_step"] > 4] / "files" / r["eval/p0_sound/path"]).is_file()
@@ -253,4 +271,5 @@ def test_a_killed_and_rerun_run_shows_one_curve_per_metric_in_each_tracker(harne
     assert [e.step for e in acc.Images("eval/samples")] == list(range(5))
     assert [r["_step"] for r in rows if r.get("eval/samples/_type") == "image-file"] == list(range(5))
     assert mlflow_image_steps(client, run.info.run_id, "eval/samples") == list(range(5))
-    assert [c["trackers"] for c in configs if "trackers" in c] == [ALL]
+    assert [c["trackers"] for c in configs if "trackers" in c] == [ALL, ALL]  # W&B's config: set at each start
+    assert run.data.params["trackers"] == str(ALL)  # MLflow's parameters: once

@@ -34,9 +34,11 @@ class Sink:
     """One tracker run. ``state`` is what resumes it (its run id, its directory), kept in
     ``{save}/trackers.json``: a sink built from a stored state continues that tracker run."""
     name = ""
+    config_every_open = False  # True: the configuration is state the tracker keeps (set again at a rerun), not a record
 
     def __init__(self, args: Args, run_name: str, state: Optional[dict], written: int):
         self.state: dict[str, Any] = dict(state or {})
+        self.held: Optional[int] = None  # the last step the tracker holds, when it can tell and may hold less than it was given
 
     def log_config(self, config: dict) -> None:
         raise NotImplementedError

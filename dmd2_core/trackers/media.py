@@ -59,3 +59,15 @@ def soundtrack_wav(mp4: bytes):
         out.setframerate(int(clip["sample_rate"]))
         out.writeframes(pcm.tobytes())
     return buf.getvalue(), "wav", int(clip["sample_rate"]), int(audio.shape[0]), int(audio.shape[1])
+
+
+def stored_media(save_url: str, iteration: int) -> list[dict]:
+    """An eval's media as ``run_eval`` described them, found again in the save
+    (``{save}/media/iter_{i:07d}*``; without their captions): what a tracker that lost them is given again."""
+    from dmd2_core.save_layout import media_stem
+
+    stem = media_stem(save_url, iteration)
+    folder, _, prefix = stem.rpartition("/")
+    names = sorted(n for n in (storage.list_names(folder) if storage.exists(folder) else [])
+                   if n.startswith(prefix) and n[len(prefix):len(prefix) + 1] in ("", ".", "_"))
+    return [{("video_url" if n.endswith(".mp4") else "url"): storage.join(folder, n)} for n in names]

@@ -20,7 +20,7 @@ from dmd2_core.args import Args, nearest
 from dmd2_core.errors import ArgsError
 from dmd2_core.save_layout import trackers_url
 from dmd2_core.trackers.base import Sink, scalars_of
-from dmd2_core.trackers.media import eval_media
+from dmd2_core.trackers.media import eval_media, stored_media
 
 # name -> (module of its sink, its class, the package it needs)
 SINKS = {
@@ -55,10 +55,13 @@ class Trackers:
         self.sinks, self.written = sinks, written
 
     @classmethod
-    def open(cls, args: Args, run_name: str, config: dict, start: int, logged: int) -> "Trackers":
+    def open(cls, args: Args, run_name: str, config: dict, start: int, logged: int,
+             rows: Optional[dict[int, dict]] = None) -> "Trackers":
         """The run's trackers at its (re)start from iteration ``start``; ``logged``: the last
-        iteration the metrics log held before this (re)start (-1: none). A tracker run kept in
-        the save is continued; a new one gets ``config``."""
+        iteration the metrics log held before this (re)start (-1: none); ``rows``: the log's rows
+        up to ``start``. A tracker run kept in the save is continued; a new one gets ``config``.
+        A tracker that holds less than it was given (W&B after a kill) gets the rest again: the
+        log's rows up to ``start`` (with their media from the save) now, the replay after it."""
         if not args.trackers:
             return cls([], {})
         state = read_state(args.save)
@@ -70,8 +73,13 @@ class Trackers:
             # a tracker new to this save starts with the rerun's first row (its eval of the start)
             written[name] = mark if kept else start - 1
             sink = getattr(importlib.import_module(module), cls_name)(args, run_name, kept, written[name])
-            if not kept:
+            if not kept or sink.config_every_open:
                 sink.log_config(config)
+            if sink.held is not None and sink.held < written[name]:
+                written[name] = sink.held
+                for step in sorted(i for i in (rows or {}) if sink.held < i <= start):
+                    sink.write(step, scalars_of(rows[step]), eval_media(stored_media(args.save, step)))
+                    written[name] = step
             sinks.append(sink)
         trackers = cls(sinks, written)
         storage.write_text(trackers_url(args.save), json.dumps(
