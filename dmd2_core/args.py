@@ -238,15 +238,19 @@ class Args(BaseModel):
         [], "trackers", "Experiment trackers the run also writes to: any of tensorboard, mlflow, wandb (each needs its "
         "extra: pip install 'dmd2[NAME]'). A rerun continues the same tracker runs (their ids are in {save}/trackers.json).")
     tracker_run_name: Optional[str] = _f(None, "trackers", "The tracker runs' name; default the flow run's name.")
-    tensorboard_dir: Optional[str] = _f(None, "trackers", "TensorBoard log directory; default {save}/tensorboard.")
+    tensorboard_dir: Optional[str] = _f(
+        None, "trackers", "TensorBoard log directory; default {save}/tensorboard (./tensorboard/{run_name} when the "
+        "save is not a local path).")
     mlflow_tracking_uri: Optional[str] = _f(
         None, "trackers", "MLflow tracking URI; default a local store in the save (sqlite:///{save}/mlflow.db, "
-        "artifacts in {save}/mlflow-artifacts).")
+        "artifacts in {save}/mlflow-artifacts), or MLflow's own default when the save is not a local path.")
     mlflow_experiment: Optional[str] = _f(None, "trackers", "MLflow experiment name; default run_name.")
     wandb_mode: Literal["offline", "online"] = _f(
         "offline", "trackers", "W&B mode: offline writes run files only (`wandb sync` uploads them later); online logs in.")
     wandb_project: Optional[str] = _f(None, "trackers", "W&B project; default run_name.")
-    wandb_dir: Optional[str] = _f(None, "trackers", "Local directory of W&B's run files; default the save (a local one).")
+    wandb_dir: Optional[str] = _f(
+        None, "trackers", "Local directory of W&B's run files ({dir}/wandb/); default the save, or the working "
+        "directory when the save is not a local path.")
 
     @field_validator("dmd2_student_steps")
     @classmethod

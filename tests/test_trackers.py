@@ -207,7 +207,7 @@ def test_a_rerun_continues_each_tracker_run_and_never_writes_a_step_twice(tmp_pa
     assert [m.value for m in client.get_metric_history(run.info.run_id, "iteration_s")] == [0.5] * 5 + [9.0] * 2
     assert len(client.search_runs([run.info.experiment_id])) == 1
     artifacts = {f.path for step in (0, 4, 6) for f in client.list_artifacts(run.info.run_id, f"eval/iter_{step:07d}")}
-    assert {f"eval/iter_0000004/p0.mp4", "eval/iter_0000004/p0_sound.wav", "eval/iter_0000006/p0_frames.png"} <= artifacts
+    assert {"eval/iter_0000004/p0.mp4", "eval/iter_0000004/p0_sound.wav", "eval/iter_0000006/p0_frames.png"} <= artifacts
     assert mlflow_image_steps(client, run.info.run_id, "eval/p0_frames") == [0, 4, 6]
 
     rows, configs, dirs = wandb_history(save, state["runs"]["wandb"]["run_id"])
@@ -273,3 +273,28 @@ def test_a_killed_and_rerun_run_shows_one_curve_per_metric_in_each_tracker(harne
     assert mlflow_image_steps(client, run.info.run_id, "eval/samples") == list(range(5))
     assert [c["trackers"] for c in configs if "trackers" in c] == [ALL, ALL]  # W&B's config: set at each start
     assert run.data.params["trackers"] == str(ALL)  # MLflow's parameters: once
+
+
+def test_an_s3_save_keeps_its_tracker_runs_in_the_bucket(s3_bucket, tmp_path, monkeypatch):
+    """On an s3:// save, trackers.json goes through the storage layer into the bucket, and a rerun
+    (another machine: another working directory) finds its TensorBoard run there and continues it."""
+    from dmd2_core import storage
+    from dmd2_core.args import load_args
+    from dmd2_core.trackers.sinks import Trackers
+
+    save = f"{s3_bucket}/runs/sinks"
+    args = load_args(None, {"save": save, "trackers": ["tensorboard"], "run_name": "dmd2-s3"})
+    monkeypatch.chdir(tmp_path)
+    first = Trackers.open(args, "attempt", {}, start=0, logged=-1)
+    for i in range(3):
+        first.write(i, {"iteration": i, "dmd2_loss": float(i)})
+    first.close()
+    stored = json.loads(storage.read_text(f"{save}/trackers.json"))
+    assert stored["runs"]["tensorboard"]["log_dir"] == str(tmp_path / "tensorboard" / "dmd2-s3")
+    monkeypatch.chdir(tmp_path.parent)
+    rerun = Trackers.open(args, "rerun", {}, start=1, logged=2)
+    for i in range(1, 5):
+        rerun.write(i, {"iteration": i, "dmd2_loss": float(i)})
+    rerun.close()
+    acc = tensorboard_read(tmp_path / "tensorboard" / "dmd2-s3")
+    assert tensorboard_curve(acc, "dmd2_loss") == [(i, float(i)) for i in range(5)]

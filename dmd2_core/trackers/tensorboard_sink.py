@@ -20,7 +20,13 @@ COLOURS = {"L": 1, "LA": 2, "RGB": 3, "P": 3, "RGBA": 4}
 
 
 def log_dir_of(args: Args) -> str:
-    return args.tensorboard_dir or storage.join(args.save, "tensorboard")
+    """The flag, else ``{save}/tensorboard`` for a local save, else ``./tensorboard/{run_name}``: on
+    s3:// TensorBoard uploads the whole event file again at every flush (one an iteration here)."""
+    if args.tensorboard_dir:
+        return args.tensorboard_dir
+    if storage.is_local(args.save):
+        return storage.join(args.save, "tensorboard")
+    return str(Path("tensorboard", args.run_name).resolve())
 
 
 class TensorBoardSink(Sink):
