@@ -13,6 +13,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from dmd2_core.errors import ArgsError
+from dmd2_core.trackers.flags import TrackerFlags
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "deployments" / "recipes"
 
@@ -21,7 +22,7 @@ def _f(default, group: str, help: str, **kw):
     return Field(default, description=help, json_schema_extra={"group": group}, **kw)
 
 
-class Args(BaseModel):
+class Args(TrackerFlags):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
     # --- run -----------------------------------------------------------------------------------
@@ -232,25 +233,6 @@ class Args(BaseModel):
     alert_regression_margin: float = _f(
         0.25, "eval", "A night whose best teacher-feature distance exceeds the previous nights' median by this "
         "fraction (or whose drift leaves its band) is reported as a regression.", ge=0)
-
-    # --- trackers (dmd2_core/trackers: every iteration's metrics and the eval media) -------------
-    trackers: list[str] = _f(
-        [], "trackers", "Experiment trackers the run also writes to: any of tensorboard, mlflow, wandb (each needs its "
-        "extra: pip install 'dmd2[NAME]'). A rerun continues the same tracker runs (their ids are in {save}/trackers.json).")
-    tracker_run_name: Optional[str] = _f(None, "trackers", "The tracker runs' name; default the flow run's name.")
-    tensorboard_dir: Optional[str] = _f(
-        None, "trackers", "TensorBoard log directory; default {save}/tensorboard (./tensorboard/{run_name} when the "
-        "save is not a local path).")
-    mlflow_tracking_uri: Optional[str] = _f(
-        None, "trackers", "MLflow tracking URI; default a local store in the save (sqlite:///{save}/mlflow.db, "
-        "artifacts in {save}/mlflow-artifacts), or MLflow's own default when the save is not a local path.")
-    mlflow_experiment: Optional[str] = _f(None, "trackers", "MLflow experiment name; default run_name.")
-    wandb_mode: Literal["offline", "online"] = _f(
-        "offline", "trackers", "W&B mode: offline writes run files only (`wandb sync` uploads them later); online logs in.")
-    wandb_project: Optional[str] = _f(None, "trackers", "W&B project; default run_name.")
-    wandb_dir: Optional[str] = _f(
-        None, "trackers", "Local directory of W&B's run files ({dir}/wandb/); default the save, or the working "
-        "directory when the save is not a local path.")
 
     @field_validator("dmd2_student_steps")
     @classmethod
