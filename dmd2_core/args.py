@@ -13,6 +13,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from dmd2_core.errors import ArgsError
+from dmd2_core.trackers.flags import TrackerFlags
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "deployments" / "recipes"
 
@@ -21,7 +22,7 @@ def _f(default, group: str, help: str, **kw):
     return Field(default, description=help, json_schema_extra={"group": group}, **kw)
 
 
-class Args(BaseModel):
+class Args(TrackerFlags):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
     # --- run -----------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Optional
 from dmd2_core.args import Args, load_args, nearest, parse_set, recipe_names
 from dmd2_core.errors import ArgsError
 from dmd2_core.train.trainer_config import compute_trainer_args, compute_trainer_configs
+from dmd2_core.trackers.flags import TrackerFlags
 
 
 def build_parser() -> ArgParser:
@@ -128,7 +129,8 @@ def add_arg_flags(parser: argparse.ArgumentParser) -> None:
     recipe's value wins."""
     add_set_flag(parser, "override one flag")
     groups: dict[str, argparse._ArgumentGroup] = {}
-    for name, field in Args.model_fields.items():
+    # the trackers' flags (declared in a base class of Args, so first in its fields) are listed last
+    for name, field in sorted(Args.model_fields.items(), key=lambda item: item[0] in TrackerFlags.model_fields):
         group_name = (field.json_schema_extra or {}).get("group", "other")
         group = groups.setdefault(group_name, parser.add_argument_group(f"{group_name} flags"))
         is_list = "list[" in str(field.annotation)

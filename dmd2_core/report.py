@@ -64,7 +64,8 @@ class MetricsLog:
     append, so only the open segment is rewritten after an iteration: a write costs the same at
     iteration 4000 as at iteration 10. ``{save}/metrics.jsonl`` (every line, in order) is written
     once when the run ends (``finish``). On resume, lines after the checkpoint are dropped: those
-    iterations are replayed."""
+    iterations are replayed. ``last_found``: the last iteration the log held before (-1: none),
+    what an earlier attempt got to (the trackers' replay rule, trackers/sinks.py)."""
 
     def __init__(self, save_url: str, resume_after: int, segment: int = SEGMENT_ITERATIONS):
         self.save_url = save_url
@@ -72,8 +73,10 @@ class MetricsLog:
         self.segment = int(segment)
         self.rows: dict[int, dict] = {}
         self._dirty: set[int] = set()
+        found = read_metrics(save_url)
+        self.last_found = max((int(row.get("iteration", -1)) for row in found), default=-1)
         if resume_after > 0:
-            for row in read_metrics(save_url):
+            for row in found:
                 if int(row.get("iteration", -1)) <= resume_after:
                     self.rows[int(row["iteration"])] = row
             self._drop_segments_after(resume_after)

@@ -7,6 +7,9 @@
     {save}/exports/iter_{i:07d}.staging-{n}/   an export being written, swapped in once complete
     {save}/best_student.json                   the run's best eval and its export: retention keeps it
     {save}/metrics.jsonl, {save}/metrics/      the metrics log and its segments (report.py)
+    {save}/trackers.json                       the tracker runs a rerun continues (trackers/sinks.py)
+    {save}/tensorboard/, {save}/mlflow.db, {save}/mlflow-artifacts/, {save}/wandb/
+                                               the trackers' own files by default (trackers/)
     {save}/media/iter_{i:07d}[_p{prompt}].*    eval media (media/eval_media.py)
     {save}/eval_reference/{key}/               the teacher's reference samples' features (evaluation/)
 """
@@ -76,3 +79,10 @@ BEST_STUDENT_NAME = "best_student.json"
 
 def best_student_url(save_url: str) -> str:
     return storage.join(save_url, BEST_STUDENT_NAME)
+
+
+TRACKERS_NAME = "trackers.json"
+
+
+def trackers_url(save_url: str) -> str:
+    return storage.join(save_url, TRACKERS_NAME)

@@ -164,6 +164,7 @@ class Driver(DriverBase):
         else:
             self.log.write()
             self.artifacts.progress(i)
+        self.track(i)  # after the log holds the row: a rerun skips what the log had, never what it lacked
         self.view["iteration"] = i
         self.logger.info(f"iteration {i}/{self.final} {_fmt(row)} ({metrics['iteration_s']:.2f}s)")
         return row
@@ -181,6 +182,7 @@ class Driver(DriverBase):
             first = next(iter(self.view["evals"]), {})  # iteration 0's, on a rerun too (the metrics log)
             self.result["quality_before"] = {k: first[k] for k in QUALITY_KEYS if first.get(k) is not None} or resumed or None
             self.publish(self.start)
+            self.track(self.start)
         rerun = f" (rerun {self.reruns})" if self.reruns else ""
         for first, last in windows(self.start, self.final, args.iterations_per_window):
             name = f"{self.view['name']} iterations-{first:04d}-{last:04d}{rerun}"
@@ -199,6 +201,7 @@ class Driver(DriverBase):
                 self.logger.info("quality before -> after: " + ", ".join(f"{k} {b[k]:.4g} -> {a[k]:.4g}" for k in a if k in b))
         self.view["status"] = "completed"
         self.log.finish()
+        self.trackers.close()
         self.publish(self.final)
         self.result["wall_s"] = round(time.perf_counter() - self.t0, 2)
         self.logger.info(f"dmd2 done: iteration {self.final} in {self.result['wall_s']}s; metrics {self.log.url}")
@@ -291,6 +294,9 @@ def dmd2(
             with contextlib.suppress(Exception):  # the summary says so too (best effort: the error stands)
                 driver.artifacts.publish(driver.log.table())
             nights.record_night(driver.view, "failed", time.perf_counter() - driver.t0)
+        if driver is not None:
+            with contextlib.suppress(Exception):  # what they were given stays theirs; the error stands
+                driver.trackers.close(failed=True)
         raise
     finally:
         _DRIVERS.pop(run_id, None)

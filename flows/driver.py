@@ -20,6 +20,7 @@ from dmd2_core.report import GAN_KEYS, QUALITY_KEYS, MetricsLog, best_eval, crit
 from dmd2_core.step_counts import split_steps
 from dmd2_core.run.save_tracker import read_best_student, write_best_student
 from dmd2_core.run.schedule import Schedule
+from dmd2_core.trackers.sinks import Trackers
 from flows import artifacts, runs
 from tasks.checkpoint import checkpoint
 from tasks.eval import eval_media
@@ -54,6 +55,9 @@ class DriverBase:
         self.last_ckpt: Optional[int] = self.start if (self.start and run.resumed_from == args.save) else None
         self.requested_ckpt: Optional[int] = self.last_ckpt
         self.log = MetricsLog(args.save, self.start)
+        self.trackers = Trackers.open(args, args.tracker_run_name or name, args.model_dump(mode="json"),
+                                      self.start, self.log.last_found, self.log.rows)
+        self.media_at: dict[int, list[dict]] = {}  # an eval's media, until its iteration's row goes to the trackers
         self.keys = artifacts.artifact_keys(name)  # the run's name carries its flow run id: one set per run
         self.result: dict[str, Any] = {
             "run_id": run_id, "name": name, "start_iteration": self.start, "final_iteration": self.final,
@@ -87,6 +91,7 @@ class DriverBase:
         self.view["evals"] = [e for e in self.view["evals"] if e["iteration"] != i]
         self.view["evals"].append(eval_row(row))
         self.view["media"], self.view["media_iteration"] = out["media"], i
+        self.media_at[i] = out["media"]
         self.view["drift_flags"] = flags
         self.view["reference"] = out.get("reference") or self.view["reference"]
         best = best_eval(self.trained_evals())  # the start's student is the run's starting point, not its result
@@ -96,6 +101,10 @@ class DriverBase:
             self.logger.info(f"eval at iteration {i}: " + fmt(quality)
                              + (f"; drift out of band: {', '.join(self.view['drift_flags'])}" if self.view["drift_flags"] else ""))
         return quality
+
+    def track(self, i: int) -> None:
+        """Iteration i's metrics row and eval media to the run's trackers (once its row is complete)."""
+        self.trackers.write(i, self.log.rows.get(i, {"iteration": i}), self.media_at.pop(i, None))
 
     def first_eval(self, latest: dict) -> dict:
         """The run's first eval with drift figures (its start, against which drift is judged): from

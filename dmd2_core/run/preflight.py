@@ -19,6 +19,7 @@ from dmd2_core.data import check_real_set, prompt_texts
 from dmd2_core.train.input_hook import load_hook
 from dmd2_core.models import FAMILIES, check_weight_files, describe_model_dir
 from dmd2_core.train.trainer_config import compute_trainer_args, compute_trainer_configs
+from dmd2_core.trackers.sinks import check_trackers
 
 
 def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
@@ -29,6 +30,7 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
                       ("save", "the run's storage URL")):
         if not getattr(args, key):
             raise ArgsError(f"{key} is not set: point it at {what}")
+    check_trackers(args)
     preflight_checks.check_reachable({"save": args.save, "load": args.load, "hf_checkpoint": args.hf_checkpoint,
                                       "prompts": args.prompts})
     preflight_checks.check_ray_address(args.ray_address)
