@@ -12,6 +12,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from dmd2_core import arg_rules
 from dmd2_core.errors import ArgsError
 from dmd2_core.trackers.flags import TrackerFlags
 
@@ -237,70 +238,11 @@ class Args(TrackerFlags):
     @field_validator("dmd2_student_steps")
     @classmethod
     def _one_or_a_set(cls, value):
-        """A set of step counts, ascending and without repeats; a set of one is that K (today's student)."""
-        if isinstance(value, list):
-            if not value:
-                raise ValueError("a set of step counts needs at least one K")
-            bad = [k for k in value if k < 1]
-            if bad:
-                raise ValueError(f"every K must be >= 1 (got {bad[0]})")
-            value = sorted(set(value))
-            return value[0] if len(value) == 1 else value
-        if value < 1:
-            raise ValueError(f"K must be >= 1 (got {value})")
-        return value
+        return arg_rules.one_or_a_set(value)
 
     @model_validator(mode="after")
     def _check_relations(self) -> "Args":
-        weights = self.dmd2_student_steps_weights
-        if weights is not None:
-            counts = self.student_step_counts
-            if len(counts) == 1:
-                raise ValueError("dmd2_student_steps_weights: only a set of step counts (dmd2_student_steps: [1, 2, 4, 8]) "
-                                 "draws its K; remove it or give a set")
-            if len(weights) != len(counts) or any(not w > 0 for w in weights):
-                raise ValueError(f"dmd2_student_steps_weights: one positive weight per K of {list(counts)} "
-                                 f"(got {weights})")
-        if self.sleep_after_train is None:
-            self.sleep_after_train = self.device == "cuda"
-        if self.dmd2_min_sigma >= self.dmd2_max_sigma:
-            raise ValueError("dmd2_min_sigma: must be below dmd2_max_sigma")
-        if self.fsdp_shard_size is not None and self.num_devices % self.fsdp_shard_size:
-            raise ValueError(f"fsdp_shard_size: {self.fsdp_shard_size} does not divide num_devices {self.num_devices}")
-        shard = self.fsdp_shard_size or self.num_devices
-        for key in ("cp_size", "critic_cp_size"):
-            cp = getattr(self, key)
-            if cp is not None and shard % cp:
-                raise ValueError(f"{key}: {cp} does not divide the {shard} ranks a model is sharded over "
-                                 f"(fsdp_shard_size, default num_devices)")
-        for key in ("fsdp_cpu_offload", "critic_fsdp_cpu_offload"):
-            if getattr(self, key) and self.device != "cuda":
-                raise ValueError(f"{key}: offloading to host memory needs device cuda (device is {self.device})")
-        if (self.gan_weight or self.gan_critic_weight) and not self.real_data:
-            raise ValueError("real_data: the GAN head needs real samples (gan_weight/gan_critic_weight > 0); "
-                             "set real_data to a real set from `prepare-latents` or 'digits'")
-        if self.export_interval and self.save_interval and self.export_interval % self.save_interval:
-            raise ValueError(f"export_interval: {self.export_interval} is not a multiple of save_interval "
-                             f"{self.save_interval} (exports are taken at checkpoints)")
-        if self.loss_type == "dmd2" and self.num_steps_per_rollout != 1:
-            raise ValueError(f"num_steps_per_rollout: the dmd2 actor takes one step per rollout (got "
-                             f"{self.num_steps_per_rollout}); the critic's steps per rollout are dmd2_update_ratio")
-        if self.export_merged and not self.lora_rank:
-            raise ValueError("export_merged: only a LoRA student (lora_rank > 0) has adapters to merge")
-        for key in ("lora_dropout", "critic_lora_dropout"):  # until its masks come from the run's seeded streams
-            if getattr(self, key):
-                raise ValueError(f"{key}: {getattr(self, key)} is not supported: peft's adapter dropout draws its masks "
-                                 "from torch's global generator, not the run's seeded streams, so a replay from a "
-                                 "checkpoint and N ranks against 1 would train on different masks; set it to 0")
-        if self.micro_batch_size > self.global_batch_size:
-            raise ValueError(f"micro_batch_size: {self.micro_batch_size} is above global_batch_size "
-                             f"{self.global_batch_size}; set it to at most {self.global_batch_size}")
-        if self.run_name in ("", ".", "..") or any(c in self.run_name for c in "/\\\0"):
-            raise ValueError(f"run_name: {self.run_name!r} must be one path segment (no '/', not '.' or '..'): "
-                             "it names the run's actors and files")
-        if self.gan_weight and not self.gan_critic_weight:
-            raise ValueError("gan_critic_weight: must be > 0 when gan_weight is (the discriminator would never train)")
-        return self
+        return arg_rules.check_relations(self)
 
     # ---- derived values (one place each) ------------------------------------------------------
     @property
