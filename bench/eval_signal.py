@@ -544,6 +544,8 @@ def main() -> None:
     if evals[0] != 0 or len(evals) < 3:
         parser.error("--evals needs 0 and at least two more iterations")
     os.makedirs(ns.run_dir, exist_ok=True)
+    saved = os.path.join(ns.run_dir, "students.pt")  # every evaluation's samples and ground truth
+    kept = first_samples(torch.load(saved), ns.num_samples) if ns.summarise_only else None  # before any work
     teachers = {}
     if "digits" in ns.worlds:
         teachers["digits"] = ensure_teacher(ns.teacher, seed=0, log=log)
@@ -571,9 +573,8 @@ def main() -> None:
     # the longest first: H3 iterations are ~3x the digits' and the recipe runs go furthest
     jobs.sort(key=lambda j: -max(j["evals"]) * (3 if j["world"] == "av" else 1))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    saved = os.path.join(ns.run_dir, "students.pt")  # every evaluation's samples and ground truth
-    if ns.summarise_only:
-        results = first_samples(torch.load(saved), ns.num_samples)
+    if kept is not None:
+        results = kept
     else:
         results = []
         with mp.get_context("spawn").Pool(ns.workers) as pool:
