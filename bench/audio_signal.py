@@ -13,6 +13,8 @@ signal samples and ground truth, and its cached teacher references) and prints o
     mean over the two stereo channels' tokens of each time row, the rows concatenated);
   - signal sample count (``--counts``: each evaluation's first n samples; 32 is the recipe's);
   - reference: the real set (512 rows, the run's criterion) or the teacher's 50-step samples.
+- ``students``: each student's ground truth and what its sound's spectrum has (RMS, the median
+  bin's magnitude: the floor under the tone), ``real_test_clips`` the same of the held-out clips.
 - ``probe``: what the features see, on real clips where the change is known: 512 real rows as the
   reference, ``--probe-samples`` other real rows as the "student", their sound scaled by a gain
   (louder, quieter) or given a white floor (latent units; the students' spectra sit on such a
@@ -115,9 +117,22 @@ def spearman_table(results, url: str, run_dir: str, ns, family, model) -> dict:
     for key in [k for k in out if k.endswith("_per_seed")]:
         out[key.removesuffix("_per_seed")] = es.r4(sum(out[key]) / len(out[key]))
     out["students"] = {str(seed): [{"run": run, "steps": e["steps"], "iteration": e["iteration"],
-                                    **{t: es.r4(e["gt"][t]) for t in TRUTH.values()}}
+                                    **{t: es.r4(e["gt"][t]) for t in TRUTH.values()}, **sound_level(e["x"])}
                                    for run, e in es.distinct_students(results, "av", seed)] for seed in ns.seeds}
+    out["real_test_clips"] = sound_level_of(sd.make_clips("test", 0).audio)
     return out
+
+
+def sound_level_of(audio: torch.Tensor) -> dict[str, float]:
+    """What the sound FD's spectrum sees of stereo clips [N, 2, S]: their RMS and the median
+    magnitude of their spectrum's bins (``sounding_digits_metrics.spectrum`` before its log: a
+    tone is one bin, so the median is the floor under it)."""
+    magnitude = torch.fft.rfft(audio.float(), dim=-1).abs().pow(2).sum(1).sqrt()
+    return {"rms": es.r4(audio.pow(2).mean().sqrt()), "median_bin": es.r4(magnitude.median())}
+
+
+def sound_level(x: torch.Tensor) -> dict[str, float]:
+    return sound_level_of(sd.decode(es.finite(x)[0])[1])
 
 
 def probe(url: str, ns, family, model) -> dict:
