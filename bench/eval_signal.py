@@ -361,6 +361,15 @@ def student_job(job: dict) -> dict:
     return {"world": world, "run": job["run"], "seed": job["seed"], "evals": evals, "wall_s": time.perf_counter() - start}
 
 
+def first_samples(results: list[dict], n: int) -> list[dict]:
+    """Kept evaluations cut to their first ``n`` signal samples: what a run of ``--num-samples n``
+    evaluates (sample j's prompt is j mod 10 and its noise seed + j, whatever the count)."""
+    kept = min(e["x"].shape[0] for r in results for e in r["evals"])
+    if n > kept:
+        raise SystemExit(f"--num-samples {n}: the kept run has {kept} samples per evaluation; pass {kept} or fewer")
+    return [{**r, "evals": [{**e, "x": e["x"][:n]} for e in r["evals"]]} for r in results]
+
+
 # ---- figures --------------------------------------------------------------------------------------
 
 def spearman(signal: list[float], truth: list[float]) -> float:
@@ -521,7 +530,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--real-samples", type=int, default=512, help="real rows of the second reference (real_kid)")
     parser.add_argument("--summarise-only", action="store_true",
-                        help="read the students' evaluations of the last run (--run-dir) instead of training them")
+                        help="read the students' evaluations of the last run (--run-dir) instead of training them; "
+                             "--num-samples below the run's takes each evaluation's first samples")
     parser.add_argument("--run-dir", default="runs/eval-signal")
     ns = parser.parse_args()
     torch.set_num_threads(1)
@@ -534,6 +544,8 @@ def main() -> None:
     if evals[0] != 0 or len(evals) < 3:
         parser.error("--evals needs 0 and at least two more iterations")
     os.makedirs(ns.run_dir, exist_ok=True)
+    saved = os.path.join(ns.run_dir, "students.pt")  # every evaluation's samples and ground truth
+    kept = first_samples(torch.load(saved), ns.num_samples) if ns.summarise_only else None  # before any work
     teachers = {}
     if "digits" in ns.worlds:
         teachers["digits"] = ensure_teacher(ns.teacher, seed=0, log=log)
@@ -561,9 +573,8 @@ def main() -> None:
     # the longest first: H3 iterations are ~3x the digits' and the recipe runs go furthest
     jobs.sort(key=lambda j: -max(j["evals"]) * (3 if j["world"] == "av" else 1))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    saved = os.path.join(ns.run_dir, "students.pt")  # every evaluation's samples and ground truth
-    if ns.summarise_only:
-        results = torch.load(saved)
+    if kept is not None:
+        results = kept
     else:
         results = []
         with mp.get_context("spawn").Pool(ns.workers) as pool:
