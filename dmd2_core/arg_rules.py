@@ -3,11 +3,6 @@ ValueError "key: what is wrong", which ``args.load_args`` turns into one line na
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from dmd2_core.args import Args
-
 
 def one_or_a_set(value):
     """A set of step counts, ascending and without repeats; a set of one is that K (today's student)."""
@@ -24,8 +19,9 @@ def one_or_a_set(value):
     return value
 
 
-def check_relations(args: "Args") -> "Args":
-    """Cross-field rules; fills the defaults that depend on other fields (``sleep_after_train``)."""
+def check_relations(args):
+    """Cross-field rules of ``args`` (an ``Args`` being validated; returned); fills the defaults
+    that depend on other fields (``sleep_after_train``)."""
     weights = args.dmd2_student_steps_weights
     if weights is not None:
         counts = args.student_step_counts
