@@ -100,32 +100,47 @@ def evaluate(run, args: Args, num_steps: Optional[int] = None) -> dict[str, Any]
     """The run's quality figures at this eval, of the student's ``num_steps``-step samples
     (default its largest step count): {metrics: {key: float}, reference: the drift yardstick
     ({"value", "se"}: ``drift.pooled``; "source": 'real' or 'teacher'), which ``drift_flags``
-    judges the eval's drift with}. The references do not depend on the step count: every K
-    of a student is measured against the same cached ones."""
+    judges the eval's drift with}."""
+    k = num_steps or args.max_student_steps
+    out = evaluate_each(run, args, [k])
+    return {"metrics": out["metrics"][k], "reference": out["reference"]}
+
+
+def evaluate_each(run, args: Args, step_counts: list[int]) -> dict[str, Any]:
+    """``evaluate`` at each of ``step_counts``: {metrics: {K: {key: float}}, reference}. The
+    references do not depend on the step count: they are read (or made) once, and every K is
+    measured against them."""
     name = evaluator_of(args)
     if name == TEACHER and not run.has_critic:  # no group holds the frozen teacher: no quality figures
-        return {"metrics": {}, "reference": {}}
+        return {"metrics": {k: {} for k in step_counts}, "reference": {}}
     if name != TEACHER:
         world = importlib.import_module(TOY_EVALUATORS[name])
-        sample = functools.partial(run.sample, num_steps=num_steps)
-        return {"metrics": world.quality(sample, args.eval_num_samples, args.eval_seed), "reference": {}}
+        return {"metrics": {k: world.quality(functools.partial(run.sample, num_steps=k), args.eval_num_samples,
+                                             args.eval_seed) for k in step_counts}, "reference": {}}
     order = eval_order(args, len(prompt_texts(args.prompts)))
     identity = teacher_identity(args)  # one listing and config read an eval, shared by both references' keys
     reference = teacher_reference(run, args, order, identity)
+    real = real_reference(run, args, identity)
+    metrics = {k: _student_figures(run, args, order, reference, real, k) for k in step_counts}
+    yardstick = real["drift"] if real else reference["drift"]
+    return {"metrics": metrics, "reference": {**yardstick, "source": "real" if real else "teacher"}}
+
+
+def _student_figures(run, args: Args, order: list[int], reference: dict[str, Any], real: dict[str, Any],
+                     num_steps: int) -> dict[str, float]:
+    """The student's ``num_steps``-step samples against both references, its diversity and drift."""
     latents = run.eval_latents(order, args.eval_seed, num_steps=num_steps)
     features = run.teacher_features(latents, order, FEATURE_U, FEATURE_SEED)
     metrics = {f"teacher_kid_{m}": projected_kid(reference["features"][m], f, dim=PROJECTION_DIM)
                for m, f in sorted(features.items())}
     metrics["teacher_kid"] = sum(metrics.values()) / len(metrics)
-    real = real_reference(run, args, identity)
     if real:
         metrics.update({f"real_kid_{m}": projected_kid(real["features"][m], f, dim=PROJECTION_DIM)
                         for m, f in sorted(features.items())})
         metrics["real_kid"] = sum(metrics[f"real_kid_{m}"] for m in features) / len(features)
     metrics.update({f"diversity_{m}": v for m, v in within_prompt_diversity(features, order).items()})
     metrics.update({f"drift_{k}": v for k, v in pooled(run.drift_stats(latents))["value"].items()})
-    yardstick = real["drift"] if real else reference["drift"]
-    return {"metrics": metrics, "reference": {**yardstick, "source": "real" if real else "teacher"}}
+    return metrics
 
 
 # ---- the teacher's side, made once ----------------------------------------------------------------

@@ -66,27 +66,21 @@ def run_eval(run, iteration: int, embed_limit: int = 512 * 1024) -> dict[str, An
     import time
 
     args = run.args
-    counts = args.student_step_counts
+    counts = list(args.student_step_counts)
     several = len(counts) > 1
-    metrics: dict[str, float] = {}
-    media: list[dict[str, Any]] = []
-    reference: dict[str, Any] = {}
-    media_s = quality_s = 0.0
-    for k in counts:
-        start = time.perf_counter()
-        media += eval_media(run, iteration, k if several else None, embed_limit, INLINE_VIDEO_BYTES // len(counts))
-        t = time.perf_counter()
-        quality = evaluators.evaluate(run, args, k)
-        quality_s += time.perf_counter() - t
-        media_s += t - start
-        metrics.update({at_steps(key, k) if several else key: v for key, v in quality["metrics"].items()})
-        reference = quality["reference"] or reference
+    start = time.perf_counter()
+    media = [m for k in counts
+             for m in eval_media(run, iteration, k if several else None, embed_limit, INLINE_VIDEO_BYTES // len(counts))]
+    metrics: dict[str, float] = {"eval_media_s": time.perf_counter() - start}
+    t = time.perf_counter()
+    quality = evaluators.evaluate_each(run, args, counts)
+    for k, figures in quality["metrics"].items():
+        metrics.update({at_steps(key, k) if several else key: v for key, v in figures.items()})
     if several:
         metrics.update(mean_over_steps(metrics, counts, CRITERIA))
-    metrics["eval_media_s"] = media_s
-    if quality_s and any(not key.startswith("eval_") for key in metrics):
-        metrics["eval_quality_s"] = quality_s
-    return {"iteration": int(iteration), "metrics": metrics, "media": media, "reference": reference}
+    if any(quality["metrics"].values()):
+        metrics["eval_quality_s"] = time.perf_counter() - t
+    return {"iteration": int(iteration), "metrics": metrics, "media": media, "reference": quality["reference"]}
 
 
 def eval_media(run, iteration: int, num_steps: Optional[int], embed_limit: int, inline_limit: int) -> list[dict[str, Any]]:
