@@ -9,7 +9,7 @@ from typing import Optional
 
 from dmd2_core.media.images import data_uri
 from dmd2_core.report import _v, best_eval, criterion, round_sig
-from dmd2_core.step_counts import at_steps, split_steps
+from dmd2_core.step_counts import at_steps, counts_in
 
 
 PER_MODALITY = ("real_kid_video", "real_kid_audio", "real_kid_image",
@@ -34,7 +34,7 @@ def night_row(view: dict, outcome: str, wall_s: float, run_id: str, link: Option
            "wall_s": round(float(wall_s), 1), "link": link,
            "student": view.get("best_student") or view.get("student")}
     row.update({k: last.get(k) for k in (*PER_MODALITY, *TOY_COLUMNS) if last.get(k) is not None})
-    counts = sorted({k for e in evals for key in e for k in [split_steps(key)[1]] if k is not None})
+    counts = counts_in(key for e in evals for key in e)
     if key and counts:  # a student of several step counts: its final and best (the run's student) at each
         row["steps"] = {str(k): {"final": last.get(at_steps(key, k)), "best": best.get(at_steps(key, k)),
                                  **{c: last.get(at_steps(c, k)) for c in (*PER_MODALITY, *TOY_COLUMNS)

@@ -18,7 +18,7 @@ from dmd2_core import storage
 from dmd2_core.save_layout import METRICS_SEGMENTS_DIR, metrics_segment_url, metrics_url
 from dmd2_core.args import Args
 from dmd2_core.media.images import data_uri
-from dmd2_core.step_counts import STEPS_MARK, per_steps_rows, split_steps, steps_label
+from dmd2_core.step_counts import STEPS_MARK, counts_in, per_steps_rows, split_steps, steps_label
 
 SEGMENT_ITERATIONS = 100  # lines per segment file: the open one is rewritten, its size is bounded
 # An eval's quality figures (evaluation.evaluators), shown where present: the teacher evaluator's
@@ -367,7 +367,7 @@ def drift_table(reference: dict, latest: dict, flags: list[str]) -> list[str]:
     teacher's reference samples: ``drift.pooled``), and whether each is in its band
     (``evaluators.drift_flags``); a student of several step counts has a column per K."""
     source = "real set" if reference.get("source") == "real" else "teacher"
-    counts = sorted({k for key in latest for k in [split_steps(key)[1]] if k is not None})
+    counts = counts_in(latest)
     names = [f"drift_{{}}{STEPS_MARK}{k}" for k in counts] or ["drift_{}"]
     students = [f"{k} steps" for k in counts] or ["student"]
     out = [f"## Drift against the {source} (latest eval)", "",

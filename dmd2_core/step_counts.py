@@ -21,6 +21,11 @@ def split_steps(key: str) -> tuple[str, Optional[int]]:
     return (name, int(steps)) if mark and steps.isdigit() else (key, None)
 
 
+def counts_in(keys: Iterable[str]) -> list[int]:
+    """The step counts figures named ``keys`` carry (``at_steps``), ascending; [] for a student of one K."""
+    return sorted({k for key in keys for k in [split_steps(key)[1]] if k is not None})
+
+
 def mean_over_steps(metrics: dict[str, Any], counts: Iterable[int], keys: Iterable[str]) -> dict[str, float]:
     """Each of ``keys`` (the criteria, ``report.CRITERIA``) that every step count has, as its mean
     over them: the one figure that ranks a student of several step counts (its best eval, the
