@@ -214,9 +214,8 @@ def _finish(staging: str, model, family, teacher: dict, streamed: dict, *, teach
         one = len(counts) == 1
         marker.update(num_inference_steps=counts[0] + 1 if one else [k + 1 for k in counts],
                       shift=float(family.fixed_shift or 1.0),
-                      sigmas=fm.student_sigmas(counts[0], 1.0) if one else {str(k): fm.student_sigmas(k, 1.0) for k in counts},
-                      modality_sigmas=_modality_sigmas(staging, counts[0]) if one else
-                      {str(k): _modality_sigmas(staging, k) for k in counts},
+                      sigmas=steps.per_count(lambda k: fm.student_sigmas(k, 1.0)),
+                      modality_sigmas=_modality_sigmas(staging, steps),
                       scheduler={"note": "the teacher's schedulers; run the pipeline with num_inference_steps = "
                                          + (f"{counts[0] + 1}" if one else f"K + 1 for K in {list(counts)}")})
     else:
@@ -255,13 +254,16 @@ def _modular_index(teacher_url: str) -> tuple[dict, list[str]]:
     return index, components
 
 
-def _modality_sigmas(staging: str, num_steps: int) -> dict[str, list[float]]:
-    sigmas = {}
-    for name in ("scheduler", "audio_scheduler"):
-        config = json.loads(storage.read_text(storage.join(staging, name, "scheduler_config.json")))
+def _modality_sigmas(staging: str, steps: StudentSteps):
+    """Each modality's K sigmas through its scheduler's shift (the configs read once), per K."""
+    shifts = {name: json.loads(storage.read_text(storage.join(staging, name, "scheduler_config.json")))["shift"]
+              for name in ("scheduler", "audio_scheduler")}
+
+    def at(num_steps: int) -> dict[str, list[float]]:
         base = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float32)
-        sigmas[name] = [float(s) for s in config["shift"] * base / (1 + (config["shift"] - 1) * base)][:-1]
-    return sigmas
+        return {name: [float(s) for s in shift * base / (1 + (shift - 1) * base)][:-1] for name, shift in shifts.items()}
+
+    return steps.per_count(at)
 
 
 # ---- helpers ---------------------------------------------------------------------------------

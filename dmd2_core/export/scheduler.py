@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 from dmd2_core import flow_matching as fm
 
@@ -35,11 +35,17 @@ class StudentSteps:
         counts = (int(num_steps),) if isinstance(num_steps, int) else tuple(sorted({int(k) for k in num_steps}))
         return cls(counts, bool(euler))
 
+    def per_count(self, figure: Callable[[int], Any]) -> Any:
+        """``figure(K)`` for a student of one K; ``{str(K): figure(K)}`` for each K of a set (the
+        shape export.json gives each per-K entry)."""
+        if len(self.counts) == 1:
+            return figure(self.counts[0])
+        return {str(k): figure(k) for k in self.counts}
+
     def marker(self, shift: float) -> dict[str, Any]:
         """export.json's ``num_steps`` and ``sigmas``: one K as before, a set as lists per K."""
-        if len(self.counts) == 1:
-            return {"num_steps": self.counts[0], "sigmas": fm.student_sigmas(self.counts[0], shift)}
-        return {"num_steps": list(self.counts), "sigmas": {str(k): fm.student_sigmas(k, shift) for k in self.counts}}
+        return {"num_steps": self.counts[0] if len(self.counts) == 1 else list(self.counts),
+                "sigmas": self.per_count(lambda k: fm.student_sigmas(k, shift))}
 
 
 def student_scheduler(shift: float, num_steps: Union[int, Sequence[int], StudentSteps]) -> tuple[str, dict[str, Any]]:
