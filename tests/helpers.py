@@ -75,6 +75,22 @@ def iterate_in_process(trainers: dict, iteration: int) -> None:
     trainers["actor"].train(iteration, pairs, scores)
 
 
+def resume_in_process(args, trainers: dict, iteration: int) -> dict:
+    """Save ``trainers`` at ``iteration``, load fresh ones from that checkpoint and check they hold
+    the same state bit for bit, then take one more iteration on both and check again; returns the
+    resumed trainers."""
+    for t in trainers.values():
+        t.save(iteration)
+    resumed = in_process_trainers(args)
+    for role, t in resumed.items():
+        t.load(iteration)
+        assert t.state_digest() == trainers[role].state_digest(), role
+    iterate_in_process(trainers, iteration + 1)
+    iterate_in_process(resumed, iteration + 1)
+    assert {r: t.state_digest() for r, t in resumed.items()} == {r: t.state_digest() for r, t in trainers.items()}
+    return resumed
+
+
 def h3_prompts(lengths: list[int]) -> PromptSet:
     """The MiniMax-H3 stand-in's prompt set with the given text lengths (its packed sequence is 451
     video and audio rows plus the text: odd lengths make it split over 2 ranks)."""
