@@ -180,6 +180,11 @@ class Args(TrackerFlags):
         None, "dmd2", "How the student moves between its steps: renoise (its x0 re-noised with fresh noise, LCM's) or "
         "euler (along its velocity, no fresh noise: one diffusers scheduler then serves every step count); default "
         "the family's (MiniMax-H3 euler, others renoise).")
+    dmd2_critic_step_conditioning: bool = _f(
+        True, "dmd2", "With a set of step counts: the fake score learns one vector per K, added to its time "
+        "embedding, so it models each K's samples apart rather than their mixture (docs/design.md).")
+    dmd2_critic_step_lr_scale: float = _f(
+        30.0, "dmd2", "The fake score's step vectors (dmd2_critic_step_conditioning) learn at this times its lr.", gt=0)
     dmd2_guidance_scale: float = _f(1.0, "dmd2", "Teacher classifier-free guidance scale for the real score.", ge=0)
     dmd2_critic_scoring: Literal["fused", "original"] = _f(
         "fused", "dmd2", "fused: score on the critic's last-step inputs; original: separate scoring pass before it."

@@ -22,7 +22,7 @@ from dmd2_core.report import best_eval, summary_markdown
 from dmd2_core.run.distill_run import preflight
 from dmd2_core.train import dmd2_method
 from dmd2_core.train.reference import ReferenceLoop
-from tests.helpers import tiny_args
+from tests.helpers import in_process_trainers, iterate_in_process, resume_in_process, tiny_args
 
 
 def test_one_step_count_draws_exactly_what_it_always_drew(tiny_teacher, tmp_path):
@@ -55,6 +55,81 @@ def test_a_set_draws_each_step_count_by_its_weight_and_stops_inside_its_schedule
         drawn[k] += 1
     assert set(drawn) == {1, 2, 4, 8}
     assert 0.55 < drawn[8] / 800 < 0.70 and all(0.08 < drawn[k] / 800 < 0.17 for k in (1, 2, 4))
+
+
+def test_a_sets_fake_score_learns_a_vector_per_step_count_that_the_real_score_never_sees(tiny_teacher, tmp_path):
+    """A LoRA fake score over the teacher's base, of a student of [1, 2]: its step vectors start at
+    zero (the fake score is the teacher), each K's is trained on that K's iterations alone, the
+    fake score then differs by K, and the real score (the same base, adapters off) never sees them."""
+    from dmd2_core.models import step_conditioning as sc
+
+    args = tiny_args(tiny_teacher, str(tmp_path), dmd2_student_steps=[1, 2], dmd2_student_sampler="euler",
+                     lora_rank=4)
+    loop = ReferenceLoop(args)
+    vectors = getattr(loop.critic, sc.ATTR).weight
+    assert sc.is_conditioned(loop.critic) and not sc.is_conditioned(loop.student)
+    assert torch.count_nonzero(vectors) == 0
+    x = torch.randn(3, *loop.shape, generator=torch.Generator().manual_seed(0))
+    sigma, cond = torch.full((3,), 0.6), loop.cond(torch.tensor([0, 1, 2]))
+
+    def fake(k):
+        with sc.at(loop.critic, k), torch.no_grad():
+            return loop.family.predict_velocity(loop.critic, x, sigma, cond)
+
+    def real(k):
+        with sc.at(loop.critic, k):
+            return loop.family.predict_velocity(loop.teacher, x, sigma, cond)
+
+    real_before = real(1)
+    drawn = [dmd2_method.draw_student_steps(loop.args, i) for i in (1, 2, 3, 4)]
+    loop.run(4)
+    assert set(drawn) == {1, 2}, drawn  # the seed draws both K in 4 iterations
+    assert all(vectors[i].abs().sum() > 0 for i in range(2))
+    assert (fake(1) - fake(2)).abs().max() > 1e-6
+    torch.testing.assert_close(real(1), real(2), rtol=0, atol=0)
+    torch.testing.assert_close(real(1), real_before, rtol=0, atol=0)  # the adapters and vectors are off
+    with pytest.raises(ValueError, match="step count 4"):
+        with sc.at(loop.critic, 4):
+            pass
+    one_k = ReferenceLoop(tiny_args(tiny_teacher, str(tmp_path / "one"), dmd2_student_steps=2))
+    off = ReferenceLoop(args.model_copy(update={"dmd2_critic_step_conditioning": False}))
+    assert not sc.is_conditioned(one_k.critic) and not sc.is_conditioned(off.critic)
+
+
+def test_a_sets_critic_equals_the_reference_and_sleeps_saves_and_resumes_bitwise(tiny_teacher, tmp_path):
+    """A set's critic with the GAN head: the fake score's step vectors (their own AdamW group, at
+    dmd2_critic_step_lr_scale times the lr) and one head per K, only the drawn K's moving; the
+    trainers equal the reference loop, and sleep, a checkpoint and a resume keep all of it."""
+    from dmd2_core.models import step_conditioning as sc
+    from dmd2_core.train import gan
+
+    args = tiny_args(tiny_teacher, str(tmp_path), dmd2_student_steps=[1, 2], dmd2_student_sampler="euler",
+                     real_data="digits", gan_weight=0.05, gan_critic_weight=0.1, micro_batch_size=3)
+    trainers, loop = in_process_trainers(args), ReferenceLoop(args)
+    critic = trainers["critic"]
+    vectors = getattr(critic.model, sc.ATTR).weight
+    assert [g["lr"] for g in critic.optimizer.param_groups] == [args.lr, args.lr * args.dmd2_critic_step_lr_scale]
+    assert critic.optimizer.param_groups[1]["params"] == [vectors]
+    assert isinstance(critic.disc, gan.StepHeads) and critic.disc.counts == (1, 2)
+    start = {k: v.clone() for k, v in critic.disc.state_dict().items()}
+    for i in (1, 2, 3):
+        iterate_in_process(trainers, i)
+        loop.iterate(i)
+    for mine, theirs in ((trainers["actor"].weights(), loop.student.state_dict()),
+                         (trainers["critic"].weights(), loop.critic.state_dict()),
+                         (critic.disc.state_dict(), loop.heads.state_dict())):
+        assert mine.keys() == theirs.keys()
+        assert max((mine[k] - theirs[k]).abs().max().item() for k in mine) < 1e-5
+    drawn = {dmd2_method.draw_student_steps(args, i) for i in (1, 2, 3)}
+    moved = [any(not torch.equal(v, start[k]) for k, v in critic.disc.state_dict().items() if k.startswith(f"{i}."))
+             for i in range(2)]
+    assert moved == [k in drawn for k in (1, 2)]
+    assert ((vectors.abs().sum(1) > 0).tolist()) == moved
+    digest = critic.state_digest()
+    critic.sleep()
+    assert vectors.untyped_storage().nbytes() == 0
+    assert critic.state_digest() == digest  # woken bit for bit
+    resume_in_process(args, trainers, 3)
 
 
 @pytest.mark.parametrize("override, message", [

@@ -21,6 +21,7 @@ class ModelFamily:
     fixed_shift: Optional[float] = None  # the project's sigma shift, where the family fixes it
     keep_fp32_modules: bool = False  # shard the model's _keep_in_fp32_modules in fp32
     segments: Optional[dict[str, slice]] = None  # modalities of a flat sample; None: one
+    time_embedding: str = ""  # the transformer's submodule whose output is the per-sample time embedding
 
     def bind(self, latent_shape, model=None, shifts=None) -> "ModelFamily":
         """This family for one sample geometry (families whose forward needs it return a copy)."""

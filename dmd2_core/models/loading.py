@@ -79,7 +79,10 @@ def stored_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     name (FSDP keeps the diffusers names), as the model holds them (shards or whole)."""
     from dmd2_core.models import lora
 
-    out = lora.base_names(model.named_parameters())  # a LoRA's base under its diffusers names, no adapters
+    from dmd2_core.models import step_conditioning
+
+    # a LoRA's base under its diffusers names, no adapters; no fake score's step vectors (never in a checkpoint)
+    out = lora.base_names((n, p) for n, p in model.named_parameters() if not step_conditioning.is_step_embedding(n))
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
         out.update({prefix + n: b for n, b in module._buffers.items()

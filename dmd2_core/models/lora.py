@@ -145,7 +145,9 @@ class RealScore:
         self.model = model
 
     def __call__(self, *args, **kwargs):
-        with adapters_off(self.model), torch.no_grad():
+        from dmd2_core.models import step_conditioning
+
+        with adapters_off(self.model), step_conditioning.off(self.model), torch.no_grad():
             return self.model(*args, **kwargs)
 
     def parameters(self, recurse: bool = True):

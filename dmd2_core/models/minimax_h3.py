@@ -149,7 +149,7 @@ class MiniMaxH3Family(ModelFamily):
     fixed_shift = 1.0  # the project's sigma is the shared schedule position u
     vae_class = "AutoencoderKLMiniMaxH3"
     audio_vae_class = "AutoencoderKLMiniMaxH3Audio"
-    blocks_attr = "transformer_blocks"
+    time_embedding = "time_embedder"
     default_text_tokens = 256
     keep_fp32_modules = True  # proj_in/out, time embedder and rope stay fp32 (the checkpoint's own precision)
     context_parallel = True  # diffusers' plan splits the packed sequence (video, audio and text rows)

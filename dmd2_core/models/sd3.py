@@ -10,6 +10,7 @@ from dmd2_core.models.base import ModelFamily
 
 class SD3ImageFamily(ModelFamily):
     class_name = "SD3Transformer2DModel"
+    time_embedding = "time_text_embed"
     pipeline_class = "StableDiffusion3Pipeline"
     cond_keys = ("prompt_embeds", "pooled_prompt_embeds")
 

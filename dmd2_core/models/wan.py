@@ -11,6 +11,7 @@ from dmd2_core.models.base import ModelFamily
 
 class WanVideoFamily(ModelFamily):
     class_name = "WanTransformer3DModel"
+    time_embedding = "condition_embedder.time_embedder"
     pipeline_class = "WanPipeline"
     cond_keys = ("prompt_embeds",)
     is_video = True

@@ -16,6 +16,7 @@ from dmd2_core.data import RealSet
 from dmd2_core.train.dmd2_method import micro_batches
 from dmd2_core.finite import NonFiniteCounter, is_finite, nonfinite_rows
 from dmd2_core.train.model_update import ModelUpdate
+from dmd2_core.models import step_conditioning
 
 SCORED = "dmd2_critic"  # the loss type whose train also scores the student's samples
 
@@ -39,7 +40,19 @@ class Critic:
 
     def train(self, iteration: int, pairs: dict) -> tuple[dict, dict]:
         """Flow-matching steps on the pairs' (detached) x0; scoring (loss type dmd2_critic), also
-        the scores. Returns (outputs handed to the actor, metrics)."""
+        the scores. Returns (outputs handed to the actor, metrics). A fake score told the step
+        count sees the pairs' one (``step_conditioning``), and the GAN head is that K's."""
+        if not step_conditioning.is_conditioned(self.model):
+            return self._train(iteration, pairs)
+        num_steps = step_conditioning.batch_steps(pairs)
+        heads, self.disc = self.disc, gan.head_for(self.disc, num_steps)  # the GAN head of this K
+        try:
+            with step_conditioning.at(self.model, num_steps):
+                return self._train(iteration, pairs)
+        finally:
+            self.disc = heads
+
+    def _train(self, iteration: int, pairs: dict) -> tuple[dict, dict]:
         args, B = self.args, self.local_batch
         self.disc_nonfinite.begin()
         x0 = pairs["x0"].detach()

@@ -98,6 +98,7 @@ def rollout_pairs(family: ModelFamily, student, cond_of, plan: RolloutPlan) -> d
         "prompt_index": prompt_index,
         "x0": x0,
         "stop_step": torch.full((n,), plan.stop_step, dtype=torch.long),
+        "student_steps": torch.full((n,), len(plan.sigmas), dtype=torch.long),
     }
 
 

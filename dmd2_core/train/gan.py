@@ -50,6 +50,30 @@ def build_head(dim: int, seed: int, hidden: int = 256) -> DiscriminatorHead:
         return DiscriminatorHead(dim, hidden)
 
 
+class StepHeads(torch.nn.ModuleList):
+    """One GAN head per step count of a set (``dmd2_critic_step_conditioning``): like the fake
+    score's step vectors, each K's head tells that K's samples from real ones, not their mixture.
+    One optimizer holds them all; only the iteration's head has gradients, so only it steps."""
+
+    def __init__(self, heads, counts):
+        super().__init__(heads)
+        self.counts = tuple(int(k) for k in counts)
+
+
+def build_heads(dim: int, seed: int, counts=None) -> torch.nn.Module:
+    """``build_head``, or for several ``counts`` one such head per K (each the same start)."""
+    if counts is None or len(counts) < 2:
+        return build_head(dim, seed)
+    return StepHeads([build_head(dim, seed) for _ in counts], counts)
+
+
+def head_for(disc: Optional[torch.nn.Module], num_steps: int) -> Optional[torch.nn.Module]:
+    """The head that judges samples of ``num_steps`` steps."""
+    if not isinstance(disc, StepHeads):
+        return disc
+    return disc[disc.counts.index(num_steps)]
+
+
 def discriminator_loss(logits_real: torch.Tensor, logits_fake: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean softplus(-D(real)), mean softplus(D(fake))): the head's loss on each side."""
     return F.softplus(-logits_real.float()).mean(), F.softplus(logits_fake.float()).mean()

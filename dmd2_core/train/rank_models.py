@@ -19,7 +19,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from dmd2_core import parallel
-from dmd2_core.models import lora
+from dmd2_core.models import lora, step_conditioning
 from dmd2_core.args import Args
 from dmd2_core.models.loading import build_empty, fill, load_dtype, weight_files
 
@@ -30,7 +30,7 @@ class TrainerModels:
         self.args, self.dtype = args, compute_dtype
         # a LoRA (dmd2_core.models.lora): its frozen base built in the compute dtype, as the teacher is
         loaded = build_empty(args.hf_checkpoint, compute_dtype if args.lora_rank else parallel.MASTER_DTYPE)
-        loaded.model = lora.attach(loaded.model, args)
+        loaded.model = step_conditioning.attach_for(lora.attach(loaded.model, args), loaded.family, args)
         self.model, self.family, self.shift, self.modality_shifts = (loaded.model, loaded.family, loaded.shift,
                                                                      loaded.modality_shifts)
         self.teacher_url = teacher_url
@@ -61,6 +61,8 @@ class TrainerModels:
             self.bytes_read += fill(teacher_targets, weight_files(self.teacher_url))
         if adapters and not self.resume:
             lora.init_adapters(self.model, args.seed)
+        if not self.resume:
+            step_conditioning.init(self.model)
         if self.resume:
             self.unfilled = (f"{args.hf_checkpoint}: the trained model was left for the resume checkpoint to fill, "
                              "and no checkpoint was loaded")

@@ -15,7 +15,7 @@ import torch
 
 from dmd2_core.train import dmd2_method
 from dmd2_core.train import gan
-from dmd2_core.models import lora
+from dmd2_core.models import lora, step_conditioning
 from dmd2_core.args import Args
 from dmd2_core.data import load_prompt_set, load_real_set
 from dmd2_core.losses import dmd2_loss
@@ -23,7 +23,8 @@ from dmd2_core.models import load_model_dir
 
 
 def _adamw(model, args: Args, lr: float):
-    return torch.optim.AdamW(lora.trained_parameters(model), lr=lr, betas=(args.adam_beta1, args.adam_beta2),
+    groups = step_conditioning.param_groups(model, lora.trained_parameters(model), lr, args.dmd2_critic_step_lr_scale)
+    return torch.optim.AdamW(groups, lr=lr, betas=(args.adam_beta1, args.adam_beta2),
                              weight_decay=args.weight_decay, foreach=True)  # as the trainers
 
 
@@ -46,18 +47,21 @@ class ReferenceLoop:
         from dmd2_core.train.trainer_config import TrainerConfig, compute_trainer_args, critic_overrides
 
         critic_args = compute_trainer_args(args, TrainerConfig("critic", critic_overrides(args)))
-        self.critic = lora.attach(load_model_dir(critic_args.hf_checkpoint).model, critic_args)
+        self.critic = step_conditioning.attach_for(lora.attach(load_model_dir(critic_args.hf_checkpoint).model,
+                                                               critic_args), self.family, critic_args)
+        step_conditioning.init(self.critic)
         # a LoRA fake score of the teacher shares its base, as in the critic group
         self.teacher = lora.RealScore(self.critic) if lora.shares_base(critic_args) else \
             teacher.model.requires_grad_(False).eval()
         self.student_opt = _adamw(self.student, args, args.lr)
         self.critic_opt = _adamw(self.critic, args, args.critic_lr or args.lr)
         self.ema = copy.deepcopy(self.student).requires_grad_(False) if args.ema_decay else None
-        self.disc = self.real = None
+        self.heads = self.disc = self.real = None
         if args.gan_critic_weight:
             self.real = load_real_set(args.real_data)
-            self.disc = gan.build_head(self.family.feature_dim(self.critic), args.seed)
-            self.disc_opt = _adamw(self.disc, args, args.critic_lr or args.lr)
+            counts = args.student_step_counts if step_conditioning.is_conditioned(self.critic) else None
+            self.heads = self.disc = gan.build_heads(self.family.feature_dim(self.critic), args.seed, counts)
+            self.disc_opt = _adamw(self.heads, args, args.critic_lr or args.lr)
         self.prompts = load_prompt_set(args.prompts)
         self.shape = self.family.sample_shape(self.student, args.latent_shape)
 
@@ -70,6 +74,12 @@ class ReferenceLoop:
         plan = dmd2_method.plan_rollout(args, iteration, len(self.prompts), self.shape, everything,
                                  self.family.deterministic_student)
         pairs = dmd2_method.rollout_pairs(family, self.student, self.cond, plan)
+        self.disc = gan.head_for(self.heads, len(plan.sigmas)) if self.disc is not None else None
+        with step_conditioning.at(self.critic, len(plan.sigmas)):  # the fake score sees the iteration's K
+            return self._train_critic_and_student(iteration, plan, pairs, start)
+
+    def _train_critic_and_student(self, iteration: int, plan, pairs: dict, start: float) -> dict:
+        args, family, everything = self.args, self.family, slice(None)
         x0, cond = pairs["x0"], self.cond(pairs["prompt_index"])
         uncond = self.prompts.uncond(x0.shape[0]) if args.dmd2_guidance_scale != 1.0 else None
         shape = tuple(x0.shape)

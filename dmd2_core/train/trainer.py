@@ -20,7 +20,7 @@ import torch
 from dmd2_core import checkpoint, context_parallel, parallel
 from dmd2_core.train import dmd2_method
 from dmd2_core.train import gan
-from dmd2_core.models import lora
+from dmd2_core.models import lora, step_conditioning
 from dmd2_core.train.actor import Actor
 from dmd2_core.args import Args
 from dmd2_core.train.critic import SCORED, Critic
@@ -70,7 +70,8 @@ class Trainer(EvalSampling):
         self.real = self.disc = self.disc_optimizer = None  # the GAN head: critic only, its own optimizer
         if args.loss_type == SCORED and args.gan_critic_weight:
             self.real = open_real_set(args.real_data)
-            self.disc = gan.build_head(self.family.feature_dim(self.model), args.seed).to(self.device)
+            counts = args.student_step_counts if step_conditioning.wanted(args) else None  # a head per K
+            self.disc = gan.build_heads(self.family.feature_dim(self.model), args.seed, counts).to(self.device)
             self.disc_optimizer = torch.optim.AdamW(self.disc.parameters(), **optimizer_settings(args))
         self.prompts = open_prompt_set(args.prompts)
         self.shape = self.family.sample_shape(self.model, args.latent_shape)
@@ -109,9 +110,10 @@ class Trainer(EvalSampling):
         for module, trainable in ((self.model, True), (self.teacher, False)):
             if module is not None:
                 context_parallel.enable(module, self.mesh, args.cp_size, self.device, trainable, self.family)
-        self.optimizer = torch.optim.AdamW(
-            lora.trained_parameters(self.model), **optimizer_settings(args), foreach=True,  # one dispatch per op over all shards
-        )
+        settings = optimizer_settings(args)
+        groups = step_conditioning.param_groups(self.model, lora.trained_parameters(self.model), settings["lr"],
+                                                args.dmd2_critic_step_lr_scale)
+        self.optimizer = torch.optim.AdamW(groups, **settings, foreach=True)  # one dispatch per op over all shards
         if args.ema_decay:
             self.ema = [p.detach().clone() for p in lora.trained_parameters(self.model)]
         self.checkpoint_pg = checkpoint.checkpoint_group()
