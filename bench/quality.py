@@ -74,7 +74,7 @@ def distill(job: dict) -> dict:
         _log(job, {"variant": "teacher", "table": table})
         return {"variant": None, "table": table}
     args = load_args("tiny", job["overrides"])
-    loop = ReferenceLoop(args)
+    loop = (CriticPerStepCount if job.get("critic_per_k") else ReferenceLoop)(args)
     labels = balanced_labels(job["num_samples"])
     counts = args.student_step_counts
     best, history, final = None, [], None
@@ -108,6 +108,33 @@ def distill(job: dict) -> dict:
                                     (("best", best), ("final", final))} for k in counts}
     return {**{k: job[k] for k in ("variant", "steps", "seed")}, **out, "history": history,
             "wall_s": time.perf_counter() - start}
+
+
+class CriticPerStepCount(ReferenceLoop):
+    """The comparison for a set's critic (``--critic-per-k``): a whole fake score, GAN head and
+    optimizers per step count, each iteration training and scoring with its K's. K copies of the
+    fake score is what step_conditioning approaches, at a size no real model affords."""
+
+    def __init__(self, args):
+        import copy
+
+        from dmd2_core.train.reference import _adamw
+
+        super().__init__(args.model_copy(update={"dmd2_critic_step_conditioning": False}))
+        lr = self.args.critic_lr or self.args.lr
+        self.per_k = {}
+        for k in self.args.student_step_counts:
+            critic, disc = copy.deepcopy(self.critic), copy.deepcopy(self.disc)
+            self.per_k[k] = (critic, _adamw(critic, self.args, lr), disc,
+                             _adamw(disc, self.args, lr) if disc is not None else None)
+
+    def iterate(self, iteration: int) -> dict:
+        from dmd2_core.train import dmd2_method
+
+        k = dmd2_method.draw_student_steps(self.args, iteration)
+        self.critic, self.critic_opt, self.heads, self.disc_opt = self.per_k[k]
+        self.disc = self.heads
+        return super().iterate(iteration)
 
 
 def _log(job: dict, line: dict) -> None:
@@ -187,6 +214,9 @@ def main() -> None:
     parser.add_argument("--lora-targets", nargs="+", default=None, help="student_lora's lora_target_modules (default the flag's)")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="a tiny-recipe override for every student (repeatable), e.g. dmd2_update_ratio=10")
+    parser.add_argument("--critic-per-k", action="store_true",
+                        help="a set's students with a whole fake score and GAN head per K (the comparison for "
+                             "dmd2_critic_step_conditioning, which they replace)")
     parser.add_argument("--progress", default=None, help="append every evaluation to this JSONL file")
     parser.add_argument("--summarise", default=None, help="print the JSON line from a progress file (a run cut short) and exit")
     ns = parser.parse_args()
@@ -222,6 +252,7 @@ def main() -> None:
                     heads = {**heads, "lora_rank": ns.lora_rank, "lr": ns.lora_lr, "critic_lr": ns.lora_lr,
                              "lora_target_modules": ns.lora_targets}
                 jobs.append({"variant": variant, "steps": steps, "seed": seed, "iterations": ns.iterations,
+                             "critic_per_k": ns.critic_per_k,
                              "eval_every": ns.eval_every, "num_samples": ns.num_samples, "eval_seed": ns.eval_seed,
                              "teacher": teacher, "guidance": guidance, "target": target, "progress": ns.progress, "overrides": {
                                  "hf_checkpoint": teacher, "save": "runs/bench-quality", "dmd2_student_steps": steps,
