@@ -225,7 +225,9 @@ def main() -> None:
         return report(done["table"], done["results"], argparse.Namespace(**done["meta"]["ns"]), done["meta"]["gan"], None)
     try:
         sets = parse_set(ns.sets)
-        load_args("tiny", sets)
+        for steps in ns.steps:  # the overrides as each student takes them (a set's own flags need its set)
+            load_args("tiny", {"dmd2_student_steps": steps,
+                               **({"dmd2_student_sampler": "euler"} if isinstance(steps, list) else {}), **sets})
     except ArgsError as err:
         parser.exit(2, f"error: {err}\n")
     torch.set_num_threads(1)
