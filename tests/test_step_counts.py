@@ -130,6 +130,11 @@ def test_a_sets_critic_equals_the_reference_and_sleeps_saves_and_resumes_bitwise
     assert vectors.untyped_storage().nbytes() == 0
     assert critic.state_digest() == digest  # woken bit for bit
     resume_in_process(args, trainers, 3)
+    from dmd2_core.errors import CheckpointError
+
+    without = in_process_trainers(args.model_copy(update={"dmd2_critic_step_conditioning": False}))
+    with pytest.raises(CheckpointError, match="resume with dmd2_critic_step_conditioning true, as it was saved"):
+        without["critic"].load(3)
 
 
 @pytest.mark.parametrize("override, message", [

@@ -60,6 +60,13 @@ def apply_param_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     weight decay) stay the ones the optimizer was built with: a rerun's settings win over the
     saved ones (its ``lr`` is the usual fix for a diverging run); ``setting_changes`` says which."""
     names = {id(p): n for n, p in model.named_parameters()}
+    from dmd2_core.models import step_conditioning
+
+    saved_vectors = any(step_conditioning.is_step_embedding(n) for g in saved_groups for n in g["params"])
+    if saved_vectors != step_conditioning.is_conditioned(model):
+        raise ValueError("the fake score's step vectors are " + ("in the checkpoint, not in this run" if saved_vectors
+                         else "in this run, not in the checkpoint") + ": resume with dmd2_critic_step_conditioning "
+                         f"{str(saved_vectors).lower()}, as it was saved")
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(f"{len(saved_groups)} parameter groups saved, the optimizer has {len(optimizer.param_groups)}")
     for saved, group in zip(saved_groups, optimizer.param_groups):
