@@ -26,6 +26,7 @@ student (the levers in bench/README.md).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import multiprocessing as mp
 import os
@@ -40,7 +41,8 @@ import torch  # noqa: E402
 from dmd2_core.args import load_args, parse_set  # noqa: E402
 from dmd2_core.errors import ArgsError
 from dmd2_core.toys.digits_metrics import balanced_labels, evaluate_digits, features, frechet_distance, teacher_table  # noqa: E402
-from dmd2_core.train.reference import ReferenceLoop  # noqa: E402
+from dmd2_core.train import dmd2_method  # noqa: E402
+from dmd2_core.train.reference import ReferenceLoop, adamw  # noqa: E402
 from dmd2_core.toys.digits_teacher import ensure_teacher  # noqa: E402
 
 TEACHER_STEPS = (50, 8, 4, 2, 1)
@@ -116,21 +118,15 @@ class CriticPerStepCount(ReferenceLoop):
     fake score is what step_conditioning approaches, at a size no real model affords."""
 
     def __init__(self, args):
-        import copy
-
-        from dmd2_core.train.reference import _adamw
-
         super().__init__(args.model_copy(update={"dmd2_critic_step_conditioning": False}))
         lr = self.args.critic_lr or self.args.lr
         self.per_k = {}
         for k in self.args.student_step_counts:
             critic, disc = copy.deepcopy(self.critic), copy.deepcopy(self.disc)
-            self.per_k[k] = (critic, _adamw(critic, self.args, lr), disc,
-                             _adamw(disc, self.args, lr) if disc is not None else None)
+            self.per_k[k] = (critic, adamw(critic, self.args, lr), disc,
+                             adamw(disc, self.args, lr) if disc is not None else None)
 
     def iterate(self, iteration: int) -> dict:
-        from dmd2_core.train import dmd2_method
-
         k = dmd2_method.draw_student_steps(self.args, iteration)
         self.critic, self.critic_opt, self.heads, self.disc_opt = self.per_k[k]
         self.disc = self.heads

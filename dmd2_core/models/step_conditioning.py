@@ -116,8 +116,7 @@ def off(model):
 
 def batch_steps(pairs: dict) -> int:
     """The one step count of a batch of train pairs (an iteration draws one K for all its rows)."""
-    steps = pairs["student_steps"]
-    values = steps.unique() if isinstance(steps, torch.Tensor) else torch.as_tensor(steps).unique()
+    values = torch.as_tensor(pairs["student_steps"]).unique()
     if values.numel() != 1:
         raise ValueError(f"train pairs of {values.numel()} step counts in one batch, expected one")
     return int(values[0])

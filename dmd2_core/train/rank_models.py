@@ -59,13 +59,13 @@ class TrainerModels:
             self.bytes_read += fill(model_targets, weight_files(args.hf_checkpoint))
         if teacher_targets:
             self.bytes_read += fill(teacher_targets, weight_files(self.teacher_url))
-        if adapters and not self.resume:
-            lora.init_adapters(self.model, args.seed)
-        if not self.resume:
-            step_conditioning.init(self.model)
         if self.resume:
             self.unfilled = (f"{args.hf_checkpoint}: the trained model was left for the resume checkpoint to fill, "
                              "and no checkpoint was loaded")
+        else:
+            if adapters:
+                lora.init_adapters(self.model, args.seed)
+            step_conditioning.init(self.model)
 
     def resumed(self) -> None:
         """The trained model is being filled from a DCP checkpoint."""

@@ -22,7 +22,9 @@ from dmd2_core.losses import dmd2_loss
 from dmd2_core.models import load_model_dir
 
 
-def _adamw(model, args: Args, lr: float):
+def adamw(model, args: Args, lr: float):
+    """AdamW over ``model``'s trained parameters, as the trainers build it (a fake score's step vectors
+    in their own group)."""
     groups = step_conditioning.param_groups(model, lora.trained_parameters(model), lr, args.dmd2_critic_step_lr_scale)
     return torch.optim.AdamW(groups, lr=lr, betas=(args.adam_beta1, args.adam_beta2),
                              weight_decay=args.weight_decay, foreach=True)  # as the trainers
@@ -53,15 +55,15 @@ class ReferenceLoop:
         # a LoRA fake score of the teacher shares its base, as in the critic group
         self.teacher = lora.RealScore(self.critic) if lora.shares_base(critic_args) else \
             teacher.model.requires_grad_(False).eval()
-        self.student_opt = _adamw(self.student, args, args.lr)
-        self.critic_opt = _adamw(self.critic, args, args.critic_lr or args.lr)
+        self.student_opt = adamw(self.student, args, args.lr)
+        self.critic_opt = adamw(self.critic, args, args.critic_lr or args.lr)
         self.ema = copy.deepcopy(self.student).requires_grad_(False) if args.ema_decay else None
         self.heads = self.disc = self.real = None
         if args.gan_critic_weight:
             self.real = load_real_set(args.real_data)
             counts = args.student_step_counts if step_conditioning.is_conditioned(self.critic) else None
             self.heads = self.disc = gan.build_heads(self.family.feature_dim(self.critic), args.seed, counts)
-            self.disc_opt = _adamw(self.heads, args, args.critic_lr or args.lr)
+            self.disc_opt = adamw(self.heads, args, args.critic_lr or args.lr)
         self.prompts = load_prompt_set(args.prompts)
         self.shape = self.family.sample_shape(self.student, args.latent_shape)
 
@@ -74,7 +76,7 @@ class ReferenceLoop:
         plan = dmd2_method.plan_rollout(args, iteration, len(self.prompts), self.shape, everything,
                                  self.family.deterministic_student)
         pairs = dmd2_method.rollout_pairs(family, self.student, self.cond, plan)
-        self.disc = gan.head_for(self.heads, len(plan.sigmas)) if self.disc is not None else None
+        self.disc = gan.head_for(self.heads, len(plan.sigmas))  # the GAN head of this K
         with step_conditioning.at(self.critic, len(plan.sigmas)):  # the fake score sees the iteration's K
             return self._train_critic_and_student(iteration, plan, pairs, start)
 

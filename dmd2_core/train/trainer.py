@@ -70,7 +70,7 @@ class Trainer(EvalSampling):
         self.real = self.disc = self.disc_optimizer = None  # the GAN head: critic only, its own optimizer
         if args.loss_type == SCORED and args.gan_critic_weight:
             self.real = open_real_set(args.real_data)
-            counts = args.student_step_counts if step_conditioning.wanted(args) else None  # a head per K
+            counts = args.student_step_counts if step_conditioning.is_conditioned(self.model) else None  # a head per K
             self.disc = gan.build_heads(self.family.feature_dim(self.model), args.seed, counts).to(self.device)
             self.disc_optimizer = torch.optim.AdamW(self.disc.parameters(), **optimizer_settings(args))
         self.prompts = open_prompt_set(args.prompts)
