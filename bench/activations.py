@@ -32,6 +32,7 @@ which this script rewrites:
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import inspect
 import json
@@ -195,7 +196,7 @@ def calibrate(name: str) -> dict:
         rows = []
         for latent_shape in shapes:
             family, x, sigma, cond, tokens = _inputs(family_name, model, full, latent_shape)
-            run = lambda: family.predict_velocity(model, x, sigma, cond)  # noqa: E731
+            run = functools.partial(family.predict_velocity, model, x, sigma, cond)
             block = getattr(model, family.blocks_attr)[-1]
             start = time.perf_counter()
             row = {"tokens": tokens, **measure(model, block, run)}
