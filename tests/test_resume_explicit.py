@@ -112,3 +112,24 @@ def test_a_lora_checkpoint_loads_only_onto_its_base_with_its_adapters(tiny_teach
         preflight(lora_run)
     msg = str(info.value)
     assert "\n" not in msg and msg.startswith(f"hf_checkpoint: {base} (weights ") and "is not the base" in msg, msg
+
+
+def test_a_sets_fake_score_resumes_only_with_its_step_counts_and_vectors(tiny_teacher, tmp_path):
+    """A set's fake score holds a vector (and GAN head) per K: a rerun asking for another set, or
+    for a fake score without the vectors, is refused in one line naming the key and the saved
+    value, before any actor (the load would fail only once the groups had started)."""
+    save = str(tmp_path / "run")
+    set_run = tiny_args(tiny_teacher, save, dmd2_student_steps=[1, 2], dmd2_student_sampler="euler", num_iterations=3)
+    _saved_run(set_run, 1)
+    preflight(set_run)  # its own rerun
+
+    cases = [(dict(dmd2_student_steps=[1, 2, 4]), "dmd2_student_steps: ",
+              "resume with dmd2_student_steps [1, 2], or pick a new save URL"),
+             (dict(dmd2_critic_step_conditioning=False), "dmd2_critic_step_conditioning: ",
+              "resume with dmd2_critic_step_conditioning true, or pick a new save URL")]
+    for change, key, fix in cases:
+        with pytest.raises(ArgsError) as info:
+            preflight(set_run.model_copy(update=change))
+        msg = str(info.value)
+        assert "\n" not in msg and msg.startswith(key) and msg.endswith(fix), msg
+        assert f"the checkpoint at {save} (critic, iteration 1)" in msg, msg

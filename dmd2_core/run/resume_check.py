@@ -7,6 +7,9 @@ a (re)start asks, before any actor.
   (silently winning over ``load`` would train something other than what was asked).
 - A LoRA checkpoint loads only onto the base it was trained on, with the same rank, alpha and
   targets; otherwise one line naming the key and both values.
+- A fake score told the step count (``dmd2_critic_step_conditioning``) holds one vector (and GAN
+  head) per K of the set it was saved with: it resumes only with that set and the flag on, and a
+  fake score without them only with the flag off or one K; otherwise one line naming the key.
 - The optimizer settings (lr, betas, weight decay) are the run's own, not the checkpoint's;
   ``setting_changes`` lists the ones that differ, for the log and the summary.
 """
@@ -18,7 +21,7 @@ from typing import Optional
 from dmd2_core.args import Args
 from dmd2_core.checkpoint.state import read_trainer_state, setting_changes as changed_settings
 from dmd2_core.errors import ArgsError
-from dmd2_core.models import base_identity, lora
+from dmd2_core.models import base_identity, lora, step_conditioning
 from dmd2_core.train.trainer_config import optimizer_settings
 
 ADAPTER_KEYS = {"rank": "lora_rank", "alpha": "lora_alpha", "targets": "lora_target_modules"}
@@ -34,6 +37,8 @@ def check_resume(args: Args, trainer_args: dict[str, Args], source: str, iterati
             _check_origin(args, targs, record, where)
         if record is not None:
             _check_adapters(role, targs, record, where)
+        if role == "critic":
+            _check_step_vectors(targs, source, iteration, record, where)
 
 
 def _check_origin(args: Args, targs: Args, record: Optional[dict], where: str) -> None:
@@ -60,6 +65,23 @@ def _check_adapters(role: str, targs: Args, record: dict, where: str) -> None:
             raise ArgsError(f"hf_checkpoint: {targs.hf_checkpoint} (weights {identity}) is not the base the adapters of "
                             f"{where} were trained on ({record.get('hf_checkpoint')}, weights {record['base']}); "
                             "point hf_checkpoint at that base")
+
+
+def _check_step_vectors(targs: Args, source: str, iteration: int, record: Optional[dict], where: str) -> None:
+    groups = read_trainer_state(source, "critic", iteration).get("param_groups") or []
+    saved = any(step_conditioning.is_step_embedding(name) for group in groups for name in group["params"])
+    wanted = step_conditioning.wanted(targs)
+    steps = ((record or {}).get("student") or {}).get("num_steps")
+    counts = None if steps is None else tuple(sorted(steps)) if isinstance(steps, list) else (int(steps),)
+    if saved and counts is not None and counts != targs.student_step_counts:
+        raise ArgsError(f"dmd2_student_steps: {where} holds a fake score with a step vector per K of {list(counts)}, "
+                        f"this run asks for {list(targs.student_step_counts)}; resume with dmd2_student_steps "
+                        f"{list(counts)}, or pick a new save URL")
+    if saved != wanted:
+        has = "with a step vector per K" if saved else "without step vectors"
+        raise ArgsError(f"dmd2_critic_step_conditioning: {where} holds a fake score {has}, this run asks for one "
+                        f"{'with' if wanted else 'without'}; resume with dmd2_critic_step_conditioning "
+                        f"{str(saved).lower()}, or pick a new save URL")
 
 
 def _adapters(record: Optional[dict]) -> str:
