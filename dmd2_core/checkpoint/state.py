@@ -62,7 +62,7 @@ def apply_param_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     names = {id(p): n for n, p in model.named_parameters()}
     from dmd2_core.models import step_conditioning
 
-    saved_vectors = any(step_conditioning.is_step_embedding(n) for g in saved_groups for n in g["params"])
+    saved_vectors = step_conditioning.in_saved_groups(saved_groups)
     if saved_vectors != step_conditioning.is_conditioned(model):
         raise ValueError("the fake score's step vectors are " + ("in the checkpoint, not in this run" if saved_vectors
                          else "in this run, not in the checkpoint") + ": resume with dmd2_critic_step_conditioning "

@@ -76,6 +76,11 @@ def is_step_embedding(name: str) -> bool:
     return ATTR in name
 
 
+def in_saved_groups(param_groups: list[dict]) -> bool:
+    """Whether a checkpoint's optimizer parameter groups (parameter names) hold step vectors."""
+    return any(is_step_embedding(name) for group in param_groups for name in group["params"])
+
+
 @torch.no_grad()
 def init(model: torch.nn.Module) -> None:
     """Zero the vectors (this rank's rows of them): the fake score starts as the teacher."""

@@ -31,14 +31,15 @@ def check_resume(args: Args, trainer_args: dict[str, Args], source: str, iterati
     """Raise ArgsError when the checkpoint at ``source`` (``iteration``) is not what this run
     asks to start from (see the module docstring)."""
     for role, targs in trainer_args.items():
-        record = (read_trainer_state(source, role, iteration).get("extra") or {}).get("run")
+        state = read_trainer_state(source, role, iteration)
+        record = (state.get("extra") or {}).get("run")
         where = f"the checkpoint at {source} ({role}, iteration {iteration})"
         if source == args.save:
             _check_origin(args, targs, record, where)
         if record is not None:
             _check_adapters(role, targs, record, where)
         if role == "critic":
-            _check_step_vectors(targs, source, iteration, record, where)
+            _check_step_vectors(targs, state.get("param_groups") or [], record, where)
 
 
 def _check_origin(args: Args, targs: Args, record: Optional[dict], where: str) -> None:
@@ -67,16 +68,14 @@ def _check_adapters(role: str, targs: Args, record: dict, where: str) -> None:
                             "point hf_checkpoint at that base")
 
 
-def _check_step_vectors(targs: Args, source: str, iteration: int, record: Optional[dict], where: str) -> None:
-    groups = read_trainer_state(source, "critic", iteration).get("param_groups") or []
-    saved = any(step_conditioning.is_step_embedding(name) for group in groups for name in group["params"])
+def _check_step_vectors(targs: Args, param_groups: list[dict], record: Optional[dict], where: str) -> None:
+    saved = step_conditioning.in_saved_groups(param_groups)
     wanted = step_conditioning.wanted(targs)
-    steps = ((record or {}).get("student") or {}).get("num_steps")
-    counts = None if steps is None else tuple(sorted(steps)) if isinstance(steps, list) else (int(steps),)
-    if saved and counts is not None and counts != targs.student_step_counts:
-        raise ArgsError(f"dmd2_student_steps: {where} holds a fake score with a step vector per K of {list(counts)}, "
-                        f"this run asks for {list(targs.student_step_counts)}; resume with dmd2_student_steps "
-                        f"{list(counts)}, or pick a new save URL")
+    steps = ((record or {}).get("student") or {}).get("num_steps")  # dmd2_student_steps as validated
+    if saved and steps is not None and steps != targs.dmd2_student_steps:
+        raise ArgsError(f"dmd2_student_steps: {where} holds a fake score with a step vector per K of {steps}, "
+                        f"this run asks for {targs.dmd2_student_steps}; resume with dmd2_student_steps {steps}, "
+                        "or pick a new save URL")
     if saved != wanted:
         has = "with a step vector per K" if saved else "without step vectors"
         raise ArgsError(f"dmd2_critic_step_conditioning: {where} holds a fake score {has}, this run asks for one "
