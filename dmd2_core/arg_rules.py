@@ -19,18 +19,24 @@ def one_or_a_set(value):
     return value
 
 
+def _check_per_k(args, key: str, what: str, valid) -> None:
+    """A list with one value per K of a set of step counts (``key``), each ``valid``."""
+    values = getattr(args, key)
+    if values is None:
+        return
+    counts = args.student_step_counts
+    if len(counts) == 1:
+        raise ValueError(f"{key}: only a set of step counts (dmd2_student_steps: [1, 2, 4, 8]) has one value per K; "
+                         "remove it or give a set")
+    if len(values) != len(counts) or not all(valid(v) for v in values):
+        raise ValueError(f"{key}: one {what} per K of {list(counts)} (got {values})")
+
+
 def check_relations(args):
     """Cross-field rules of ``args`` (an ``Args`` being validated; returned); fills the defaults
     that depend on other fields (``sleep_after_train``)."""
-    weights = args.dmd2_student_steps_weights
-    if weights is not None:
-        counts = args.student_step_counts
-        if len(counts) == 1:
-            raise ValueError("dmd2_student_steps_weights: only a set of step counts (dmd2_student_steps: [1, 2, 4, 8]) "
-                             "draws its K; remove it or give a set")
-        if len(weights) != len(counts) or any(not w > 0 for w in weights):
-            raise ValueError(f"dmd2_student_steps_weights: one positive weight per K of {list(counts)} "
-                             f"(got {weights})")
+    _check_per_k(args, "dmd2_student_steps_weights", "positive weight", lambda w: w > 0)
+    _check_per_k(args, "dmd2_student_steps_guidance", "guidance scale (>= 0)", lambda g: g >= 0)
     if args.sleep_after_train is None:
         args.sleep_after_train = args.device == "cuda"
     if args.dmd2_min_sigma >= args.dmd2_max_sigma:

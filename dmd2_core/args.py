@@ -186,6 +186,10 @@ class Args(TrackerFlags):
     dmd2_critic_step_lr_scale: float = _f(
         30.0, "dmd2", "The fake score's step vectors (dmd2_critic_step_conditioning) learn at this times its lr.", gt=0)
     dmd2_guidance_scale: float = _f(1.0, "dmd2", "Teacher classifier-free guidance scale for the real score.", ge=0)
+    dmd2_student_steps_guidance: Optional[list[float]] = _f(
+        None, "dmd2", "With a set of step counts: the real score's guidance scale at each K, one per K in ascending "
+        "order of K (default dmd2_guidance_scale at every K). Fewer steps spread less: on the digits a 1-step "
+        "student matches the teacher best unguided, an 8-step one over-disperses without more (bench/README.md).")
     dmd2_critic_scoring: Literal["fused", "original"] = _f(
         "fused", "dmd2", "fused: score on the critic's last-step inputs; original: separate scoring pass before it."
     )
@@ -259,6 +263,16 @@ class Args(TrackerFlags):
     @property
     def max_student_steps(self) -> int:
         return self.student_step_counts[-1]
+
+    def guidance_at(self, num_steps: int) -> float:
+        """The real score's guidance scale when the student samples with ``num_steps`` steps."""
+        per_k = self.dmd2_student_steps_guidance
+        return self.dmd2_guidance_scale if per_k is None else per_k[self.student_step_counts.index(num_steps)]
+
+    @property
+    def uses_guidance(self) -> bool:
+        """Whether any real score is guided: the prompts then need negatives, the teacher a second row."""
+        return any(g != 1.0 for g in (self.dmd2_guidance_scale, *(self.dmd2_student_steps_guidance or ())))
 
     @property
     def load_url(self) -> str:

@@ -157,6 +157,8 @@ def test_one_iteration_trains_both_modalities(h3, tmp_path):
     (dict(width=160), r"width: 160x32 has aspect ratio 5; MiniMax-H3 supports 1:4 to 4:1"),
     (dict(height=40), r"height: 40 is not a positive multiple of 32"),
     (dict(dmd2_guidance_scale=5.0), r"dmd2_guidance_scale: .* is guidance-distilled .* set dmd2_guidance_scale to 1"),
+    (dict(dmd2_student_steps=[2, 4], dmd2_student_steps_guidance=[1.0, 1.5]),
+     r"dmd2_student_steps_guidance: .* is guidance-distilled .* remove dmd2_student_steps_guidance"),
     (dict(dmd2_shift=3.0), r"dmd2_shift: MiniMaxH3Transformer3DModel shifts each modality by its own scheduler"),
     (dict(dmd2_modality_weights={"vidoe": 1.0}), r"unknown modality 'vidoe' .* did you mean 'video'"),
     (dict(latent_shape=[24, 7, 2, 4]), r"latent_shape: \[24, 7, 2, 4\] disagrees with num_frames/height/width \(\[.*\]\); set one"),

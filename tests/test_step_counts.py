@@ -138,12 +138,43 @@ def test_a_sets_critic_equals_the_reference_and_sleeps_saves_and_resumes_bitwise
         without["critic"].load(3)
 
 
+def test_a_sets_real_score_is_guided_at_each_step_counts_own_scale(tiny_teacher, tmp_path):
+    """dmd2_student_steps_guidance: an iteration that draws K trains the student exactly as a run
+    guided at K's scale everywhere would, and the trainers agree with the reference loop."""
+    args = tiny_args(tiny_teacher, str(tmp_path), dmd2_student_steps=[1, 2], dmd2_student_sampler="euler",
+                     dmd2_guidance_scale=1.0, dmd2_student_steps_guidance=[1.0, 3.0])
+    drawn = {dmd2_method.draw_student_steps(args, i): i for i in range(1, 9)}
+    assert set(drawn) == {1, 2}
+
+    def student_after(update: dict, iteration: int) -> dict:
+        loop = ReferenceLoop(args.model_copy(update=update))
+        loop.iterate(iteration)
+        return loop.student.state_dict()
+
+    for k, scale in ((1, 1.0), (2, 3.0)):
+        per_k = student_after({}, drawn[k])
+        same = student_after({"dmd2_student_steps_guidance": None, "dmd2_guidance_scale": scale}, drawn[k])
+        other = student_after({"dmd2_student_steps_guidance": None, "dmd2_guidance_scale": 4.0 - scale}, drawn[k])
+        assert all(torch.equal(per_k[n], same[n]) for n in per_k), k
+        assert any(not torch.equal(per_k[n], other[n]) for n in per_k), k
+    trainers, loop = in_process_trainers(args), ReferenceLoop(args)
+    for i in sorted(drawn.values()):
+        iterate_in_process(trainers, i)
+        loop.iterate(i)
+    mine, theirs = trainers["actor"].weights(), loop.student.state_dict()
+    assert max((mine[n] - theirs[n]).abs().max().item() for n in mine) < 1e-5
+
+
 @pytest.mark.parametrize("override, message", [
     (dict(dmd2_student_steps=[4, 0]), r"'dmd2_student_steps'.*every K must be >= 1 \(got 0\)"),
     (dict(dmd2_student_steps=[1, 2], dmd2_student_steps_weights=[1.0]),
      r"'dmd2_student_steps_weights'.*one positive weight per K of \[1, 2\]"),
     (dict(dmd2_student_steps=4, dmd2_student_steps_weights=[1.0, 2.0]),
      r"'dmd2_student_steps_weights'.*only a set of step counts"),
+    (dict(dmd2_student_steps=[1, 2], dmd2_student_steps_guidance=[1.0, -1.0]),
+     r"'dmd2_student_steps_guidance'.*one guidance scale \(>= 0\) per K of \[1, 2\]"),
+    (dict(dmd2_student_steps=4, dmd2_student_steps_guidance=[1.0]),
+     r"'dmd2_student_steps_guidance'.*only a set of step counts"),
 ])
 def test_bad_step_counts_are_one_line_naming_the_key(tiny_teacher, tmp_path, override, message):
     with pytest.raises(ArgsError, match=message) as err:

@@ -52,7 +52,7 @@ def guidance_transient(args: Args, guidance_distilled: bool, no_grad_forward: in
     """The critic's teacher forward while the fake score's activations are live: cond and uncond
     batched (2 x micro rows) under classifier-free guidance, else micro rows; plus its velocities
     (fp32)."""
-    rows = args.micro_batch_size * (2 if args.dmd2_guidance_scale != 1.0 and not guidance_distilled else 1)
+    rows = args.micro_batch_size * (2 if args.uses_guidance and not guidance_distilled else 1)
     return rows * (no_grad_forward + sample_bytes)
 
 

@@ -56,7 +56,7 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
     if args.prompts != "digits":
         if not storage.exists(args.prompts):
             raise ArgsError(f"prompts: no prompt set at {args.prompts}{storage.nearest_sibling(args.prompts)}")
-        preflight_checks.check_prompt_set(args.prompts, needs_negative=args.dmd2_guidance_scale != 1.0,
+        preflight_checks.check_prompt_set(args.prompts, needs_negative=args.uses_guidance,
                                 cond_keys=FAMILIES[teacher["family"]].cond_keys)
     eval_prompt_indices(args, len(prompt_texts(args.prompts)))
     if args.eval_interval and evaluator_of(args) == TEACHER:

@@ -128,9 +128,11 @@ def check_family_args(args: Args, teacher: dict[str, Any]) -> Args:
 
     family = FAMILIES[teacher["family"]]
     name = teacher["family"]
-    if family.guidance_distilled and args.dmd2_guidance_scale != 1.0:
-        raise ArgsError(f"dmd2_guidance_scale: {args.hf_checkpoint} ({name}) is guidance-distilled (one forward per "
-                        f"step, no negative prompt); set dmd2_guidance_scale to 1 (got {args.dmd2_guidance_scale:g})")
+    if family.guidance_distilled and args.uses_guidance:
+        key, fix = ("dmd2_guidance_scale", "set dmd2_guidance_scale to 1") if args.dmd2_guidance_scale != 1.0 else \
+            ("dmd2_student_steps_guidance", "remove dmd2_student_steps_guidance")
+        raise ArgsError(f"{key}: {args.hf_checkpoint} ({name}) is guidance-distilled (one forward per step, no "
+                        f"negative prompt); {fix} (got {getattr(args, key)})")
     if family.fixed_shift is not None and args.dmd2_shift not in (None, family.fixed_shift):
         raise ArgsError(f"dmd2_shift: {name} shifts each modality by its own scheduler {teacher.get('modality_shifts')}; "
                         f"leave dmd2_shift unset (got {args.dmd2_shift:g})")

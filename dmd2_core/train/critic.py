@@ -35,13 +35,17 @@ class Critic:
         self.local_batch = rows.stop - rows.start
         self.teacher, self.disc, self.disc_optimizer, self.real = teacher, disc, disc_optimizer, real
         self.modality_weights = args.dmd2_modality_weights
+        self.guidance = args.dmd2_guidance_scale  # the real score's scale; train sets the drawn K's
         # the head's skipped steps: limited like the critic's own, and saved with the head
         self.disc_nonfinite = NonFiniteCounter(f"{role} GAN head", args.max_nonfinite_steps, key="gan_nonfinite")
 
     def train(self, iteration: int, pairs: dict) -> tuple[dict, dict]:
         """Flow-matching steps on the pairs' (detached) x0; scoring (loss type dmd2_critic), also
         the scores. Returns (outputs handed to the actor, metrics). A fake score told the step
-        count sees the pairs' one (``step_conditioning``), and the GAN head is that K's."""
+        count sees the pairs' one (``step_conditioning``), and the GAN head is that K's; the real
+        score is guided at that K's scale (``Args.guidance_at``)."""
+        counts = self.args.student_step_counts
+        self.guidance = self.args.guidance_at(step_conditioning.batch_steps(pairs) if len(counts) > 1 else counts[0])
         if not step_conditioning.is_conditioned(self.model):
             return self._train(iteration, pairs)
         num_steps = step_conditioning.batch_steps(pairs)
@@ -125,7 +129,7 @@ class Critic:
         """The teacher's and the fake score's view of ``x0`` noised to ``x_t`` (``dmd2.score``),
         with the GAN head's generator gradient ``gan_grad`` alongside when there is one."""
         out = dmd2_method.score(self.family, self.teacher, self.model, x0, x_t, sigma, cond,
-                         self.uncond(x0.shape[0]), self.args.dmd2_guidance_scale, v_fake=v_fake,
+                         self.uncond(x0.shape[0]), self.guidance, v_fake=v_fake,
                          weights=self.modality_weights)
         return out if gan_grad is None else {**out, "gan_grad": gan_grad}
 
@@ -136,7 +140,7 @@ class Critic:
         for mb in micro_batches(self.local_batch, args.micro_batch_size):
             target = dmd2_method.regression_target(
                 self.family, self.teacher, pairs["x_t"][mb], pairs["sigma"][mb], {k: v[mb] for k, v in cond.items()},
-                self.uncond(mb.stop - mb.start), args.dmd2_guidance_scale, args.dmd2_regression_steps, args.dmd2_shift)
+                self.uncond(mb.stop - mb.start), self.guidance, args.dmd2_regression_steps, args.dmd2_shift)
             grads.append(dmd2_method.regression_gradient(x0[mb], target, args.dmd2_regression_weight))
         return torch.cat(grads)
 

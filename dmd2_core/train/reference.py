@@ -83,7 +83,8 @@ class ReferenceLoop:
     def _train_critic_and_student(self, iteration: int, plan, pairs: dict, start: float) -> dict:
         args, family, everything = self.args, self.family, slice(None)
         x0, cond = pairs["x0"], self.cond(pairs["prompt_index"])
-        uncond = self.prompts.uncond(x0.shape[0]) if args.dmd2_guidance_scale != 1.0 else None
+        guidance = args.guidance_at(len(plan.sigmas))  # the real score's at this K
+        uncond = self.prompts.uncond(x0.shape[0]) if args.uses_guidance else None
         shape = tuple(x0.shape)
 
         gen_weight = args.gan_weight if self.disc is not None and args.gan_weight else None
@@ -93,7 +94,7 @@ class ReferenceLoop:
             sigma, noise = noisy or dmd2_method.noisy_inputs(args, iteration, stream, shape, everything)
             x_t = family.add_noise(x0, noise, sigma)  # each modality at its own sigma, as the critic
             return dmd2_method.score(family, self.teacher, self.critic, x0, x_t, sigma, cond, uncond,
-                              args.dmd2_guidance_scale, v_fake=v_fake, weights=args.dmd2_modality_weights)
+                              guidance, v_fake=v_fake, weights=args.dmd2_modality_weights)
 
         scores = None
         last = args.dmd2_update_ratio - 1
@@ -131,7 +132,7 @@ class ReferenceLoop:
         grad = scores["grad"] if gan_grad is None else scores["grad"] + gan_grad
         if args.dmd2_regression_weight:
             target = dmd2_method.regression_target(family, self.teacher, pairs["x_t"], pairs["sigma"], cond, uncond,
-                                            args.dmd2_guidance_scale, args.dmd2_regression_steps, args.dmd2_shift)
+                                            guidance, args.dmd2_regression_steps, args.dmd2_shift)
             grad = grad + dmd2_method.regression_gradient(x0, target, args.dmd2_regression_weight)
         loss = dmd2_loss(x0_graded, grad)
         loss.backward()

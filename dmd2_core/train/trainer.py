@@ -145,7 +145,7 @@ class Trainer(EvalSampling):
         return {k: v.to(self.device) for k, v in self.prompts.cond(prompt_index.cpu()).items()}
 
     def _uncond(self, n: int) -> Optional[dict]:
-        if self.args.dmd2_guidance_scale == 1.0:
+        if not self.args.uses_guidance:
             return None
         return {k: v.to(self.device) for k, v in self.prompts.uncond(n).items()}
 
