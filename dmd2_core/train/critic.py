@@ -45,10 +45,10 @@ class Critic:
         count sees the pairs' one (``step_conditioning``), and the GAN head is that K's; the real
         score is guided at that K's scale (``Args.guidance_at``)."""
         counts = self.args.student_step_counts
-        self.guidance = self.args.guidance_at(step_conditioning.batch_steps(pairs) if len(counts) > 1 else counts[0])
+        num_steps = step_conditioning.batch_steps(pairs) if len(counts) > 1 else counts[0]
+        self.guidance = self.args.guidance_at(num_steps)
         if not step_conditioning.is_conditioned(self.model):
             return self._train(iteration, pairs)
-        num_steps = step_conditioning.batch_steps(pairs)
         heads, self.disc = self.disc, gan.head_for(self.disc, num_steps)  # the GAN head of this K
         try:
             with step_conditioning.at(self.model, num_steps):
