@@ -188,8 +188,8 @@ class Args(TrackerFlags):
     dmd2_guidance_scale: float = _f(1.0, "dmd2", "Teacher classifier-free guidance scale for the real score.", ge=0)
     dmd2_student_steps_guidance: Optional[list[float]] = _f(
         None, "dmd2", "With a set of step counts: the real score's guidance scale at each K, one per K in ascending "
-        "order of K (default dmd2_guidance_scale at every K). Fewer steps spread less: on the digits a 1-step "
-        "student matches the teacher best unguided, an 8-step one over-disperses without more (bench/README.md).")
+        "order of K (default dmd2_guidance_scale at every K). Guidance narrows a student and fewer steps spread less: "
+        "on the digits a set's 1 step is best at 0.95 with 1.05 at the rest (bench/README.md).")
     dmd2_critic_scoring: Literal["fused", "original"] = _f(
         "fused", "dmd2", "fused: score on the critic's last-step inputs; original: separate scoring pass before it."
     )
