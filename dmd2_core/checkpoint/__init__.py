@@ -40,7 +40,8 @@ counters, the GAN head) goes in ``extra``, which must hold only what ``torch.loa
 reads back; ``save_trainer`` checks that before it writes anything.
 
 Only this format is read: a marker of any other names its path and format in one line. DCP's
-``.metadata`` is a pickle: it is read admitting only the classes DCP writes (``metadata``), so a
+``.metadata`` is a pickle: it is read admitting only the records of a tensor checkpoint, each
+entry a tensor of a plain shape stored in a file inside the checkpoint (``metadata``), so a
 tampered one is refused in one line instead of running code on every rank.
 
 Modules (the paths and file names are in ``dmd2_core.save_layout``): ``integrity`` (hashes, the marker, finite state),

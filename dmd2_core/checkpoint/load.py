@@ -64,7 +64,7 @@ def read_weights(load_url: str, role: str, iteration: int, section: str = "model
     saved = reader.read_metadata().state_dict_metadata
     prefix = f"{section}."
     target = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in saved.items()
-              if k.startswith(prefix) and hasattr(m, "size")}
+              if k.startswith(prefix)}
     dcp.load(target, storage_reader=reader, no_dist=True)
     return {k[len(prefix):]: v for k, v in target.items()}
 
@@ -134,17 +134,20 @@ def _load_sharded(d: str, model, optimizer, ema, meta: dict, process_group) -> N
 
 def _check_fits(dcp_url: str, saved: dict, target: dict[str, torch.Tensor]) -> None:
     """Strict loading: DCP would load a subset silently; every saved weight (and EMA weight) must
-    have its place in the model and every tensor to load its saved value, with the same shape."""
+    have its place in the model and every tensor to load its saved value, with the same shape
+    and dtype."""
     sections = {k.split(".", 1)[0] for k in target}
     relevant = {k for k in saved if k.split(".", 1)[0] in sections | {"model"}}
     missing, unexpected = sorted(set(target) - relevant), sorted(relevant - set(target))
     what = "weights" if any(k.startswith(("model.", "ema.")) for k in missing + unexpected) else "optimizer state"
     if missing or unexpected:
         raise CheckpointError(f"{dcp_url}: {what} do not fit the trainer (missing {missing[:2]}, unexpected {unexpected[:2]})")
-    for key, value in target.items():
-        size = tuple(getattr(saved[key], "size", ()) or ())
+    for key, value in target.items():  # the metadata reader admitted tensor entries alone
+        size, dtype = tuple(saved[key].size), saved[key].properties.dtype
         if size != tuple(value.shape):
             raise CheckpointError(f"{dcp_url}: '{key}' has shape {size} in the checkpoint, {tuple(value.shape)} here")
+        if dtype != value.dtype:
+            raise CheckpointError(f"{dcp_url}: '{key}' is {dtype} in the checkpoint, {value.dtype} here")
 
 
 def _dcp_reason(exc: BaseException) -> str:

@@ -44,10 +44,9 @@ def _sections(reader: _KnownMetadataReader) -> dict[str, dict[str, tuple[tuple[i
     except Exception as exc:  # noqa: BLE001
         raise CheckpointError(f"{reader.url}/.metadata: unreadable ({one_line(exc)})") from None
     out: dict[str, dict] = {}
-    for key, meta in saved.items():
-        if hasattr(meta, "size"):
-            section, _, name = key.partition(".")
-            out.setdefault(section, {})[name] = (tuple(meta.size), meta.properties.dtype)
+    for key, meta in saved.items():  # tensor entries alone: the metadata reader refuses any other
+        section, _, name = key.partition(".")
+        out.setdefault(section, {})[name] = (tuple(meta.size), meta.properties.dtype)
     return out
 
 

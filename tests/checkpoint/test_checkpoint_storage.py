@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 import json
 import os
 import re
@@ -203,6 +204,131 @@ def test_a_dcp_metadata_that_would_run_code_is_refused_in_one_line(tmp_path):
         assert str(info.value).startswith(f"{storage.join(d, 'dcp', '.metadata')}: refused: it names ")
         assert "\n" not in str(info.value)
     assert not ran.exists()
+
+
+def _rewrite_metadata(d: str, change) -> None:
+    """Apply ``change(metadata, dcp_dir)`` to the checkpoint's DCP metadata and record the new
+    file sizes and hashes in its marker, as whoever can write the save URL can."""
+    import hashlib
+    import pickle
+
+    dcp_dir = local_path(storage.join(d, "dcp"))
+    metadata = pickle.loads((dcp_dir / ".metadata").read_bytes())  # the test's own file: trusted here
+    change(metadata, dcp_dir)
+    (dcp_dir / ".metadata").write_bytes(pickle.dumps(metadata))
+    marker_url = storage.join(d, "complete.json")
+    marker = json.loads(storage.read_text(marker_url))
+    for path in dcp_dir.iterdir():
+        marker["files"][f"dcp/{path.name}"] = path.stat().st_size
+        marker["sha256"][f"dcp/{path.name}"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    storage.write_text(marker_url, json.dumps(marker))
+
+
+def _every_reader(root: str):
+    from dmd2_core.checkpoint.tensors import CheckpointTensors
+
+    return {"load_trainer": lambda: ckpt.load_trainer(root, "student", 1, *fresh()),
+            "read_weights (optim)": lambda: ckpt.read_weights(root, "student", 1, "optim"),
+            "CheckpointTensors (export)": lambda: dict(CheckpointTensors(root, "student", 1, "optim"))}
+
+
+def _refused_by_every_reader(root: str, d: str, match: str) -> None:
+    ckpt.write_tracker(root, 1)
+    for name, call in _every_reader(root).items():
+        with pytest.raises(CheckpointError, match=match) as info:
+            call()
+        assert str(info.value).startswith(f"{storage.join(d, 'dcp', '.metadata')}: refused: "), name
+        assert "\n" not in str(info.value), name
+
+
+def test_a_bytes_entry_holding_a_pickle_is_refused_without_running(tmp_path):
+    """The review's attack: the optimizer's 0-d ``step`` declared as a DCP bytes entry pointing at
+    a pickled payload has the shape ``()`` a tensor check compares, and DCP's default planner reads
+    bytes entries with ``torch.load(weights_only=False)``. No reader of a checkpoint runs it."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    root = str(tmp_path / "run")
+    d = saved(root)
+    ran = tmp_path / "payload-ran"
+
+    def declare_step_as_bytes(metadata, dcp_dir):
+        key = next(k for k, m in metadata.state_dict_metadata.items() if k.startswith("optim.") and k.endswith(".step"))
+        payload = io.BytesIO()
+        torch.save(_RunsAShellCommand(ran), payload)
+        (dcp_dir / "payload.distcp").write_bytes(payload.getvalue())
+        metadata.state_dict_metadata[key] = BytesStorageMetadata()
+        metadata.storage_data = {i: v for i, v in metadata.storage_data.items() if i.fqn != key}
+        metadata.storage_data[MetadataIndex(key)] = _StorageInfo("payload.distcp", 0, len(payload.getvalue()))
+
+    _rewrite_metadata(d, declare_step_as_bytes)
+    _refused_by_every_reader(root, d, "BytesStorageMetadata")
+    assert not ran.exists()
+
+
+@pytest.mark.parametrize("where", ["absolute", "climbing"])
+def test_a_shard_stored_outside_the_checkpoint_is_refused(tmp_path, where):
+    """A storage index naming a file outside the checkpoint (an absolute path, or one climbing
+    out with ``..``) would read whatever file the path names as the trainer's weights."""
+    root = str(tmp_path / "run")
+    d = saved(root)
+    elsewhere = tmp_path / "elsewhere.distcp"
+
+    def point_outside(metadata, dcp_dir):
+        elsewhere.write_bytes((dcp_dir / "__0_0.distcp").read_bytes())
+        path = str(elsewhere) if where == "absolute" else os.path.relpath(elsewhere, dcp_dir)
+        for info in metadata.storage_data.values():
+            info.relative_path = path
+
+    _rewrite_metadata(d, point_outside)
+    _refused_by_every_reader(root, d, "outside the checkpoint")
+
+
+@pytest.mark.parametrize("names", [("builtins", "eval"), ("os", "system"), ("torch", "load"),
+                                   ("torch.serialization", "load"), ("pathlib", "PosixPath.write_text"),
+                                   ("collections", "OrderedDict.__init__")])
+def test_a_metadata_pickle_naming_a_callable_is_refused_without_running(tmp_path, names):
+    """Any global beyond the records of a tensor checkpoint, a method of an admitted class
+    included, is refused where the unpickler meets it: nothing is called."""
+    from dmd2_core.checkpoint.metadata import load_metadata
+
+    module, name = names
+    ran = tmp_path / "ran"
+    payload = b"\x80\x04\x95" + b"\x00" * 8 + b"\x8c" + bytes([len(module)]) + module.encode() + b"\x8c" + \
+        bytes([len(name)]) + name.encode() + b"\x93" + b"\x8c" + bytes([len(f"touch {ran}")]) + f"touch {ran}".encode() + \
+        b"\x85R."
+    with pytest.raises(CheckpointError, match=f"refused: it names {re.escape(module)}.{re.escape(name)}, "):
+        load_metadata(io.BytesIO(payload), "x/.metadata")
+    assert not ran.exists()
+
+
+def test_a_load_plan_reading_bytes_is_refused_by_the_reader(tmp_path):
+    """The reader's own guard, behind the metadata check: a plan that would hand DCP's planner
+    pickled bytes (``torch.load(weights_only=False)``) reads nothing."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    from dmd2_core.checkpoint.metadata import SafeReader
+
+    d = saved(str(tmp_path / "run"))
+    reader = SafeReader(storage.join(d, "dcp"))
+    index = MetadataIndex("optim.x.step")
+    item = ReadItem(type=LoadItemType.BYTE_IO, dest_index=index, dest_offsets=torch.Size([]), storage_index=index,
+                    storage_offsets=torch.Size([]), lengths=torch.Size([]))
+    with pytest.raises(CheckpointError, match="refused: 'optim.x.step' would be read as pickled bytes"):
+        reader.read_data(LoadPlan([item]), planner=None)
+
+
+def test_a_checkpoint_of_another_dtype_does_not_fit(tmp_path):
+    """Loading casts silently: an fp32 checkpoint loaded into a bf16 model would lose its masters'
+    precision without a word."""
+    root = str(tmp_path / "run")
+    d = saved(root)
+    ckpt.write_tracker(root, 1)
+    model = tiny_model(3).to(torch.bfloat16)
+    with pytest.raises(CheckpointError, match=re.escape(f"{storage.join(d, 'dcp')}: 'model.") + r".* is torch.float32 "
+                       r"in the checkpoint, torch.bfloat16 here"):
+        ckpt.load_trainer(root, "student", 1, model, None)
 
 
 # ---- retention --------------------------------------------------------------------------------
