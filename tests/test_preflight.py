@@ -20,6 +20,17 @@ def _broken_scheduler(teacher: str, tmp_path) -> str:
     return str(root)
 
 
+def _bin_only(teacher: str, tmp_path) -> str:
+    """The teacher with its transformer's weights as a ``.bin`` file alone (a pickle; never read)."""
+    import shutil
+
+    root = tmp_path / "teacher"
+    shutil.copytree(teacher, root)
+    weights = root / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights.rename(weights.with_suffix(".bin"))
+    return str(root)
+
+
 def _prompt_file(tmp_path, content: bytes) -> str:
     path = tmp_path / "prompts.safetensors"
     path.write_bytes(content)
@@ -40,6 +51,9 @@ PREFLIGHT_CASES = {
                                 "ArgsError", r"^prompts: .* \(unreadable header: JSONDecodeError"),
     "scheduler config broken": (lambda t, p: {"hf_checkpoint": _broken_scheduler(t, p)}, "ModelDirError",
                                 r"^.*/teacher/scheduler/scheduler_config.json: unreadable scheduler config \(JSONDecodeError"),
+    "teacher of .bin files alone": (lambda t, p: {"hf_checkpoint": _bin_only(t, p)}, "ModelDirError",
+                                    r"/teacher/transformer: only \.bin weight files, which dmd2 never loads \(pickles\); "
+                                    r"it needs \*\.safetensors"),
     "hook raises on import": (lambda t, p: {"train_input_hook_path": "tests.hooks_raising.hook"}, "ArgsError",
                               r"^train_input_hook_path: importing module 'tests.hooks_raising' of .* raised "
                               r"RuntimeError: hook module broken at import time$"),

@@ -108,7 +108,9 @@ def check_weight_files(url: str) -> None:
     """Every weights file training reads from checkpoint ``url`` (its transformer, its VAE and, for
     a model with sound, its audio VAE) is whole: each safetensors file (each shard of a sharded
     one) has a readable header whose tensors end within the file. Reads the headers alone, never
-    the weights. Raises CheckpointError naming the file (a download cut off is the usual cause)."""
+    the weights. Raises CheckpointError naming the file (a download cut off is the usual cause).
+    Only safetensors count: a folder of ``.bin`` files alone is refused, as every loader of dmd2
+    reads safetensors only (``use_safetensors=True``)."""
     info = describe_model_dir(url)
     folders = [info["transformer_url"]]
     if info["vae_url"]:
@@ -129,7 +131,10 @@ def check_weight_files(url: str) -> None:
             if missing:
                 raise ModelDirError(f"{storage.join(folder, missing[0])}: missing (listed in {index}); download the "
                                       "checkpoint again")
-        if not files and not any(n.endswith(".bin") for n in names):
+        if not files and any(n.endswith(".bin") for n in names):  # pickles: loading one runs its code
+            raise ModelDirError(f"{folder}: only .bin weight files, which dmd2 never loads (pickles); it needs "
+                                "*.safetensors (convert them, or download the checkpoint's safetensors)")
+        if not files:
             raise ModelDirError(f"{folder}: no weights (no *.safetensors); a config-only directory can be planned, not trained")
         for name in sorted(files):
             file_url = storage.join(folder, name)
@@ -159,7 +164,7 @@ def load_model_dir(url: str, device: str = "cpu", dtype: torch.dtype = torch.flo
     info = describe_model_dir(url)
     family = FAMILIES[info["family"]]
     with storage.local_copy(info["transformer_url"]) as local:
-        model = family.model_class.from_pretrained(str(local), torch_dtype=dtype)
+        model = family.model_class.from_pretrained(str(local), torch_dtype=dtype, use_safetensors=True)
     vae = None
     if with_vae and info["vae_url"]:
         vae = family.load_vae(info["vae_url"], dtype)

@@ -312,10 +312,11 @@ class MiniMaxH3Family(ModelFamily):
         from dmd2_core import storage
 
         with storage.local_copy(url) as local:
-            video = diffusers.AutoencoderKLMiniMaxH3.from_pretrained(str(local), torch_dtype=dtype)
+            video = diffusers.AutoencoderKLMiniMaxH3.from_pretrained(str(local), torch_dtype=dtype, use_safetensors=True)
         audio_url = storage.join(url.rstrip("/").rsplit("/", 1)[0], "audio_vae")
         with storage.local_copy(audio_url) as local:
-            audio = diffusers.AutoencoderKLMiniMaxH3Audio.from_pretrained(str(local), torch_dtype=dtype)
+            audio = diffusers.AutoencoderKLMiniMaxH3Audio.from_pretrained(str(local), torch_dtype=dtype,
+                                                                          use_safetensors=True)
         return torch.nn.ModuleDict({"video": video.eval(), "audio": audio.eval()})
 
     @torch.no_grad()
