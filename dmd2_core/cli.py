@@ -246,7 +246,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             from dmd2_core.models import describe_model_dir
 
             if args.hf_checkpoint:  # a clip's geometry becomes its latents, as in preflight
-                args = preflight_checks.check_family_args(args, describe_model_dir(args.hf_checkpoint))
+                args = preflight_checks.check_family_args(args, describe_model_dir(args.hf_checkpoint, "hf_checkpoint"))
             trainers = {cfg.role: compute_trainer_args(args, cfg) for cfg in compute_trainer_configs(args)}
             memory_plan = planner.plan(trainers)
             print(json.dumps(memory_plan.as_dict(), indent=1) if ns.json else planner.table(memory_plan))

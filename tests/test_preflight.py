@@ -20,6 +20,14 @@ def _broken_scheduler(teacher: str, tmp_path) -> str:
     return str(root)
 
 
+def _beside(teacher: str, tmp_path, name: str, typo: str) -> str:
+    """A missing model directory ``typo`` beside a copy of the teacher named ``name``."""
+    import shutil
+
+    shutil.copytree(teacher, tmp_path / name)
+    return str(tmp_path / typo)
+
+
 def _bin_only(teacher: str, tmp_path) -> str:
     """The teacher with its transformer's weights as a ``.bin`` file alone (a pickle; never read)."""
     import shutil
@@ -51,8 +59,14 @@ PREFLIGHT_CASES = {
                                 "ArgsError", r"^prompts: .* \(unreadable header: JSONDecodeError"),
     "scheduler config broken": (lambda t, p: {"hf_checkpoint": _broken_scheduler(t, p)}, "ModelDirError",
                                 r"^.*/teacher/scheduler/scheduler_config.json: unreadable scheduler config \(JSONDecodeError"),
+    "teacher missing": (lambda t, p: {"hf_checkpoint": _beside(t, p, "teacher", "teachr")}, "ModelDirError",
+                        r"^hf_checkpoint: .*/teachr: no such checkpoint; did you mean '.*/teacher'\?$"),
+    "critic missing": (lambda t, p: {"critic_hf_checkpoint": _beside(t, p, "critic", "critc")}, "ModelDirError",
+                       r"^critic_hf_checkpoint: .*/critc: no such checkpoint; did you mean '.*/critic'\?$"),
+    "real score missing": (lambda t, p: {"teacher_checkpoint": _beside(t, p, "real", "reel")}, "ModelDirError",
+                           r"^teacher_checkpoint: .*/reel: no such checkpoint; did you mean '.*/real'\?$"),
     "teacher of .bin files alone": (lambda t, p: {"hf_checkpoint": _bin_only(t, p)}, "ModelDirError",
-                                    r"/teacher/transformer: only \.bin weight files, which dmd2 never loads \(pickles\); "
+                                    r"^hf_checkpoint: .*/teacher/transformer: only \.bin weight files, which dmd2 never loads \(pickles\); "
                                     r"it needs \*\.safetensors"),
     "hook raises on import": (lambda t, p: {"train_input_hook_path": "tests.hooks_raising.hook"}, "ArgsError",
                               r"^train_input_hook_path: importing module 'tests.hooks_raising' of .* raised "
