@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from dmd2_core.run.distill_run import DistillRun
 from tests.helpers import tiny_args
@@ -191,3 +192,15 @@ def test_the_flow_cli_checks_its_input_once(tiny_teacher, tmp_path, monkeypatch)
 
 def _stop():
     raise RuntimeError("DistillRun.start reached init_ray: Ray and the actors would start now")
+
+
+def test_no_loader_unpickles_a_bin_weights_file(tmp_path):
+    """A VAE folder of a .bin file alone is not loaded (diffusers would fall back to unpickling
+    it): every loader of dmd2 reads safetensors only, as its weight check says."""
+    from dmd2_core.models import FAMILIES
+    from dmd2_core.toys.standins import _sd3_vae
+
+    _sd3_vae().save_pretrained(str(tmp_path / "vae"), safe_serialization=False)
+    assert [p.suffix for p in (tmp_path / "vae").glob("diffusion_pytorch_model.*")] == [".bin"]
+    with pytest.raises(OSError, match=r"diffusion_pytorch_model\.safetensors"):
+        FAMILIES["SD3Transformer2DModel"].load_vae(str(tmp_path / "vae"), torch.float32)
