@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 from dmd2_core import arg_rules
 from dmd2_core.errors import ArgsError
 from dmd2_core.trackers.flags import TrackerFlags
@@ -370,10 +370,53 @@ def replace_args(args: Args, overrides: dict[str, Any], where: str) -> Args:
 
 def parse_set(items: list[str]) -> dict[str, Any]:
     """``--set key=value`` items (values parsed as YAML) -> overrides."""
-    out: dict[str, Any] = {}
+    return {key: value for key, (value, _) in parse_set_spelled(items).items()}
+
+
+def parse_set_spelled(items: list[str]) -> dict[str, tuple[Any, str]]:
+    """``--set key=value`` items -> {key: (value parsed as YAML, how it was written)}. A key set
+    twice to different values is refused (``given_twice``) rather than the last one winning."""
+    out: dict[str, tuple[Any, str]] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ArgsError(f"--set expects key=value (got {item!r})")
-        out[key.strip().replace("-", "_")] = yaml.safe_load(value) if value.strip() else None
+        key = key.strip().replace("-", "_")
+        parsed = yaml.safe_load(value) if value.strip() else None
+        spelling = f"--set {item}"
+        if key in out and not same_value(key, out[key][0], parsed):
+            raise given_twice(key, out[key][1], spelling)
+        out[key] = (parsed, spelling)
     return out
+
+
+def given_twice(key: str, first: str, second: str) -> ArgsError:
+    """The one line for one key given twice with two values: neither is picked silently."""
+    return ArgsError(f"{key}: given twice with different values ('{first}' and '{second}'); give it once")
+
+
+def same_value(key: str, a: Any, b: Any) -> bool:
+    """Whether two spellings of ``key`` say the same: equal as written, as YAML (a flag's string
+    ``1`` and ``--set``'s ``1``), or once validated as the field's type (``1e-4`` and ``0.0001``)."""
+    a, b = _as_yaml(a), _as_yaml(b)
+    if a == b:
+        return True
+    if key not in Args.model_fields:
+        return False
+    adapter = TypeAdapter(Args.model_fields[key].annotation)
+    try:
+        return adapter.validate_python(a) == adapter.validate_python(b)
+    except ValidationError:
+        return False
+
+
+def _as_yaml(value: Any) -> Any:
+    """A command line's string (or list of them) read as ``--set`` reads its value."""
+    if isinstance(value, list):
+        return [_as_yaml(v) for v in value]
+    if isinstance(value, str):
+        try:
+            return yaml.safe_load(value) if value.strip() else None
+        except yaml.YAMLError:
+            return value
+    return value

@@ -13,7 +13,7 @@ import re
 import sys
 from typing import Optional
 
-from dmd2_core.args import Args, load_args, nearest, parse_set, recipe_names
+from dmd2_core.args import Args, given_twice, load_args, nearest, parse_set_spelled, recipe_names, same_value
 from dmd2_core.errors import ArgsError
 from dmd2_core.train.trainer_config import compute_trainer_args, compute_trainer_configs
 from dmd2_core.trackers.flags import TrackerFlags
@@ -78,7 +78,13 @@ PREPARE_REQUIRED = {"prepare-prompts": ("hf_checkpoint", "prompts_file", "out"),
 
 class ArgParser(argparse.ArgumentParser):
     """argparse that reports any error as one line (an unknown flag with the nearest one the
-    subcommand takes, never the refused flag itself) and exits 2."""
+    subcommand takes, never the refused flag itself) and exits 2. Its options are ``StoreOnce``:
+    one given twice with two values is refused."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("action", None, StoreOnce)
+        self.register("action", "store", StoreOnce)
 
     def parse_args(self, args=None, namespace=None):
         ns, extras = self.parse_known_args(args, namespace)
@@ -91,6 +97,24 @@ class ArgParser(argparse.ArgumentParser):
         if match:
             message = unknown_flag(match.group(1), _option_strings(self))
         self.exit(2, f"error: {' '.join(message.split())}\n")
+
+
+GIVEN = "given_options"  # the namespace's {dest: how the option was written}, kept by StoreOnce
+
+
+class StoreOnce(argparse._StoreAction):
+    """argparse's store, except that an option given twice with two values is refused in one line
+    naming both (argparse keeps the last silently); the same value twice passes. What was written
+    is kept for ``arg_overrides`` to tell a ``--set`` of the same key apart."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        written = " ".join(map(str, values)) if isinstance(values, list) else str(values)
+        spelling = f"{option_string} {written}"
+        given = vars(namespace).setdefault(GIVEN, {})
+        if self.dest in given and not same_value(self.dest, getattr(namespace, self.dest), values):
+            parser.error(str(given_twice(self.dest, given[self.dest], spelling)))
+        given[self.dest] = spelling
+        setattr(namespace, self.dest, values)
 
 
 def unknown_flag(item: str, known: list[str]) -> str:
@@ -142,20 +166,31 @@ def add_arg_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def arg_overrides(ns: argparse.Namespace) -> dict:
-    """The Args overrides of a parse by ``add_arg_flags``: the per-flag options, then ``--set``."""
+    """The Args overrides of a parse by ``add_arg_flags``: the per-flag options and ``--set``; a
+    key given both ways with two values is refused in one line naming both."""
     overrides = {k: v for k, v in vars(ns).items() if k in Args.model_fields}
-    overrides.update(parse_set(getattr(ns, "set_items", [])))
+    for key, (value, spelling) in parse_set_spelled(getattr(ns, "set_items", [])).items():
+        if key in overrides and not same_value(key, overrides[key], value):
+            raise given_twice(key, _spelling(ns, key), spelling)
+        overrides[key] = value
     return overrides
+
+
+def _spelling(ns: argparse.Namespace, dest: str) -> str:
+    """How option ``dest`` was written on the command line."""
+    return vars(ns).get(GIVEN, {}).get(dest) or f"--{dest.replace('_', '-')} {getattr(ns, dest)}"
 
 
 def apply_set_to_options(parser: argparse.ArgumentParser, ns: argparse.Namespace, required: tuple = ()) -> None:
     """``--set KEY=VALUE`` onto a subcommand's own options (its types applied), then the
     ``required`` ones checked: each failure one line naming the key."""
     actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "set_items")}
-    for key, value in parse_set(ns.set_items).items():
+    for key, (value, spelling) in parse_set_spelled(ns.set_items).items():
         action = actions.get(key)
         if action is None:
             raise ArgsError(f"unknown key '{key}' in --set{nearest(key, sorted(actions))}")
+        if key in vars(ns).get(GIVEN, {}) and not same_value(key, getattr(ns, key), value):
+            raise given_twice(key, _spelling(ns, key), spelling)
         if action.type is not None and value is not None:
             try:
                 value = [action.type(v) for v in value] if isinstance(value, list) else action.type(value)
@@ -211,7 +246,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             from dmd2_core.models import describe_model_dir
 
             if args.hf_checkpoint:  # a clip's geometry becomes its latents, as in preflight
-                args = preflight_checks.check_family_args(args, describe_model_dir(args.hf_checkpoint))
+                args = preflight_checks.check_family_args(args, describe_model_dir(args.hf_checkpoint, "hf_checkpoint"))
             trainers = {cfg.role: compute_trainer_args(args, cfg) for cfg in compute_trainer_configs(args)}
             memory_plan = planner.plan(trainers)
             print(json.dumps(memory_plan.as_dict(), indent=1) if ns.json else planner.table(memory_plan))

@@ -188,3 +188,50 @@ def test_settings_that_would_do_nothing_are_refused_before_any_actor(tiny_teache
     assert not save.exists()
     assert cli.main(base + ["--recipe", "tiny", "--num-iterations", "4200"]) == 0
     assert "--label-dropout" not in cli.build_parser().format_help()
+
+
+
+@pytest.mark.parametrize("argv, key, first, second", [
+    (("--set", "num_iterations=1", "--num-iterations", "-3"), "num_iterations", "--num-iterations -3",
+     "--set num_iterations=1"),
+    (("--set", "num_iterations=1", "--set", "num_iterations=abc"), "num_iterations", "--set num_iterations=1",
+     "--set num_iterations=abc"),
+    (("--num-iterations", "2", "--num-iterations", "3"), "num_iterations", "--num-iterations 2", "--num-iterations 3"),
+    (("--eval-prompts", "1", "2", "--set", "eval_prompts=[1, 3]"), "eval_prompts", "--eval-prompts 1 2",
+     "--set eval_prompts=[1, 3]"),
+])
+def test_one_key_given_twice_with_two_values_is_refused_naming_both(tmp_path, capsys, argv, key, first, second):
+    """Neither value wins silently (the last one did, invalid or not): the recipe CLI and the
+    flow's refuse in one line naming both spellings, exit 2, before anything runs."""
+    from flows.dmd2 import main as flow_main
+
+    line = f"error: {key}: given twice with different values ('{first}' and '{second}'); give it once\n"
+    out = _cli("check", "--recipe", "tiny", "--save", str(tmp_path / "run"), *argv)
+    assert out.returncode == 2 and out.stderr == line, out.stderr
+    try:
+        code = flow_main(["--save", str(tmp_path / "run"), *argv])
+    except SystemExit as exc:  # argparse's own refusal of an option given twice
+        code = exc.code
+    assert code == 2 and capsys.readouterr().err == line
+    assert not (tmp_path / "run").exists()
+
+
+def test_one_key_given_twice_with_the_same_value_passes():
+    import json
+
+    for argv in (("--num-iterations", "7", "--set", "num_iterations=7"), ("--lr", "1e-4", "--set", "lr=0.0001"),
+                 ("--num-iterations", "7", "--num-iterations", "7"),
+                 ("--dmd2-student-steps", "1", "2", "--set", "dmd2_student_steps=[1, 2]")):
+        out = _cli("check", "--recipe", "tiny", *argv)
+        assert out.returncode == 0, (argv, out.stderr)
+    assert json.loads(out.stdout)["actor"]["dmd2_student_steps"] == [1, 2]
+
+
+@pytest.mark.parametrize("argv, line", [
+    (("--out", "a", "--iteration", "20", "--set", "iteration=30"),
+     "error: iteration: given twice with different values ('--iteration 20' and '--set iteration=30')"),
+    (("--out", "a", "--out", "b"), "error: out: given twice with different values ('--out a' and '--out b')"),
+])
+def test_a_subcommand_option_given_twice_with_two_values_is_refused(tmp_path, argv, line):
+    out = _cli("export", "--load", str(tmp_path / "run"), "--format", "pipeline", *argv)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and out.stderr.startswith(line), out.stderr

@@ -292,9 +292,13 @@ def test_refusals_are_one_line_before_any_weight(wan_teacher, wan_lora_run, tmp_
     err = refusal(capsys, "--load", full, "--out", out, "--format", "peft")
     assert "peft is a LoRA format" in err and "full weights" in err
     err = refusal(capsys, "--load", full, "--out", out, "--format", "pipeline", "--iteration", "30")
-    assert "no complete checkpoint at iteration 30" in err and "nearest: 20, 40" in err
-    err = refusal(capsys, "--load", str(tmp_path / "nothing"), "--out", out, "--format", "pipeline")
-    assert "no complete checkpoint of the student" in err
+    assert err.startswith("error: iteration: ") and "no complete checkpoint at iteration 30" in err
+    assert "nearest: 20, 40" in err
+    err = refusal(capsys, "--load", str(tmp_path / "ful"), "--out", out, "--format", "pipeline")
+    assert err == (f"error: load: no complete checkpoint of the student at {tmp_path / 'ful'} (no such path); "
+                   f"did you mean '{full}'?\n")
+    err = refusal(capsys, "--load", full, "--out", out, "--format", "pipeline", "--hf-checkpoint", wan_teacher + "x")
+    assert err == f"error: hf_checkpoint: {wan_teacher}x: no such checkpoint; did you mean '{wan_teacher}'?\n"
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     err = refusal(capsys, "--load", full, "--out", str(tmp_path / "mine"), "--format", "merged")

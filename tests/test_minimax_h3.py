@@ -155,7 +155,7 @@ def test_one_iteration_trains_both_modalities(h3, tmp_path):
     (dict(num_frames=120), r"num_frames: 120 is not of the form 17n \+ 5 .* nearest above: 124"),
     (dict(num_frames=107), r"num_frames: 107 frames are 4.46 s .* 5-15 s"),
     (dict(width=160), r"width: 160x32 has aspect ratio 5; MiniMax-H3 supports 1:4 to 4:1"),
-    (dict(height=40), r"height: 40 is not a positive multiple of 32"),
+    (dict(height=40), r"height: 40 is not a positive multiple of 32 .*; nearest: 32 or 64$"),
     (dict(dmd2_guidance_scale=5.0), r"dmd2_guidance_scale: .* is guidance-distilled .* set dmd2_guidance_scale to 1"),
     (dict(dmd2_student_steps=[2, 4], dmd2_student_steps_guidance=[1.0, 1.5]),
      r"dmd2_student_steps_guidance: .* is guidance-distilled .* remove dmd2_student_steps_guidance"),
@@ -170,6 +170,20 @@ def test_bad_clip_input_fails_before_any_actor_in_one_line(h3, tmp_path, overrid
         preflight(args)
     assert "\n" not in str(err.value)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("height, width, nearest", [
+    (500, 512, "height: 500 is not a positive multiple of 32 (VAE x16 times patch 2); nearest: 512 or 480"),
+    (512, 700, "width: 700 is not a positive multiple of 32 (VAE x16 times patch 2); nearest: 704 or 672"),
+    (512, 16, "width: 16 is not a positive multiple of 32 (VAE x16 times patch 2); nearest: 32"),
+    (496, 512, "height: 496 is not a positive multiple of 32 (VAE x16 times patch 2); nearest: 480 or 512"),
+])
+def test_a_clip_side_off_the_grid_is_told_the_nearest_valid_sides(height, width, nearest):
+    """As num_frames is told its nearest 17n + 5, a height or width off the 32-pixel grid is told
+    the valid sides around it, the closer first."""
+    from dmd2_core.models.minimax_h3 import geometry_problem
+
+    assert geometry_problem(124, height, width) == nearest
 
 
 def test_a_checkpoint_without_its_audio_vae_is_named(h3, tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from dmd2_core.run.distill_run import DistillRun
 from tests.helpers import tiny_args
@@ -17,6 +18,25 @@ def _broken_scheduler(teacher: str, tmp_path) -> str:
     root = tmp_path / "teacher"
     shutil.copytree(teacher, root)
     (root / "scheduler" / "scheduler_config.json").write_text('{"shift": 3.0,')
+    return str(root)
+
+
+def _beside(teacher: str, tmp_path, name: str, typo: str) -> str:
+    """A missing model directory ``typo`` beside a copy of the teacher named ``name``."""
+    import shutil
+
+    shutil.copytree(teacher, tmp_path / name)
+    return str(tmp_path / typo)
+
+
+def _bin_only(teacher: str, tmp_path) -> str:
+    """The teacher with its transformer's weights as a ``.bin`` file alone (a pickle; never read)."""
+    import shutil
+
+    root = tmp_path / "teacher"
+    shutil.copytree(teacher, root)
+    weights = root / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights.rename(weights.with_suffix(".bin"))
     return str(root)
 
 
@@ -40,6 +60,15 @@ PREFLIGHT_CASES = {
                                 "ArgsError", r"^prompts: .* \(unreadable header: JSONDecodeError"),
     "scheduler config broken": (lambda t, p: {"hf_checkpoint": _broken_scheduler(t, p)}, "ModelDirError",
                                 r"^.*/teacher/scheduler/scheduler_config.json: unreadable scheduler config \(JSONDecodeError"),
+    "teacher missing": (lambda t, p: {"hf_checkpoint": _beside(t, p, "teacher", "teachr")}, "ModelDirError",
+                        r"^hf_checkpoint: .*/teachr: no such checkpoint; did you mean '.*/teacher'\?$"),
+    "critic missing": (lambda t, p: {"critic_hf_checkpoint": _beside(t, p, "critic", "critc")}, "ModelDirError",
+                       r"^critic_hf_checkpoint: .*/critc: no such checkpoint; did you mean '.*/critic'\?$"),
+    "real score missing": (lambda t, p: {"teacher_checkpoint": _beside(t, p, "real", "reel")}, "ModelDirError",
+                           r"^teacher_checkpoint: .*/reel: no such checkpoint; did you mean '.*/real'\?$"),
+    "teacher of .bin files alone": (lambda t, p: {"hf_checkpoint": _bin_only(t, p)}, "ModelDirError",
+                                    r"^hf_checkpoint: .*/teacher/transformer: only \.bin weight files, which dmd2 never loads \(pickles\); "
+                                    r"it needs \*\.safetensors"),
     "hook raises on import": (lambda t, p: {"train_input_hook_path": "tests.hooks_raising.hook"}, "ArgsError",
                               r"^train_input_hook_path: importing module 'tests.hooks_raising' of .* raised "
                               r"RuntimeError: hook module broken at import time$"),
@@ -163,3 +192,15 @@ def test_the_flow_cli_checks_its_input_once(tiny_teacher, tmp_path, monkeypatch)
 
 def _stop():
     raise RuntimeError("DistillRun.start reached init_ray: Ray and the actors would start now")
+
+
+def test_no_loader_unpickles_a_bin_weights_file(tmp_path):
+    """A VAE folder of a .bin file alone is not loaded (diffusers would fall back to unpickling
+    it): every loader of dmd2 reads safetensors only, as its weight check says."""
+    from dmd2_core.models import FAMILIES
+    from dmd2_core.toys.standins import _sd3_vae
+
+    _sd3_vae().save_pretrained(str(tmp_path / "vae"), safe_serialization=False)
+    assert [p.suffix for p in (tmp_path / "vae").glob("diffusion_pytorch_model.*")] == [".bin"]
+    with pytest.raises(OSError, match=r"diffusion_pytorch_model\.safetensors"):
+        FAMILIES["SD3Transformer2DModel"].load_vae(str(tmp_path / "vae"), torch.float32)

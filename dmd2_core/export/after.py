@@ -88,7 +88,7 @@ def plan_export(load: str, out: str, export_format: str, iteration: Optional[int
     teacher = hf_checkpoint or record.get("hf_checkpoint")
     if not teacher:
         raise ArgsError(f"hf_checkpoint: {where} does not record its model directory; set --hf-checkpoint")
-    info = describe_model_dir(teacher)
+    info = describe_model_dir(teacher, "hf_checkpoint")
     family = FAMILIES[info["family"]]
     config = json.loads(storage.read_text(storage.join(info["transformer_url"], "config.json")))
     metadata = None
@@ -125,15 +125,17 @@ def pick_iteration(load: str, iteration: Optional[int]) -> int:
     complete = sorted(i for i, whole in saved_iterations(load, STUDENT).items() if whole)
     root = storage.join(load, "trainers", STUDENT)
     if not complete:
-        where = root if storage.exists(load) else f"{load}{storage.nearest_sibling(load)}"
-        raise CheckpointError(f"{where}: no complete checkpoint of the student (is --load the run's save URL?)")
+        if not storage.exists(load):
+            raise CheckpointError(f"load: no complete checkpoint of the student at {load} (no such path)"
+                                  f"{storage.nearest_sibling(load)}")
+        raise CheckpointError(f"load: no complete checkpoint of the student at {root} (is --load the run's save URL?)")
     if iteration is None:
         return complete[-1]
     if iteration not in complete:
         below, above = [i for i in complete if i < iteration], [i for i in complete if i > iteration]
         close = below[-1:] + above[:1]  # the nearest on each side
-        raise CheckpointError(f"{trainer_dir(load, STUDENT, iteration)}: no complete checkpoint at iteration {iteration}; "
-                              f"nearest: {', '.join(map(str, close))}")
+        raise CheckpointError(f"iteration: {trainer_dir(load, STUDENT, iteration)}: no complete checkpoint at "
+                              f"iteration {iteration}; nearest: {', '.join(map(str, close))}")
     return iteration
 
 

@@ -7,6 +7,7 @@ directory (``config.json``). The family is chosen from the transformer config's 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from dataclasses import dataclass
@@ -47,9 +48,27 @@ def _read_json(url: str) -> dict[str, Any]:
     return json.loads(storage.read_text(url))
 
 
-def describe_model_dir(url: str) -> dict[str, Any]:
+@contextlib.contextmanager
+def named_by(key: Optional[str]):
+    """A model directory's refusal inside starts with ``key``, the argument that named the
+    directory (``hf_checkpoint: /models/t: no such checkpoint``): the user sees what to change."""
+    try:
+        yield
+    except ModelDirError as exc:
+        if key is None or str(exc).startswith(key):
+            raise
+        raise type(exc)(f"{key}: {exc}") from None
+
+
+def describe_model_dir(url: str, key: Optional[str] = None) -> dict[str, Any]:
     """What a checkpoint holds, read from its JSON files alone (cheap, before any actor starts):
-    {'family', 'transformer_url', 'shift', 'vae_url'}. Raises CheckpointError naming the path."""
+    {'family', 'transformer_url', 'shift', 'vae_url'}. Raises ModelDirError naming the path (and
+    ``key``, the argument that named it, when given)."""
+    with named_by(key):
+        return _describe_model_dir(url)
+
+
+def _describe_model_dir(url: str) -> dict[str, Any]:
     if not url:
         raise ModelDirError("hf_checkpoint is not set: point it at a diffusers model directory")
     try:
@@ -104,11 +123,18 @@ def describe_model_dir(url: str) -> dict[str, Any]:
             "modality_shifts": modality_shifts}
 
 
-def check_weight_files(url: str) -> None:
+def check_weight_files(url: str, key: Optional[str] = None) -> None:
     """Every weights file training reads from checkpoint ``url`` (its transformer, its VAE and, for
     a model with sound, its audio VAE) is whole: each safetensors file (each shard of a sharded
     one) has a readable header whose tensors end within the file. Reads the headers alone, never
-    the weights. Raises CheckpointError naming the file (a download cut off is the usual cause)."""
+    the weights. Raises CheckpointError naming the file (a download cut off is the usual cause).
+    Only safetensors count: a folder of ``.bin`` files alone is refused, as every loader of dmd2
+    reads safetensors only (``use_safetensors=True``). ``key``: the argument that named ``url``."""
+    with named_by(key):
+        _check_weight_files(url)
+
+
+def _check_weight_files(url: str) -> None:
     info = describe_model_dir(url)
     folders = [info["transformer_url"]]
     if info["vae_url"]:
@@ -129,7 +155,10 @@ def check_weight_files(url: str) -> None:
             if missing:
                 raise ModelDirError(f"{storage.join(folder, missing[0])}: missing (listed in {index}); download the "
                                       "checkpoint again")
-        if not files and not any(n.endswith(".bin") for n in names):
+        if not files and any(n.endswith(".bin") for n in names):  # pickles: loading one runs its code
+            raise ModelDirError(f"{folder}: only .bin weight files, which dmd2 never loads (pickles); it needs "
+                                "*.safetensors (convert them, or download the checkpoint's safetensors)")
+        if not files:
             raise ModelDirError(f"{folder}: no weights (no *.safetensors); a config-only directory can be planned, not trained")
         for name in sorted(files):
             file_url = storage.join(folder, name)
@@ -159,7 +188,7 @@ def load_model_dir(url: str, device: str = "cpu", dtype: torch.dtype = torch.flo
     info = describe_model_dir(url)
     family = FAMILIES[info["family"]]
     with storage.local_copy(info["transformer_url"]) as local:
-        model = family.model_class.from_pretrained(str(local), torch_dtype=dtype)
+        model = family.model_class.from_pretrained(str(local), torch_dtype=dtype, use_safetensors=True)
     vae = None
     if with_vae and info["vae_url"]:
         vae = family.load_vae(info["vae_url"], dtype)

@@ -128,7 +128,8 @@ class ModelFamily:
         from dmd2_core import storage
 
         with storage.local_copy(url) as local:
-            return getattr(diffusers, self.vae_class).from_pretrained(str(local), torch_dtype=dtype)
+            return getattr(diffusers, self.vae_class).from_pretrained(str(local), torch_dtype=dtype,
+                                                                     use_safetensors=True)
 
     def unscale_latents(self, vae: torch.nn.Module, latents: torch.Tensor) -> torch.Tensor:
         """The model's normalised latents -> the VAE's own latent scale."""

@@ -67,6 +67,15 @@ def audio_latents(num_frames: int) -> int:
     return int(round(num_frames / FPS * AUDIO_LATENTS_PER_SECOND))
 
 
+def nearest_multiples(value: int, multiple: int) -> str:
+    """The positive multiples of ``multiple`` nearest ``value``: the one below and the one above
+    (the closer first), or the smallest one when none is below."""
+    below, above = value // multiple * multiple, (value // multiple + 1) * multiple
+    if below <= 0:
+        return str(multiple)
+    return f"{below} or {above}" if value - below <= above - value else f"{above} or {below}"
+
+
 def geometry_problem(num_frames: int, height: int, width: int, spatial_ratio: int = 16,
                      patch: tuple[int, int, int] = (1, 2, 2)) -> Optional[str]:
     """Why a (frames, height, width) request is not one MiniMax-H3 generates, or None."""
@@ -80,7 +89,8 @@ def geometry_problem(num_frames: int, height: int, width: int, spatial_ratio: in
     multiple = spatial_ratio * patch[2]
     for name, value in (("height", height), ("width", width)):
         if value <= 0 or value % multiple:
-            return f"{name}: {value} is not a positive multiple of {multiple} (VAE x{spatial_ratio} times patch {patch[2]})"
+            return (f"{name}: {value} is not a positive multiple of {multiple} (VAE x{spatial_ratio} times patch "
+                    f"{patch[2]}); nearest: {nearest_multiples(value, multiple)}")
     aspect = width / height
     if not MIN_ASPECT <= aspect <= MAX_ASPECT:
         return f"width: {width}x{height} has aspect ratio {aspect:g}; MiniMax-H3 supports 1:4 to 4:1"
@@ -302,10 +312,11 @@ class MiniMaxH3Family(ModelFamily):
         from dmd2_core import storage
 
         with storage.local_copy(url) as local:
-            video = diffusers.AutoencoderKLMiniMaxH3.from_pretrained(str(local), torch_dtype=dtype)
+            video = diffusers.AutoencoderKLMiniMaxH3.from_pretrained(str(local), torch_dtype=dtype, use_safetensors=True)
         audio_url = storage.join(url.rstrip("/").rsplit("/", 1)[0], "audio_vae")
         with storage.local_copy(audio_url) as local:
-            audio = diffusers.AutoencoderKLMiniMaxH3Audio.from_pretrained(str(local), torch_dtype=dtype)
+            audio = diffusers.AutoencoderKLMiniMaxH3Audio.from_pretrained(str(local), torch_dtype=dtype,
+                                                                          use_safetensors=True)
         return torch.nn.ModuleDict({"video": video.eval(), "audio": audio.eval()})
 
     @torch.no_grad()

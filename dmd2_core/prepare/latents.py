@@ -151,7 +151,7 @@ def prepare_latents(hf_checkpoint: str, images: str, captions: str, out: str, la
 
     from dmd2_core.prepare.prompts import prepare_prompts
 
-    info = describe_model_dir(hf_checkpoint)
+    info = describe_model_dir(hf_checkpoint, "hf_checkpoint")
     family = FAMILIES[info["family"]]
     if not info["vae_url"]:
         raise ArgsError(f"{hf_checkpoint}: the checkpoint has no vae/ to encode images with")

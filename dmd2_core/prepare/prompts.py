@@ -33,7 +33,7 @@ def prepare_prompts(
     """Encode ``prompts`` (and the empty/negative prompt) and save the prompt set at ``out`` (when set)."""
     import diffusers
 
-    info = describe_model_dir(hf_checkpoint)
+    info = describe_model_dir(hf_checkpoint, "hf_checkpoint")
     if FAMILIES[info["family"]].has_audio:  # MiniMax-H3: its modular pipeline's Qwen3-VL conditioner
         prompt_set = encode_conditioner_prompts(hf_checkpoint, prompts)
         if out:

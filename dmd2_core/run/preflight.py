@@ -34,7 +34,7 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
     preflight_checks.check_reachable({"save": args.save, "load": args.load, "hf_checkpoint": args.hf_checkpoint,
                                       "prompts": args.prompts})
     preflight_checks.check_ray_address(args.ray_address)
-    teacher = describe_model_dir(args.hf_checkpoint)
+    teacher = describe_model_dir(args.hf_checkpoint, "hf_checkpoint")
     args = preflight_checks.check_family_args(args, teacher)
     if FAMILIES[teacher["family"]].is_video and not args.latent_shape:
         raise ArgsError(f"latent_shape: {args.hf_checkpoint} is a video model ({teacher['family']}); "
@@ -43,11 +43,16 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
     if args.dmd2_shift is None:
         args = args.model_copy(update={"dmd2_shift": teacher["shift"]})
     trainer_args = {}
+    checkpoint_keys: dict[str, str] = {}  # each model directory -> the argument that named it
     for cfg in compute_trainer_configs(args):
         targs = compute_trainer_args(args, cfg)
-        describe_model_dir(targs.hf_checkpoint)
+        key = "critic_hf_checkpoint" if cfg.role == "critic" and args.critic_hf_checkpoint else "hf_checkpoint"
+        checkpoint_keys.setdefault(targs.hf_checkpoint, key)
+        describe_model_dir(targs.hf_checkpoint, key)
         if targs.loss_type == "dmd2_critic":
-            describe_model_dir(targs.teacher_checkpoint or targs.hf_checkpoint)
+            teacher_key = "teacher_checkpoint" if args.teacher_checkpoint else key
+            checkpoint_keys.setdefault(targs.teacher_checkpoint or targs.hf_checkpoint, teacher_key)
+            describe_model_dir(targs.teacher_checkpoint or targs.hf_checkpoint, teacher_key)
         if targs.train_input_hook_path:
             flag = "critic_train_input_hook_path" if cfg.role == "critic" else "train_input_hook_path"
             load_hook(targs.train_input_hook_path, flag=flag)
@@ -69,10 +74,8 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
         _check_gan(trainer_args["critic"])
     if planner.device_limit(args) is not None or args.host_memory_gib:
         planner.check(planner.plan(trainer_args))
-    checkpoints = {t.hf_checkpoint for t in trainer_args.values()}
-    checkpoints |= {t.teacher_checkpoint or t.hf_checkpoint for t in trainer_args.values() if t.loss_type == "dmd2_critic"}
-    for url in sorted(checkpoints):  # headers only: a cut-off download is named before any actor
-        check_weight_files(url)
+    for url in sorted(checkpoint_keys):  # headers only: a cut-off download is named before any actor
+        check_weight_files(url, checkpoint_keys[url])
     source = checkpoint.resume_url(args)
     resumed = checkpoint.validate_resume(source, list(trainer_args))
     if resumed is not None:  # the start it recorded (load, model, LoRA and its base) is the one asked for
