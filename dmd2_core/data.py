@@ -63,7 +63,9 @@ class StoredRows:
     """The tensors of a set file (a prompt or real set: one safetensors file, row i of each tensor
     the i-th sample's) whose rows are read only when asked for, and only those: one ranged read per
     run of consecutive rows (a seek locally, a Range request on an object store, as a trainer
-    reads its weight shards), so a reader's host memory holds the rows it uses, not the set."""
+    reads its weight shards), so a reader's host memory holds the rows it uses, not the set.
+    Every read is of the file's version whose header gave the offsets: a file replaced at its URL
+    meanwhile raises InputChangedError naming it, never rows of neither set."""
 
     def __init__(self, url: str):
         from dmd2_core.models.weight_files import WeightFiles, file_tensors

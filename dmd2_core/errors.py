@@ -40,6 +40,14 @@ class CheckpointError(StoredFilesError):
     resumed from; the message is one line naming the path."""
 
 
+class InputChangedError(StoredFilesError):
+    """A file a run opened (a prompt or real set, a weights file) that changed in storage since:
+    its rows would no longer lie at the offsets its header gave when it was opened. Not retried (a
+    retry would read the new file as the old one); the run stops, nothing saved is touched, and a
+    rerun opens the file as it is now and resumes from the latest checkpoint. The message is one
+    line naming the URL."""
+
+
 class SafetensorsHeaderError(ValueError):
     """A file whose safetensors header is missing or unreadable; the message says why."""
 

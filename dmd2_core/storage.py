@@ -29,11 +29,12 @@ import shutil
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional, TypeVar
+from typing import Callable, Iterator, Mapping, Optional, TypeVar
 
 import fsspec
-from dmd2_core.errors import SafetensorsHeaderError, StorageUnavailableError, one_line
+from dmd2_core.errors import InputChangedError, SafetensorsHeaderError, StorageUnavailableError, one_line
 
 log = logging.getLogger("dmd2")
 T = TypeVar("T")
@@ -180,23 +181,28 @@ def read_safetensors_header(url: str) -> tuple[dict, int]:
 def safetensors_layout(url: str) -> tuple[dict, int, int]:
     """``read_safetensors_header``'s header and data size, and the file offset where the data
     starts (a tensor's ``data_offsets`` count from there)."""
-    fs, path = filesystem(url)
-    size = int(retrying(lambda: fs.size(path), f"stat {url}"))
+    entries, data_size, data_start, _ = pinned_safetensors_layout(url)
+    return entries, data_size, data_start
 
-    def read_header():
-        with fs.open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                return head, None
-            n = int.from_bytes(head, "little")
-            if n <= 0 or n > min(MAX_SAFETENSORS_HEADER_BYTES, size - 8):
-                return head, n
-            return head, f.read(n)
-    head, header = retrying(read_header, f"read {url}")
-    if len(head) < 8:
+
+HEADER_PROBE_BYTES = 64 << 10  # the first read of a header: most headers fit, so one request reads them
+
+
+def pinned_safetensors_layout(url: str) -> tuple[dict, int, int, "FileVersion"]:
+    """``safetensors_layout``, and the version of the file its header was read from: a reader
+    that reads tensors at the header's offsets later passes it to ``read_ranges`` (``pins``), so a
+    file replaced meanwhile is named instead of read as misaligned rows."""
+    version = file_version(url)
+    size, pins = version.size, {url: version}
+    if size < 8:
         raise SafetensorsHeaderError(f"{size} bytes, shorter than a header")
-    if not isinstance(header, bytes):
-        raise SafetensorsHeaderError(f"header length {header} does not fit a {size}-byte file")
+    head = bytes(_read_ranges([(url, 0, min(size, HEADER_PROBE_BYTES))], pins)[0])
+    n = int.from_bytes(head[:8], "little")
+    if n <= 0 or n > min(MAX_SAFETENSORS_HEADER_BYTES, size - 8):
+        raise SafetensorsHeaderError(f"header length {n} does not fit a {size}-byte file")
+    header = head[8:8 + n]
+    if len(header) < n:
+        header += bytes(_read_ranges([(url, len(head), 8 + n)], pins)[0])
     try:
         entries = json.loads(header)
         if not isinstance(entries, dict):
@@ -215,7 +221,7 @@ def safetensors_layout(url: str) -> tuple[dict, int, int]:
             raise SafetensorsHeaderError(f"truncated: tensor '{key}' ends at byte {offsets[1]} of the data, the file "
                                          f"holds {data_size} (cut off while it was written or downloaded)")
         _check_span(key, info, offsets)
-    return entries, data_size, 8 + len(header)
+    return entries, data_size, 8 + len(header), version
 
 
 def _check_span(key: str, info: dict, offsets: list[int]) -> None:
@@ -235,10 +241,57 @@ def _check_span(key: str, info: dict, offsets: list[int]) -> None:
                                      f"span {span}")
 
 
-def read_ranges(ranges: list[tuple[str, int, int]]) -> list[bytes | bytearray]:
+@dataclass(frozen=True)
+class FileVersion:
+    """One version of a file, as a reader opened it: its size and a tag that replacing the file
+    changes (an object's ETag; a local file's device, inode and mtime_ns, which a rename over it
+    or a write into it change)."""
+    size: int
+    tag: str
+
+
+def file_version(url: str) -> FileVersion:
+    """The version of the file at ``url`` now (one stat; a HEAD request on an object store)."""
+    path = filesystem(url)[1]
+    if is_local(url):
+        return _local_version(os.stat(path))
+    info = retrying(lambda: filesystem(url)[0].info(path), f"stat {url}")
+    tag = next((str(info[k]) for k in ("ETag", "etag", "generation", "mtime", "LastModified", "created")
+                if info.get(k)), "")
+    return FileVersion(int(info.get("size") or 0), tag)
+
+
+def _local_version(stat: os.stat_result) -> FileVersion:
+    return FileVersion(stat.st_size, f"{stat.st_dev}:{stat.st_ino}:{stat.st_mtime_ns}")
+
+
+def _changed(url: str, why: str) -> InputChangedError:
+    return InputChangedError(f"{url}: changed in storage since this run opened it ({why}); stopping rather than "
+                             "reading rows at the old offsets: rerun to resume from the latest checkpoint with the "
+                             "file as it is now")
+
+
+def _version_change(pinned: FileVersion, now: FileVersion) -> Optional[str]:
+    """How ``now`` differs from ``pinned`` (None when it does not)."""
+    if now.size != pinned.size:
+        return f"{pinned.size} bytes then, {now.size} now"
+    if now.tag != pinned.tag:
+        return f"version {pinned.tag} then, {now.tag} now"
+    return None
+
+
+def read_ranges(ranges: list[tuple[str, int, int]],
+                pins: Optional[Mapping[str, FileVersion]] = None) -> list[bytes | bytearray]:
     """The bytes ``[start, end)`` of each ``(url, start, end)`` (all on one filesystem): ranged
-    reads only (seeks in a local file; on an object store concurrent Range requests, fsspec's
-    ``cat_ranges``), so a reader fetches only the bytes it needs; retried together."""
+    reads only (seeks in a local file; on an object store concurrent Range requests), so a reader
+    fetches only the bytes it needs; retried together. A URL in ``pins`` is read only at that
+    version (``pinned_safetensors_layout``): checked on every read (a local file's fstat around
+    it; on S3 each request's If-Match, and the ETag and size it answers with), raising
+    InputChangedError naming the URL when the file changed."""
+    return _read_ranges(ranges, pins or {})
+
+
+def _read_ranges(ranges: list[tuple[str, int, int]], pins: Mapping[str, FileVersion]) -> list[bytes | bytearray]:
     if not ranges:
         return []
     first = ranges[0][0]
@@ -247,20 +300,103 @@ def read_ranges(ranges: list[tuple[str, int, int]]) -> list[bytes | bytearray]:
         fs = filesystem(first)[0]
         paths = [filesystem(url)[1] for url, _, _ in ranges]
         if is_local(first):
-            out = []
-            for path, (_, start, end) in zip(paths, ranges):
-                buf = bytearray(end - start)
-                with open(path, "rb") as f:
-                    f.seek(start)
-                    got = f.readinto(buf)
-                out.append(buf if got == len(buf) else buf[:got])
+            out = [_local_range(path, url, start, end, pins.get(url)) for path, (url, start, end) in zip(paths, ranges)]
+        elif hasattr(fs, "_call_s3"):
+            from fsspec.asyn import sync
+
+            out = sync(fs.loop, _s3_ranges, fs, paths, ranges, pins)
         else:
             out = fs.cat_ranges(paths, [r[1] for r in ranges], [r[2] for r in ranges], on_error="raise")
+            for url in {url for url, _, _ in ranges if url in pins}:  # no conditional reads here: stat after
+                why = _version_change(pins[url], file_version(url))
+                if why:
+                    raise _changed(url, why)
         for buf, (url, start, end) in zip(out, ranges):
             if len(buf) != end - start:
                 raise EOFError(f"{url}: {len(buf)} bytes at offset {start}, expected {end - start} (file cut off?)")
         return out
     return retrying(run, f"read {len(ranges)} ranges of {first}")
+
+
+def _local_range(path: str, url: str, start: int, end: int, pin: Optional[FileVersion]) -> bytearray:
+    """The bytes ``[start, end)`` of a local file; with ``pin``, the open file is that version
+    before and after the read (a write into it during the read moves its mtime)."""
+    buf = bytearray(end - start)
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        if pin is None:
+            raise
+        raise _changed(url, "no longer there") from None
+    with f:
+        if pin is not None:
+            _check_open_file(f, url, pin)
+        f.seek(start)
+        got = f.readinto(buf)
+        if pin is not None:
+            _check_open_file(f, url, pin)
+    return buf if got == len(buf) else buf[:got]
+
+
+def _check_open_file(f, url: str, pin: FileVersion) -> None:
+    why = _version_change(pin, _local_version(os.fstat(f.fileno())))
+    if why:
+        raise _changed(url, why)
+
+
+async def _s3_ranges(fs, paths: list[str], ranges: list[tuple[str, int, int]],
+                     pins: Mapping[str, FileVersion]) -> list[bytes]:
+    """One concurrent ranged GetObject per range; a pinned URL's carry ``IfMatch`` (the store
+    refuses a replaced object: 412, no extra request) and their answer's ETag and total size are
+    checked too, for a store that ignores the condition."""
+    from fsspec.asyn import _run_coros_in_chunks
+
+    async def get(path: str, url: str, start: int, end: int) -> bytes:
+        if end <= start:
+            return b""
+        bucket, _, key = path.partition("/")
+        pin = pins.get(url)
+        try:
+            out = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
+                                    **({"IfMatch": pin.tag} if pin is not None and pin.tag else {}))
+        except FileNotFoundError:
+            if pin is None:
+                raise
+            why = "no longer there"
+        except OSError as exc:
+            if pin is None or not _precondition_failed(exc):
+                raise
+            why = f"its ETag is no longer {pin.tag}"
+        else:
+            try:
+                data = await out["Body"].read()
+            finally:
+                out["Body"].close()
+            if pin is None:
+                return data
+            total = str(out.get("ContentRange") or "").rpartition("/")[2]
+            now = FileVersion(int(total) if total.isdigit() else pin.size, out.get("ETag") or pin.tag)
+            why = _version_change(pin, now)
+            if why is None:
+                return data
+        raise _changed(url, why)
+
+    coros = [get(path, url, start, end) for path, (url, start, end) in zip(paths, ranges)]
+    return await _run_coros_in_chunks(coros, batch_size=fs.batch_size, nofiles=True)
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    """An S3 412 (a condition such as If-Match not met), also behind s3fs's translation to OSError."""
+    seen = 0
+    while exc is not None and seen < 8:
+        seen += 1
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict):
+            code = str((response.get("Error") or {}).get("Code", ""))
+            status = int((response.get("ResponseMetadata") or {}).get("HTTPStatusCode") or 0)
+            return code == "PreconditionFailed" or status == 412
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def sha256(url: str, chunk: int = 8 << 20) -> str:

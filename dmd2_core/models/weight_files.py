@@ -8,7 +8,7 @@ import json
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -24,9 +24,11 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
 
 def file_tensors(url: str) -> tuple[dict[str, "StoredTensor"], dict[str, str]]:
     """Where each tensor of the safetensors file at ``url`` lies, and its metadata, from the header
-    alone (one small read). Raises WeightFilesError naming the file when it is not a whole one."""
+    alone (one small read). Each tensor carries the version of the file that header was read from,
+    and reads its rows at that version only. Raises WeightFilesError naming the file when it is
+    not a whole one."""
     try:
-        entries, _, data_start = storage.safetensors_layout(url)
+        entries, _, data_start, version = storage.pinned_safetensors_layout(url)
     except (SafetensorsHeaderError, FileNotFoundError) as exc:
         raise WeightFilesError(f"{url}: not a whole safetensors file ({exc})") from None
     tensors = {}
@@ -35,7 +37,8 @@ def file_tensors(url: str) -> tuple[dict[str, "StoredTensor"], dict[str, str]]:
             continue
         if info.get("dtype") not in DTYPES:
             raise WeightFilesError(f"{url}: tensor '{key}' has unsupported dtype {info.get('dtype')}")
-        tensors[key] = StoredTensor(url, DTYPES[info["dtype"]], tuple(info["shape"]), data_start + info["data_offsets"][0])
+        tensors[key] = StoredTensor(url, DTYPES[info["dtype"]], tuple(info["shape"]), data_start + info["data_offsets"][0],
+                                    version)
     return tensors, entries.get("__metadata__") or {}
 
 
@@ -45,6 +48,7 @@ class StoredTensor:
     dtype: torch.dtype
     shape: tuple[int, ...]
     start: int  # byte offset of its first element in the file
+    version: Optional[storage.FileVersion] = None  # the file's, when its header gave ``start``
 
     def row_bytes(self) -> int:
         return math.prod(self.shape[1:]) * self.dtype.itemsize
@@ -116,6 +120,7 @@ class WeightFiles:
     @staticmethod
     def _read_batch(batch: list) -> Iterator[tuple[str, int, int, torch.Tensor]]:
         ranges: list[list] = []  # [url, start, end, [(piece, offset in the range)]]
+        pins = {p[4].file_url: p[4].version for p in batch if p[4].version is not None}
         for piece in batch:
             url, begin, size = piece[4].file_url, piece[5], piece[6]
             if ranges and ranges[-1][0] == url and ranges[-1][2] == begin:
@@ -125,7 +130,7 @@ class WeightFiles:
                 ranges.append([url, begin, begin + size, [(piece, 0)]])
         with warnings.catch_warnings():  # a remote read's bytes are immutable; the rows are only copied from
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            for (_, _, _, members), data in zip(ranges, storage.read_ranges([tuple(r[:3]) for r in ranges])):
+            for (_, _, _, members), data in zip(ranges, storage.read_ranges([tuple(r[:3]) for r in ranges], pins)):
                 for (name, start, stop, shape, stored, _, size), offset in members:
                     rows = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=offset) if size else \
                         torch.empty(0, dtype=torch.uint8)
