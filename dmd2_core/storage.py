@@ -354,11 +354,12 @@ async def _s3_ranges(fs, paths: list[str], ranges: list[tuple[str, int, int]],
     async def get(path: str, url: str, start: int, end: int) -> bytes:
         if end <= start:
             return b""
-        bucket, _, key = path.partition("/")
+        bucket, key, version_id = fs.split_path(path)
         pin = pins.get(url)
+        condition = {**({"VersionId": version_id} if version_id else {}),
+                     **({"IfMatch": pin.tag} if pin is not None and pin.tag else {})}
         try:
-            out = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
-                                    **({"IfMatch": pin.tag} if pin is not None and pin.tag else {}))
+            out = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **condition)
         except FileNotFoundError:
             if pin is None:
                 raise

@@ -37,8 +37,8 @@ def file_tensors(url: str) -> tuple[dict[str, "StoredTensor"], dict[str, str]]:
             continue
         if info.get("dtype") not in DTYPES:
             raise WeightFilesError(f"{url}: tensor '{key}' has unsupported dtype {info.get('dtype')}")
-        tensors[key] = StoredTensor(url, DTYPES[info["dtype"]], tuple(info["shape"]), data_start + info["data_offsets"][0],
-                                    version)
+        tensors[key] = StoredTensor(url, DTYPES[info["dtype"]], tuple(info["shape"]),
+                                    data_start + info["data_offsets"][0], version)
     return tensors, entries.get("__metadata__") or {}
 
 
