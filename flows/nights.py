@@ -5,7 +5,10 @@ over nights (dmd2_core/nights_view.py).
 
 Each run (completed or failed) writes a new version of the key from the previous version's rows
 plus its own (a crash rerun replaces its run's row: same flow run id); the UI shows the latest
-version under Artifacts and in the run that wrote it. The rows travel inside the markdown, in an
+version under Artifacts and in the run that wrote it. The read and the write happen under a global
+concurrency limit of one slot named as the key (created on first use, its slot leased so a killed
+writer frees it), so two nights ending together both keep their rows: the second reads the
+first's version. The rows travel inside the markdown, in an
 HTML comment (base64 JSON) the UI does not show, so the view needs nothing besides the server.
 Runs outside a deployment (the CLI, tests calling the flow) have no nights view.
 
@@ -17,16 +20,19 @@ A completed night is also checked against the nights before it (flows/alerts.py,
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import json
 import logging
 import re
-from typing import Optional
+from typing import Iterator, Optional
 
 from dmd2_core import nights_view
 from flows.artifacts import slugify
 
 MAX_NIGHTS = 60  # rows kept (the oldest drop off)
+WRITER_WAIT_S = 120.0  # how long a night waits for another night's update of the view
+WRITER_LEASE_S = 60.0  # a killed writer's slot is free again after this
 _ROWS = re.compile(r"<!-- dmd2-nights-rows: ([A-Za-z0-9+/=]*) -->")
 log = logging.getLogger("dmd2")
 
@@ -62,10 +68,37 @@ def latest_markdown(key: str) -> Optional[str]:
     return found[0].data if found else None
 
 
+@contextlib.contextmanager
+def one_writer(key: str) -> Iterator[None]:
+    """Hold the one slot of the global concurrency limit named ``key`` (made if missing): a nights
+    view's read-modify-write is atomic among runs. TimeoutError after WRITER_WAIT_S."""
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.sync import concurrency
+
+    with get_client(sync_client=True) as client:
+        client.upsert_global_concurrency_limit_by_name(key, 1)
+    with concurrency(key, occupy=1, timeout_seconds=WRITER_WAIT_S, lease_duration=WRITER_LEASE_S, strict=True,
+                     raise_on_lease_renewal_failure=False):
+        yield
+
+
+def add_row(key: str, name: str, row: dict) -> tuple[list[dict], list[dict]]:
+    """Write a new version of the nights view ``key`` of deployment ``name``: its latest rows with
+    ``row`` merged in, read and written by one writer at a time. Returns (the rows before, after)."""
+    from prefect.artifacts import create_markdown_artifact
+
+    with one_writer(key):
+        previous = rows_of(latest_markdown(key))
+        rows = merge(previous, row)
+        markdown = nights_view.nights_markdown(name, rows, nights_view.nights_plot(rows, title=f"{name}: quality over nights"))
+        create_markdown_artifact(markdown=with_rows(markdown, rows), key=key,
+                                 description=f"dmd2/{name}: one row per run, newest first")
+    return previous, rows
+
+
 def record_night(view: dict, outcome: str, wall_s: float) -> Optional[str]:
     """Add this run's row to its deployment's nights view; returns the key (None outside a
     deployment). Best effort: a server hiccup here never fails the run."""
-    from prefect.artifacts import create_markdown_artifact
     from prefect.runtime import deployment, flow_run
 
     name = deployment.name
@@ -76,13 +109,9 @@ def record_night(view: dict, outcome: str, wall_s: float) -> Optional[str]:
         start = flow_run.scheduled_start_time or datetime.datetime.now(datetime.timezone.utc)
         date = start.astimezone(datetime.timezone.utc).date().isoformat()
         row = nights_view.night_row(view, outcome, wall_s, str(flow_run.id), flow_run.ui_url, date)
-        previous = rows_of(latest_markdown(key))
+        previous, _ = add_row(key, name, row)
         if outcome.startswith("completed"):  # a failed night has its own message
             tell_if_regressed(view, [r for r in previous if r.get("run_id") != row["run_id"]], row)
-        rows = merge(previous, row)
-        markdown = nights_view.nights_markdown(name, rows, nights_view.nights_plot(rows, title=f"{name}: quality over nights"))
-        create_markdown_artifact(markdown=with_rows(markdown, rows), key=key,
-                                 description=f"dmd2/{name}: one row per run, newest first")
     except Exception as exc:  # noqa: BLE001 - the view is for people; the run's outcome stands
         log.warning(f"nights view {key} not updated: {exc}")
         return None

@@ -268,6 +268,43 @@ def test_a_regressed_night_tells_a_person(server_api, receiver, tmp_path):
     assert len(ours()) == 1 and not any(first["name"] in t for t in ours())
 
 
+@pytest.mark.filterwarnings("ignore:Artifact creation outside:FutureWarning")  # the flow writes it inside a run
+def test_two_nights_ending_together_both_keep_their_rows(prefect_harness, monkeypatch):
+    """Night A reads the view and is slow to write it; night B ends meanwhile. B waits for A's
+    write, reads it and adds its row: the latest version holds both rows (without one writer at a
+    time, B would write from the version A read, and A's write would drop B's row)."""
+    import threading
+
+    from flows import nights
+
+    key = nights.nights_key(f"together-{uuid.uuid4().hex[:6]}")
+    read_latest = nights.latest_markdown
+    a_read, b_done = threading.Event(), threading.Event()
+
+    def latest(k):
+        markdown = read_latest(k)
+        if threading.current_thread().name == "night-a":
+            a_read.set()
+            b_done.wait(3)  # B's whole update fits here unless it waits for A
+        return markdown
+
+    monkeypatch.setattr(nights, "latest_markdown", latest)
+    nights.add_row(key, "together", {"run_id": "night-0", "name": "n0", "date": "2026-01-01"})
+
+    def night_b():
+        a_read.wait(30)
+        nights.add_row(key, "together", {"run_id": "night-b", "name": "nb", "date": "2026-01-02"})
+        b_done.set()
+
+    a = threading.Thread(target=nights.add_row, name="night-a",
+                         args=(key, "together", {"run_id": "night-a", "name": "na", "date": "2026-01-02"}))
+    b = threading.Thread(target=night_b)
+    a.start(), b.start()
+    a.join(60), b.join(60)
+    assert b_done.is_set()
+    assert sorted(r["run_id"] for r in nights.rows_of(read_latest(key))) == ["night-0", "night-a", "night-b"]
+
+
 # ---- the stand-in night (run in a child process) -------------------------------------------------
 
 @flow(name="dmd2-alerts-stand-in")

@@ -204,3 +204,32 @@ def test_no_loader_unpickles_a_bin_weights_file(tmp_path):
     assert [p.suffix for p in (tmp_path / "vae").glob("diffusion_pytorch_model.*")] == [".bin"]
     with pytest.raises(OSError, match=r"diffusion_pytorch_model\.safetensors"):
         FAMILIES["SD3Transformer2DModel"].load_vae(str(tmp_path / "vae"), torch.float32)
+
+
+def test_the_write_probe_removes_only_the_directories_it_created(tmp_path, monkeypatch):
+    """The save's missing directories are made by the probe and removed after it, deepest first;
+    one that another writer put a file into meanwhile stays, with the file and every directory
+    above it. A probe that cannot write leaves none of its directories either."""
+    from dmd2_core import storage
+    from dmd2_core.errors import ArgsError
+    from dmd2_core.run import preflight_checks
+
+    top = tmp_path / "runs"
+    write = storage.write_bytes
+
+    def meanwhile(url, data, *a, **kw):
+        write(url, data, *a, **kw)
+        (top / "other-run.log").write_text("another writer")  # a sibling run, writing beside the probe
+
+    monkeypatch.setattr(storage, "write_bytes", meanwhile)
+    preflight_checks.probe_write(str(top / "night" / "run"))
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["runs", "runs/other-run.log"]
+
+    def refused(url, data, *a, **kw):
+        write(url, data, *a, **kw)
+        raise PermissionError("quota exceeded")
+
+    monkeypatch.setattr(storage, "write_bytes", refused)
+    with pytest.raises(ArgsError, match=r"^save: cannot write to .*/fresh/run \(.*quota exceeded\)$"):
+        preflight_checks.probe_write(str(tmp_path / "fresh" / "run"))
+    assert not (tmp_path / "fresh").exists()

@@ -30,7 +30,7 @@ PHASES = ("rollout", "critic_train_and_score", "sleep_critic", "student_train", 
 
 class DistillRun:
     def __init__(self, args: Args, owner: str | None = None):
-        # the run that owns the save URL's lease: the flow run's id (the lease adds this process's host, pid and a nonce)
+        # the run that owns the save URL's lease: the flow run's id (the lease adds a holder token of its own)
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         checked = handed_over(args)  # the CLI's preflight of these args, before Prefect started
         if checked is None:

@@ -61,13 +61,16 @@ def check_reachable(urls: dict[str, Optional[str]]) -> None:
 
 def probe_write(save_url: str, key: str = "save") -> None:
     """Write and remove a small object under the URL of ``key``; on local storage also remove the
-    directories the probe created, so a failed preflight leaves nothing behind."""
+    directories the probe created, so a failed preflight leaves nothing behind. Only those, deepest
+    first, and only while empty: a directory something else wrote into meanwhile stays, with what
+    is in it."""
     probe = storage.join(save_url, f".dmd2-probe-{uuid.uuid4().hex[:8]}")
-    created: Optional[Path] = None
+    created: list[Path] = []  # the directories missing before the probe, deepest first
     if storage.is_local(save_url):
         path = Path(storage.filesystem(save_url)[1])
         while not path.exists() and path.parent != path:
-            created, path = path, path.parent
+            created.append(path)
+            path = path.parent
     try:
         storage.write_bytes(probe, b"probe")
         storage.remove(probe)
@@ -76,10 +79,15 @@ def probe_write(save_url: str, key: str = "save") -> None:
     except Exception as exc:  # noqa: BLE001 - permission, no such bucket, read-only file system ...
         raise ArgsError(f"{key}: cannot write to {save_url} ({one_line(exc)})") from None
     finally:
-        if created is not None:
-            import shutil
-
-            shutil.rmtree(created, ignore_errors=True)
+        if storage.is_local(save_url):  # a write that failed after the probe landed leaves it: remove it too
+            Path(storage.filesystem(probe)[1]).unlink(missing_ok=True)
+        for directory in created:
+            try:
+                directory.rmdir()  # refuses a directory that is not empty
+            except FileNotFoundError:
+                continue  # never made (the write failed first)
+            except OSError:
+                break  # another writer's files: this and every directory above it stay
 
 
 # ---- prompts ----------------------------------------------------------------------------------
