@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from dmd2_core.errors import NonFiniteError
+from dmd2_core.trackers.tensorboard_sink import scalar_tag
 from tests.helpers import FAST, REPO, flow_cli_refusal
 
 ALL = ["tensorboard", "mlflow", "wandb"]
@@ -189,10 +190,10 @@ def test_a_rerun_continues_each_tracker_run_and_never_writes_a_step_twice(tmp_pa
     rerun.close()
     assert json.loads((save / "trackers.json").read_text())["runs"] == state["runs"]  # the same tracker runs
 
-    acc = tensorboard_read(save / "tensorboard")
-    assert tensorboard_curve(acc, "dmd2_loss") == [(i, pytest.approx(1.0 / (i + 1))) for i in range(7)]
-    assert tensorboard_curve(acc, "iteration_s") == [(i, 0.5 if i < 5 else 9.0) for i in range(7)]
-    assert "note" not in acc.Tags()["scalars"] and "skipped" not in acc.Tags()["scalars"]
+    acc = tensorboard_read(save / "tensorboard" / "dmd2-sinks")
+    assert tensorboard_curve(acc, "losses/dmd2_loss") == [(i, pytest.approx(1.0 / (i + 1))) for i in range(7)]
+    assert tensorboard_curve(acc, "timing/iteration_s") == [(i, 0.5 if i < 5 else 9.0) for i in range(7)]
+    assert not any(t.endswith(("note", "skipped")) for t in acc.Tags()["scalars"])
     assert [e.step for e in acc.Images("eval/p0_frames")] == [0, 4, 6]
     assert [e.step for e in acc.Images("eval/p0_spectrogram")] == [0, 4, 6]
     sound = acc.Audio("eval/p0_sound")
@@ -256,18 +257,18 @@ def test_a_killed_and_rerun_run_shows_one_curve_per_metric_in_each_tracker(harne
     logged = {r["iteration"]: r for r in report.read_metrics(str(save))}
     runs = json.loads((save / "trackers.json").read_text())["runs"]
 
-    acc = tensorboard_read(save / "tensorboard")
+    acc = tensorboard_read(save / "tensorboard" / "dmd2-tiny")
     client, run = mlflow_run(save, runs["mlflow"]["run_id"])
     rows, configs, dirs = wandb_history(save, runs["wandb"]["run_id"])
     assert len(dirs) == 2 and run.info.status == "FINISHED"
     for key, want in (("dmd2_loss", [1, 2, 3, 4]), ("critic_loss", [1, 2, 3, 4]), ("fd", [0, 2, 4])):
         steps = sorted(i for i, r in logged.items() if isinstance(r.get(key), (int, float)))
         assert steps == want, (key, steps)
-        assert [s for s, _ in tensorboard_curve(acc, key)] == steps, key
+        assert [s for s, _ in tensorboard_curve(acc, scalar_tag(key))] == steps, key
         assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == steps, key
         assert [r["_step"] for r in rows if key in r] == steps, key
         # a replay is bitwise: the first attempt's value (the tracker's) is the metrics log's
-        assert [v for _, v in tensorboard_curve(acc, key)] == pytest.approx([logged[s][key] for s in steps])
+        assert [v for _, v in tensorboard_curve(acc, scalar_tag(key))] == pytest.approx([logged[s][key] for s in steps])
     assert [e.step for e in acc.Images("eval/samples")] == [0, 2, 4]
     assert [r["_step"] for r in rows if r.get("eval/samples/_type") == "image-file"] == [0, 2, 4]
     assert mlflow_image_steps(client, run.info.run_id, "eval/samples") == [0, 2, 4]
@@ -297,4 +298,32 @@ def test_an_s3_save_keeps_its_tracker_runs_in_the_bucket(s3_bucket, tmp_path, mo
         rerun.write(i, {"iteration": i, "dmd2_loss": float(i)})
     rerun.close()
     acc = tensorboard_read(tmp_path / "tensorboard" / "dmd2-s3")
-    assert tensorboard_curve(acc, "dmd2_loss") == [(i, float(i)) for i in range(5)]
+    assert tensorboard_curve(acc, "losses/dmd2_loss") == [(i, float(i)) for i in range(5)]
+
+
+def test_tensorboard_groups_its_scalars_and_names_its_run(tmp_path):
+    """TensorBoard's scalars sit in sections by what they measure (losses, quality, grad norms,
+    timing, the rest under train), and the run's log directory is named by the run, so
+    ``tensorboard --logdir {save}/tensorboard`` lists the run by its name (not '.')."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    from dmd2_core.args import load_args
+    from dmd2_core.trackers.sinks import Trackers
+
+    save = tmp_path / "run"
+    args = load_args(None, {"save": str(save), "trackers": ["tensorboard"], "run_name": "dmd2-tags"})
+    row = {"iteration": 0, "dmd2_loss": 1.0, "critic_loss": 2.0, "gan_d_loss_real": 0.5, "teacher_kid": 0.1,
+           "teacher_kid@4": 0.2, "fd": 3.0, "drift_flicker": 0.3, "diversity_lpips": 0.4, "dmd2_grad_norm": 1.5,
+           "actor_grad_norm": 2.5, "gan_dmd_grad_ratio": 0.7, "iteration_s": 9.0, "checkpoint_save_s": 1.0,
+           "wall_time": 1.7e9, "actor_lr": 1e-5}
+    trackers = Trackers.open(args, "tags", {}, start=0, logged=-1)
+    trackers.write(0, row)
+    trackers.close()
+    runs = EventMultiplexer().AddRunsFromDirectory(str(save / "tensorboard"))
+    runs.Reload()
+    assert list(runs.Runs()) == ["dmd2-tags"]
+    assert sorted(runs.Runs()["dmd2-tags"]["scalars"]) == sorted([
+        "losses/dmd2_loss", "losses/critic_loss", "losses/gan_d_loss_real", "quality/teacher_kid",
+        "quality/teacher_kid@4", "quality/fd", "quality/drift_flicker", "quality/diversity_lpips",
+        "grad_norm/dmd2_grad_norm", "grad_norm/actor_grad_norm", "grad_norm/gan_dmd_grad_ratio",
+        "timing/iteration_s", "timing/checkpoint_save_s", "timing/wall_time", "train/actor_lr"])
