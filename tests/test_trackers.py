@@ -327,3 +327,165 @@ def test_tensorboard_groups_its_scalars_and_names_its_run(tmp_path):
         "quality/teacher_kid@4", "quality/fd", "quality/drift_flicker", "quality/diversity_lpips",
         "grad_norm/dmd2_grad_norm", "grad_norm/actor_grad_norm", "grad_norm/gan_dmd_grad_ratio",
         "timing/iteration_s", "timing/checkpoint_save_s", "timing/wall_time", "train/actor_lr"])
+
+
+# ---- a tracker is best effort -----------------------------------------------------------------
+
+class FlakySink:
+    """A tracker that records what it is given (``GIVEN``: step -> times given, over every run of
+    the test) and fails where the test says: ``fail_open``, ``fail_at`` (a step's write),
+    ``fail_close``; ``CLOSED``: each close."""
+    name = "flaky"
+    config_every_open = False
+    GIVEN: dict[int, int] = {}
+    CONFIGS: list[dict] = []
+    CLOSED: list[bool] = []
+    fail_open: BaseException | None = None
+    fail_at: int | None = None
+    fail_close = False
+
+    def __init__(self, args, run_name, state, written):
+        if FlakySink.fail_open is not None:
+            raise FlakySink.fail_open
+        self.state, self.held, self.new_run = {"id": "flaky-run"}, None, False
+
+    def log_config(self, config):
+        FlakySink.CONFIGS.append(config)
+
+    def write(self, step, scalars, media):
+        if step == FlakySink.fail_at:
+            raise ConnectionError(f"flaky server down at {step}\n(a second line of the error)")
+        FlakySink.GIVEN[step] = FlakySink.GIVEN.get(step, 0) + 1
+
+    def close(self, failed=False):
+        FlakySink.CLOSED.append(failed)
+        if FlakySink.fail_close:
+            raise OSError("No space left on device")
+
+
+@pytest.fixture
+def flaky(monkeypatch):
+    from dmd2_core.trackers import sinks
+
+    monkeypatch.setitem(sinks.SINKS, "flaky", ("tests.test_trackers", "FlakySink", "pytest"))
+    for key, value in dict(GIVEN={}, CONFIGS=[], CLOSED=[], fail_open=None, fail_at=None, fail_close=False).items():
+        monkeypatch.setattr(FlakySink, key, value)
+    return FlakySink
+
+
+def tracker_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "dmd2" and r.levelname == "WARNING"]
+
+
+def test_a_tracker_that_fails_mid_run_is_one_warning_and_the_next_run_gives_it_what_it_missed(tmp_path, flaky, caplog):
+    """Run 1 gives steps 0..5; the flaky tracker's server goes down at step 3: one warning naming
+    it, it gets nothing more, TensorBoard gets every step, nothing raises. The rerun resumes from
+    4 (the log held 0..5): the flaky tracker gets 3 and 4 from the metrics log at once, then 5 and
+    6 from the replay; TensorBoard only 6. Each step once in each; a close that fails is a warning."""
+    from dmd2_core.args import load_args
+    from dmd2_core.trackers.sinks import Trackers
+
+    save = tmp_path / "run"
+    args = load_args(None, {"save": str(save), "trackers": ["tensorboard", "flaky"], "run_name": "dmd2-flaky"})
+    row = lambda i: {"iteration": i, "dmd2_loss": float(i)}  # noqa: E731
+    flaky.fail_at = 3
+    first = Trackers.open(args, "attempt", {"lr": 1}, start=0, logged=-1)
+    for i in range(6):
+        first.write(i, row(i))
+    first.close()
+    warnings = tracker_warnings(caplog)
+    assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+    assert warnings[0].startswith("tracker flaky failed to write iteration 3 (ConnectionError: flaky server down at 3)")
+    assert "next run gives it iterations 3 on" in warnings[0]
+    assert flaky.GIVEN == {0: 1, 1: 1, 2: 1} and flaky.CLOSED == [True]  # closed as failed when it stopped
+    assert json.loads((save / "trackers.json").read_text())["behind"] == {"flaky": 2}
+
+    caplog.clear()
+    flaky.fail_at, flaky.fail_close = None, True
+    rerun = Trackers.open(args, "rerun", {"lr": 1}, start=4, logged=5, rows={i: row(i) for i in range(5)})
+    assert flaky.GIVEN == {i: 1 for i in range(5)}
+    for i in range(4, 7):
+        rerun.write(i, row(i))
+    rerun.close()
+    assert flaky.GIVEN == {i: 1 for i in range(7)} and flaky.CONFIGS == [{"lr": 1}]
+    assert "behind" not in json.loads((save / "trackers.json").read_text())
+    assert tracker_warnings(caplog) == ["tracker flaky failed to close (OSError: No space left on device)"]
+    acc = tensorboard_read(save / "tensorboard" / "dmd2-flaky")
+    assert [s for s, _ in tensorboard_curve(acc, "losses/dmd2_loss")] == list(range(7))
+
+
+def test_an_mlflow_server_that_is_down_is_a_warning_and_the_next_run_gives_mlflow_every_row(tmp_path, monkeypatch,
+                                                                                          caplog, mlflow_tables):
+    """MLflow at a closed loopback port: opening it fails, one warning names mlflow, TensorBoard
+    gets the run. The next run (resumed at 3, MLflow reachable) makes MLflow's run and gives it
+    rows 0..3 from the metrics log, then the replay: one value per step, the configuration once."""
+    import socket
+
+    from dmd2_core.args import load_args
+    from dmd2_core.trackers.sinks import Trackers
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    save = with_mlflow_tables(tmp_path / "run", mlflow_tables)
+    base = {"save": str(save), "trackers": ["tensorboard", "mlflow"], "run_name": "dmd2-down", "lr": 3e-5}
+    args = load_args(None, {**base, "mlflow_tracking_uri": f"http://127.0.0.1:{closed}"})
+    row = lambda i: {"iteration": i, "dmd2_loss": float(i)}  # noqa: E731
+    first = Trackers.open(args, "attempt", args.model_dump(mode="json"), start=0, logged=-1)
+    for i in range(5):
+        first.write(i, row(i))
+    first.close()
+    warnings = tracker_warnings(caplog)
+    assert len(warnings) == 1 and warnings[0].startswith("tracker mlflow failed to open ("), warnings
+    assert "next run gives it iterations 0 on" in warnings[0]
+    assert json.loads((save / "trackers.json").read_text())["behind"] == {"mlflow": -1}
+
+    caplog.clear()
+    args = load_args(None, base)  # the default store, in the save
+    rerun = Trackers.open(args, "rerun", args.model_dump(mode="json"), start=3, logged=4,
+                          rows={i: row(i) for i in range(4)})
+    for i in range(3, 6):
+        rerun.write(i, row(i))
+    rerun.close()
+    assert tracker_warnings(caplog) == []
+    state = json.loads((save / "trackers.json").read_text())
+    assert "behind" not in state and state["runs"]["mlflow"]["tracking_uri"] == f"sqlite:///{save.resolve()}/mlflow.db"
+    client, run = mlflow_run(save, state["runs"]["mlflow"]["run_id"])
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "dmd2_loss")] == \
+        [(i, float(i)) for i in range(6)]
+    assert run.data.params["lr"] == "3e-05" and run.info.status == "FINISHED"
+    assert [s for s, _ in tensorboard_curve(tensorboard_read(save / "tensorboard" / "dmd2-down"), "losses/dmd2_loss")] \
+        == list(range(6))
+
+
+class InterruptedSink(FlakySink):
+    """A tracker whose opening is interrupted (Ctrl-C): not an error of its own to warn about."""
+    name = "interrupted"
+
+    def __init__(self, *args):
+        raise KeyboardInterrupt
+
+
+def test_trackers_already_open_are_closed_when_the_opening_stops(tmp_path, flaky, monkeypatch):
+    """The second tracker's opening is interrupted, or trackers.json cannot be written: the
+    opening stops with that, and the tracker already open is closed (as failed), not left running."""
+    from dmd2_core import storage
+    from dmd2_core.args import load_args
+    from dmd2_core.trackers import sinks
+
+    monkeypatch.setitem(sinks.SINKS, "interrupted", ("tests.test_trackers", "InterruptedSink", "pytest"))
+    args = load_args(None, {"save": str(tmp_path / "run"), "trackers": ["flaky", "interrupted"], "run_name": "dmd2-half"})
+    with pytest.raises(KeyboardInterrupt):
+        sinks.Trackers.open(args, "attempt", {}, start=0, logged=-1)
+    assert flaky.CLOSED == [True]
+
+    def disk_full(url, text):
+        raise OSError(f"{url}: No space left on device")
+
+    monkeypatch.setattr(storage, "write_text", disk_full)
+    args = load_args(None, {"save": str(tmp_path / "run"), "trackers": ["flaky"], "run_name": "dmd2-half"})
+    with pytest.raises(OSError, match="trackers.json: No space left on device"):
+        sinks.Trackers.open(args, "attempt", {}, start=0, logged=-1)
+    assert flaky.CLOSED == [True, True]
