@@ -489,3 +489,67 @@ def test_trackers_already_open_are_closed_when_the_opening_stops(tmp_path, flaky
     with pytest.raises(OSError, match="trackers.json: No space left on device"):
         sinks.Trackers.open(args, "attempt", {}, start=0, logged=-1)
     assert flaky.CLOSED == [True, True]
+
+
+def test_an_mlflow_run_on_an_s3_save_is_found_from_another_directory_and_a_deleted_one_is_replaced(
+        s3_bucket, tmp_path, monkeypatch, caplog, mlflow_tables):
+    """An s3:// save without a tracking URI uses MLflow's default store in the working directory;
+    trackers.json keeps its absolute URI (never null), so a rerun started elsewhere continues the
+    same MLflow run. A run deleted meanwhile is a warning, and a new run gets the configuration and
+    the metrics log's rows instead of failing."""
+    from mlflow.tracking import MlflowClient
+
+    from dmd2_core import storage
+    from dmd2_core.args import load_args
+    from dmd2_core.trackers.sinks import Trackers
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    save = f"{s3_bucket}/runs/mlflow"
+    args = load_args(None, {"save": save, "trackers": ["mlflow"], "run_name": "dmd2-elsewhere", "lr": 3e-5})
+    row = lambda i: {"iteration": i, "dmd2_loss": float(i)}  # noqa: E731
+    first_dir = with_mlflow_tables(tmp_path / "first", mlflow_tables)
+    monkeypatch.chdir(first_dir)
+    first = Trackers.open(args, "attempt", args.model_dump(mode="json"), start=0, logged=-1)
+    for i in range(3):
+        first.write(i, row(i))
+    first.close()
+    stored = json.loads(storage.read_text(f"{save}/trackers.json"))["runs"]["mlflow"]
+    assert stored["tracking_uri"] == f"sqlite:///{first_dir.resolve()}/mlflow.db"
+
+    monkeypatch.chdir(tmp_path)  # another directory
+    rerun = Trackers.open(args, "rerun", args.model_dump(mode="json"), start=2, logged=2,
+                          rows={i: row(i) for i in range(3)})
+    for i in range(2, 5):
+        rerun.write(i, row(i))
+    rerun.close()
+    client = MlflowClient(stored["tracking_uri"])
+    assert json.loads(storage.read_text(f"{save}/trackers.json"))["runs"]["mlflow"] == stored
+    assert [m.step for m in client.get_metric_history(stored["run_id"], "dmd2_loss")] == list(range(5))
+    assert tracker_warnings(caplog) == []
+
+    client.delete_run(stored["run_id"])
+    again = Trackers.open(args, "again", args.model_dump(mode="json"), start=4, logged=4,
+                          rows={i: row(i) for i in range(5)})
+    again.close()
+    warnings = tracker_warnings(caplog)
+    assert len(warnings) == 1 and warnings[0].startswith(f"mlflow: run {stored['run_id']} is not in "), warnings
+    new_id = json.loads(storage.read_text(f"{save}/trackers.json"))["runs"]["mlflow"]["run_id"]
+    assert new_id != stored["run_id"]
+    run = client.get_run(new_id)
+    assert run.data.params["lr"] == "3e-05" and run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(new_id, "dmd2_loss")] == list(range(5))
+
+    # an older save kept `tracking_uri: null`: the rerun's directory's default store lacks the run
+    kept = json.loads(storage.read_text(f"{save}/trackers.json"))
+    kept["runs"]["mlflow"]["tracking_uri"] = None
+    storage.write_text(f"{save}/trackers.json", json.dumps(kept))
+    monkeypatch.chdir(with_mlflow_tables(tmp_path / "third", mlflow_tables))
+    caplog.clear()
+    Trackers.open(args, "older", args.model_dump(mode="json"), start=4, logged=4,
+                  rows={i: row(i) for i in range(5)}).close()
+    third = f"sqlite:///{(tmp_path / 'third').resolve()}/mlflow.db"
+    assert tracker_warnings(caplog) == [f"mlflow: run {new_id} is not in {third} any more; a new run replaces it "
+                                        f"and is given the metrics log's rows"]
+    state = json.loads(storage.read_text(f"{save}/trackers.json"))["runs"]["mlflow"]
+    assert state["tracking_uri"] == third
+    assert [m.step for m in MlflowClient(third).get_metric_history(state["run_id"], "dmd2_loss")] == list(range(5))
