@@ -553,3 +553,19 @@ def test_an_mlflow_run_on_an_s3_save_is_found_from_another_directory_and_a_delet
     state = json.loads(storage.read_text(f"{save}/trackers.json"))["runs"]["mlflow"]
     assert state["tracking_uri"] == third
     assert [m.step for m in MlflowClient(third).get_metric_history(state["run_id"], "dmd2_loss")] == list(range(5))
+
+
+def test_the_readme_s_mlflow_ui_command_follows_an_extra_that_installs_the_ui():
+    """`mlflow ui` needs the full mlflow package (the skinny client's server answers "index.html not
+    found"): the README installs the extra that pins it, at the skinny client's version, first."""
+    import re
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    skinny = next(r for r in extras["mlflow"] if r.startswith("mlflow-skinny=="))
+    readme = (REPO / "README.md").read_text()
+    shown = readme[readme.index("- **MLflow**"):]
+    shown = shown[:shown.index("\n- **")]
+    ui_extra = re.search(r"pip install 'dmd2\[([a-z-]+)\]'", shown[:shown.index("mlflow ui")])
+    assert ui_extra, shown
+    assert f"mlflow=={skinny.partition('==')[2]}" in extras[ui_extra.group(1)]
