@@ -399,6 +399,9 @@ def test_a_tracker_that_fails_mid_run_is_one_warning_and_the_next_run_gives_it_w
     assert "next run gives it iterations 3 on" in warnings[0]
     assert flaky.GIVEN == {0: 1, 1: 1, 2: 1} and flaky.CLOSED == [True]  # closed as failed when it stopped
     assert json.loads((save / "trackers.json").read_text())["behind"] == {"flaky": 2}
+    without = load_args(None, {"save": str(save), "trackers": ["tensorboard"], "run_name": "dmd2-flaky"})
+    Trackers.open(without, "without it", {"lr": 1}, start=4, logged=5).close()  # a run that leaves it out
+    assert json.loads((save / "trackers.json").read_text())["behind"] == {"flaky": 2}
 
     caplog.clear()
     flaky.fail_at, flaky.fail_close = None, True

@@ -83,7 +83,7 @@ class Trackers:
         mark = max(int(state.get("written", -1)), logged)
         behind = {name: int(step) for name, step in (state.get("behind") or {}).items()}
         trackers = cls([], {}, args.save)
-        trackers.runs = dict(state.get("runs", {}))
+        trackers.runs, trackers.behind = dict(state.get("runs", {})), behind
         try:
             for name in args.trackers:
                 kept = trackers.runs.get(name)
@@ -138,8 +138,9 @@ class Trackers:
 
     def _save_state(self) -> None:
         """``trackers.json``: the tracker runs, the mark, and the last step of each tracker that
-        stopped or holds less than the mark."""
-        self.behind = {name: step for name, step in self.written.items() if name in self.stopped or step < self.mark}
+        stopped or holds less than the mark (a tracker this run leaves out keeps its own)."""
+        self.behind = {**{name: step for name, step in self.behind.items() if name not in self.written},
+                       **{name: step for name, step in self.written.items() if name in self.stopped or step < self.mark}}
         storage.write_text(trackers_url(self.save_url), json.dumps(
             {"written": self.mark, "runs": self.runs, **({"behind": self.behind} if self.behind else {})}, indent=1))
 
