@@ -479,7 +479,8 @@ def test_trackers_already_open_are_closed_when_the_opening_stops(tmp_path, flaky
     from dmd2_core.trackers import sinks
 
     monkeypatch.setitem(sinks.SINKS, "interrupted", ("tests.test_trackers", "InterruptedSink", "pytest"))
-    args = load_args(None, {"save": str(tmp_path / "run"), "trackers": ["flaky", "interrupted"], "run_name": "dmd2-half"})
+    args = load_args(None, {"save": str(tmp_path / "run"), "trackers": ["flaky", "interrupted"],
+                            "run_name": "dmd2-half"})
     with pytest.raises(KeyboardInterrupt):
         sinks.Trackers.open(args, "attempt", {}, start=0, logged=-1)
     assert flaky.CLOSED == [True]

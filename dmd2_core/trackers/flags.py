@@ -23,7 +23,8 @@ class TrackerFlags(BaseModel):
     mlflow_tracking_uri: Optional[str] = flag(
         None, "MLflow tracking URI; default a local store in the save (sqlite:///{save}/mlflow.db, artifacts in "
         "{save}/mlflow-artifacts), or MLflow's own default when the save is not a local path (MLFLOW_TRACKING_URI, "
-        "else sqlite:///mlflow.db in the working directory); kept as an absolute URI, so a rerun from anywhere finds it.")
+        "else sqlite:///mlflow.db in the working directory); kept as an absolute URI, so a rerun from anywhere "
+        "finds it.")
     mlflow_experiment: Optional[str] = flag(None, "MLflow experiment name; default run_name.")
     wandb_mode: Literal["offline", "online"] = flag(
         "offline", "W&B mode: offline writes run files only (`wandb sync` uploads them later); online logs in.")

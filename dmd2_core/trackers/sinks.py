@@ -140,7 +140,8 @@ class Trackers:
         """``trackers.json``: the tracker runs, the mark, and the last step of each tracker that
         stopped or holds less than the mark (a tracker this run leaves out keeps its own)."""
         self.behind = {**{name: step for name, step in self.behind.items() if name not in self.written},
-                       **{name: step for name, step in self.written.items() if name in self.stopped or step < self.mark}}
+                       **{name: step for name, step in self.written.items()
+                          if name in self.stopped or step < self.mark}}
         storage.write_text(trackers_url(self.save_url), json.dumps(
             {"written": self.mark, "runs": self.runs, **({"behind": self.behind} if self.behind else {})}, indent=1))
 
