@@ -28,6 +28,7 @@ import re
 from typing import Iterator, Optional
 
 from dmd2_core import nights_view
+from dmd2_core.errors import one_line
 from flows.artifacts import slugify
 
 MAX_NIGHTS = 60  # rows kept (the oldest drop off)
@@ -129,10 +130,13 @@ def tell_if_regressed(view: dict, previous: list[dict], row: dict) -> Optional[s
         margin = ((view.get("trainer_args") or {}).get("actor") or {}).get("alert_regression_margin")
         margin = alerts.REGRESSION_MARGIN if margin is None else float(margin)
         reason = alerts.night_regression(previous, row, margin)
-        if reason:
-            log.warning(f"night regressed: {reason}")
-            alerts.emit_night_regressed(reason, row, str(flow_run.id), flow_run.name, deployment.id, deployment.name)
-        return reason
     except Exception as exc:  # noqa: BLE001 - telling a person is best effort; the run's outcome stands
-        log.warning(f"regression check not done: {exc}")
+        log.warning(f"regression check not done ({one_line(exc)})")
         return None
+    if reason:
+        log.warning(f"night regressed: {reason}")
+        try:
+            alerts.emit_night_regressed(reason, row, str(flow_run.id), flow_run.name, deployment.id, deployment.name)
+        except Exception as exc:  # noqa: BLE001 - as above
+            log.warning(f"alert {alerts.REGRESSION_EVENT} not sent: the webhook is not told of it ({one_line(exc)})")
+    return reason

@@ -77,6 +77,25 @@ def test_missing_numbers_are_no_regression():
         "best teacher KID 0.3 is 50% above the median 0.2 of 1 previous night (margin 25%)"
 
 
+def test_a_regression_alert_that_cannot_be_sent_is_one_warning_naming_it(monkeypatch, caplog):
+    """The events API down (the webhook's automation never hears of the night): the night's
+    regression is still reported in its log, the failure to send is one warning naming the alert,
+    and nothing raises: the night keeps its outcome."""
+    from flows import alerts
+    from flows.nights import tell_if_regressed
+
+    def server_down(*args):
+        raise ConnectionError("events API unreachable\n(a second line of the error)")
+
+    monkeypatch.setattr(alerts, "emit_night_regressed", server_down)
+    reason = tell_if_regressed({}, [night(0.2)], night(0.3))
+    assert reason and reason.startswith("best teacher KID 0.3")
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [f"night regressed: {reason}",
+                        "alert dmd2.night.regressed not sent: the webhook is not told of it "
+                        "(ConnectionError: events API unreachable)"]
+
+
 def test_median_at_or_below_zero_uses_the_spread():
     # the unbiased KID at its noise floor: the margin is a fraction of the previous nights' range
     previous = [night(-0.004), night(-0.001), night(0.002)]  # median -0.001, spread 0.006

@@ -39,6 +39,7 @@ class Sink:
     def __init__(self, args: Args, run_name: str, state: Optional[dict], written: int):
         self.state: dict[str, Any] = dict(state or {})
         self.held: Optional[int] = None  # the last step the tracker holds, when it can tell and may hold less than it was given
+        self.new_run = False  # True: the stored run was gone and a new one replaces it (it gets the configuration)
 
     def log_config(self, config: dict) -> None:
         raise NotImplementedError

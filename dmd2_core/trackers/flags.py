@@ -18,11 +18,13 @@ class TrackerFlags(BaseModel):
         "pip install 'dmd2[NAME]'). A rerun continues the same tracker runs (their ids are in {save}/trackers.json).")
     tracker_run_name: Optional[str] = flag(None, "The tracker runs' name; default the flow run's name.")
     tensorboard_dir: Optional[str] = flag(
-        None, "TensorBoard log directory; default {save}/tensorboard (./tensorboard/{run_name} when the save is not "
-        "a local path).")
+        None, "TensorBoard log directory of the run; default {save}/tensorboard/{run_name} (./tensorboard/{run_name} "
+        "when the save is not a local path): tensorboard --logdir on its parent lists it by name.")
     mlflow_tracking_uri: Optional[str] = flag(
         None, "MLflow tracking URI; default a local store in the save (sqlite:///{save}/mlflow.db, artifacts in "
-        "{save}/mlflow-artifacts), or MLflow's own default when the save is not a local path.")
+        "{save}/mlflow-artifacts), or MLflow's own default when the save is not a local path (MLFLOW_TRACKING_URI, "
+        "else sqlite:///mlflow.db in the working directory); kept as an absolute URI, so a rerun from anywhere "
+        "finds it.")
     mlflow_experiment: Optional[str] = flag(None, "MLflow experiment name; default run_name.")
     wandb_mode: Literal["offline", "online"] = flag(
         "offline", "W&B mode: offline writes run files only (`wandb sync` uploads them later); online logs in.")

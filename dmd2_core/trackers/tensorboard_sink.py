@@ -1,5 +1,8 @@
-"""TensorBoard event files: scalars, eval images (a GIF is an image TensorBoard animates) and the
-soundtracks as audio; the configuration as text. A resumed run writes into the same log
+"""TensorBoard event files: scalars, grouped by what they measure (``losses/``, ``quality/``,
+``grad_norm/``, ``timing/``, ``train/``: TensorBoard folds a tag's section at its first ``/``), eval
+images (a GIF is an image TensorBoard animates) and the soundtracks as audio; the configuration as
+text. The log directory is one run's, ``.../tensorboard/{run_name}``, so ``tensorboard --logdir
+{save}/tensorboard`` lists the run by its name. A resumed run writes into the same log
 directory with ``purge_step`` (the first step it will write): TensorBoard's readers drop whatever an
 earlier attempt wrote from that step on, so each step shows once whatever an attempt left behind."""
 
@@ -14,19 +17,40 @@ from PIL import Image
 
 from dmd2_core import storage
 from dmd2_core.args import Args
+from dmd2_core.report import QUALITY_KEYS
+from dmd2_core.step_counts import split_steps
 from dmd2_core.trackers.base import Medium, Sink
 
 COLOURS = {"L": 1, "LA": 2, "RGB": 3, "P": 3, "RGBA": 4}
 
 
 def log_dir_of(args: Args) -> str:
-    """The flag, else ``{save}/tensorboard`` for a local save, else ``./tensorboard/{run_name}``: on
-    s3:// TensorBoard uploads the whole event file again at every flush (one an iteration here)."""
+    """The flag, else ``{save}/tensorboard/{run_name}`` for a local save, else
+    ``./tensorboard/{run_name}``: on s3:// TensorBoard uploads the whole event file again at every
+    flush (one an iteration here)."""
     if args.tensorboard_dir:
         return args.tensorboard_dir
     if storage.is_local(args.save):
-        return storage.join(args.save, "tensorboard")
+        return storage.join(args.save, "tensorboard", args.run_name)
     return str(Path("tensorboard", args.run_name).resolve())
+
+
+def scalar_tag(key: str) -> str:
+    """A metrics row's key as a TensorBoard tag in its group: ``dmd2_loss`` -> ``losses/dmd2_loss``,
+    ``teacher_kid@4`` -> ``quality/teacher_kid@4``, ``iteration_s`` -> ``timing/iteration_s``; a key
+    no group names (a learning rate, a shift) under ``train/``."""
+    name = split_steps(key)[0]
+    if name in QUALITY_KEYS or name.startswith(("drift_", "diversity_", "real_kid", "teacher_kid")):
+        group = "quality"
+    elif "grad_norm" in name or name.endswith("grad_ratio"):
+        group = "grad_norm"
+    elif "loss" in name:
+        group = "losses"
+    elif name.endswith("_s") or name == "wall_time":
+        group = "timing"
+    else:
+        group = "train"
+    return f"{group}/{key}"
 
 
 class TensorBoardSink(Sink):
@@ -54,7 +78,7 @@ class TensorBoardSink(Sink):
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         for key, value in scalars.items():
-            self.writer.add_scalar(key, value, step)
+            self.writer.add_scalar(scalar_tag(key), value, step)
         values = []
         for m in media:
             tag = f"eval/{m.name}"
