@@ -133,39 +133,6 @@ class HeldLease:
         return time.monotonic() + 3600.0
 
 
-@pytest.mark.parametrize("where", ["local", "s3"])
-def test_a_failed_export_leaves_the_export_at_its_url_whole(tiny_teacher, tmp_path, monkeypatch, request, where):
-    root = request.getfixturevalue("s3_bucket") if where == "s3" else str(tmp_path)
-    url = checkpoint.export_url(f"{root}/run", 3)
-    model = load_model_dir(tiny_teacher).model
-    for p in model.parameters():  # storages of their own, as a trainer's (a sleeping trainer frees them by resizing)
-        p.data = p.data.clone()
-    export_student(url, model, teacher_url=tiny_teacher, shift=SHIFT, num_steps=2, export_dtype=torch.float32,
-                   iteration=3)
-    before = file_hashes(url)
-    assert "export.json" in before and any(rel.endswith(".safetensors") for rel in before)
-    assert all(p.untyped_storage().resizable() for p in model.parameters())
-
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.5)
-    with monkeypatch.context() as patched:
-        failed = fail_first_write(patched)
-        with pytest.raises(RuntimeError, match="killed"):
-            export_student(url, model, teacher_url=tiny_teacher, shift=SHIFT, num_steps=2,
-                           export_dtype=torch.float32, iteration=3)
-    assert failed and file_hashes(url) == before  # every file, unchanged
-
-    export_student(url, model, teacher_url=tiny_teacher, shift=SHIFT, num_steps=2, export_dtype=torch.float32,
-                   iteration=3)  # a whole replacement is swapped in
-    after = file_hashes(url)
-    assert set(after) == set(before) and after != before
-    with storage.local_copy(url) as local:
-        reloaded = load_model_dir(str(local)).model.state_dict()
-    assert all(torch.equal(reloaded[k], v) for k, v in model.state_dict().items() if k in reloaded)
-    assert storage.list_names(checkpoint.exports_root(f"{root}/run")) == ["iter_0000003"]  # no staging left
-
-
 def test_a_retry_after_the_tracker_moved_keeps_the_tracked_export(tiny_teacher, tmp_path, monkeypatch):
     """A checkpoint task's retry saves the tracked iteration again: its export is the run's and is
     not rewritten (the first write would fail here), and the save still names it."""
