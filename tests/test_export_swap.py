@@ -238,6 +238,23 @@ def test_an_s3_export_where_nothing_is_is_uploaded_once(tiny_teacher, s3_bucket,
     assert_holds(url, model)
 
 
+def test_a_killed_direct_write_is_rolled_back_and_the_retry_uploads_once(tiny_teacher, s3_bucket, monkeypatch):
+    """What a kill leaves of an export written straight at an empty s3:// URL: some files, no
+    marker, its swap record. Readers take none of it for an export; the next writer removes it
+    and writes straight there again, its bytes uploaded once."""
+    run = f"{s3_bucket}/run"
+    url = checkpoint.export_url(run, 3)
+    storage.write_text(swap_record_url(url), json.dumps({"staging": url}))
+    storage.write_bytes(storage.join(url, "transformer", "diffusion_pytorch_model.safetensors"), b"cut off")
+    assert checkpoint.latest_exports(run) == []
+    model = student(tiny_teacher)
+    traffic = s3_traffic(monkeypatch, url)
+    export(url, model, tiny_teacher)
+    assert traffic == {"uploaded": files.total_bytes(url), "copied": 0}
+    assert_holds(url, model)
+    assert storage.list_names(checkpoint.exports_root(run)) == ["iter_0000003"]
+
+
 def kill_inside_the_swap(monkeypatch, url: str, where: str) -> dict:
     """The next swap into ``url`` is killed once the old export there is no longer whole: on an
     object store after the first file is copied in, locally once the old directory is renamed

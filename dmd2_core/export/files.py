@@ -187,8 +187,8 @@ def finish_swap(url: str) -> str | None:
             os.rename(aside, storage.filesystem(url)[1])  # nothing new to put in: the old one back
             done = "rolled back"
         else:
-            if aside:
-                shutil.rmtree(aside, ignore_errors=True)
+            if aside and os.path.lexists(aside):
+                shutil.rmtree(aside)
             done = "completed"
     storage.remove(record_url)
     log.warning(f"export: {url}: a swap interrupted by a kill was {done} ({'whole' if is_marked(url) else 'empty'} now)")
@@ -207,7 +207,8 @@ def _swap(url: str, record: dict) -> None:
         if os.path.lexists(target) and not os.path.lexists(aside):
             os.rename(target, aside)
         os.rename(source, target)
-        shutil.rmtree(aside, ignore_errors=True)
+        if os.path.lexists(aside):
+            shutil.rmtree(aside)
         return
     storage.remove(storage.join(url, EXPORT_MARKER_NAME))  # from here no reader takes url for complete
     new, old = relative_files(staging), relative_files(url)
