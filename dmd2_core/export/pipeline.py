@@ -120,7 +120,8 @@ def stream_student(url: str, model: torch.nn.Module, export_dtype: torch.dtype, 
     trained weights as transformer_online) streamed, tensor by tensor, into the writer's staging
     beside ``url`` (a local directory; for an object store a ``files.LocalStaging``, uploaded by
     ``write_export``). ``values``: whole states instead ({'online', 'ema'}: a merged LoRA's; no
-    collective). Returns, on the writer, what ``write_export`` finishes ({'staging', 'local',
+    collective). Returns, on the writer, what ``write_export`` finishes ({'staging' (None for an
+    object store: ``files.staged_export`` picks it), 'local', 'held' (the LocalStaging or None),
     'streamed': {directory: StreamedTransformer}}); None elsewhere."""
     skip = frozenset(stream.non_persistent(model))
     if values is not None:
