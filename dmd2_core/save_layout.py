@@ -5,6 +5,7 @@
     {save}/trainers/{role}/iter_{i:07d}/       a trainer's checkpoint (drawn in dmd2_core/checkpoint)
     {save}/exports/iter_{i:07d}/               the student as a diffusers pipeline or LoRA (export/)
     {save}/exports/iter_{i:07d}.staging-{n}/   an export being written, swapped in once complete
+    {save}/exports/iter_{i:07d}.swap.json      a swap into iter_{i:07d}/ under way (export/files.py)
     {save}/best_student.json                   the run's best eval and its export: retention keeps it
     {save}/metrics.jsonl, {save}/metrics/      the metrics log and its segments (report.py)
     {save}/trackers.json                       the tracker runs a rerun continues (trackers/sinks.py)
@@ -25,6 +26,7 @@ STATE_NAME = "trainer_state.pt"
 DCP_DIR = "dcp"
 EXPORT_MARKER_NAME = "export.json"
 EXPORT_STAGING_SEP = ".staging-"  # {save}/exports/iter_{i:07d}.staging-{nonce}/: an export being written
+EXPORT_SWAP_SUFFIX = ".swap.json"  # {save}/exports/iter_{i:07d}.swap.json: the swap a kill may have interrupted
 STATE_FILES = (STATE_NAME, f"{DCP_DIR}/.metadata")  # small: hashed on the driver before any actor starts
 
 

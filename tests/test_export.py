@@ -15,6 +15,7 @@ from dmd2_core import storage
 from dmd2_core.train import dmd2_method
 from dmd2_core import flow_matching as fm
 from dmd2_core.checkpoint import export_url, exports_root, latest_exports, prune_exports
+from dmd2_core.export.files import swap_record_url
 from dmd2_core.export.pipeline import export_student
 from dmd2_core.export.scheduler import scheduler_sigmas, student_scheduler_config
 from dmd2_core.models import describe_model_dir, load_model_dir
@@ -298,3 +299,27 @@ def test_a_trainer_save_exports_its_ema_student(tiny_teacher, tmp_path, async_sa
     assert all(torch.equal(exported[n], e) for n, e in zip(names, actor.ema))
     assert not all(torch.equal(exported[n], p) for n, p in actor.model.named_parameters())
     assert (Path(url) / "export.json").is_file() and (Path(url) / "transformer_online").is_dir()
+
+
+def test_prune_exports_finishes_a_swap_a_kill_interrupted_before_it_judges(tmp_path):
+    """A kill between the two renames of a swap leaves the export's URL empty, the old export set
+    aside and the new one in its staging, both named like a killed export's leftovers: retention
+    finishes the swap first, so the (protected) export is kept, the new one in place."""
+    root = exports_root(str(tmp_path / "run"))
+    url = export_url(str(tmp_path / "run"), 100)
+
+    def complete(d: Path, text: str) -> str:
+        (d / "transformer").mkdir(parents=True)
+        (d / "transformer" / "config.json").write_text(text)
+        (d / "export.json").write_text("{}")
+        return str(d)
+
+    complete(Path(export_url(str(tmp_path / "run"), 200)), "newest")
+    staging = complete(Path(f"{url}.staging-0000beef"), "new")
+    aside = complete(Path(f"{url}.staging-replaced-0000dead"), "old")
+    Path(swap_record_url(url)).write_text(json.dumps({"staging": staging, "aside": aside}))
+    assert latest_exports(str(tmp_path / "run")) == [export_url(str(tmp_path / "run"), 200)]
+
+    assert prune_exports(root, keep=1, protect=[url]) == []
+    assert sorted(p.name for p in Path(root).iterdir()) == ["iter_0000100", "iter_0000200"]
+    assert (Path(url) / "transformer" / "config.json").read_text() == "new"

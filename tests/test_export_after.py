@@ -316,3 +316,36 @@ def test_original_is_refused_for_a_family_without_a_documented_conversion(tmp_pa
     save_student(teacher, save, 1, targets=["to_q", "to_v"], ema=False)
     err = refusal(capsys, "--load", save, "--out", str(tmp_path / "out"), "--format", "original")
     assert "no original (non-diffusers) LoRA layout for SD3Transformer2DModel" in err and "use lora-diffusers or peft" in err
+
+
+def test_an_out_in_the_saves_checkpoints_or_its_own_exports_is_refused(wan_teacher, tmp_path, capsys,
+                                                                        no_weights_read):
+    """Retention deletes and replaces what is in the save's checkpoints and its exports: an export
+    written there would be lost, or would take a checkpoint's place; a symlink is judged by where
+    it points."""
+    save = str(tmp_path / "run")
+    save_student(wan_teacher, save, 10, ema=False)
+    before = sorted(str(p) for p in Path(save).rglob("*"))
+    link = tmp_path / "link"
+    link.symlink_to(ckpt.trainer_dir(save, "actor", 10), target_is_directory=True)
+    for out in (f"{ckpt.trainer_dir(save, 'actor', 10)}/merged", ckpt.export_url(save, 10), f"{save}/exports/mine",
+                str(link)):
+        err = refusal(capsys, "--load", save, "--out", out, "--format", "merged")
+        assert err.startswith(f"error: out: {out}") and "is inside" in err, err
+        assert ("the save's checkpoints" if "trainers" in err else "the run's own exports") in err
+    assert sorted(str(p) for p in Path(save).rglob("*")) == before  # nothing written
+
+
+def test_a_symlinked_out_is_swapped_where_it_points(wan_teacher, tmp_path):
+    save = str(tmp_path / "run")
+    save_student(wan_teacher, save, 4, ema=False)
+    real = tmp_path / "shared" / "merged"
+    real.mkdir(parents=True)
+    link = tmp_path / "merged"
+    link.symlink_to(real, target_is_directory=True)
+    export("--load", save, "--out", str(link), "--format", "merged")
+    first = (real / "export.json").read_text()
+    export("--load", save, "--out", str(link), "--format", "merged", "--dtype", "bfloat16")  # swapped where it points
+    assert link.is_symlink() and link.resolve() == real
+    assert json.loads((link / "export.json").read_text())["dtype"] == "bfloat16" != json.loads(first)["dtype"]
+    assert sorted(p.name for p in real.parent.iterdir()) == ["merged"]  # no staging, nothing set aside

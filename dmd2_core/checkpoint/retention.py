@@ -6,7 +6,9 @@ import re
 from typing import Any, Iterable
 
 from dmd2_core import storage
-from dmd2_core.save_layout import EXPORT_MARKER_NAME, EXPORT_STAGING_SEP, complete_url, exports_root, trainer_dir
+from dmd2_core.export.files import finish_swap
+from dmd2_core.save_layout import (EXPORT_MARKER_NAME, EXPORT_STAGING_SEP, EXPORT_SWAP_SUFFIX, complete_url, exports_root,
+                                   trainer_dir)
 from dmd2_core.checkpoint.tracker import read_tracker
 
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
@@ -81,6 +83,16 @@ def list_exports(root: str, staging: bool = False) -> list[dict[str, Any]]:
     return sorted(found, key=lambda e: e["iteration"])
 
 
+def finish_swaps(root: str) -> list[str]:
+    """Finish every swap into an export under ``root`` that a kill interrupted (its
+    ``iter_XXXXXXX.swap.json`` remains; ``export.files.finish_swap``). Returns their URLs."""
+    names = storage.list_names(root)
+    urls = [storage.join(root, n[:-len(EXPORT_SWAP_SUFFIX)]) for n in names if n.endswith(EXPORT_SWAP_SUFFIX)]
+    for url in urls:
+        finish_swap(url)
+    return urls
+
+
 def latest_exports(save_url: str) -> list[str]:
     """The complete exports of a run (``{save}/exports/iter_XXXXXXX``), newest first."""
     return [e["url"] for e in reversed(list_exports(exports_root(save_url))) if e["complete"]]
@@ -91,13 +103,15 @@ def prune_exports(exports_root: str, keep: int, protect: Iterable[str] = ()) -> 
     them all), never one named in ``protect`` (URLs or iter_XXXXXXX names). Incomplete ones
     (no export.json: a write interrupted midway) and staging directories (an export killed
     before it was swapped in) older than the newest complete one are removed whatever ``keep``
-    is; newer ones may be a write under way and are left alone.
+    is; newer ones may be a write under way and are left alone. A swap a kill interrupted is
+    finished first, so the staging it completes from is never taken for a killed export's.
     Each goes marker first, so a half-deleted export never looks complete. Returns the URLs
     removed."""
     if keep < 0:
         raise ValueError(f"keep must be >= 0, got {keep}")
     protected = {str(p).rstrip("/") for p in protect}
     protected |= {p.rpartition("/")[2] for p in protected}
+    finish_swaps(exports_root)
     entries = list_exports(exports_root)
     complete = [e for e in entries if e["complete"]]
     newest = complete[-1]["iteration"] if complete else None

@@ -16,7 +16,8 @@ read (``plan_export``): a bad format, a missing iteration, a format the checkpoi
 is one line. Full weights stream tensor by tensor from the checkpoint's shards into the files
 (``checkpoint.tensors``, ``export.stream``); a LoRA's base streams from the teacher's files.
 ``out`` is written beside itself and swapped in once complete (``files.staged_export``), so it
-is never half-written; an existing ``out`` is replaced only when it is an export (has export.json).
+is never half-written; an existing ``out`` is replaced only when it is an export (has export.json),
+never inside the save's checkpoints or its own exports; a symlinked ``out`` is resolved first.
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ from dmd2_core.checkpoint.state import read_trainer_state
 from dmd2_core.checkpoint.tensors import CheckpointTensors, dcp_sections
 from dmd2_core.errors import ArgsError, CheckpointError
 from dmd2_core.export import adapters, lora_layouts, pipeline, stream
-from dmd2_core.export.files import EXPORT_FORMAT, staged_export, total_bytes, writable_dir
+from dmd2_core.export.files import (EXPORT_FORMAT, is_marked, resolved, staged_export, swap_record_url, total_bytes,
+                                    writable_dir)
 from dmd2_core.export.scheduler import StudentSteps, student_scheduler
 from dmd2_core.models import FAMILIES, base_identity, describe_model_dir, lora
 from dmd2_core.models.weight_files import WeightFiles
-from dmd2_core.save_layout import EXPORT_MARKER_NAME, STATE_FILES, trainer_dir
+from dmd2_core.save_layout import EXPORT_MARKER_NAME, STATE_FILES, exports_root, trainer_dir
 
 FORMATS = ("pipeline", "merged", "lora-diffusers", "peft", "original")
 LORA_FORMATS = ("lora-diffusers", "peft", "original")
@@ -103,7 +105,7 @@ def plan_export(load: str, out: str, export_format: str, iteration: Optional[int
         _check_original(family.class_name, lora_layouts.adapted_modules(sections["model"]))
     if not is_lora:
         _check_fits(d, family, config, sections["model"])
-    _check_out(out)
+    out = _check_out(out, load)
     student = record.get("student") or {}
     if num_steps is None:
         num_steps = student.get("num_steps") or Args.model_fields["dmd2_student_steps"].default
@@ -160,9 +162,21 @@ def _check_fits(d: str, family, config: dict, saved: dict) -> None:
                                   f"(checkpoint {saved.get(name, (None,))[0]}, model {wanted.get(name)})")
 
 
-def _check_out(out: str) -> None:
-    if storage.exists(out) and storage.list_names(out) and not storage.exists(storage.join(out, EXPORT_MARKER_NAME)):
+def _check_out(out: str, load: str) -> str:
+    """``out`` resolved (a symlink's target: the export is swapped in where its files are), once it
+    is neither in the save's checkpoints or its own exports (retention deletes and replaces what is
+    there) nor a directory that is not an export (an export whose swap a kill interrupted is one)."""
+    where = resolved(out)
+    save = resolved(load)
+    for owned, what in ((storage.join(save, "trainers"), "the save's checkpoints"),
+                        (exports_root(save), "the run's own exports, which the run replaces and retention deletes")):
+        if where == owned or where.startswith(owned + "/"):
+            shown = out if where == out.rstrip("/") else f"{out} (that is {where})"
+            raise ArgsError(f"out: {shown} is inside {owned}, {what}; pick a path outside {owned}")
+    if (storage.exists(where) and storage.list_names(where) and not is_marked(where)
+            and not storage.exists(swap_record_url(where))):
         raise ArgsError(f"out: {out} exists and is not an export (no {EXPORT_MARKER_NAME}); pick a new path")
+    return where
 
 
 # ---- writing ------------------------------------------------------------------------------------

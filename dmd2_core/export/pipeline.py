@@ -38,7 +38,6 @@ import functools
 import json
 import re
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -48,7 +47,8 @@ import torch
 from dmd2_core import flow_matching as fm
 from dmd2_core import storage
 from dmd2_core.export import adapters, stream
-from dmd2_core.export.files import EXPORT_FORMAT, new_staging_url, staged_export, total_bytes, writable_dir
+from dmd2_core.export.files import (EXPORT_FORMAT, LocalStaging, new_staging_url, resolved, staged_export, total_bytes,
+                                    writable_dir)
 from dmd2_core.save_layout import EXPORT_MARKER_NAME
 from dmd2_core.models import describe_model_dir, family_of
 from dmd2_core.errors import ModelDirError, StorageUnavailableError, one_line
@@ -82,8 +82,9 @@ def export_student(
     arrives (``export.stream``: a local staging directory, uploaded after for an object store),
     so it never holds the model whole; the others return None.
 
-    The export is written beside ``url`` and swapped in once complete (``files.staged_export``):
-    whatever is at ``url`` stays whole until then, a failed export leaves it as it was. ``verify``
+    The export is written beside ``url`` and swapped in once complete (``files.staged_export``;
+    on an object store with nothing at ``url``, straight at it, export.json last): whatever is at
+    ``url`` stays whole until then, a failed export leaves it as it was. ``verify``
     reads every written tensor back, one at a time, and compares it with the checksum taken as it
     was gathered, and checks the names and shapes against the family's model class (built on the
     meta device) and the dtypes against ``export_dtype``; a mismatch raises ModelDirError naming
@@ -117,9 +118,10 @@ def stream_student(url: str, model: torch.nn.Module, export_dtype: torch.dtype, 
                    writer: bool = True, values: Optional[dict] = None) -> Optional[dict]:
     """The collective half of a full export: the transformer (the EMA when there is one, then the
     trained weights as transformer_online) streamed, tensor by tensor, into the writer's staging
-    beside ``url`` (a local directory; for an object store a temporary one, uploaded by
+    beside ``url`` (a local directory; for an object store a ``files.LocalStaging``, uploaded by
     ``write_export``). ``values``: whole states instead ({'online', 'ema'}: a merged LoRA's; no
-    collective). Returns, on the writer, what ``write_export`` finishes ({'staging', 'local',
+    collective). Returns, on the writer, what ``write_export`` finishes ({'staging' (None for an
+    object store: ``files.staged_export`` picks it), 'local', 'held' (the LocalStaging or None),
     'streamed': {directory: StreamedTransformer}}); None elsewhere."""
     skip = frozenset(stream.non_persistent(model))
     if values is not None:
@@ -128,19 +130,23 @@ def stream_student(url: str, model: torch.nn.Module, export_dtype: torch.dtype, 
     else:
         parts = {"transformer": stream.model_tensors(model, ema),
                  **({ONLINE_DIR: stream.model_tensors(model)} if ema is not None else {})}
-    staging = local = None
-    if writer:
-        staging = new_staging_url(url)
-        local = Path(storage.filesystem(staging)[1] if storage.is_local(staging)
-                     else tempfile.mkdtemp(prefix="dmd2-export-"))
+    staging = local = held = None
+    if writer and storage.is_local(url):
+        staging = new_staging_url(resolved(url))
+        local = Path(storage.filesystem(staging)[1])
+    elif writer:  # staged_export picks where it goes: straight to url when nothing is there
+        held = LocalStaging()
+        local = held.path
     try:
         streamed = {name: stream.stream_tensors(tensors, export_dtype, local / name if writer else None, skip)
                     for name, tensors in parts.items()}
     except BaseException:
         if writer:
             shutil.rmtree(local, ignore_errors=True)
+            if held is not None:
+                held.remove()
         raise
-    return {"staging": staging, "local": local, "streamed": streamed} if writer else None
+    return {"staging": staging, "local": local, "held": held, "streamed": streamed} if writer else None
 
 
 def write_export(url: str, model: torch.nn.Module, staged: dict, *, teacher_url: str, shift: float,
@@ -171,8 +177,8 @@ def write_export(url: str, model: torch.nn.Module, staged: dict, *, teacher_url:
                              num_steps=num_steps, export_dtype=export_dtype, verify=verify, iteration=iteration,
                              started=started)
     finally:
-        if not storage.is_local(url):  # the local staging of an object store's export
-            shutil.rmtree(staged["local"], ignore_errors=True)
+        if staged.get("held") is not None:  # the local staging of an object store's export
+            staged["held"].remove()
     return {"url": url, "bytes": marker["bytes"], "export_s": marker["export_s"], "verify_s": marker["verify_s"],
             "pipeline": marker["pipeline"]}
 
