@@ -5,6 +5,8 @@ outage comes through as StorageUnavailableError (not bad input)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import socket
@@ -80,7 +82,8 @@ def probe_write(save_url: str, key: str = "save") -> None:
         raise ArgsError(f"{key}: cannot write to {save_url} ({one_line(exc)})") from None
     finally:
         if storage.is_local(save_url):  # a write that failed after the probe landed leaves it: remove it too
-            Path(storage.filesystem(probe)[1]).unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # never landed (a file on its path)
+                Path(storage.filesystem(probe)[1]).unlink()
         for directory in created:
             try:
                 directory.rmdir()  # refuses a directory that is not empty
