@@ -8,6 +8,7 @@ Prefect and Ray read these settings when they are imported, so an entry point ca
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -42,10 +43,25 @@ ENVIRONMENT_DEFAULTS = {
 }
 
 
+# Every new local Ray (ray.init without an address) turns on Ray's token authentication and says
+# so on the console, with advice to opt out that a user has no reason to take. Dropped at its own
+# logger; Ray's other notices there (token authentication disabled, a token generated) still show.
+RAY_TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+RAY_TOKEN_AUTH_ENABLED_NOTICE = "Token authentication is enabled for this Ray cluster."
+
+
+def _not_the_token_auth_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(RAY_TOKEN_AUTH_ENABLED_NOTICE)
+
+
 def configure_environment() -> None:
-    """Set the Prefect and Ray defaults above where the environment does not set them already."""
+    """Set the Prefect and Ray defaults above where the environment does not set them already,
+    and drop Ray's token-authentication notice from this process's console."""
     for key, value in ENVIRONMENT_DEFAULTS.items():
         os.environ.setdefault(key, value)
+    token_auth_logger = logging.getLogger(RAY_TOKEN_AUTH_LOGGER)
+    if _not_the_token_auth_notice not in token_auth_logger.filters:
+        token_auth_logger.addFilter(_not_the_token_auth_notice)
 
 
 def free_port() -> int:
