@@ -13,7 +13,7 @@ state, EMA, teacher and sleep stash ("resident": the bytes a sleep moves to the 
 mean over ranks). "standin_activations" runs the whole stand-in (every block) forward once in bf16
 on CPU and compares the bytes autograd saves (unique storages, parameters excluded; with and
 without gradient checkpointing) and a no-grad forward's peak with the plan's figures for it (an
-uncalibrated config: the family's ratio, bench/activations.py). "grid" is the README table: Wan
+uncalibrated config: the family's ratio, bench/activations.py). "grid" is docs/scale.md's table: Wan
 14B at 480p and 720p x 81 frames (micro batch 1) and MiniMax-H3 at 5 s and 15 s on 8 devices, cp
 1 / 2 / 4 / 8, 80 and 141 GiB. The real-size plans: wan-video on 8 devices
 with the Wan and SD3.5 configs of deployments/model_configs (Wan at 81 frames of 480x832, SD3.5 at
@@ -27,7 +27,7 @@ critic) for MiniMax-H3 at 5 s and Wan 14B at 480p / 720p x 81 frames on 8 x 80 G
 beside the full-fine-tuning plan of the same run.
 
     python bench/memory.py
-    python bench/memory.py --grid   # the README table only (no run)
+    python bench/memory.py --grid   # docs/scale.md's table only (no run)
     python bench/memory.py --lora   # the LoRA table only (no run)
 """
 
@@ -267,7 +267,7 @@ def real_size() -> dict:
 
 
 def grid_table(rows: dict) -> str:
-    """The grid as README's markdown: the device peak GiB per cell, bold where it fits."""
+    """The grid as docs/scale.md's markdown: the device peak GiB per cell, bold where it fits."""
     lines = ["| model, clip | devices | device (usable) | cp 1 | cp 2 | cp 4 | cp 8 | host per node (cp 8) |",
              "|---|---|---|---|---|---|---|---|"]
     for name in GRID:
@@ -281,7 +281,7 @@ def grid_table(rows: dict) -> str:
 
 
 def main() -> None:
-    if "--grid" in sys.argv:  # the README table alone (configs only, seconds)
+    if "--grid" in sys.argv:  # docs/scale.md's table alone (configs only, seconds)
         print(grid_table(grid()))
         return
     if "--lora" in sys.argv:  # docs/scale.md's LoRA table alone (configs only, seconds)

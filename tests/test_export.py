@@ -182,7 +182,7 @@ def test_bare_sd3_export_reproduces_eval_samples_with_the_manual_loop(tmp_path):
     prompts = standin_prompt_set("sd3", num_prompts=3)
     cond = prompts.cond(torch.tensor([0, 1, 2]))
     seed, shape = 5, (3, 4, 8, 8)
-    # the README's loop, with set_timesteps(K) as a pipeline calls it
+    # docs/scale.md's loop (Exported students), with set_timesteps(K) as a pipeline calls it
     scheduler.set_timesteps(4)
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=generator)
