@@ -91,8 +91,10 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
                         f"at {source}, where this run starts; iterations count on from it (set num_iterations to "
                         f"{resumed + max(args.num_iterations, 1)} for {max(args.num_iterations, 1)} more)")
     preflight_checks.check_local_devices(args, len(trainer_args))
+    # last, these two: nothing is written for input that fails earlier. The probe first, so an
+    # unwritable save (a missing bucket) is named as such, not as a store whose conditional writes fail
+    preflight_checks.probe_write(args.save)
     lease.check(args.save, owner, args.lease_timeout_s)  # one run per save URL
-    preflight_checks.probe_write(args.save)  # last: nothing is written for input that fails earlier
     return trainer_args
 
 
