@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import eval_signal as es  # bench/eval_signal.py: its worlds, references and students
 import torch
 
-from dmd2_core.evaluation import evaluators
+from dmd2_core.evaluation import teacher_evaluator as evaluators
 from dmd2_core.evaluation.kernel import projected_kid
 from dmd2_core.evaluation.teacher_features import modality_name, sample_noise
 from dmd2_core.models.feature_tap import FeatureTap

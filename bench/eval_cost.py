@@ -12,7 +12,7 @@ shipped (eval_num_samples 32 of eval_prompts 0-3, eval_reference_steps 50, 4 stu
 the stand-in's geometry (124 frames of 32 x 32). "reference" is ``evaluators.teacher_reference``
 on an empty cache (the teacher's 50-step samples, their teacher features, their decode), "eval" is
 ``evaluators.evaluate`` hitting that cache (the student's 4-step samples, features, decode),
-"media" the eval's clips of ``eval_media.run_eval`` (eval_prompts x eval_samples_per_prompt, 4
+"media" the eval's clips of ``eval_step.run_eval`` (eval_prompts x eval_samples_per_prompt, 4
 steps, decoded), "iteration" one DMD2 iteration (rollout, the critic's train, the actor's train)
 at the recipe's batch, averaged over the four stop steps. Every transformer call is counted (rows,
 whole or stopped at the feature block, with a graph for a backward or not) and timed, and so is
@@ -161,7 +161,7 @@ def seconds_per_forward(family, model, cond: dict, shape, repeats: int = 20) -> 
 
 def standin(tmp: str) -> tuple[dict, object]:
     from dmd2_core.args import load_args
-    from dmd2_core.evaluation import evaluators
+    from dmd2_core.evaluation import teacher_evaluator as evaluators
     from dmd2_core.run.distill_run import preflight
     from dmd2_core.toys.standins import H3_GEOMETRY, build_h3_standin, h3_prompt_set
     from dmd2_core.train.dmd2_method import draw_stop_step

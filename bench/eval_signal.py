@@ -3,7 +3,7 @@ the drift rule flag failures in time? On the two toy worlds where ground truth e
 SD3 digits teacher; sounding digits: the small MiniMax-H3 teacher), train students of different
 quality with the in-process reference loop, keep each evaluation's ``--num-samples`` (32: the
 minimax-h3 recipe's ``eval_num_samples``) samples, and measure them as the teacher evaluator does
-(``dmd2_core.evaluation.evaluators``):
+(``dmd2_core.evaluation.teacher_evaluator``):
 
 - ``projected_kid`` of the student's samples in the teacher's features (``teacher_features`` at
   the evaluator's ``FEATURE_U``; two other positions beside it) against two references: the
@@ -74,7 +74,8 @@ import torch
 
 from dmd2_core import flow_matching as fm
 from dmd2_core.args import load_args
-from dmd2_core.evaluation import drift, evaluators
+from dmd2_core.evaluation import drift
+from dmd2_core.evaluation import teacher_evaluator as evaluators
 from dmd2_core.evaluation.kernel import projected_kid
 from dmd2_core.evaluation.teacher_features import teacher_features
 from dmd2_core.models import load_model_dir

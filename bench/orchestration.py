@@ -102,7 +102,7 @@ def stand_in_eval(run, iteration):
     import torch
 
     from dmd2_core.media.images import image_grid, png_bytes
-    from dmd2_core.media.eval_media import publish
+    from dmd2_core.media.eval_files import publish
     from dmd2_core.save_layout import media_stem
 
     data = png_bytes(image_grid(torch.zeros(8, 3, 32, 32), nrow=4))

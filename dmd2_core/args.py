@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 from dmd2_core import arg_rules
 from dmd2_core.errors import ArgsError
+from dmd2_core.evaluation import registry
 from dmd2_core.trackers.flags import TrackerFlags
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "deployments" / "recipes"
@@ -230,7 +231,7 @@ class Args(TrackerFlags):
     eval_samples_per_prompt: int = _f(4, "eval", "Eval media samples per prompt.", ge=1)
     eval_seed: int = _f(1234, "eval", "Seed of eval noise (the same every eval).", ge=0)
     eval_fps: int = _f(8, "eval", "Frames per second of video eval media.", ge=1)
-    evaluator: Optional[Literal["teacher", "digits", "sounding-digits"]] = _f(
+    evaluator: Optional[str] = _f(
         None, "eval", "How evals score the student: 'teacher' (the frozen teacher's own features and drift "
         "statistics against its reference samples; any model) or a toy world's metrics; default: the prompt set's.")
     eval_reference_url: Optional[str] = _f(
@@ -248,6 +249,14 @@ class Args(TrackerFlags):
     @classmethod
     def _one_or_a_set(cls, value):
         return arg_rules.one_or_a_set(value)
+
+    @field_validator("evaluator")
+    @classmethod
+    def _registered_evaluator(cls, value):
+        if value is not None and value not in registry.names():
+            names = [repr(n) for n in registry.names()]
+            raise ValueError(f"Input should be {', '.join(names[:-1])} or {names[-1]}{nearest(value, registry.names())}")
+        return value
 
     @model_validator(mode="after")
     def _check_relations(self) -> "Args":
@@ -305,6 +314,7 @@ def _one_line(err: ValidationError, where: str) -> ArgsError:
     if not first["loc"] and ":" in msg:  # model validator: "key: message"
         loc, msg = msg.split(":", 1)
         loc = loc.removeprefix("Value error, ")
+    msg = msg.removeprefix("Value error, ")
     got = first.get("input")
     got_s = "" if isinstance(got, (dict, BaseModel)) else f" (got {got!r})"
     return ArgsError(f"invalid value for '{loc}' in {where}: {msg.strip()}{got_s}")

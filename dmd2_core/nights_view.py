@@ -7,15 +7,15 @@ from __future__ import annotations
 import io
 from typing import Optional
 
+from dmd2_core.evaluation.registry import evaluator_for
 from dmd2_core.media.images import data_uri
 from dmd2_core.report import _v, best_eval, criterion, round_sig
 from dmd2_core.step_counts import at_steps, counts_in
 
 
-PER_MODALITY = ("real_kid_video", "real_kid_audio", "real_kid_image",
-                "teacher_kid_video", "teacher_kid_audio", "teacher_kid_image")
-TOY_COLUMNS = ("acc", "diversity", "sound_acc", "agreement")
-NAMES = {"real_kid": "real-set KID", "teacher_kid": "teacher KID", "fd": "FD", "frame_fd": "frame FD"}
+def night_columns(evaluator) -> tuple[str, ...]:
+    """The evaluator's figures a night's row shows beside its criterion's final and best."""
+    return tuple(f.key for f in evaluator.figures if f.on_nights and f.key not in evaluator.criteria)
 
 
 def night_row(view: dict, outcome: str, wall_s: float, run_id: str, link: Optional[str], date: str) -> dict:
@@ -23,9 +23,12 @@ def night_row(view: dict, outcome: str, wall_s: float, run_id: str, link: Option
     evals = [e for e in view.get("evals") or [] if e.get("iteration") is not None]
     last = max(evals, key=lambda e: e["iteration"]) if evals else {}
     trained = [e for e in evals if e["iteration"] > (view.get("start") or 0)]  # not the start, every night's same
-    best = best_eval(trained or evals) or {}
-    key = criterion(evals)
-    row = {"run_id": run_id, "name": view.get("name"), "date": date, "outcome": outcome, "criterion": key,
+    evaluator = evaluator_for(view)
+    columns = night_columns(evaluator)
+    best = best_eval(trained or evals, evaluator.criteria) or {}
+    key = criterion(evals, evaluator.criteria)
+    row = {"run_id": run_id, "name": view.get("name"), "date": date, "outcome": outcome,
+           "evaluator": evaluator.name, "criterion": key,
            "final": last.get(key) if key else None, "best": best.get(key) if key else None,
            "best_iteration": best.get("iteration"), "best_tkd": best.get("teacher_kid"),
            "fd": last.get("fd"), "best_fd": best.get("fd") if key == "fd" else None,
@@ -33,19 +36,20 @@ def night_row(view: dict, outcome: str, wall_s: float, run_id: str, link: Option
            "iteration": view.get("iteration"), "final_iteration": view.get("final"),
            "wall_s": round(float(wall_s), 1), "link": link,
            "student": view.get("best_student") or view.get("student")}
-    row.update({k: last.get(k) for k in (*PER_MODALITY, *TOY_COLUMNS) if last.get(k) is not None})
+    row.update({k: last.get(k) for k in columns if last.get(k) is not None})
     counts = counts_in(key for e in evals for key in e)
     if key and counts:  # a student of several step counts: its final and best (the run's student) at each
         row["steps"] = {str(k): {"final": last.get(at_steps(key, k)), "best": best.get(at_steps(key, k)),
-                                 **{c: last.get(at_steps(c, k)) for c in (*PER_MODALITY, *TOY_COLUMNS)
-                                    if last.get(at_steps(c, k)) is not None}}
+                                 **{c: last.get(at_steps(c, k)) for c in columns if last.get(at_steps(c, k)) is not None}}
                         for k in counts}
     return row
 
 
 def nights_plot(rows: list[dict], title: str = "") -> Optional[bytes]:
     """The criterion per night, final and best (oldest left): the regression a team looks for."""
-    key = next((r.get("criterion") for r in reversed(rows) if r.get("criterion")), None)
+    newest = next((r for r in reversed(rows) if r.get("criterion")), None)
+    key = newest and newest["criterion"]
+    name = evaluator_for(newest).label(key) if newest else None
     pts = [(n, r) for n, r in enumerate(rows) if r.get("criterion") == key and isinstance(r.get("final"), (int, float))]
     if not pts:
         return None
@@ -56,12 +60,12 @@ def nights_plot(rows: list[dict], title: str = "") -> Optional[bytes]:
 
     fig = Figure(figsize=(6.0, 3.0), dpi=80)
     ax = fig.add_subplot(1, 1, 1)
-    ax.plot([n for n, _ in pts], [r["final"] for _, r in pts], marker="o", label=f"final {NAMES.get(key, key)}")
+    ax.plot([n for n, _ in pts], [r["final"] for _, r in pts], marker="o", label=f"final {name}")
     best = [(n, r["best"]) for n, r in pts if isinstance(r.get("best"), (int, float))]
     if best:
-        ax.plot(*zip(*best), marker="x", linestyle="--", label=f"best {NAMES.get(key, key)}")
+        ax.plot(*zip(*best), marker="x", linestyle="--", label=f"best {name}")
     ax.set_xticks([n for n, _ in pts], [str(r.get("date")) for _, r in pts], rotation=30, fontsize=7)
-    ax.set_ylabel(f"{NAMES.get(key, key)} (lower is better)", fontsize=8)
+    ax.set_ylabel(f"{name} (lower is better)", fontsize=8)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     ax.set_title(title or "quality over nights", fontsize=10)
@@ -74,9 +78,10 @@ def nights_plot(rows: list[dict], title: str = "") -> Optional[bytes]:
 def nights_markdown(deployment: str, rows: list[dict], plot: Optional[bytes]) -> str:
     """The nights view of a deployment: the plot, then one row per run, newest first; the columns
     are those some row has (a teacher-evaluated night: per modality and drift; digits: FD, acc)."""
-    key = next((r.get("criterion") for r in reversed(rows) if r.get("criterion")), None)
-    name = NAMES.get(key, key or "quality")
-    extra = [c for c in (*PER_MODALITY, *TOY_COLUMNS) if any(r.get(c) is not None for r in rows)]
+    newest = next((r for r in reversed(rows) if r.get("criterion")), None)
+    name = evaluator_for(newest).label(newest["criterion"]) if newest else "quality"
+    shown = dict.fromkeys(c for r in rows for c in night_columns(evaluator_for(r)))
+    extra = [c for c in shown if any(r.get(c) is not None for r in rows)]
     drift = any(r.get("drift_out") or r.get("best_tkd") is not None for r in rows)  # teacher-evaluated nights
     columns = ["date", "run", "outcome", f"final {name}", f"best {name}", *extra,
                *(["drift out of band"] if drift else []), "iterations", "wall"]

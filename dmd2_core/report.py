@@ -17,20 +17,15 @@ from typing import Any, Iterable, Optional
 from dmd2_core import storage
 from dmd2_core.save_layout import METRICS_SEGMENTS_DIR, metrics_segment_url, metrics_url
 from dmd2_core.args import Args
+from dmd2_core.evaluation.evaluator import Evaluator, Panel
+from dmd2_core.evaluation.registry import evaluator_for
 from dmd2_core.media.images import data_uri
 from dmd2_core.step_counts import STEPS_MARK, counts_in, per_steps_rows, split_steps, steps_label
 
 SEGMENT_ITERATIONS = 100  # lines per segment file: the open one is rewritten, its size is bounded
-# An eval's quality figures (evaluation.evaluators), shown where present: the teacher evaluator's
-# distances and drift count, the toy worlds' ground truth. Lower is better for each of CRITERIA,
-# and the first an eval has is the run's criterion for its best student.
-# With a real set the run distils towards it (its GAN head's data): the real-set KID comes first.
-CRITERIA = ("real_kid", "teacher_kid", "fd", "frame_fd")
-QUALITY_KEYS = ("real_kid", "real_kid_video", "real_kid_audio", "real_kid_image",
-                "teacher_kid", "teacher_kid_video", "teacher_kid_audio", "teacher_kid_image", "drift_out",
-                "fd", "acc", "diversity", "frame_fd", "sound_acc", "agreement")
-TABLE_COLUMNS = ("iteration", "dmd2_loss", "critic_loss", "dmd2_grad_norm", "actor_grad_norm",
-                 "fd", "iteration_s")
+# An eval's quality figures, its criterion (lower is better) and their columns and panels are the
+# run's evaluator's (evaluation.registry): its name rides in the summary's view.
+TRAINING_COLUMNS = ("iteration", "dmd2_loss", "critic_loss", "dmd2_grad_norm", "actor_grad_norm")
 SIGNIFICANT = 4
 PLOT_POINTS = 400  # the plot sees at most this many rows (thin), the table the newest TABLE_ROWS:
 TABLE_ROWS = 200   # a summary costs the same at iteration 4000 as at 40
@@ -146,8 +141,12 @@ def round_sig(value: Any, digits: int = SIGNIFICANT) -> Any:
     return str(value)
 
 
-def metrics_table(rows: Iterable[dict], columns: tuple[str, ...] = TABLE_COLUMNS,
-                  max_rows: Optional[int] = None) -> list[dict]:
+def table_columns(evaluator: Evaluator) -> tuple[str, ...]:
+    """The short metrics table's columns: the training figures, the evaluator's, the pace."""
+    return (*TRAINING_COLUMNS, *evaluator.table, "iteration_s")
+
+
+def metrics_table(rows: Iterable[dict], columns: tuple[str, ...], max_rows: Optional[int] = None) -> list[dict]:
     """The rows that matter for a screen: a few columns (those that ever have a value), 4
     significant digits, newest first. The full set of keys stays in the metrics log."""
     rows = list(rows)
@@ -160,37 +159,38 @@ def metrics_table(rows: Iterable[dict], columns: tuple[str, ...] = TABLE_COLUMNS
 
 # ---- the plot ---------------------------------------------------------------------------------
 
-PLOT_PANELS = (  # one scale a panel: dmd2_loss (~1e-8) beside critic_loss (~2.5) read as a flat line
-    ("DMD2 loss", ("dmd2_loss",)),
-    ("critic loss", ("critic_loss",)),
-    ("grad norms (log)", ("dmd2_grad_norm", "actor_grad_norm", "critic_grad_norm")),
-    ("KID to the real set, teacher features (lower is better)", ("real_kid_video", "real_kid_audio", "real_kid_image")),
-    ("KID to the teacher's samples (lower is better)", ("teacher_kid_video", "teacher_kid_audio", "teacher_kid_image")),
-    ("drift statistics out of band", ("drift_out",)),
-    ("FD", ("fd",)),
-    ("accuracy, diversity", ("acc", "diversity")),
-    ("GAN head", GAN_KEYS),  # only when the head is on (its keys are in the rows)
+TRAINING_PANELS = (  # one scale a panel: dmd2_loss (~1e-8) beside critic_loss (~2.5) read as a flat line
+    Panel("DMD2 loss", ("dmd2_loss",)),
+    Panel("critic loss", ("critic_loss",)),
+    Panel("grad norms (log)", ("dmd2_grad_norm", "actor_grad_norm", "critic_grad_norm")),
 )
+GAN_PANEL = Panel("GAN head", GAN_KEYS)  # only when the head is on (its keys are in the rows)
 
 
-def thin(rows: list[dict], most: int) -> list[dict]:
-    """At most ``most`` rows, evenly spread, always keeping the rows with quality metrics and the
-    last one: what a plot needs, at a cost bounded whatever the run's length."""
+def plot_panels(evaluator: Evaluator) -> tuple[Panel, ...]:
+    return (*TRAINING_PANELS, *evaluator.panels, GAN_PANEL)
+
+
+def thin(rows: list[dict], most: int, keep: Iterable[str] = ()) -> list[dict]:
+    """At most ``most`` rows, evenly spread, always keeping the rows with any of ``keep`` (the
+    quality figures) and the last one: what a plot needs, at a cost bounded whatever the run's length."""
     if len(rows) <= most:
         return list(rows)
     step = math.ceil(len(rows) / most)
+    keep = tuple(keep)
     return [r for n, r in enumerate(rows)
-            if n % step == 0 or n == len(rows) - 1 or any(r.get(k) is not None for k in (*QUALITY_KEYS, *CRITERIA))]
+            if n % step == 0 or n == len(rows) - 1 or any(r.get(k) is not None for k in keep)]
 
 
-def plot_png(rows: list[dict], title: str = "") -> Optional[bytes]:
+def plot_png(rows: list[dict], title: str = "", panels: Iterable[Panel] = TRAINING_PANELS) -> Optional[bytes]:
     """A PNG of losses, grad norms, FD, accuracy/diversity and the GAN head's metrics over
-    iterations (one panel each; panels without data are left out). None when no panel has data."""
-    panels = []
+    iterations (one panel each of ``panels``; panels without data are left out). None when no
+    panel has data."""
+    drawn = []
     stepped = sorted({key for r in rows for key in r if split_steps(key)[1] is not None},
                      key=lambda key: (split_steps(key)[0], split_steps(key)[1]))
-    for name, keys in PLOT_PANELS:
-        series = {}
+    for panel in panels:
+        name, keys, series = panel.title, panel.keys, {}
         for k in [*keys, *(s for s in stepped if split_steps(s)[0] in keys)]:  # each step count's beside
             pts = [(int(r["iteration"]), float(r[k])) for r in rows
                    if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)
@@ -198,18 +198,18 @@ def plot_png(rows: list[dict], title: str = "") -> Optional[bytes]:
             if pts:
                 series[k] = pts
         if series:
-            panels.append((name, series))
-    if not panels:
+            drawn.append((name, series))
+    if not drawn:
         return None
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     from matplotlib.figure import Figure
 
-    cols = min(3, len(panels))
-    rows_n = math.ceil(len(panels) / cols)
+    cols = min(3, len(drawn))
+    rows_n = math.ceil(len(drawn) / cols)
     fig = Figure(figsize=(4.0 * cols, 3.0 * rows_n), dpi=80)
-    for n, (name, series) in enumerate(panels):
+    for n, (name, series) in enumerate(drawn):
         ax = fig.add_subplot(rows_n, cols, n + 1)
         for key, pts in series.items():
             xs, ys = zip(*pts)
@@ -261,22 +261,23 @@ def _v(value: Any) -> str:
     return f"`{value}`" if isinstance(value, str) else str(value)
 
 
-def _quality(q: Optional[dict]) -> str:
-    return ", ".join(f"{k} {q[k]:.4g}" for k in QUALITY_KEYS if isinstance((q or {}).get(k), (int, float)))
+def _quality(q: Optional[dict], keys: Iterable[str]) -> str:
+    return ", ".join(f"{k} {q[k]:.4g}" for k in keys if isinstance((q or {}).get(k), (int, float)))
 
 
-def criterion(evals: list[dict]) -> Optional[str]:
-    """The run's quality criterion (lower is better): the first of CRITERIA its evals carry."""
-    return next((c for c in CRITERIA if any(_number(e.get(c)) for e in evals)), None)
+def criterion(evals: list[dict], criteria: Iterable[str]) -> Optional[str]:
+    """The run's quality criterion (lower is better): the first of ``criteria`` (its evaluator's)
+    its evals carry."""
+    return next((c for c in criteria if any(_number(e.get(c)) for e in evals)), None)
 
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def best_eval(evals: list[dict]) -> Optional[dict]:
+def best_eval(evals: list[dict], criteria: Iterable[str]) -> Optional[dict]:
     """The eval with the lowest value of the run's criterion (the latest of equals); None without one."""
-    key = criterion(evals)
+    key = criterion(evals, criteria)
     scored = [e for e in evals if _number(e.get(key))] if key else []
     return min(scored, key=lambda e: (e[key], -e["iteration"])) if scored else None
 
@@ -289,6 +290,8 @@ def summary_markdown(s: dict) -> str:
     {iteration, fd, acc, diversity, dmd2_loss, critic_loss}), media (list of embed() dicts with
     caption), media_iteration, plot (PNG bytes or None), checkpoint ({iteration, trainers, tracker}),
     student (URL), metrics_url."""
+    evaluator = evaluator_for(s)
+    quality_keys = evaluator.quality_keys
     out = [f"# {s['name']}", ""]
     out.append(f"**{s.get('status', 'running')}**: iteration {s['iteration']} of {s['final']}"
                + (f" (resumed after {s['start']})" if s.get("start") else "") + "."
@@ -298,12 +301,13 @@ def summary_markdown(s: dict) -> str:
     evals = s.get("evals") or []
     if len(evals) >= 2:
         for first, last in zip(per_steps_rows(evals[0]), per_steps_rows(evals[-1])):
-            if _quality(first):
-                out.append(f"Quality{steps_label(first)} before -> after: {_quality(first)} -> {_quality(last)} "
+            if _quality(first, quality_keys):
+                out.append(f"Quality{steps_label(first)} before -> after: {_quality(first, quality_keys)} -> "
+                           f"{_quality(last, quality_keys)} "
                            f"(iterations {evals[0]['iteration']} -> {evals[-1]['iteration']}).")
-    best = best_eval(evals)
+    best = best_eval(evals, evaluator.criteria)
     if best:
-        out.append(f"Best eval so far: iteration {best['iteration']} ({_quality(best)}"
+        out.append(f"Best eval so far: iteration {best['iteration']} ({_quality(best, quality_keys)}"
                    f"{steps_label(per_steps_rows(best)[0])}).")
     out.append("")
     if s.get("media"):
@@ -327,7 +331,7 @@ def summary_markdown(s: dict) -> str:
         out += ["## Losses, grad norms and quality", "", f"![metrics plot]({data_uri(s['plot'], 'image/png')})", ""]
     if evals:
         shown = [r for e in sorted(evals, key=lambda e: -e["iteration"]) for r in per_steps_rows(e)]
-        cols = [c for c in ("iteration", "steps", *QUALITY_KEYS, "dmd2_loss", "critic_loss", *GAN_KEYS)
+        cols = [c for c in ("iteration", "steps", *quality_keys, "dmd2_loss", "critic_loss", *GAN_KEYS)
                 if any(e.get(c) is not None for e in shown)]
         out += ["## Evals (newest first)", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for e in shown:
@@ -365,7 +369,7 @@ def summary_markdown(s: dict) -> str:
 def drift_table(reference: dict, latest: dict, flags: list[str]) -> list[str]:
     """The latest eval's drift statistics beside the yardstick's (the real set's samples, or the
     teacher's reference samples: ``drift.pooled``), and whether each is in its band
-    (``evaluators.drift_flags``); a student of several step counts has a column per K."""
+    (``Evaluator.drift_flags``); a student of several step counts has a column per K."""
     source = "real set" if reference.get("source") == "real" else "teacher"
     counts = counts_in(latest)
     names = [f"drift_{{}}{STEPS_MARK}{k}" for k in counts] or ["drift_{}"]

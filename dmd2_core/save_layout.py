@@ -11,7 +11,7 @@
     {save}/trackers.json                       the tracker runs a rerun continues (trackers/sinks.py)
     {save}/tensorboard/, {save}/mlflow.db, {save}/mlflow-artifacts/, {save}/wandb/
                                                the trackers' own files by default (trackers/)
-    {save}/media/iter_{i:07d}[_p{prompt}].*    eval media (media/eval_media.py)
+    {save}/media/iter_{i:07d}[_p{prompt}].*    eval media (media/eval_files.py)
     {save}/eval_reference/{key}/               the teacher's reference samples' features (evaluation/)
 """
 

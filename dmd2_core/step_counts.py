@@ -27,7 +27,7 @@ def counts_in(keys: Iterable[str]) -> list[int]:
 
 
 def mean_over_steps(metrics: dict[str, Any], counts: Iterable[int], keys: Iterable[str]) -> dict[str, float]:
-    """Each of ``keys`` (the criteria, ``report.CRITERIA``) that every step count has, as its mean
+    """Each of ``keys`` (the run evaluator's criteria) that every step count has, as its mean
     over them: the one figure that ranks a student of several step counts (its best eval, the
     nights)."""
     counts = list(counts)

@@ -44,7 +44,7 @@ import statistics
 from datetime import timedelta
 from typing import Any, Optional
 
-from dmd2_core.nights_view import NAMES
+from dmd2_core.evaluation.registry import evaluator_for
 
 ALERT_AUTOMATION = "dmd2: tell a person when a run fails"
 REGRESSION_AUTOMATION = "dmd2: tell a person when a night regresses"
@@ -147,7 +147,7 @@ def night_regression(previous_rows: list[dict], row: dict, margin: float) -> Opt
     Missing numbers (no best, no previous night with one) are no regression."""
     reasons = []
     key = row.get("criterion")
-    name = NAMES.get(key, key)
+    name = evaluator_for(row).label(key)
     best = _number(row.get("best"))
     values = [v for r in previous_rows if r.get("criterion") == key
               and not str(r.get("outcome") or "").startswith("failed") and (v := _number(r.get("best"))) is not None]

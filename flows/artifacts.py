@@ -23,6 +23,7 @@ from typing import Any, Optional
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact
 
 from dmd2_core import report
+from dmd2_core.evaluation.registry import evaluator_for
 
 KINDS = ("summary", "metrics", "progress")
 PROGRESS_EVERY_S = 5.0  # the progress artifact moves at most this often (and at every eval)
@@ -125,9 +126,11 @@ class RunArtifacts:
         """Summary (with a fresh plot) and metrics table, in place. The plot and the table see at
         most report.PLOT_POINTS / TABLE_ROWS rows, so a publish costs the same late in a run as early."""
         self.state["updated"] = _now()
-        self.state["plot"] = report.plot_png(report.thin(rows, report.PLOT_POINTS), title=self.state["name"])
+        evaluator = evaluator_for(self.state)
+        self.state["plot"] = report.plot_png(report.thin(rows, report.PLOT_POINTS, evaluator.quality_keys),
+                                             title=self.state["name"], panels=report.plot_panels(evaluator))
         _update(self.summary_id, summary_text(self.state))
-        table = report.metrics_table(rows[-report.TABLE_ROWS:])
+        table = report.metrics_table(rows[-report.TABLE_ROWS:], report.table_columns(evaluator))
         _update(self.metrics_id, json.dumps(table), self._metrics_description(len(rows)))
 
 

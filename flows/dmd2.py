@@ -53,9 +53,8 @@ from dmd2_core.errors import (  # noqa: E402
 )
 from dmd2_core.run.distill_run import DistillRun  # noqa: E402
 from dmd2_core.run.preflight import hand_over  # noqa: E402
-from dmd2_core.report import QUALITY_KEYS  # noqa: E402
 from flows import artifacts, nights, runs  # noqa: E402
-from flows.driver import LOGGED_KEYS, DriverBase, fmt as _fmt  # noqa: E402,F401
+from flows.driver import TRAINING_LOGGED, DriverBase, fmt  # noqa: E402
 from tasks import registry  # noqa: E402
 from tasks.phases import critic_train_and_score, rollout, sleep_groups, student_train  # noqa: E402
 
@@ -166,7 +165,8 @@ class Driver(DriverBase):
             self.artifacts.progress(i)
         self.track(i)  # after the log holds the row: a rerun skips what the log had, never what it lacked
         self.view["iteration"] = i
-        self.logger.info(f"iteration {i}/{self.final} {_fmt(row)} ({metrics['iteration_s']:.2f}s)")
+        self.logger.info(f"iteration {i}/{self.final} {fmt(row, (*TRAINING_LOGGED, *self.quality_keys))} "
+                         f"({metrics['iteration_s']:.2f}s)")
         return row
 
     # ---- the whole run ----
@@ -180,7 +180,7 @@ class Driver(DriverBase):
         if self.schedule.evaluating:
             resumed = self.eval(self.start)
             first = next(iter(self.view["evals"]), {})  # iteration 0's, on a rerun too (the metrics log)
-            self.result["quality_before"] = {k: first[k] for k in QUALITY_KEYS if first.get(k) is not None} or resumed or None
+            self.result["quality_before"] = {k: first[k] for k in self.quality_keys if first.get(k) is not None} or resumed or None
             self.publish(self.start)
             self.track(self.start)
         rerun = f" (rerun {self.reruns})" if self.reruns else ""
@@ -195,7 +195,7 @@ class Driver(DriverBase):
         final_row = dict(self.log.rows.get(self.final, {"iteration": self.final}))
         self.result["final_metrics"] = final_row
         if self.schedule.evaluating:
-            self.result["quality_after"] = {k: final_row[k] for k in QUALITY_KEYS if k in final_row} or None
+            self.result["quality_after"] = {k: final_row[k] for k in self.quality_keys if k in final_row} or None
             b, a = self.result.get("quality_before"), self.result.get("quality_after")
             if b and a:
                 self.logger.info("quality before -> after: " + ", ".join(f"{k} {b[k]:.4g} -> {a[k]:.4g}" for k in a if k in b))

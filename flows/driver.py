@@ -15,29 +15,29 @@ from typing import Any, Optional
 from dmd2_core import checkpoint as ckpt
 from dmd2_core.args import Args
 from dmd2_core.run.distill_run import DistillRun
-from dmd2_core.evaluation.evaluators import drift_flags
-from dmd2_core.report import GAN_KEYS, QUALITY_KEYS, MetricsLog, best_eval, criterion
+from dmd2_core.evaluation.registry import evaluator_of
+from dmd2_core.report import GAN_KEYS, MetricsLog, best_eval, criterion
 from dmd2_core.step_counts import split_steps
 from dmd2_core.run.save_tracker import read_best_student, write_best_student
 from dmd2_core.run.schedule import Schedule
 from dmd2_core.trackers.sinks import Trackers
 from flows import artifacts, runs
 from tasks.checkpoint import checkpoint
-from tasks.eval import eval_media
+from tasks.eval import evaluate
 
-EVAL_COLUMNS = ("iteration", *QUALITY_KEYS, "dmd2_loss", "critic_loss", *GAN_KEYS)
-LOGGED_KEYS = ("dmd2_loss", "critic_loss", "dmd2_grad_norm", "actor_grad_norm", *QUALITY_KEYS)
-
-
-def fmt(metrics: dict) -> str:
-    return " ".join(f"{k}={metrics[k]:.4g}" for k in LOGGED_KEYS if isinstance(metrics.get(k), (int, float)))
+TRAINING_LOGGED = ("dmd2_loss", "critic_loss", "dmd2_grad_norm", "actor_grad_norm")
 
 
-def eval_row(row: dict) -> dict:
+def fmt(metrics: dict, keys: tuple[str, ...]) -> str:
+    return " ".join(f"{k}={metrics[k]:.4g}" for k in keys if isinstance(metrics.get(k), (int, float)))
+
+
+def eval_row(row: dict, quality_keys: tuple[str, ...]) -> dict:
     """What the summary's evals table keeps of a metrics row: quality, losses, the GAN head's."""
-    kept = {k: row.get(k) for k in EVAL_COLUMNS if k in row or k in ("iteration", *QUALITY_KEYS)}
+    columns = ("iteration", *quality_keys, "dmd2_loss", "critic_loss", *GAN_KEYS)
+    kept = {k: row.get(k) for k in columns if k in row or k in ("iteration", *quality_keys)}
     return kept | {k: v for k, v in row.items() if k.startswith(("drift_", "diversity_"))  # beside the teacher's
-                   or split_steps(k)[0] in EVAL_COLUMNS}  # each step count's of a student of several
+                   or split_steps(k)[0] in columns}  # each step count's of a student of several
 
 
 class DriverBase:
@@ -46,6 +46,8 @@ class DriverBase:
 
     def __init__(self, run: DistillRun, run_id: str, args: Args, name: str, logger):
         self.run, self.run_id, self.args, self.logger = run, run_id, args, logger
+        self.evaluator = evaluator_of(args)
+        self.quality_keys = self.evaluator.quality_keys
         self.t0 = time.perf_counter()
         self.start = run.start()
         self.final = max(self.start, args.num_iterations)
@@ -65,9 +67,11 @@ class DriverBase:
             "resumed_with": run.resumed_with,
         }
         self.view: dict[str, Any] = {
-            "name": name, "iteration": self.start, "final": self.final, "start": self.start, "status": "running",
+            "name": name, "evaluator": self.evaluator.name, "iteration": self.start, "final": self.final,
+            "start": self.start, "status": "running",
             "trainer_args": shown_args(run.trainer_args),
-            "evals": [eval_row(row) for row in self.log.table() if any(row.get(q) is not None for q in QUALITY_KEYS)],
+            "evals": [eval_row(row, self.quality_keys) for row in self.log.table()
+                      if any(row.get(q) is not None for q in self.quality_keys)],
             "media": [], "metrics_url": self.log.url, "checkpoint": None, "student": None,
             "best_student": None, "drift_flags": [], "reference": {}, "resumed_with": run.resumed_with,
         }
@@ -82,23 +86,23 @@ class DriverBase:
 
     # ---- evals and checkpoints ----
     def eval(self, i: int) -> dict:
-        out = eval_media(self.run_id, i)
+        out = evaluate(self.run_id, i)
         self.last_eval = i
-        flags = drift_flags(out["metrics"], self.first_eval(out["metrics"]), out.get("reference") or {})
+        flags = self.evaluator.drift_flags(out["metrics"], self.first_eval(out["metrics"]), out.get("reference") or {})
         row = self.log.update(i, {**out["metrics"], **({"drift_out": float(len(flags))} if out.get("reference") else {})})
         self.result["media_urls"] += [m["url"] for m in out["media"]]
-        quality = {k: out["metrics"][k] for k in QUALITY_KEYS if k in out["metrics"]}
+        quality = {k: out["metrics"][k] for k in self.quality_keys if k in out["metrics"]}
         self.view["evals"] = [e for e in self.view["evals"] if e["iteration"] != i]
-        self.view["evals"].append(eval_row(row))
+        self.view["evals"].append(eval_row(row, self.quality_keys))
         self.view["media"], self.view["media_iteration"] = out["media"], i
         self.media_at[i] = out["media"]
         self.view["drift_flags"] = flags
         self.view["reference"] = out.get("reference") or self.view["reference"]
-        best = best_eval(self.trained_evals())  # the start's student is the run's starting point, not its result
+        best = best_eval(self.trained_evals(), self.evaluator.criteria)  # the start's student is the run's starting point, not its result
         if best is not None and best["iteration"] == i and (self.best or {}).get("iteration") != i:
             self.export_best = i  # exported by a save of this iteration, now
         if quality:
-            self.logger.info(f"eval at iteration {i}: " + fmt(quality)
+            self.logger.info(f"eval at iteration {i}: " + fmt(quality, (*TRAINING_LOGGED, *self.quality_keys))
                              + (f"; drift out of band: {', '.join(self.view['drift_flags'])}" if self.view["drift_flags"] else ""))
         return quality
 
@@ -117,8 +121,8 @@ class DriverBase:
         if export:
             self.view["student"] = self.result["student"] = export
         if export and self.export_best == i:  # the best eval's student, exported: the run's student
-            key = criterion(self.trained_evals())
-            value = (best_eval(self.trained_evals()) or {}).get(key)
+            key = criterion(self.trained_evals(), self.evaluator.criteria)
+            value = (best_eval(self.trained_evals(), self.evaluator.criteria) or {}).get(key)
             self.best = {"iteration": i, "criterion": key, "value": value, "export_url": export}
             write_best_student(self.args.save, self.best)
             self.export_best = None

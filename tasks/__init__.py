@@ -5,11 +5,11 @@ DistillRun itself sits in ``tasks.registry``.
 """
 
 from tasks.checkpoint import checkpoint
-from tasks.eval import eval_media
+from tasks.eval import evaluate
 from tasks.phases import critic_train_and_score, rollout, sleep_groups, student_train
 from tasks.registry import get_run, register, unregister
 
 __all__ = [
-    "rollout", "critic_train_and_score", "sleep_groups", "student_train", "eval_media", "checkpoint",
+    "rollout", "critic_train_and_score", "sleep_groups", "student_train", "evaluate", "checkpoint",
     "register", "unregister", "get_run",
 ]

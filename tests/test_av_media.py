@@ -216,7 +216,7 @@ def test_a_local_clip_plays_in_place_with_its_sound(tmp_path):
     """A local save has no link a browser can open: the artifact carries the MP4 itself as a data
     URI in a <video> (a preview with the same sound when the clip is too large), or names the path."""
     from dmd2_core import report
-    from dmd2_core.media.eval_media import av_media_of
+    from dmd2_core.media.eval_files import av_media_of
 
     samples = {"video": moving_square()[None].permute(0, 2, 1, 3, 4), "audio": torch.from_numpy(left_tone())[None],
                "sample_rate": SAMPLE_RATE}

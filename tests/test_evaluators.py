@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmd2_core.evaluation import evaluators
+from dmd2_core.evaluation import registry
+from dmd2_core.evaluation import teacher_evaluator as evaluators
 from tests.helpers import in_process_trainers, tiny_args
 
 
@@ -48,22 +49,22 @@ def _args(teacher, save, **overrides):
 def test_the_default_evaluator_follows_the_prompt_set(tiny_teacher, tmp_path):
     from dmd2_core.toys import sounding_digits as sd
 
-    assert evaluators.evaluator_of(tiny_args(tiny_teacher, str(tmp_path))) == "digits"
+    assert registry.evaluator_name(tiny_args(tiny_teacher, str(tmp_path))) == "digits"
     prompts = str(tmp_path / "sounding.safetensors")
     sd.prompt_set().save(prompts)
-    assert evaluators.evaluator_of(tiny_args(tiny_teacher, str(tmp_path), prompts=prompts)) == "sounding-digits"
+    assert registry.evaluator_name(tiny_args(tiny_teacher, str(tmp_path), prompts=prompts)) == "sounding-digits"
     plain = str(tmp_path / "plain.safetensors")
     from dmd2_core.toys.digits import digits_prompt_set
 
     digits_prompt_set().save(plain)
-    assert evaluators.evaluator_of(tiny_args(tiny_teacher, str(tmp_path), prompts=plain)) == "teacher"
+    assert registry.evaluator_name(tiny_args(tiny_teacher, str(tmp_path), prompts=plain)) == "teacher"
 
 
 def test_a_bad_evaluator_name_is_one_line_naming_the_key(tiny_teacher, tmp_path):
     from dmd2_core.errors import ArgsError
 
-    with pytest.raises(ArgsError, match=r"^invalid value for 'evaluator' .*'teacher', 'digits' or 'sounding-digits' "
-                                        r"\(got 'teachr'\)$"):
+    with pytest.raises(ArgsError, match=r"^invalid value for 'evaluator' .*'teacher', 'digits' or 'sounding-digits'; "
+                                        r"did you mean 'teacher'\? \(got 'teachr'\)$"):
         tiny_args(tiny_teacher, str(tmp_path), evaluator="teachr")
 
 
@@ -178,3 +179,33 @@ def test_an_unwritable_reference_cache_is_refused_before_any_actor(tiny_teacher,
     with pytest.raises(ArgsError, match=r"^eval_reference_url: cannot write to .*afile/ref "):
         DistillRun(_args(tiny_teacher, str(tmp_path / "run"), eval_reference_url=str(tmp_path / "afile" / "ref")))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_new_evaluator_is_one_file_and_one_registry_line(tiny_teacher, tmp_path, monkeypatch):
+    """The seam: an evaluator registered by name is accepted by Args, scores an eval, and its
+    figure reaches the run summary, the metrics table and the nights view with its criterion."""
+    from types import SimpleNamespace
+
+    from dmd2_core import nights_view, report
+    from dmd2_core.evaluation.eval_step import run_eval
+
+    monkeypatch.setitem(registry.EVALUATORS, "brightness", "tests.evaluator_fixture:BrightnessEvaluator")
+    args = tiny_args(tiny_teacher, str(tmp_path / "run"), evaluator="brightness", eval_num_samples=4,
+                     eval_prompts=[0], eval_samples_per_prompt=1)
+    run = SimpleNamespace(args=args, sample=lambda order, seed, num_steps=None: torch.full((len(order), 1, 8, 8), 0.75))
+    out = run_eval(run, 3)
+    assert out["metrics"]["brightness_gap"] == pytest.approx(0.25) and out["metrics"]["brightness"] == pytest.approx(0.75)
+
+    rows = [{"iteration": 0, "dmd2_loss": 1.0, "brightness_gap": 0.4, "brightness": 0.9},
+            {"iteration": 3, "dmd2_loss": 0.5, **out["metrics"]}]
+    summary = report.summary_markdown({"name": "n", "evaluator": "brightness", "iteration": 3, "final": 3, "start": 0,
+                                       "evals": rows})
+    assert "Best eval so far: iteration 3 (brightness_gap 0.25, brightness 0.75)" in summary
+    assert "| iteration | brightness_gap | brightness | dmd2_loss |" in summary
+    table = report.metrics_table(rows, report.table_columns(registry.get("brightness")))
+    assert table[0] == {"iteration": 3, "dmd2_loss": 0.5, "brightness_gap": 0.25}
+    row = nights_view.night_row({"name": "n", "evaluator": "brightness", "iteration": 3, "final": 3, "start": 0,
+                                 "evals": rows}, "Completed", 1.0, "id", None, "2026-12-06")
+    assert row["criterion"] == "brightness_gap" and row["best"] == pytest.approx(0.25) and row["brightness"] == 0.75
+    view = nights_view.nights_markdown("dmd2/x", [row], nights_view.nights_plot([row]))
+    assert "| date | run | outcome | final brightness gap | best brightness gap | brightness |" in view

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dmd2_core.media.images import data_uri, image_grid, png_bytes, video_media
-from dmd2_core.media.eval_media import media_url
+from dmd2_core.media.eval_files import media_url
 from tests.helpers import FAST, assert_same_saved_state
 
 BIN = Path(sys.executable).parent
@@ -129,7 +129,7 @@ def test_media_helpers(tmp_path):
 
 def test_media_url_presigns_s3(s3_bucket):
     from dmd2_core import storage
-    from dmd2_core.media.eval_media import save_png
+    from dmd2_core.media.eval_files import save_png
 
     url = f"{s3_bucket}/media/iter_0000001.png"
     save_png(image_grid(torch.zeros(2, 1, 8, 8), nrow=2), url)
@@ -223,7 +223,7 @@ def test_flow_end_to_end(reference):
     assert read_flow_run(run_id).name == name
     names = {t.name: t for t in read_task_runs(run_id)}
     for name in ("rollout-1", "critic-train-and-score-1", "sleep-critic-1", "student-train-1",
-                 "sleep-actor-1", "eval-media-0", "eval-media-2", "checkpoint-2"):
+                 "sleep-actor-1", "eval-0", "eval-2", "checkpoint-2"):
         assert names[name].state.is_completed(), name
 
 

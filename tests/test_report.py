@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from dmd2_core import report, storage
+from dmd2_core.evaluation import registry
 from dmd2_core.media import images
 from dmd2_core.media.images import image_grid, png_bytes
 
@@ -59,12 +60,13 @@ def test_metrics_table_few_columns_four_digits_newest_first():
              "iteration_s": 1.23456} for i in range(5)]
     rows[2]["fd"] = 0.987654
     rows[3]["dmd2_loss"] = float("nan")
-    table = report.metrics_table(rows)
+    columns = report.table_columns(registry.get("digits"))
+    table = report.metrics_table(rows, columns)
     assert [r["iteration"] for r in table] == [4, 3, 2, 1, 0]
     assert list(table[0]) == ["iteration", "dmd2_loss", "critic_loss", "fd", "iteration_s"]  # only columns with data
     assert table[0]["dmd2_loss"] == 1.667 and table[0]["critic_loss"] == 123500.0 and table[0]["iteration_s"] == 1.235
     assert table[2]["fd"] == 0.9877 and table[0]["fd"] is None and table[1]["dmd2_loss"] is None
-    assert len(report.metrics_table(rows, max_rows=2)) == 2
+    assert len(report.metrics_table(rows, columns, max_rows=2)) == 2
 
 
 def test_plot_png_has_a_panel_per_kind_of_data():
@@ -72,7 +74,8 @@ def test_plot_png_has_a_panel_per_kind_of_data():
     losses = [{"iteration": i, "dmd2_loss": 0.1 * i, "critic_loss": 1.0} for i in range(1, 20)]
     full = [dict(r, dmd2_grad_norm=1.0, fd=2.0 - 0.01 * r["iteration"]) for r in losses]
     full[5]["dmd2_loss"] = float("nan")  # skipped, not drawn
-    two, four = (Image.open(io.BytesIO(report.plot_png(rows))) for rows in (losses, full))
+    panels = report.plot_panels(registry.get("digits"))
+    two, four = (Image.open(io.BytesIO(report.plot_png(rows, panels=panels))) for rows in (losses, full))
     assert two.format == four.format == "PNG"  # each loss at its own scale: dmd2_loss (~1e-8) is no flat line
     assert four.size[0] == 3 * two.size[0] // 2 and four.size[1] == 2 * two.size[1]  # 4 panels: 3 columns, 2 rows
 
@@ -188,12 +191,13 @@ def test_plot_has_fd_and_gan_panels_and_a_bounded_cost():
             for i in range(5000)]
     for i in range(0, 5000, 1000):
         rows[i].update(fd=30.0 - i / 1000, acc=0.9, diversity=0.5)
-    kept = report.thin(rows, report.PLOT_POINTS)
+    digits = registry.get("digits")
+    kept = report.thin(rows, report.PLOT_POINTS, digits.quality_keys)
     assert len(kept) <= report.PLOT_POINTS + 5 + 1 and kept[-1]["iteration"] == 4999
     assert [r["iteration"] for r in kept if "fd" in r] == [0, 1000, 2000, 3000, 4000]
-    names = [name for name, keys in report.PLOT_PANELS if any(k in rows[0] for k in keys)]
+    names = [p.title for p in report.plot_panels(digits) if any(k in rows[0] for k in p.keys)]
     assert names == ["DMD2 loss", "FD", "accuracy, diversity", "GAN head"]
-    img = Image.open(io.BytesIO(report.plot_png(kept)))
+    img = Image.open(io.BytesIO(report.plot_png(kept, panels=report.plot_panels(digits))))
     assert img.size == (3 * 320, 2 * 240)  # 4 panels: 3 columns, 2 rows
     assert report.plot_png([{"iteration": 1, "dmd2_loss": 1.0}]) is not None
 

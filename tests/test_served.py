@@ -356,7 +356,7 @@ def test_run_graphs_stay_small_at_hundreds_of_iterations(prefect_server):
                           "--api-url", api], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     figures = json.loads(out.stdout.strip().splitlines()[-1])
-    assert figures["graphs"] == 4 and figures["parent_graph_nodes"] == 4  # eval-media-0 + 3 windows
+    assert figures["graphs"] == 4 and figures["parent_graph_nodes"] == 4  # eval-0 + 3 windows
     assert figures["task_runs"] >= 5 * 30
     assert 5 * 10 <= figures["largest_graph_nodes"] <= 5 * 10 + 3  # + its evals and checkpoints
     assert figures["log_lines_per_iteration"] * 30 <= 30 + 15  # a line per iteration, ~11 at start and end

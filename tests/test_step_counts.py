@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from dmd2_core.evaluation import registry
 from dmd2_core import flow_matching as fm
 from dmd2_core import rng
 from dmd2_core.args import load_args
 from dmd2_core.errors import ArgsError
 from dmd2_core.export.pipeline import export_student
 from dmd2_core.export.scheduler import StudentSteps
-from dmd2_core.media.eval_media import run_eval
+from dmd2_core.evaluation.eval_step import run_eval
 from dmd2_core.nights_view import night_row, nights_markdown
 from dmd2_core.report import best_eval, summary_markdown
 from dmd2_core.run.distill_run import preflight
@@ -245,7 +246,7 @@ def test_an_eval_measures_every_step_count_and_ranks_by_their_mean(tiny_teacher,
     assert all(Path(m["url"]).exists() for m in out["media"])
     later = {**{k: v * 0.5 for k, v in metrics.items() if k.startswith("fd")}, "iteration": 10}
     evals = [{"iteration": 0, **metrics}, later]
-    assert best_eval(evals)["iteration"] == 10
+    assert best_eval(evals, registry.get("digits").criteria)["iteration"] == 10
     summary = summary_markdown({"name": "n", "iteration": 10, "final": 10, "start": 0, "evals": evals})
     assert "Quality at 1 steps before -> after" in summary and "Quality at 2 steps before -> after" in summary
     table = [line for line in summary.splitlines() if line.startswith("| 10 |") or line.startswith("| 0 |")]

@@ -143,7 +143,7 @@ def test_an_unknown_tracker_or_a_missing_package_is_refused_before_any_actor(tin
 def _eval_media(save: Path, step: int) -> list[dict]:
     """What an eval of a sounding-video run hands the driver: per prompt a frame strip (linked to
     its MP4 with sound) and a spectrogram, written under the save by the eval's own code."""
-    from dmd2_core.media.eval_media import av_media_of
+    from dmd2_core.media.eval_files import av_media_of
     from dmd2_core.save_layout import media_stem
 
     g = torch.Generator().manual_seed(step)
@@ -264,11 +264,12 @@ def test_a_killed_and_rerun_run_shows_one_curve_per_metric_in_each_tracker(harne
     for key, want in (("dmd2_loss", [1, 2, 3, 4]), ("critic_loss", [1, 2, 3, 4]), ("fd", [0, 2, 4])):
         steps = sorted(i for i, r in logged.items() if isinstance(r.get(key), (int, float)))
         assert steps == want, (key, steps)
-        assert [s for s, _ in tensorboard_curve(acc, scalar_tag(key))] == steps, key
+        assert [s for s, _ in tensorboard_curve(acc, scalar_tag(key, ("fd",)))] == steps, key
         assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == steps, key
         assert [r["_step"] for r in rows if key in r] == steps, key
         # a replay is bitwise: the first attempt's value (the tracker's) is the metrics log's
-        assert [v for _, v in tensorboard_curve(acc, scalar_tag(key))] == pytest.approx([logged[s][key] for s in steps])
+        assert [v for _, v in tensorboard_curve(acc, scalar_tag(key, ("fd",)))] == \
+            pytest.approx([logged[s][key] for s in steps])
     assert [e.step for e in acc.Images("eval/samples")] == [0, 2, 4]
     assert [r["_step"] for r in rows if r.get("eval/samples/_type") == "image-file"] == [0, 2, 4]
     assert mlflow_image_steps(client, run.info.run_id, "eval/samples") == [0, 2, 4]
@@ -311,7 +312,7 @@ def test_tensorboard_groups_its_scalars_and_names_its_run(tmp_path):
     from dmd2_core.trackers.sinks import Trackers
 
     save = tmp_path / "run"
-    args = load_args(None, {"save": str(save), "trackers": ["tensorboard"], "run_name": "dmd2-tags"})
+    args = load_args(None, {"save": str(save), "trackers": ["tensorboard"], "run_name": "dmd2-tags", "prompts": "digits"})
     row = {"iteration": 0, "dmd2_loss": 1.0, "critic_loss": 2.0, "gan_d_loss_real": 0.5, "teacher_kid": 0.1,
            "teacher_kid@4": 0.2, "fd": 3.0, "drift_flicker": 0.3, "diversity_lpips": 0.4, "dmd2_grad_norm": 1.5,
            "actor_grad_norm": 2.5, "gan_dmd_grad_ratio": 0.7, "iteration_s": 9.0, "checkpoint_save_s": 1.0,

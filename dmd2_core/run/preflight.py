@@ -11,7 +11,8 @@ from typing import Optional
 from dmd2_core import checkpoint, storage
 from dmd2_core.run import preflight_checks
 from dmd2_core.run import lease, resume_check
-from dmd2_core.evaluation.evaluators import TEACHER, eval_prompt_indices, evaluator_of
+from dmd2_core.evaluation.evaluator import eval_prompt_indices
+from dmd2_core.evaluation.registry import evaluator_of
 from dmd2_core.memory import planner
 from dmd2_core.args import Args
 from dmd2_core.errors import ArgsError, CheckpointError
@@ -64,12 +65,10 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
         preflight_checks.check_prompt_set(args.prompts, needs_negative=args.uses_guidance,
                                 cond_keys=FAMILIES[teacher["family"]].cond_keys)
     eval_prompt_indices(args, len(prompt_texts(args.prompts)))
-    if args.eval_interval and evaluator_of(args) == TEACHER:
-        if args.evaluator == TEACHER and "critic" not in trainer_args:
-            raise ArgsError("evaluator: 'teacher' compares in the frozen teacher's features, which the critic group "
-                            f"holds; loss_type {args.loss_type} has none (leave evaluator unset: no quality figures)")
-        if "critic" in trainer_args and args.eval_reference_url:
-            preflight_checks.probe_write(args.eval_reference_url, "eval_reference_url")
+    evaluator = evaluator_of(args)
+    evaluator.check(args, trainer_args)
+    for key, url in evaluator.writes(args, trainer_args).items():
+        preflight_checks.probe_write(url, key)
     if "critic" in trainer_args and args.gan_critic_weight:
         _check_gan(trainer_args["critic"])
     if planner.device_limit(args) is not None or args.host_memory_gib:

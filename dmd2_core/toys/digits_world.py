@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from dmd2_core.data import PromptSet, RealSet
+from dmd2_core.evaluation.evaluator import Figure, GroundTruthEvaluator, Panel
 from dmd2_core.toys import digits_metrics
 from dmd2_core.toys.digits import digits_prompt_set, digits_tensors
 
@@ -27,3 +28,13 @@ def quality(sample: Callable[[list[int], int], torch.Tensor], num_samples: int, 
     (``sample(prompt_indices, seed)``: the student's eval sampler)."""
     labels = digits_metrics.balanced_labels(num_samples, 10)
     return digits_metrics.evaluate_digits(sample(labels.tolist(), seed), labels)
+
+
+class DigitsEvaluator(GroundTruthEvaluator):
+    """The evaluator ``'digits'``: the world's own ground truth of the student's samples."""
+    name = "digits"
+    figures = (Figure("fd", "FD", on_nights=False), Figure("acc"), Figure("diversity"))
+    criteria = ("fd",)
+    panels = (Panel("FD", ("fd",)), Panel("accuracy, diversity", ("acc", "diversity")))
+    table = ("fd",)
+    quality = staticmethod(quality)

@@ -1,4 +1,4 @@
-"""The evaluator ``'sounding-digits'`` (``evaluation.evaluators``): a run on the sounding-digits
+"""The evaluator ``'sounding-digits'`` (``evaluation.registry``): a run on the sounding-digits
 prompts (their set names it) is scored by the toy world's own metrics of picture, sound and their
 agreement (``sounding_digits_metrics``)."""
 
@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from dmd2_core.evaluation.evaluator import Figure, GroundTruthEvaluator
 from dmd2_core.toys import sounding_digits_metrics
 
 
@@ -16,3 +17,10 @@ def quality(sample: Callable[[list[int], int], torch.Tensor], num_samples: int, 
     seed)``: the student's eval sampler, flat H3 samples: the sounding-digits teacher has no VAE)."""
     labels = sounding_digits_metrics.balanced_labels(num_samples)
     return sounding_digits_metrics.evaluate_clips(sample(labels.tolist(), seed), labels)
+
+
+class SoundingDigitsEvaluator(GroundTruthEvaluator):
+    name = "sounding-digits"
+    figures = (Figure("frame_fd", "frame FD", on_nights=False), Figure("sound_acc"), Figure("agreement"))
+    criteria = ("frame_fd",)
+    quality = staticmethod(quality)

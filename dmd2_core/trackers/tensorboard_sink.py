@@ -17,7 +17,7 @@ from PIL import Image
 
 from dmd2_core import storage
 from dmd2_core.args import Args
-from dmd2_core.report import QUALITY_KEYS
+from dmd2_core.evaluation.registry import evaluator_of
 from dmd2_core.step_counts import split_steps
 from dmd2_core.trackers.base import Medium, Sink
 
@@ -35,12 +35,13 @@ def log_dir_of(args: Args) -> str:
     return str(Path("tensorboard", args.run_name).resolve())
 
 
-def scalar_tag(key: str) -> str:
+def scalar_tag(key: str, quality_keys: tuple[str, ...] = ()) -> str:
     """A metrics row's key as a TensorBoard tag in its group: ``dmd2_loss`` -> ``losses/dmd2_loss``,
-    ``teacher_kid@4`` -> ``quality/teacher_kid@4``, ``iteration_s`` -> ``timing/iteration_s``; a key
-    no group names (a learning rate, a shift) under ``train/``."""
+    ``teacher_kid@4`` -> ``quality/teacher_kid@4`` (``quality_keys``: the run evaluator's figures),
+    ``iteration_s`` -> ``timing/iteration_s``; a key no group names (a learning rate, a shift) under
+    ``train/``."""
     name = split_steps(key)[0]
-    if name in QUALITY_KEYS or name.startswith(("drift_", "diversity_", "real_kid", "teacher_kid")):
+    if name in quality_keys or name.startswith(("drift_", "diversity_", "real_kid", "teacher_kid")):
         group = "quality"
     elif "grad_norm" in name or name.endswith("grad_ratio"):
         group = "grad_norm"
@@ -68,6 +69,7 @@ class TensorBoardSink(Sink):
             Path(path).mkdir(parents=True, exist_ok=True)
         self.writer = SummaryWriter(log_dir=path, purge_step=written + 1 if written >= 0 else None)
         self.first_step = max(written + 1, 0)
+        self.quality_keys = evaluator_of(args).quality_keys
 
     def log_config(self, config: dict) -> None:
         text = "```json\n" + json.dumps(config, indent=1, sort_keys=True, default=str) + "\n```"
@@ -78,7 +80,7 @@ class TensorBoardSink(Sink):
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         for key, value in scalars.items():
-            self.writer.add_scalar(scalar_tag(key), value, step)
+            self.writer.add_scalar(scalar_tag(key, self.quality_keys), value, step)
         values = []
         for m in media:
             tag = f"eval/{m.name}"

@@ -1,13 +1,11 @@
-"""How an eval scores the student: one evaluator per run (``evaluator``; default the prompt set's).
-
-- ``teacher`` (any model, no weights but the teacher's): the student's K-step samples of
+"""The evaluator ``teacher`` (any model, no weights but the teacher's): the student's K-step samples of
   ``eval_num_samples`` eval prompts and noises compared in the teacher's own features per modality
   (``kernel.projected_kid``, an unbiased kernel distance) with two references:
   - the teacher's own ``eval_reference_steps``-step samples of the same prompts and noises
     (``teacher_kid_<modality>``, their mean ``teacher_kid``);
   - with a real set (``real_data``), ``eval_real_samples`` of its rows under their own conditions
     (``real_kid_<modality>``, ``real_kid``): what a run with a GAN head distils towards, and the
-    run's criterion for its best student when present (``report.CRITERIA``). Its level carries a
+    run's criterion for its best student when present (``TeacherEvaluator.criteria``). Its level carries a
     constant offset where the eval prompts and the real set's captions differ: compare it across
     evals and nights, not with 0.
   Drift statistics of the decoded media (``drift_<statistic>_<modality>``) and the within-prompt
@@ -15,18 +13,13 @@
   run's first eval and a yardstick: the real set's samples when there is one, else the teacher's
   reference samples. Both references are made once per teacher and settings and cached
   (``reference_url``).
-- ``digits`` and ``sounding-digits``: the toy worlds' own metrics (class-based ground truth),
-  named in ``TOY_EVALUATORS`` and imported only by a run that uses them.
-
 The trainer groups do the model work (``DistillRun.eval_latents``, ``teacher_reference``,
 ``teacher_features``, ``real_features``, ``drift_stats``); this module decides, caches and compares.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import importlib
 import json
 import math
 from typing import Any, Optional
@@ -37,15 +30,15 @@ from dmd2_core import storage
 from dmd2_core.args import Args
 from dmd2_core.data import (BUILTIN_SETS, REAL_LATENTS, open_real_set, prompt_texts, read_safetensors, real_set_shapes,
                             write_safetensors)
+from dmd2_core.evaluation.evaluator import Evaluator, Figure, Panel, eval_order
 from dmd2_core.evaluation.drift import pooled, within_prompt_diversity
 from dmd2_core.evaluation.kernel import projected_kid
 from dmd2_core.checkpoint.integrity import listing
 from dmd2_core.errors import ArgsError
+from dmd2_core.evaluation.registry import TEACHER
 from dmd2_core.step_counts import split_steps
 from dmd2_core.save_layout import eval_reference_root
 
-TEACHER = "teacher"
-TOY_EVALUATORS = {"digits": "dmd2_core.toys.digits_world", "sounding-digits": "dmd2_core.toys.sounding_digits_world"}
 REFERENCE_FORMAT = 2  # bump when what a reference holds or how it is made changes: old entries are not hits
 FEATURE_U = 0.5  # the schedule position the teacher sees the samples at (evaluation.teacher_features)
 FEATURE_SEED = 0
@@ -65,37 +58,6 @@ DRIFT_FLOORS = {
 DIVERSITY_DROP = 0.10  # a within-prompt diversity this fraction below the first eval's: collapsing
 
 
-def evaluator_of(args: Args) -> str:
-    """The run's evaluator: ``evaluator`` when set, else a built-in set's own (``'digits'``), else
-    what the prompt set's metadata names (``evaluator``, as the sounding-digits teacher writes it),
-    else ``teacher``."""
-    if args.evaluator:
-        return args.evaluator
-    if args.prompts in BUILTIN_SETS:
-        return args.prompts
-    if args.prompts:
-        header, _ = storage.read_safetensors_header(args.prompts)
-        named = (header.get("__metadata__") or {}).get("evaluator")
-        if named in TOY_EVALUATORS:
-            return named
-    return TEACHER
-
-
-def eval_prompt_indices(args: Args, num_prompts: int) -> list[int]:
-    """The prompt indices an eval samples: ``eval_prompts``, or every prompt of the set."""
-    indices = list(args.eval_prompts) if args.eval_prompts else list(range(num_prompts))
-    bad = [i for i in indices if not 0 <= i < num_prompts]
-    if bad:
-        raise ArgsError(f"eval_prompts: index {bad[0]} out of range for {num_prompts} prompts")
-    return indices
-
-
-def eval_order(args: Args, num_prompts: int) -> list[int]:
-    """The prompt of each quality sample: the eval prompts in turn, ``eval_num_samples`` in all."""
-    prompts = eval_prompt_indices(args, num_prompts)
-    return [prompts[i % len(prompts)] for i in range(args.eval_num_samples)]
-
-
 def evaluate(run, args: Args, num_steps: Optional[int] = None) -> dict[str, Any]:
     """The run's quality figures at this eval, of the student's ``num_steps``-step samples
     (default its largest step count): {metrics: {key: float}, reference: the drift yardstick
@@ -110,13 +72,8 @@ def evaluate_each(run, args: Args, step_counts: list[int]) -> dict[str, Any]:
     """``evaluate`` at each of ``step_counts``: {metrics: {K: {key: float}}, reference}. The
     references do not depend on the step count: they are read (or made) once, and every K is
     measured against them."""
-    name = evaluator_of(args)
-    if name == TEACHER and not run.has_critic:  # no group holds the frozen teacher: no quality figures
+    if not run.has_critic:  # no group holds the frozen teacher: no quality figures
         return {"metrics": {k: {} for k in step_counts}, "reference": {}}
-    if name != TEACHER:
-        world = importlib.import_module(TOY_EVALUATORS[name])
-        return {"metrics": {k: world.quality(functools.partial(run.sample, num_steps=k), args.eval_num_samples,
-                                             args.eval_seed) for k in step_counts}, "reference": {}}
     order = eval_order(args, len(prompt_texts(args.prompts)))
     identity = teacher_identity(args)  # one listing and config read an eval, shared by both references' keys
     reference = teacher_reference(run, args, order, identity)
@@ -273,3 +230,38 @@ def drift_flags(latest: dict[str, float], start: dict[str, float], reference: di
         if abs(value - first) > half_width and abs(value - ref) > abs(first - ref):
             flagged.append(key)
     return flagged
+
+
+# ---- the evaluator ------------------------------------------------------------------------------
+
+_MODALITIES = ("video", "audio", "image")
+
+
+class TeacherEvaluator(Evaluator):
+    name = TEACHER
+    figures = (Figure("real_kid", "real-set KID"), *(Figure(f"real_kid_{m}") for m in _MODALITIES),
+               Figure("teacher_kid", "teacher KID"), *(Figure(f"teacher_kid_{m}") for m in _MODALITIES),
+               Figure("drift_out", "drift statistics out of band", on_nights=False))
+    # with a real set the run distils towards it (its GAN head's data): the real-set KID comes first
+    criteria = ("real_kid", "teacher_kid")
+    panels = (Panel("KID to the real set, teacher features (lower is better)", tuple(f"real_kid_{m}" for m in _MODALITIES)),
+              Panel("KID to the teacher's samples (lower is better)", tuple(f"teacher_kid_{m}" for m in _MODALITIES)),
+              Panel("drift statistics out of band", ("drift_out",)))
+    drift_statistics = tuple(DRIFT_FLOORS)
+
+    def check(self, args: Args, trainer_args: dict) -> None:
+        if not args.eval_interval:
+            return
+        if args.evaluator == TEACHER and "critic" not in trainer_args:
+            raise ArgsError("evaluator: 'teacher' compares in the frozen teacher's features, which the critic group "
+                            f"holds; loss_type {args.loss_type} has none (leave evaluator unset: no quality figures)")
+
+    def writes(self, args: Args, trainer_args: dict) -> dict[str, str]:
+        shared_cache = args.eval_interval and "critic" in trainer_args and args.eval_reference_url
+        return {"eval_reference_url": args.eval_reference_url} if shared_cache else {}
+
+    def evaluate(self, run, args: Args, step_counts: list[int]) -> dict[str, Any]:
+        return evaluate_each(run, args, step_counts)
+
+    def drift_flags(self, latest: dict[str, float], start: dict[str, float], reference: dict[str, Any]) -> list[str]:
+        return drift_flags(latest, start, reference)

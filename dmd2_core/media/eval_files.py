@@ -1,12 +1,13 @@
-"""Eval media: the eval step of a run (K-step student samples -> media files + digits quality
-metrics), the samples' PNG grids and GIFs (images.py) written to storage, and their browser URLs.
+"""Eval media: the student's samples of an eval written to storage as the files a person looks at
+(PNG grids and GIFs: images.py; MP4s with sound, frame strips and spectrograms: av_clips.py),
+and their browser URLs. The eval step (``evaluation.eval_step``) calls it.
 
 Layout under the run's ``save`` URL::
 
     {save}/media/iter_{iteration:07d}.png            image runs: one grid, a column per prompt
     {save}/media/iter_{iteration:07d}_p{index}.gif   video runs: one GIF per prompt, its samples side by side
 
-No Prefect here: the flow turns what ``run_eval`` returns into artifacts.
+No Prefect here: the flow turns what the eval step returns into artifacts.
 """
 
 from __future__ import annotations
@@ -19,11 +20,7 @@ from PIL import Image
 
 from dmd2_core import storage
 from dmd2_core.data import prompt_texts
-from dmd2_core.evaluation import evaluators
-from dmd2_core.evaluation.evaluators import eval_prompt_indices
 from dmd2_core.media.images import data_uri, embed, image_grid, mime_type, png_bytes, video_media
-from dmd2_core.report import CRITERIA
-from dmd2_core.step_counts import at_steps, mean_over_steps
 from dmd2_core.save_layout import media_stem
 
 PRESIGN_EXPIRES_S = 7 * 24 * 3600  # the SigV4 maximum
@@ -53,43 +50,15 @@ def media_url(url: str, expires: int = PRESIGN_EXPIRES_S) -> Optional[str]:
     return signed if isinstance(signed, str) and signed.startswith(("http://", "https://")) else None
 
 
-# ---- the eval step of a run -------------------------------------------------------------------
+# ---- an eval's media ---------------------------------------------------------------------------
 
-def run_eval(run, iteration: int, embed_limit: int = 512 * 1024) -> dict[str, Any]:
-    """Eval of a DistillRun (anything with ``.args`` and ``.sample(prompt_index, seed,
-    num_steps)``) at ``iteration``, at each of the student's step counts K: K-step samples of
-    the eval prompts saved as media under the run's save URL, and the run's evaluator's figures.
-    A student of one K has its figures under their own names; one of several has each K's under
-    ``report.at_steps(name, K)`` and the mean over K of each criterion under its name (what
-    chooses its best eval). Returns {iteration, metrics, media: [{url, browser_url, src, link,
-    full, caption, bytes}], reference}."""
-    import time
-
-    args = run.args
-    counts = list(args.student_step_counts)
-    several = len(counts) > 1
-    start = time.perf_counter()
-    media = [m for k in counts
-             for m in eval_media(run, iteration, k if several else None, embed_limit, INLINE_VIDEO_BYTES // len(counts))]
-    metrics: dict[str, float] = {"eval_media_s": time.perf_counter() - start}
-    t = time.perf_counter()
-    quality = evaluators.evaluate_each(run, args, counts)
-    for k, figures in quality["metrics"].items():
-        metrics.update({at_steps(key, k) if several else key: v for key, v in figures.items()})
-    if several:
-        metrics.update(mean_over_steps(metrics, counts, CRITERIA))
-    if any(quality["metrics"].values()):
-        metrics["eval_quality_s"] = time.perf_counter() - t
-    return {"iteration": int(iteration), "metrics": metrics, "media": media, "reference": quality["reference"]}
-
-
-def eval_media(run, iteration: int, num_steps: Optional[int], embed_limit: int, inline_limit: int) -> list[dict[str, Any]]:
-    """The media of one eval at one step count (``num_steps``: None for a student of one K,
-    whose files keep their names): a PNG grid, a GIF per prompt, or per prompt an MP4 with
-    sound, its frame strip and spectrogram."""
+def write_eval_media(run, iteration: int, indices: list[int], num_steps: Optional[int], embed_limit: int,
+                     inline_limit: int) -> list[dict[str, Any]]:
+    """The media of one eval of the prompts ``indices`` at one step count (``num_steps``: None
+    for a student of one K, whose files keep their names): a PNG grid, a GIF per prompt, or per
+    prompt an MP4 with sound, its frame strip and spectrogram."""
     args = run.args
     texts = prompt_texts(args.prompts)
-    indices = eval_prompt_indices(args, len(texts))
     per_prompt = args.eval_samples_per_prompt
     # Sample-major order: row s holds sample s of every eval prompt (a column per prompt).
     order = [p for _ in range(per_prompt) for p in indices]
