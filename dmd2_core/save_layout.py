@@ -7,7 +7,7 @@
     {save}/exports/iter_{i:07d}.staging-{n}/   an export being written, swapped in once complete
     {save}/exports/iter_{i:07d}.swap.json      a swap into iter_{i:07d}/ under way (export/files.py)
     {save}/best_student.json                   the run's best eval and its export: retention keeps it
-    {save}/metrics.jsonl, {save}/metrics/      the metrics log and its segments (report.py)
+    {save}/metrics.jsonl, {save}/metrics/      the metrics log and its segments (report/metrics_log.py)
     {save}/trackers.json                       the tracker runs a rerun continues (trackers/sinks.py)
     {save}/tensorboard/, {save}/mlflow.db, {save}/mlflow-artifacts/, {save}/wandb/
                                                the trackers' own files by default (trackers/)

@@ -23,7 +23,7 @@ Logs: one INFO line per iteration (losses and time) on the flow run; task runs l
 Artifacts (flows/artifacts.py): a run summary, a short metrics table and a progress bar, updated in
 place (at evals, checkpoints and every ``summary_interval`` iterations); a deployment's runs add a
 row to its nights view (flows/nights.py). The full metrics go to ``{save}/metrics.jsonl`` (strict
-JSON; dmd2_core/report.py).
+JSON; dmd2_core/report/metrics_log.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The nights view: one markdown artifact per deployment, ``dmd2-nights-{deployment}``, that gains
 a row per run (date, outcome, final and best quality by the run's criterion, per modality, drift out of
 its band, iterations, wall time, the link to the run and its best student) under a plot of the criterion
-over nights (dmd2_core/nights_view.py).
+over nights (dmd2_core/report/nights_view.py).
 
 Each run (completed or failed) writes a new version of the key from the previous version's rows
 plus its own (a crash rerun replaces its run's row: same flow run id); the UI shows the latest
@@ -27,7 +27,7 @@ import logging
 import re
 from typing import Iterator, Optional
 
-from dmd2_core import nights_view
+from dmd2_core.report import nights_view
 from dmd2_core.errors import one_line
 from flows.artifacts import slugify
 

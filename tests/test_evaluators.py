@@ -186,7 +186,8 @@ def test_a_new_evaluator_is_one_file_and_one_registry_line(tiny_teacher, tmp_pat
     figure reaches the run summary, the metrics table and the nights view with its criterion."""
     from types import SimpleNamespace
 
-    from dmd2_core import nights_view, report
+    from dmd2_core import report
+    from dmd2_core.report import nights_view
     from dmd2_core.evaluation.eval_step import run_eval
 
     monkeypatch.setitem(registry.EVALUATORS, "brightness", "tests.evaluator_fixture:BrightnessEvaluator")

@@ -203,7 +203,7 @@ def test_plot_has_fd_and_gan_panels_and_a_bounded_cost():
 
 
 def test_nights_markdown_and_rows_roundtrip():
-    from dmd2_core import nights_view
+    from dmd2_core.report import nights_view
     from flows import nights
 
     view = {"name": "dmd2-tiny-2026-12-02-1a2b3c4d", "iteration": 250, "final": 250, "student": "/r/exports/iter_0000250",
@@ -228,7 +228,7 @@ def test_nights_markdown_and_rows_roundtrip():
 
 
 def test_a_teacher_evaluated_night_has_numbers_per_modality_its_drift_and_its_best_student():
-    from dmd2_core import nights_view
+    from dmd2_core.report import nights_view
 
     view = {"name": "minimax-h3-night", "iteration": 200, "final": 200, "student": "s3://r/exports/iter_0000200",
             "best_student": "s3://r/exports/iter_0000100", "drift_flags": ["drift_saturation_video"],

@@ -19,7 +19,7 @@ from dmd2_core.errors import ArgsError
 from dmd2_core.export.pipeline import export_student
 from dmd2_core.export.scheduler import StudentSteps
 from dmd2_core.evaluation.eval_step import run_eval
-from dmd2_core.nights_view import night_row, nights_markdown
+from dmd2_core.report.nights_view import night_row, nights_markdown
 from dmd2_core.report import best_eval, summary_markdown
 from dmd2_core.run.distill_run import preflight
 from dmd2_core.train import dmd2_method

@@ -1,5 +1,5 @@
 """Image helpers with no dependency on the rest of dmd2_core: sample grids, PNG and GIF bytes,
-thumbnails and data URIs. The eval media (media.py) and the run report (report.py) both use them.
+thumbnails and data URIs. The eval media (eval_files.py) and the run report (report/) both use them.
 """
 
 from __future__ import annotations

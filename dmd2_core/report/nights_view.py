@@ -9,7 +9,8 @@ from typing import Optional
 
 from dmd2_core.evaluation.registry import evaluator_for
 from dmd2_core.media.images import data_uri
-from dmd2_core.report import _v, best_eval, criterion, round_sig
+from dmd2_core.report.summary import best_eval, criterion
+from dmd2_core.report.table import cell, round_sig
 from dmd2_core.step_counts import at_steps, counts_in
 
 
@@ -109,4 +110,4 @@ def nights_markdown(deployment: str, rows: list[dict], plot: Optional[bytes]) ->
 
 
 def _cells(cells: list) -> str:
-    return "| " + " | ".join("" if c is None else _v(round_sig(c)) if isinstance(c, float) else str(c) for c in cells) + " |"
+    return "| " + " | ".join("" if c is None else cell(round_sig(c)) if isinstance(c, float) else str(c) for c in cells) + " |"

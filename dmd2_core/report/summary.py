@@ -1,0 +1,164 @@
+"""The run summary's markdown: status and before -> after, the latest samples, the plot, the
+evals, the drift table, checkpoint and student, the configuration; and which eval is the run's
+best by its evaluator's criterion."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Optional
+
+from dmd2_core.args import Args
+from dmd2_core.evaluation.registry import evaluator_for
+from dmd2_core.media.images import data_uri
+from dmd2_core.report.table import GAN_KEYS, cell, round_sig
+from dmd2_core.step_counts import STEPS_MARK, counts_in, per_steps_rows, steps_label
+
+# shown even at their defaults; any other shared key is shown when the run sets it off its default
+SHOWN_SHARED = ("num_iterations", "lr", "critic_lr", "device", "num_devices", "dtype", "global_batch_size",
+                "micro_batch_size", "dmd2_student_steps", "dmd2_guidance_scale", "dmd2_update_ratio",
+                "dmd2_critic_scoring", "dmd2_shift", "ema_decay", "eval_interval", "save_interval", "seed",
+                "hf_checkpoint", "prompts", "save")
+
+
+def config_rows(trainer_args: dict[str, dict]) -> tuple[list[str], list[tuple[str, list[Any]]], list[tuple[str, Any]]]:
+    """(roles, differing keys [(key, [value per role])], shared keys [(key, value)]) of the
+    resolved per-trainer arguments (role -> dict): the shared ones are ``SHOWN_SHARED`` and those the
+    run set off their defaults (a loss weight, the GAN head, the regression pull)."""
+    defaults = Args.model_construct().model_dump(mode="json")
+    roles = list(trainer_args)
+    keys = list(dict.fromkeys(k for a in trainer_args.values() for k in a))
+    differing, shared = [], []
+    for k in keys:
+        values = [trainer_args[r].get(k) for r in roles]
+        if any(v != values[0] for v in values):
+            differing.append((k, values))
+        elif k in SHOWN_SHARED or (k in defaults and values[0] != defaults[k]):
+            shared.append((k, values[0]))
+    return roles, differing, shared
+
+
+def _quality(q: Optional[dict], keys: Iterable[str]) -> str:
+    return ", ".join(f"{k} {q[k]:.4g}" for k in keys if isinstance((q or {}).get(k), (int, float)))
+
+
+def criterion(evals: list[dict], criteria: Iterable[str]) -> Optional[str]:
+    """The run's quality criterion (lower is better): the first of ``criteria`` (its evaluator's)
+    its evals carry."""
+    return next((c for c in criteria if any(_number(e.get(c)) for e in evals)), None)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def best_eval(evals: list[dict], criteria: Iterable[str]) -> Optional[dict]:
+    """The eval with the lowest value of the run's criterion (the latest of equals); None without one."""
+    key = criterion(evals, criteria)
+    scored = [e for e in evals if _number(e.get(key))] if key else []
+    return min(scored, key=lambda e: (e[key], -e["iteration"])) if scored else None
+
+
+def summary_markdown(s: dict) -> str:
+    """The run summary, top-down: status and before -> after, the latest samples, the plot, the
+    evals (newest first), checkpoint and exported student, then the configuration.
+
+    ``s``: name, iteration, final, start, status, trainer_args (role -> dict), evals (list of
+    {iteration, fd, acc, diversity, dmd2_loss, critic_loss}), media (list of embed() dicts with
+    caption), media_iteration, plot (PNG bytes or None), checkpoint ({iteration, trainers, tracker}),
+    student (URL), metrics_url."""
+    evaluator = evaluator_for(s)
+    quality_keys = evaluator.quality_keys
+    out = [f"# {s['name']}", ""]
+    out.append(f"**{s.get('status', 'running')}**: iteration {s['iteration']} of {s['final']}"
+               + (f" (resumed after {s['start']})" if s.get("start") else "") + "."
+               + (f" Resumed with this run's optimizer settings, not the checkpoint's: {', '.join(s['resumed_with'])}."
+                  if s.get("resumed_with") else "")
+               + (f" Updated {s['updated']}." if s.get("updated") else ""))
+    evals = s.get("evals") or []
+    if len(evals) >= 2:
+        for first, last in zip(per_steps_rows(evals[0]), per_steps_rows(evals[-1])):
+            if _quality(first, quality_keys):
+                out.append(f"Quality{steps_label(first)} before -> after: {_quality(first, quality_keys)} -> "
+                           f"{_quality(last, quality_keys)} "
+                           f"(iterations {evals[0]['iteration']} -> {evals[-1]['iteration']}).")
+    best = best_eval(evals, evaluator.criteria)
+    if best:
+        out.append(f"Best eval so far: iteration {best['iteration']} ({_quality(best, quality_keys)}"
+                   f"{steps_label(per_steps_rows(best)[0])}).")
+    out.append("")
+    if s.get("media"):
+        out += [f"## Samples, iteration {s.get('media_iteration')}", ""]
+        for m in s["media"]:
+            alt = str(m.get("caption") or "samples").replace("[", "(").replace("]", ")")  # no brackets in alt text
+            out.append(f"![{alt}]({m['src']})")  # never inside a link: the default UI renders that as text
+            note = "full size" if m.get("full") else "thumbnail"
+            out += ["", f"{m.get('caption', '')} ({note}; stored at `{m['url']}`)", ""]
+            if m.get("link"):
+                out += [f"[full size]({m['link']}) (link expires)", ""]
+            if m.get("video_url") and str(m.get("play", "")).startswith(("http://", "https://")):
+                out += [f"[MP4 with sound]({m['play']}) (stored at `{m['video_url']}`)", ""]
+            elif m.get("inline_video"):  # a local path: a link to it would open a page of the UI's, not the clip
+                out += [f'<div><video controls preload="metadata" src="{m["inline_video"]}"></video></div>', "",
+                        f"MP4 with sound, played in place (stored at `{m['video_url']}`)", ""]
+            elif m.get("video_url"):
+                out += [f"MP4 with sound: `{m['video_url']}` (local storage, too large to play in place: open it "
+                        "with a video player)", ""]
+    if s.get("plot"):
+        out += ["## Losses, grad norms and quality", "", f"![metrics plot]({data_uri(s['plot'], 'image/png')})", ""]
+    if evals:
+        shown = [r for e in sorted(evals, key=lambda e: -e["iteration"]) for r in per_steps_rows(e)]
+        cols = [c for c in ("iteration", "steps", *quality_keys, "dmd2_loss", "critic_loss", *GAN_KEYS)
+                if any(e.get(c) is not None for e in shown)]
+        out += ["## Evals (newest first)", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for e in shown:
+            out.append("| " + " | ".join(cell(round_sig(e.get(c))) if e.get(c) is not None else "" for c in cols) + " |")
+        out.append("")
+    if s.get("reference"):
+        out += drift_table(s["reference"], evals[-1] if evals else {}, s.get("drift_flags") or [])
+    ck = s.get("checkpoint")
+    out += ["## Checkpoint and student", ""]
+    if ck:
+        out.append(f"- latest checkpoint: iteration {ck['iteration']}, tracker `{ck.get('tracker')}`")
+        for role, url in sorted((ck.get("trainers") or {}).items()):
+            out.append(f"  - {role}: `{url}`")
+    else:
+        out.append("- no checkpoint yet")
+    if s.get("best_student"):
+        out.append(f"- **the run's student** (its best eval, iteration {s.get('best_iteration')}; kept by retention): "
+                   f"`{s['best_student']}`")
+    if s.get("student"):
+        out.append(f"- latest exported student (diffusers): `{s['student']}`")
+    if s.get("metrics_url"):
+        out.append(f"- every metric of every iteration: `{s['metrics_url']}`")
+    out.append("")
+    roles, differing, shared = config_rows(s.get("trainer_args") or {})
+    if roles:
+        out += ["## Configuration", "", "| key | " + " | ".join(roles) + " |", "|---|" + "---|" * len(roles)]
+        for k, values in differing:
+            out.append(f"| {k} | " + " | ".join(cell(v) for v in values) + " |")
+        for k, v in shared:
+            out.append(f"| {k} | " + " | ".join([cell(v)] * len(roles)) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def drift_table(reference: dict, latest: dict, flags: list[str]) -> list[str]:
+    """The latest eval's drift statistics beside the yardstick's (the real set's samples, or the
+    teacher's reference samples: ``drift.pooled``), and whether each is in its band
+    (``Evaluator.drift_flags``); a student of several step counts has a column per K."""
+    source = "real set" if reference.get("source") == "real" else "teacher"
+    counts = counts_in(latest)
+    names = [f"drift_{{}}{STEPS_MARK}{k}" for k in counts] or ["drift_{}"]
+    students = [f"{k} steps" for k in counts] or ["student"]
+    out = [f"## Drift against the {source} (latest eval)", "",
+           f"| statistic | {source} | ± (standard error) | " + " | ".join(students) + " | in band |",
+           "|---|---|---|" + "---|" * len(students) + "---|"]
+    for key, value in sorted((reference.get("value") or {}).items()):
+        cells = [latest.get(name.format(key)) for name in names]
+        out.append(f"| {key} | {cell(round_sig(value))} | {cell(round_sig((reference.get('se') or {}).get(key)))} | "
+                   + " | ".join("" if c is None else cell(round_sig(c)) for c in cells) + " | "
+                   + ("no" if any(name.format(key) in flags for name in names) else "yes") + " |")
+    collapsed = [k for k in flags if k.startswith("diversity_")]
+    if collapsed:
+        out += ["", f"Within-prompt diversity fell steeply from the first eval's (collapsing): {', '.join(collapsed)}."]
+    return out + [""]
