@@ -219,7 +219,7 @@ def test_a_local_clip_plays_in_place_with_its_sound(tmp_path):
     from dmd2_core.media.eval_files import av_media_of
 
     samples = {"video": moving_square()[None].permute(0, 2, 1, 3, 4), "audio": torch.from_numpy(left_tone())[None],
-               "sample_rate": SAMPLE_RATE}
+               "sample_rate": SAMPLE_RATE, "fps": FPS}
     strip, _ = av_media_of(samples, 0, str(tmp_path / "iter_p0"), "p0", 512 * 1024, inline_limit=512 * 1024)
     assert strip["inline_video"].startswith("data:video/mp4;base64,")
     inline = base64.b64decode(strip["inline_video"].split(",", 1)[1])
@@ -231,7 +231,7 @@ def test_a_local_clip_plays_in_place_with_its_sound(tmp_path):
 
     big = torch.rand(12, 3, 320, 320) * 2 - 1  # noise: an MP4 far above the limit
     samples = {"video": big[None].permute(0, 2, 1, 3, 4), "audio": torch.from_numpy(left_tone(12 / FPS))[None],
-               "sample_rate": SAMPLE_RATE}
+               "sample_rate": SAMPLE_RATE, "fps": FPS}
     full = (tmp_path / "big.mp4")
     strip, _ = av_media_of(samples, 0, str(tmp_path / "big"), "p0", 1 << 30, inline_limit=1 << 30)
     full_bytes = full.read_bytes()

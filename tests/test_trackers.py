@@ -148,7 +148,7 @@ def _eval_media(save: Path, step: int) -> list[dict]:
 
     g = torch.Generator().manual_seed(step)
     samples = {"video": torch.rand(1, 3, 5, 32, 32, generator=g) * 2 - 1,
-               "audio": torch.rand(1, 2, 3200, generator=g) * 0.2 - 0.1, "sample_rate": 16000}
+               "audio": torch.rand(1, 2, 3200, generator=g) * 0.2 - 0.1, "sample_rate": 16000, "fps": 24}
     return av_media_of(samples, 0, f"{media_stem(str(save), step)}_p0", "a dog barking", 512 * 1024)
 
 

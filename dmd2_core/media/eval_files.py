@@ -82,7 +82,6 @@ def write_eval_media(run, iteration: int, indices: list[int], num_steps: Optiona
     return media
 
 
-FPS_OF_SOUNDING_VIDEO = 24  # MiniMax-H3's frame rate; its clips play at it
 PREVIEW_SIDE_PX = 256
 PREVIEW_CRF = 32  # about a fifth of the bit rate of the stored clip's crf 18
 PREVIEW_AUDIO_BIT_RATE = 32_000  # per channel
@@ -92,13 +91,13 @@ INLINE_VIDEO_BYTES = 256 * 1024  # an eval's clips played in place share this (t
 def av_media_of(samples: dict, j: int, stem: str, caption: str, embed_limit: int,
                 inline_limit: int = INLINE_VIDEO_BYTES) -> list[dict[str, Any]]:
     """Sample ``j`` of decoded video + sound ({'video' [N, 3, F, H, W], 'audio' [N, C, S],
-    'sample_rate'}): the MP4 with its soundtrack (linked, or played in place within
+    'sample_rate', 'fps': the family's facts}): the MP4 with its soundtrack (linked, or played in place within
     ``inline_limit`` bytes for local saves), a frame strip and the spectrogram (shown)."""
     from dmd2_core.media import av_clips
 
     frames = samples["video"][j].permute(1, 0, 2, 3)  # [F, 3, H, W]
-    audio, rate = samples["audio"][j], int(samples["sample_rate"])
-    mp4 = mp4_bytes(frames, audio, rate)
+    audio, rate, fps = samples["audio"][j], int(samples["sample_rate"]), float(samples["fps"])
+    mp4 = mp4_bytes(frames, audio, rate, fps)
     mp4_url = f"{stem}.mp4"
     storage.write_bytes(mp4_url, mp4, content_type="video/mp4")
     play = media_url(mp4_url) or mp4_url
@@ -108,21 +107,21 @@ def av_media_of(samples: dict, j: int, stem: str, caption: str, embed_limit: int
                         embed_limit)
     strip.update(video_url=mp4_url, play=play)
     if not play.startswith(("http://", "https://")):  # local storage: no link a browser can open
-        strip["inline_video"] = inline_mp4(mp4, frames, audio, rate, inline_limit)
+        strip["inline_video"] = inline_mp4(mp4, frames, audio, rate, fps, inline_limit)
     return [strip, spectrum]
 
 
-def mp4_bytes(frames: torch.Tensor, audio: torch.Tensor, rate: int, **encoding) -> bytes:
-    """A clip as MP4 bytes at MiniMax-H3's frame rate (``encoding``: ``av_clips.write_mp4``'s
+def mp4_bytes(frames: torch.Tensor, audio: torch.Tensor, rate: int, fps: float, **encoding) -> bytes:
+    """A clip as MP4 bytes at its family's frame rate (``encoding``: ``av_clips.write_mp4``'s
     crf and audio bit rate)."""
     from dmd2_core.media import av_clips
 
     buf = io.BytesIO()
-    av_clips.write_mp4(buf, frames, audio, fps=FPS_OF_SOUNDING_VIDEO, sample_rate=rate, **encoding)
+    av_clips.write_mp4(buf, frames, audio, fps=fps, sample_rate=rate, **encoding)
     return buf.getvalue()
 
 
-def inline_mp4(mp4: bytes, frames: torch.Tensor, audio: torch.Tensor, rate: int, limit: int) -> Optional[str]:
+def inline_mp4(mp4: bytes, frames: torch.Tensor, audio: torch.Tensor, rate: int, fps: float, limit: int) -> Optional[str]:
     """The clip as a ``data:video/mp4`` URI for the artifact to play in place (Prefect's markdown
     renders a ``<video>`` whose source is a data URI; a link to a local path would open a page of
     the UI's own): the MP4 itself when it fits ``limit`` bytes, else a preview (frames at most
@@ -133,7 +132,7 @@ def inline_mp4(mp4: bytes, frames: torch.Tensor, audio: torch.Tensor, rate: int,
         scale = min(1.0, PREVIEW_SIDE_PX / max(height, width))
         size = (max(2, round(height * scale)), max(2, round(width * scale)))
         small = frames if scale == 1.0 else torch.nn.functional.interpolate(frames.float(), size=size, mode="area")
-        mp4 = mp4_bytes(small, audio, rate, crf=PREVIEW_CRF, audio_bit_rate_per_channel=PREVIEW_AUDIO_BIT_RATE)
+        mp4 = mp4_bytes(small, audio, rate, fps, crf=PREVIEW_CRF, audio_bit_rate_per_channel=PREVIEW_AUDIO_BIT_RATE)
         if len(mp4) > limit:
             return None
     return data_uri(mp4, "video/mp4")

@@ -287,8 +287,7 @@ def plan(trainer_args: dict[str, Args]) -> MemoryPlan:
         size = size_of(actor_args.hf_checkpoint)
         compute = _dtype_bytes(actor_args.dtype)
         shape = family_shape(family, size.config, actor_args.latent_shape)
-        decoder = terms.eval_decoder(actor_args, family.class_name, shape, terms.VAE_PARAMS.get(family.class_name, 0),
-                                     compute)
+        decoder = terms.eval_decoder(actor_args, family, shape, compute)
         sampling = actor.gather + terms.eval_clips(actor_args) * sample_activations(
             family, size.config, actor_args, compute).no_grad
         others = 0 if args.sleep_after_train or not args.colocate else sum(

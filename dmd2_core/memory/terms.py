@@ -19,13 +19,9 @@ NCCL_COMMUNICATOR = GIB // 2
 # per process on the host: Python, torch, CUDA's pinned staging and Ray's worker
 HOST_PROCESS = 4 * GIB
 DEVICES_PER_NODE = 8
-# the eval decoder: VAE parameters when no config is at hand, and the live elements per decoded
-# pixel of one temporal chunk (a few feature maps of ~128 channels at full resolution)
-VAE_PARAMS = {"WanTransformer3DModel": 127_000_000, "SD3Transformer2DModel": 84_000_000,
-              "MiniMaxH3Transformer3DModel": 500_000_000}
+# the eval decoder: the live elements per decoded pixel of one temporal chunk (a few feature maps of
+# ~128 channels at full resolution); its VAE, spatial ratio and chunk are the family's (decoder_facts)
 DECODE_ELEMENTS_PER_PIXEL = 4 * 128
-SPATIAL = {"WanTransformer3DModel": 8, "SD3Transformer2DModel": 8, "MiniMaxH3Transformer3DModel": 16}
-CHUNK_FRAMES = {"WanTransformer3DModel": 4, "SD3Transformer2DModel": 1, "MiniMaxH3Transformer3DModel": 17}
 
 
 def communicators(args: Args, shard_size: int) -> int:
@@ -94,13 +90,13 @@ def eval_clips(args: Args) -> int:
     return len(args.eval_prompts or [0]) * args.eval_samples_per_prompt
 
 
-def eval_decoder(args: Args, class_name: str, latent_shape: tuple[int, ...], vae_params: int, compute: int) -> int:
+def eval_decoder(args: Args, family, latent_shape: tuple[int, ...], compute: int) -> int:
     """Rank 0 of the actor at eval: the VAE, one chunk's working set and the decoded clips (fp32)."""
     if not args.eval_interval:
         return 0
-    scale, chunk = SPATIAL.get(class_name, 8), CHUNK_FRAMES.get(class_name, 1)
+    vae_params, scale, chunk = family.decoder_facts()
     height, width = latent_shape[-2] * scale, latent_shape[-1] * scale
-    frames = (latent_shape[-3] - 1) * 4 + 1 if len(latent_shape) == 4 else 1
+    frames = family.pixel_frames(latent_shape[-3]) if len(latent_shape) == 4 else 1
     working = DECODE_ELEMENTS_PER_PIXEL * min(chunk, frames) * height * width * compute
     decoded = eval_clips(args) * 3 * frames * height * width * 4
     return vae_params * compute + working + decoded

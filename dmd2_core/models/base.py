@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from dmd2_core import flow_matching as fm
+from dmd2_core.errors import ArgsError
 
 
 class ModelFamily:
@@ -22,6 +23,32 @@ class ModelFamily:
     keep_fp32_modules: bool = False  # shard the model's _keep_in_fp32_modules in fp32
     segments: Optional[dict[str, slice]] = None  # modalities of a flat sample; None: one
     time_embedding: str = ""  # the transformer's submodule whose output is the per-sample time embedding
+    fps: Optional[float] = None  # frames per second of the clips it makes (a family with sound says)
+    # its eval decoder, as the memory plan prices it; None where a family did not say (the plan refuses to guess)
+    vae_params: Optional[int] = None  # the VAE's parameters, for a plan without the VAE's config at hand
+    vae_spatial_ratio: Optional[int] = None  # pixels per latent side
+    decode_chunk_frames: Optional[int] = None  # frames the VAE decodes at once (1: images)
+
+    def decoder_facts(self) -> tuple[int, int, int]:
+        """(VAE parameters, spatial ratio, frames decoded at once) of its eval decoder."""
+        facts = (self.vae_params, self.vae_spatial_ratio, self.decode_chunk_frames)
+        if any(f is None for f in facts):
+            raise NotImplementedError(f"{self.class_name}: the family does not say its eval decoder's vae_params, "
+                                      "vae_spatial_ratio and decode_chunk_frames")
+        return facts
+
+    def pixel_frames(self, latent_frames: int) -> int:
+        """Frames of the clip whose latents have ``latent_frames`` frames (a video family says)."""
+        raise NotImplementedError(f"{self.class_name}: the family does not say how its latent frames map to frames")
+
+    def clip_latent_shape(self, clip: tuple[int, int, int], latent_shape, teacher: dict) -> list[int]:
+        """The latents of a clip of (num_frames, height, width): a joint video + audio family's geometry."""
+        raise ArgsError(f"num_frames: clip geometry is for joint video + audio models; {self.class_name} takes "
+                        "latent_shape")
+
+    def latent_shape_problem(self, latent_shape: list[int], teacher: dict) -> Optional[str]:
+        """Why ``latent_shape`` is not the latents of a clip the family makes, or None."""
+        return None
 
     def bind(self, latent_shape, model=None, shifts=None) -> "ModelFamily":
         """This family for one sample geometry (families whose forward needs it return a copy)."""

@@ -159,6 +159,8 @@ class MiniMaxH3Family(ModelFamily):
     fixed_shift = 1.0  # the project's sigma is the shared schedule position u
     vae_class = "AutoencoderKLMiniMaxH3"
     audio_vae_class = "AutoencoderKLMiniMaxH3Audio"
+    fps = FPS
+    vae_params, vae_spatial_ratio, decode_chunk_frames = 500_000_000, 16, FRAMES_PER_CHUNK
     time_embedding = "time_embedder"
     default_text_tokens = 256
     keep_fp32_modules = True  # proj_in/out, time embedder and rope stay fp32 (the checkpoint's own precision)
@@ -179,6 +181,15 @@ class MiniMaxH3Family(ModelFamily):
                              "latent_shape [24, F, H, W])")
         patch = tuple(model.config.patch_size) if model is not None else self.patch_size
         return MiniMaxH3Family(latent_shape, patch, shifts or self.shifts)
+
+    def pixel_frames(self, latent_frames: int) -> int:
+        return pixel_frames(latent_frames)
+
+    def clip_latent_shape(self, clip: tuple[int, int, int], latent_shape, teacher: dict) -> list[int]:
+        return clip_latent_shape_agreeing(clip, latent_shape, teacher)
+
+    def latent_shape_problem(self, latent_shape: list[int], teacher: dict) -> Optional[str]:
+        return latent_shape_problem(latent_shape, teacher)
 
     @property
     def video_shape(self) -> tuple[int, int, int, int]:

@@ -13,6 +13,7 @@ class SD3ImageFamily(ModelFamily):
     time_embedding = "time_text_embed"
     pipeline_class = "StableDiffusion3Pipeline"
     cond_keys = ("prompt_embeds", "pooled_prompt_embeds")
+    vae_params, vae_spatial_ratio, decode_chunk_frames = 84_000_000, 8, 1
 
     def forward(self, model, x_t, t, cond):
         return model(

@@ -16,8 +16,12 @@ class WanVideoFamily(ModelFamily):
     cond_keys = ("prompt_embeds",)
     is_video = True
     vae_class = "AutoencoderKLWan"
+    vae_params, vae_spatial_ratio, decode_chunk_frames = 127_000_000, 8, 4
     blocks_attr = "blocks"
     context_parallel = True  # diffusers' plan splits the video tokens; the text stays whole on every rank
+
+    def pixel_frames(self, latent_frames: int) -> int:
+        return (latent_frames - 1) * 4 + 1  # the Wan VAE: 4x in time, the first frame alone
 
     def forward(self, model, x_t, t, cond):
         return model(hidden_states=x_t, timestep=t, encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]

@@ -170,14 +170,13 @@ def prepare_latents(hf_checkpoint: str, images: str, captions: str, out: str, la
     latents = []
     if family.has_audio:
         from dmd2_core.models.minimax_h3 import spatial_ratio
-        from dmd2_core.models.minimax_h3 import FPS
 
         ratio = spatial_ratio(info)
         height, width = latent_shape[2] * ratio, latent_shape[3] * ratio
         rate = int(vae["audio"].config.sampling_rate)
         for n in names:
             pixels, sound = read_clip_with_sound(storage.read_bytes(storage.join(images, n)), n, family.num_frames,
-                                                 height, width, FPS, rate)
+                                                 height, width, family.fps, rate)
             latents.append(family.encode_clip(vae, pixels, sound))
     else:
         frames, height, width = pixel_size(family, vae, shape)

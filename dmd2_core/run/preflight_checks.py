@@ -135,7 +135,6 @@ def check_family_args(args: Args, teacher: dict[str, Any]) -> Args:
     (num_frames, height, width) becomes its ``latent_shape``, modality weights name its modalities.
     Returns ``args`` with the derived values."""
     from dmd2_core.models import FAMILIES
-    from dmd2_core.models.minimax_h3 import clip_latent_shape_agreeing, latent_shape_problem
 
     family = FAMILIES[teacher["family"]]
     name = teacher["family"]
@@ -155,12 +154,12 @@ def check_family_args(args: Args, teacher: dict[str, Any]) -> Args:
         missing = [k for k, v in zip(("num_frames", "height", "width"), geometry) if v is None]
         if missing:
             raise ArgsError(f"{missing[0]}: set num_frames, height and width together")
-        latent_shape = clip_latent_shape_agreeing((args.num_frames, args.height, args.width), args.latent_shape, teacher)
+        latent_shape = family.clip_latent_shape((args.num_frames, args.height, args.width), args.latent_shape, teacher)
         args = args.model_copy(update={"latent_shape": latent_shape})
     elif family.has_audio and args.latent_shape:
-        problem = latent_shape_problem(list(args.latent_shape), teacher)
+        problem = family.latent_shape_problem(list(args.latent_shape), teacher)
         if problem:
-            raise ArgsError(f"latent_shape: {list(args.latent_shape)} is no MiniMax-H3 clip ({problem}); "
+            raise ArgsError(f"latent_shape: {list(args.latent_shape)} is no {name} clip ({problem}); "
                             "set num_frames, height and width instead")
     if args.dmd2_modality_weights:
         known = ("video", "audio") if family.has_audio else ()
