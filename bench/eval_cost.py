@@ -164,7 +164,7 @@ def standin(tmp: str) -> tuple[dict, object]:
     from dmd2_core.evaluation import teacher_evaluator as evaluators
     from dmd2_core.run.distill_run import preflight
     from dmd2_core.toys.standins import H3_GEOMETRY, build_h3_standin, h3_prompt_set
-    from dmd2_core.train.dmd2_method import draw_stop_step
+    from dmd2_core.train.dmd2_iteration import draw_stop_step
     from dmd2_core.train.trainer import Trainer
 
     url = build_h3_standin(f"{tmp}/h3")

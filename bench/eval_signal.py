@@ -144,7 +144,7 @@ def sync_table(frames, audio) -> dict[str, float]:
 # ---- the worlds -----------------------------------------------------------------------------------
 
 def start_noise(family, shape, seed: int) -> torch.Tensor:
-    """The starting noise of ``dmd2_method.eval_samples`` for ``seed``: the student's and the
+    """The starting noise of ``dmd2_iteration.eval_samples`` for ``seed``: the student's and the
     teacher's sample i start from the same noise."""
     noise = family.eval_noise(shape[0], seed)
     return noise if noise is not None else torch.randn(shape, generator=torch.Generator().manual_seed(seed))

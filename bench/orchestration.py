@@ -89,7 +89,7 @@ class StandIn:
     def checkpoint(self, i, wait=False, export=None):
         from dmd2_core import checkpoint
 
-        checkpoint.write_tracker(self.args.save, i)
+        checkpoint.write_latest(self.args.save, i)
         trainers = {r: f"{self.args.save}/trainers/{r}/iter_{i:07d}" for r in self.trainer_args}
         return {"checkpoint": {"iteration": i, "trainers": trainers}, "checkpoint_iteration": i,
                 "checkpoint_blocked_s": 0.0, "checkpoint_save_s": 0.0}

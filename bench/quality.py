@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from dmd2_core.args import load_args, parse_set  # noqa: E402
 from dmd2_core.errors import ArgsError
 from dmd2_core.toys.digits_metrics import balanced_labels, evaluate_digits, features, frechet_distance, teacher_table  # noqa: E402
-from dmd2_core.train import dmd2_method  # noqa: E402
+from dmd2_core.train import dmd2_iteration  # noqa: E402
 from dmd2_core.train.reference import ReferenceLoop, adamw  # noqa: E402
 from dmd2_core.toys.digits_teacher import ensure_teacher  # noqa: E402
 
@@ -127,7 +127,7 @@ class CriticPerStepCount(ReferenceLoop):
                              adamw(disc, self.args, lr) if disc is not None else None)
 
     def iterate(self, iteration: int) -> dict:
-        k = dmd2_method.draw_student_steps(self.args, iteration)
+        k = dmd2_iteration.draw_student_steps(self.args, iteration)
         self.critic, self.critic_opt, self.heads, self.disc_opt = self.per_k[k]
         self.disc = self.heads
         return super().iterate(iteration)

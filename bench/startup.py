@@ -1,5 +1,5 @@
 """A trainer group's start: time to ready and peak host memory per rank, the old path (every rank
-loads the whole model in fp32, then shards it) against dmd2_core.train.rank_models (built on the meta device,
+loads the whole model in fp32, then shards it) against dmd2_core.train.trainer_models (built on the meta device,
 sharded, each rank reading only its rows), side by side.
 
 Prints one JSON line:
@@ -84,7 +84,7 @@ def _rank(rank: int, world: int, port: int, path: str, url: str, save: str, out:
     from dmd2_core.args import load_args
     from dmd2_core.models import load_model_dir
     from dmd2_core.models.loading import build_empty
-    from dmd2_core.train.rank_models import TrainerModels
+    from dmd2_core.train.trainer_models import TrainerModels
 
     torch.set_num_threads(1)
     parallel.ensure_process_group(rank, world, torch.device("cpu"), "127.0.0.1", port)

@@ -233,7 +233,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                               "shapes": {k: list(v.shape) for k, v in real.cond.items()}}))
             return 0
         if ns.command == "export":
-            from dmd2_core.export.after import export_checkpoint, plan_export
+            from dmd2_core.export.from_checkpoint import export_checkpoint, plan_export
 
             plan = plan_export(ns.load, ns.out, ns.format, ns.iteration, ns.hf_checkpoint, ns.num_steps, ns.shift,
                                ns.dtype)
@@ -250,7 +250,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             trainers = {cfg.role: compute_trainer_args(args, cfg) for cfg in compute_trainer_configs(args)}
             memory_plan = planner.plan(trainers)
             print(json.dumps(memory_plan.as_dict(), indent=1) if ns.json else planner.table(memory_plan))
-            planner.check(memory_plan)
+            planner.check_fits(memory_plan)
             return 0
         if ns.deep:
             from dmd2_core.run.preflight import preflight

@@ -5,7 +5,7 @@ named by diffusers' ``_no_split_modules``, then on the root) over the group's ra
 
 - a 1-D mesh when the shard group is the whole trainer group, a 2-D ``(replicate, shard)`` mesh
   (HSDP) when ``fsdp_shard_size`` is smaller, so a group spanning nodes shards inside a node and
-  replicates across nodes (ranks are ordered by node, see ``rank_bundles``);
+  replicates across nodes (ranks are ordered by node, see ``bundles_in_node_order``);
 - trainable models keep fp32 master weights (and so fp32 gradients, AdamW state and EMA); the
   forward and backward run in the compute ``dtype`` and gradients reduce in fp32;
 - a frozen model (the critic's teacher) is stored and run in the compute dtype;
@@ -262,7 +262,7 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     return norm
 
 
-def rank_bundles(bundle_nodes: Sequence[str]) -> list[int]:
+def bundles_in_node_order(bundle_nodes: Sequence[str]) -> list[int]:
     """Bundle index of each rank: ranks ordered by (node, device), nodes in the order their first
     bundle appears, so consecutive ranks (a shard group) share a node whenever they can."""
     first: dict[str, int] = {}

@@ -1,14 +1,14 @@
 """Everything a run keeps under its ``save`` URL, and where (one module says the layout)::
 
     {save}/lease.json                          the run that writes here (run/lease.py)
-    {save}/latest_checkpointed_iteration.txt   the run tracker: the iteration every trainer saved
+    {save}/latest_checkpointed_iteration.txt   the latest pointer: the iteration every trainer saved
     {save}/trainers/{role}/iter_{i:07d}/       a trainer's checkpoint (drawn in dmd2_core/checkpoint)
     {save}/exports/iter_{i:07d}/               the student as a diffusers pipeline or LoRA (export/)
     {save}/exports/iter_{i:07d}.staging-{n}/   an export being written, swapped in once complete
     {save}/exports/iter_{i:07d}.swap.json      a swap into iter_{i:07d}/ under way (export/files.py)
     {save}/best_student.json                   the run's best eval and its export: retention keeps it
     {save}/metrics.jsonl, {save}/metrics/      the metrics log and its segments (report/metrics_log.py)
-    {save}/trackers.json                       the tracker runs a rerun continues (trackers/sinks.py)
+    {save}/trackers.json                       the latest pointer runs a rerun continues (trackers/sinks.py)
     {save}/tensorboard/, {save}/mlflow.db, {save}/mlflow-artifacts/, {save}/wandb/
                                                the trackers' own files by default (trackers/)
     {save}/media/iter_{i:07d}[_p{prompt}].*    eval media (media/eval_files.py)
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dmd2_core import storage
 
 FORMAT = 3  # sharded (DCP); the only format this dmd2 reads
-TRACKER_NAME = "latest_checkpointed_iteration.txt"
+LATEST_NAME = "latest_checkpointed_iteration.txt"
 COMPLETE_NAME = "complete.json"
 STATE_NAME = "trainer_state.pt"
 DCP_DIR = "dcp"
@@ -34,8 +34,8 @@ def trainer_dir(save_url: str, role: str, iteration: int) -> str:
     return storage.join(save_url, "trainers", role, f"iter_{int(iteration):07d}")
 
 
-def tracker_url(save_url: str) -> str:
-    return storage.join(save_url, TRACKER_NAME)
+def latest_url(save_url: str) -> str:
+    return storage.join(save_url, LATEST_NAME)
 
 
 def complete_url(save_url: str, role: str, iteration: int) -> str:

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
           f"'{summary['artifact_keys']['metrics']}')")
     print(f"metrics:     {summary['metrics_url']}")
     print(f"media:       {save}/media/")
-    print(f"checkpoint:  {ckpt.get('trainers', {}).get('actor', ckpt.get('tracker'))}  (sharded, DCP)")
+    print(f"checkpoint:  {ckpt.get('trainers', {}).get('actor', ckpt.get('latest'))}  (sharded, DCP)")
     print(f"student:     {summary.get('student')}  (diffusers, loads with DiffusionPipeline.from_pretrained)")
     print(f"total:       {time.perf_counter() - start:.0f} s")
     return 0

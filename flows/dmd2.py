@@ -266,7 +266,7 @@ def dmd2(
                                f"{args.max_crash_reruns}): failing instead of running it again")
         if reruns:
             closed = runs.close_stale_windows(_run_id(), f"its process died; the run resumed in rerun {reruns}")
-            logger.warning(f"rerun {reruns} of {args.max_crash_reruns} after a crash: resuming from the tracker"
+            logger.warning(f"rerun {reruns} of {args.max_crash_reruns} after a crash: resuming from the latest pointer"
                            + (f" (windows closed as Crashed: {', '.join(closed)})" if closed else ""))
         run = DistillRun(args, owner=_run_id())  # preflight (and the save URL's lease owner); no actor yet
     except Exception as exc:  # the night failed before it started: its row and its message say why

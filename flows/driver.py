@@ -18,7 +18,7 @@ from dmd2_core.run.distill_run import DistillRun
 from dmd2_core.evaluation.registry import evaluator_of
 from dmd2_core.report import GAN_KEYS, MetricsLog, best_eval, criterion
 from dmd2_core.step_counts import split_steps
-from dmd2_core.run.save_tracker import read_best_student, write_best_student
+from dmd2_core.run.checkpoint_commits import read_best_student, write_best_student
 from dmd2_core.run.schedule import Schedule
 from dmd2_core.trackers.sinks import Trackers
 from flows import artifacts, runs
@@ -116,7 +116,7 @@ class DriverBase:
         return next((row for row in self.log.table() if any(k.startswith(("drift_", "diversity_")) for k in row)), latest)
 
     def _note_checkpoint(self, i: int, trainers: dict, export: Optional[str] = None) -> None:
-        info = {"iteration": i, "trainers": trainers, "tracker": ckpt.tracker_url(self.args.save)}
+        info = {"iteration": i, "trainers": trainers, "latest": ckpt.latest_url(self.args.save)}
         self.result["checkpoint"] = self.view["checkpoint"] = info
         if export:
             self.view["student"] = self.result["student"] = export
@@ -134,7 +134,7 @@ class DriverBase:
         return [e for e in self.view["evals"] if e["iteration"] > self.start]
 
     def _saved(self, metrics: dict) -> None:
-        """A checkpoint became durable and the tracker names it: note it, log it."""
+        """A checkpoint became durable and the latest pointer names it: note it, log it."""
         tracked = metrics.pop("checkpoint", None)
         export = metrics.pop("export_url", None)
         if tracked is None:

@@ -174,7 +174,7 @@ def test_settings_that_would_do_nothing_are_refused_before_any_actor(tiny_teache
     model = load_model_dir(tiny_teacher).model
     for role in ("actor", "critic"):
         checkpoint.save_trainer(load, role, 4000, model, None).result()
-    checkpoint.write_tracker(load, 4000)
+    checkpoint.write_latest(load, 4000)
     save = tmp_path / "run"
     recipe = tmp_path / "dropout.yaml"
     recipe.write_text("label_dropout: 0.2\n")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmd2_core.train import dmd2_method
+from dmd2_core.train import dmd2_iteration
 from dmd2_core import flow_matching as fm
 from dmd2_core.run.distill_run import DistillRun, preflight
 from dmd2_core.losses import dmd2_gradient, dmd2_loss, flow_matching_loss
@@ -82,14 +82,14 @@ def test_scoring_uses_the_critic_weights_and_noise_it_claims(tiny_teacher, tmp_p
     # the critic weights of the last step = after one step with the same stream
     one_step = _critic(tiny_teacher, str(tmp_path), scoring, 1)
     one_step.train(1, pairs)
-    stream = dmd2_method.critic_stream(1) if scoring == "fused" else dmd2_method.SCORING_STREAM
+    stream = dmd2_iteration.critic_stream(1) if scoring == "fused" else dmd2_iteration.SCORING_STREAM
     x0 = pairs["x0"]
-    sigma, noise = dmd2_method.noisy_inputs(two_steps.args, 1, stream, tuple(x0.shape), slice(None))
+    sigma, noise = dmd2_iteration.noisy_inputs(two_steps.args, 1, stream, tuple(x0.shape), slice(None))
     expected = one_step.learner.score(x0, fm.add_noise(x0, noise, sigma), sigma, one_step._cond(pairs["prompt_index"]))
     torch.testing.assert_close(outputs["dmd2_grad"], expected["grad"], atol=1e-5, rtol=1e-4)
     # and not the other mode's noise
-    other = dmd2_method.SCORING_STREAM if scoring == "fused" else dmd2_method.critic_stream(1)
-    sigma_o, noise_o = dmd2_method.noisy_inputs(two_steps.args, 1, other, tuple(x0.shape), slice(None))
+    other = dmd2_iteration.SCORING_STREAM if scoring == "fused" else dmd2_iteration.critic_stream(1)
+    sigma_o, noise_o = dmd2_iteration.noisy_inputs(two_steps.args, 1, other, tuple(x0.shape), slice(None))
     wrong = one_step.learner.score(x0, fm.add_noise(x0, noise_o, sigma_o), sigma_o, one_step._cond(pairs["prompt_index"]))
     assert not torch.allclose(outputs["dmd2_grad"], wrong["grad"], atol=1e-3)
 
@@ -169,15 +169,15 @@ def test_each_rank_draws_only_its_rows_and_they_are_the_whole_batchs(tiny_teache
     from dmd2_core import rng
 
     args = tiny_args(tiny_teacher, str(tmp_path), global_batch_size=8, dmd2_shift=3.0)
-    whole = dmd2_method.plan_rollout(args, 7, 10, (1, 8, 8), slice(None))
-    halves = [dmd2_method.plan_rollout(args, 7, 10, (1, 8, 8), rows) for rows in (slice(0, 4), slice(4, 8))]
+    whole = dmd2_iteration.plan_rollout(args, 7, 10, (1, 8, 8), slice(None))
+    halves = [dmd2_iteration.plan_rollout(args, 7, 10, (1, 8, 8), rows) for rows in (slice(0, 4), slice(4, 8))]
     assert whole.noise.shape == (8, 1, 8, 8) and halves[0].noise.shape == (4, 1, 8, 8)
     assert torch.equal(torch.cat([h.noise for h in halves]), whole.noise)
     assert torch.equal(whole.noise, rng.randn((8, 1, 8, 8), args.seed, 7, "noise"))  # the values of a global draw
     assert torch.equal(torch.cat([h.prompt_index for h in halves]), whole.prompt_index)
     assert all(torch.equal(torch.cat([h.renoise[j] for h in halves]), whole.renoise[j]) for j in range(whole.stop_step))
-    sigma, noise = dmd2_method.noisy_inputs(args, 7, "critic/0", (8, 1, 8, 8), slice(None))
-    parts = [dmd2_method.noisy_inputs(args, 7, "critic/0", (8, 1, 8, 8), rows) for rows in (slice(0, 4), slice(4, 8))]
+    sigma, noise = dmd2_iteration.noisy_inputs(args, 7, "critic/0", (8, 1, 8, 8), slice(None))
+    parts = [dmd2_iteration.noisy_inputs(args, 7, "critic/0", (8, 1, 8, 8), rows) for rows in (slice(0, 4), slice(4, 8))]
     assert torch.equal(torch.cat([p[0] for p in parts]), sigma) and torch.equal(torch.cat([p[1] for p in parts]), noise)
     for shape in ((8, 3), (8, 4, 4), (5, 3, 7), (8, 2, 1)):  # rows of 3, 16, 21, 2 values: any alignment
         whole_draw = rng.randn(shape, 0, 7, "x")

@@ -150,7 +150,7 @@ def test_retention_keeps_the_best_students_export(tmp_path):
     from types import SimpleNamespace
 
     from dmd2_core import checkpoint
-    from dmd2_core.run.save_tracker import SaveTracker
+    from dmd2_core.run.checkpoint_commits import CheckpointCommits
     from dmd2_core.save_layout import best_student_url, complete_url, export_url
 
     save = str(tmp_path / "run")
@@ -162,7 +162,7 @@ def test_retention_keeps_the_best_students_export(tmp_path):
         marker.parent.mkdir(parents=True)
         marker.write_text("{}")
     (tmp_path / "run" / "best_student.json").write_text(json.dumps({"iteration": 2, "export_url": export_url(save, 2)}))
-    tracker = SaveTracker(SimpleNamespace(save=save, keep_last_n=0, keep_exports=1))
+    tracker = CheckpointCommits(SimpleNamespace(save=save, keep_last_n=0, keep_exports=1))
     lease = SimpleNamespace(ensure=lambda: None, expires=lambda: float("inf"))
     done = {"actor": [{"url": "a", "save_s": 1.0, "bytes": 1, "export_url": export_url(save, 4)}],
             "critic": [{"url": "c", "save_s": 1.0, "bytes": 1}]}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dmd2_core import storage
-from dmd2_core.train import dmd2_method
+from dmd2_core.train import dmd2_iteration
 from dmd2_core import flow_matching as fm
 from dmd2_core.checkpoint import export_url, exports_root, latest_exports, prune_exports
 from dmd2_core.export.files import swap_record_url
@@ -109,7 +109,7 @@ def test_wan_export_is_a_wan_pipeline_that_reproduces_eval_samples(wan_teacher, 
     embeds, _ = pipe.encode_prompt(prompt=PROMPTS, do_classifier_free_guidance=False, max_sequence_length=8,
                                    device="cpu")
     seed, shape = 11, (len(PROMPTS), *WAN_LATENTS)
-    ours = dmd2_method.eval_samples(loaded.family, ema_model, {"prompt_embeds": embeds}, shape, seed, 4, WAN_SHIFT)
+    ours = dmd2_iteration.eval_samples(loaded.family, ema_model, {"prompt_embeds": embeds}, shape, seed, 4, WAN_SHIFT)
     call = dict(prompt=PROMPTS, num_inference_steps=4, guidance_scale=1.0, output_type="latent",
                 height=64, width=64, num_frames=9, max_sequence_length=8)
     torch.manual_seed(seed)  # WanPipeline's steps draw from the global RNG (see export.py)
@@ -192,7 +192,7 @@ def test_bare_sd3_export_reproduces_eval_samples_with_the_manual_loop(tmp_path):
                             pooled_projections=cond["pooled_prompt_embeds"], timestep=t.expand(shape[0]),
                             return_dict=False)[0]
             x = scheduler.step(v, t, x, generator=generator, return_dict=False)[0]
-    ours = dmd2_method.eval_samples(loaded.family, loaded.model, cond, shape, seed, 4, 3.0)
+    ours = dmd2_iteration.eval_samples(loaded.family, loaded.model, cond, shape, seed, 4, 3.0)
     torch.testing.assert_close(x, ours, atol=1e-5, rtol=0)
 
 

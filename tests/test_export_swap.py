@@ -2,7 +2,7 @@
 in once complete, a swap a kill interrupts finished by the next writer, an object store's export
 uploaded once where nothing is at its URL, and a killed export's local staging swept
 (dmd2_core/export/files.py); not written again once the tracker names its iteration
-(run/save_tracker.py), and a finished run's rerun does not export its last iteration again
+(run/checkpoint_commits.py), and a finished run's rerun does not export its last iteration again
 (flows/driver.py)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dmd2_core.export import files, stream
 from dmd2_core.export.files import LocalStaging, relative_files, swap_record_url
 from dmd2_core.export.pipeline import export_student
 from dmd2_core.models import load_model_dir
-from dmd2_core.run.save_tracker import SaveTracker
+from dmd2_core.run.checkpoint_commits import CheckpointCommits
 from tests.helpers import in_process_trainers, iterate_in_process, tiny_args
 
 SHIFT = 3.0  # the tiny teacher's
@@ -114,7 +114,7 @@ def test_a_failed_export_leaves_the_export_at_its_url_whole(tiny_teacher, run_ro
 
 
 class InProcessGroup:
-    """A trainer group of one rank, in this process (what SaveTracker calls)."""
+    """A trainer group of one rank, in this process (what CheckpointCommits calls)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -140,14 +140,14 @@ def test_a_retry_after_the_tracker_moved_keeps_the_tracked_export(tiny_teacher, 
     trainers = in_process_trainers(args)
     groups = {"actor": InProcessGroup(trainers["actor"])}
     trainers["actor"].train(1, trainers["actor"].rollout(1)[0])
-    tracker = SaveTracker(args)
+    tracker = CheckpointCommits(args)
     first = tracker.save(groups, HeldLease(), 1, export=True, wait=True)
     url = checkpoint.export_url(args.save, 1)
-    assert first["export_url"] == url and checkpoint.read_tracker(args.save) == 1
+    assert first["export_url"] == url and checkpoint.read_latest(args.save) == 1
     before = file_hashes(url)
 
     failed = fail_first_write(monkeypatch)
-    tracker.resume(checkpoint.read_tracker(args.save))  # the retry rebuilt the groups from the tracked checkpoint
+    tracker.resume(checkpoint.read_latest(args.save))  # the retry rebuilt the groups from the tracked checkpoint
     retry = tracker.save(groups, HeldLease(), 1, export=True, wait=True)
     assert retry["export_url"] == url and retry["checkpoint_iteration"] == 1
     assert not failed and file_hashes(url) == before
@@ -163,7 +163,7 @@ def test_a_rerun_of_a_finished_fine_tune_does_not_save_or_export_its_end_again(t
     base = tiny_args(tiny_teacher, str(tmp_path / "base"))
     base_trainers = in_process_trainers(base)
     iterate_in_process(base_trainers, 1)
-    SaveTracker(base).save({r: InProcessGroup(t) for r, t in base_trainers.items()}, HeldLease(), 1,
+    CheckpointCommits(base).save({r: InProcessGroup(t) for r, t in base_trainers.items()}, HeldLease(), 1,
                            export=False, wait=True)
 
     args = tiny_args(tiny_teacher, str(tmp_path / "tune"), load=base.save, num_iterations=2)
@@ -171,7 +171,7 @@ def test_a_rerun_of_a_finished_fine_tune_does_not_save_or_export_its_end_again(t
     for role, trainer in trainers.items():
         trainer.load(1)
     iterate_in_process(trainers, 2)
-    SaveTracker(args).save({r: InProcessGroup(t) for r, t in trainers.items()}, HeldLease(), 2,
+    CheckpointCommits(args).save({r: InProcessGroup(t) for r, t in trainers.items()}, HeldLease(), 2,
                            export=True, wait=True)
     url = checkpoint.export_url(args.save, 2)
 
@@ -181,7 +181,7 @@ def test_a_rerun_of_a_finished_fine_tune_does_not_save_or_export_its_end_again(t
 
         def start(self) -> int:
             self.resumed_from = checkpoint.resume_url(args)
-            return checkpoint.read_tracker(self.resumed_from)
+            return checkpoint.read_latest(self.resumed_from)
 
     monkeypatch.setattr(driver_module.artifacts, "RunArtifacts", lambda *a, **kw: None)
     rerun = Driver(Rerun(), "rerun", args, "dmd2-tune", logging.getLogger("test"))

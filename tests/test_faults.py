@@ -115,8 +115,8 @@ def test_lease_one_owner_at_a_time(root):
                                              r"renewal \d+ at .* by its clock, which renewed its lease while this run"):
         lease.Lease.acquire(root, "run-b", timeout_s=60)
     with pytest.raises(LeaseHeldError):
-        lease.check(root, None, 60)
-    lease.check(root, "run-a", 60)  # its own preflight passes (acquiring decides)
+        lease.check_free(root, None, 60)
+    lease.check_free(root, "run-a", 60)  # its own preflight passes (acquiring decides)
     a.release()
     assert lease.read(root) is None
 
@@ -271,7 +271,7 @@ def test_the_tracker_write_after_the_fence_never_outlasts_the_lease(tmp_path, mo
 
     from dmd2_core.errors import StorageUnavailableError
     from dmd2_core.run import lease
-    from dmd2_core.run.save_tracker import SaveTracker
+    from dmd2_core.run.checkpoint_commits import CheckpointCommits
 
     held = lease.Lease.acquire(str(tmp_path), "run-a", timeout_s=2.0)
     monkeypatch.setattr(held.backend, "renew", _storage_outage)  # its heartbeat cannot land either
@@ -285,7 +285,7 @@ def test_the_tracker_write_after_the_fence_never_outlasts_the_lease(tmp_path, mo
 
     monkeypatch.setattr(storage, "filesystem", lambda url: (Unreachable(), url.split("://", 1)[-1]))
     monkeypatch.setattr(storage, "RETRY_S", 30.0)
-    tracker = SaveTracker(SimpleNamespace(save="s3://bucket/run", keep_last_n=2, keep_exports=1))
+    tracker = CheckpointCommits(SimpleNamespace(save="s3://bucket/run", keep_last_n=2, keep_exports=1))
     start = time.monotonic()
     with pytest.raises(StorageUnavailableError, match=r"latest_checkpointed_iteration.txt: storage unavailable for [0-2] s") as info:
         tracker.track(held, 1, {"actor": [{"url": "s3://bucket/run/actor", "save_s": 0.0, "bytes": 0}]})
@@ -325,7 +325,7 @@ def test_a_rerun_takes_over_from_a_frozen_first_process_and_ends_as_an_uninterru
         assert retry_runtime_failures(None, None, Failed(data=info.value))
         with pytest.raises(LeaseHeldError, match="in use by another process of this flow run"):
             first.checkpoint(2, wait=True)  # the retry
-        assert ckpt.read_tracker(save) == 1
+        assert ckpt.read_latest(save) == 1
         rerun.iterate(2)
         rerun.checkpoint(2, wait=True)
         digests = {role: rerun.group_call(role, "state_digest")[0] for role in rerun.groups}
@@ -333,7 +333,7 @@ def test_a_rerun_takes_over_from_a_frozen_first_process_and_ends_as_an_uninterru
         first.shutdown()
         if rerun is not None:
             rerun.shutdown()
-    assert ckpt.read_tracker(save) == 2 and lease.read(save) is None
+    assert ckpt.read_latest(save) == 2 and lease.read(save) is None
     uninterrupted = in_process_trainers(tiny_args(tiny_teacher, str(tmp_path / "uninterrupted"), run_name="dmd2-rerun"))
     for i in (1, 2):
         iterate_in_process(uninterrupted, i)
@@ -356,7 +356,7 @@ def test_second_run_on_one_url_refuses_before_any_actor(ray_session, tiny_teache
         assert "is in use by run 'flow-run-a'" in err and "renewed its lease while this run watched it" in err
         first.iterate(1)
         first.checkpoint(1)
-    assert ckpt.read_tracker(save) == 1
+    assert ckpt.read_latest(save) == 1
     assert lease.read(save) is None  # released at the end
 
 
@@ -406,7 +406,7 @@ def test_transient_and_permanent_storage_errors(s3_bucket, s3_outage, monkeypatc
     storage.write_text(url, "1")
     s3_outage(3.0)
     t = time.monotonic()
-    assert ckpt.read_tracker(f"{s3_bucket}/nothing-here") is None  # a tracker read rides it out
+    assert ckpt.read_latest(f"{s3_bucket}/nothing-here") is None  # a tracker read rides it out
     assert storage.read_text(url) == "1" and time.monotonic() - t >= 3.0
 
     monkeypatch.setattr(storage, "RETRY_S", 1.0)  # an outage longer than the retry budget
@@ -415,7 +415,7 @@ def test_transient_and_permanent_storage_errors(s3_bucket, s3_outage, monkeypatc
     outage = s3_outage(600)
     try:
         with pytest.raises(StorageUnavailableError) as info:  # never a CheckpointLoadError (exit code 2)
-            ckpt.read_tracker(s3_bucket)
+            ckpt.read_latest(s3_bucket)
     finally:
         outage.end()
     assert not isinstance(info.value, ValueError) and "storage unavailable for 1 s" in str(info.value)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dmd2_core.train import dmd2_method
+from dmd2_core.train import dmd2_iteration
 from dmd2_core.train import gan
 from dmd2_core import flow_matching as fm
 from dmd2_core.errors import ArgsError
@@ -94,9 +94,9 @@ def test_critic_hands_over_g_dmd_plus_g_gan_and_the_actor_x0_gradient_is_their_s
     # the critic and head weights of the last step = after one step of the same streams
     one_step = _critic(tiny_teacher, str(tmp_path), scoring, 1)
     one_step.train(1, pairs)
-    stream = dmd2_method.critic_stream(1) if scoring == "fused" else dmd2_method.SCORING_STREAM
+    stream = dmd2_iteration.critic_stream(1) if scoring == "fused" else dmd2_iteration.SCORING_STREAM
     x0 = pairs["x0"]
-    sigma, noise = dmd2_method.noisy_inputs(two_steps.args, 1, stream, tuple(x0.shape), slice(None))
+    sigma, noise = dmd2_iteration.noisy_inputs(two_steps.args, 1, stream, tuple(x0.shape), slice(None))
     cond = one_step._cond(pairs["prompt_index"])
     g_dmd = one_step.learner.score(x0, fm.add_noise(x0, noise, sigma), sigma, cond)["grad"]
     # g_gan written out: a hook on the middle block, the head, softplus(-D), d/dx0 through the noising

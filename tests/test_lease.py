@@ -99,7 +99,7 @@ def test_a_store_that_ignores_conditional_writes_is_refused_in_one_line(s3_bucke
     held = lease.Lease.acquire(save, "run-a", timeout_s=60)
     held.release()
     probes = len(calls)
-    lease.check(save, "run-b", 60)
+    lease.check_free(save, "run-b", 60)
     held = lease.Lease.acquire(save, "run-b", timeout_s=60)
     held.release()
     assert probes >= 4 and len(calls) - probes <= 3  # the second acquisition probes nothing
@@ -109,7 +109,7 @@ def test_a_store_that_ignores_conditional_writes_is_refused_in_one_line(s3_bucke
 
     monkeypatch.setattr(storage, "s3_call", unconditional)
     monkeypatch.setattr(lease, "_honoured", set())
-    for attempt in (lambda: lease.check(save, "run-c", 60), lambda: lease.Lease.acquire(save, "run-c", timeout_s=60)):
+    for attempt in (lambda: lease.check_free(save, "run-c", 60), lambda: lease.Lease.acquire(save, "run-c", timeout_s=60)):
         with pytest.raises(ArgsError) as info:
             attempt()
         msg = str(info.value)

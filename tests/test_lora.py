@@ -13,7 +13,7 @@ import torch
 
 from dmd2_core import checkpoint as ckpt
 from dmd2_core import parallel
-from dmd2_core.train import dmd2_method
+from dmd2_core.train import dmd2_iteration
 from dmd2_core.models import lora
 from dmd2_core.errors import ArgsError
 from dmd2_core.run.distill_run import DistillRun, preflight
@@ -173,10 +173,10 @@ def test_exported_lora_loads_with_diffusers_and_reproduces_eval_samples(tiny_tea
     assert metadata["transformer.r"] == 4 and metadata["transformer.lora_alpha"] == 8.0
     # what pipe.load_lora_weights(url) runs on the pipeline's transformer
     StableDiffusion3Pipeline.load_lora_into_transformer(state, transformer=transformer, metadata=metadata)
-    theirs = dmd2_method.eval_samples(actor.family, transformer, actor._cond(torch.tensor([0, 1, 2, 3])), tuple(ours.shape), 7,
+    theirs = dmd2_iteration.eval_samples(actor.family, transformer, actor._cond(torch.tensor([0, 1, 2, 3])), tuple(ours.shape), 7,
                                actor.args.dmd2_student_steps, actor.shift)
     assert (theirs - ours).abs().max().item() < 1e-6
-    plain = dmd2_method.eval_samples(actor.family, _teacher_transformer(tiny_teacher), actor._cond(torch.tensor([0, 1, 2, 3])),
+    plain = dmd2_iteration.eval_samples(actor.family, _teacher_transformer(tiny_teacher), actor._cond(torch.tensor([0, 1, 2, 3])),
                               tuple(ours.shape), 7, actor.args.dmd2_student_steps, actor.shift)
     assert (plain - ours).abs().max().item() > 1e-4  # the LoRA is what makes them match
 
@@ -189,7 +189,7 @@ def test_merged_export_is_a_full_student_that_reproduces_eval_samples(tiny_teach
     merged = SD3Transformer2DModel.from_pretrained(url, subfolder="transformer")
     assert not any("lora" in n for n, _ in merged.named_parameters())
     ours = actor.sample([0, 1], seed=3, decode=False)
-    theirs = dmd2_method.eval_samples(actor.family, merged, actor._cond(torch.tensor([0, 1])), tuple(ours.shape), 3,
+    theirs = dmd2_iteration.eval_samples(actor.family, merged, actor._cond(torch.tensor([0, 1])), tuple(ours.shape), 3,
                                actor.args.dmd2_student_steps, actor.shift)
     assert (theirs - ours).abs().max().item() < 1e-4
     assert parallel.full(next(iter(lora.trained_parameters(actor.model)))).abs().sum() > 0

@@ -48,15 +48,15 @@ def test_wan_14b_720p_on_8_devices_of_80_gib_needs_cp_and_the_critic_offloaded_w
     refused = _plan(**base)
     with pytest.raises(ArgsError, match=r"^memory plan: .* less the 10% headroom \(memory_headroom\)\); try .*"
                                         r"a larger cp_size \(now 1;") as exc:
-        planner.check(refused)
+        planner.check_fits(refused)
     assert "\n" not in str(exc.value) and "memory_headroom (at" not in str(exc.value)  # beyond the device itself
     inside = _plan(cp_size=8, **base)
     assert 0.9 * 80 * GIB < inside.device_peak <= 0.95 * 80 * GIB and inside.usable == int(80 * GIB * 0.9)
     with pytest.raises(ArgsError, match=r"critic_fsdp_cpu_offload.*a smaller memory_headroom"):
-        planner.check(inside)
+        planner.check_fits(inside)
     fitting = [cp for cp in (1, 2, 4, 8) if _plan(cp_size=cp, critic_fsdp_cpu_offload=True, **base).fits]
     assert fitting == [4, 8]
-    planner.check(_plan(cp_size=4, critic_fsdp_cpu_offload=True, **base))
+    planner.check_fits(_plan(cp_size=4, critic_fsdp_cpu_offload=True, **base))
     assert "calibrated (wan2.1-t2v-14b)" in planner.table(inside)
 
 
@@ -75,9 +75,9 @@ def test_cp_splits_activations_and_adds_all_to_all_buffers_while_state_stays_sha
 def test_headroom_refuses_a_plan_inside_it_and_names_memory_headroom():
     plan = _plan(device_memory_gib=80, micro_batch_size=1, cp_size=8)
     gib = plan.device_peak / GIB / 0.94  # fits with no headroom, not within 10%
-    planner.check(_plan(device_memory_gib=gib, micro_batch_size=1, cp_size=8, memory_headroom=0.0))
+    planner.check_fits(_plan(device_memory_gib=gib, micro_batch_size=1, cp_size=8, memory_headroom=0.0))
     with pytest.raises(ArgsError, match=r"less the 10% headroom \(memory_headroom\).*a smaller memory_headroom"):
-        planner.check(_plan(device_memory_gib=gib, micro_batch_size=1, cp_size=8))
+        planner.check_fits(_plan(device_memory_gib=gib, micro_batch_size=1, cp_size=8))
 
 
 def test_every_process_on_a_device_has_its_own_reserve():
@@ -106,7 +106,7 @@ def test_rollout_buffers_and_the_eval_decoder_are_planned_and_a_large_eval_is_re
     assert big.peak_during.startswith("the eval")
     with pytest.raises(ArgsError, match=r"^memory plan: the eval .* try fewer eval clips \(eval_prompts, "
                                         r"eval_samples_per_prompt\), eval_interval=0"):
-        planner.check(big)
+        planner.check_fits(big)
 
 
 def test_host_memory_per_node_is_planned_and_refused_naming_the_part_and_the_knob():
@@ -117,11 +117,11 @@ def test_host_memory_per_node_is_planned_and_refused_naming_the_part_and_the_kno
     assert host.parts["async_save_staging"] == sum(g.saved for g in groups)  # the recipe saves in the background
     assert _plan(micro_batch_size=1, cp_size=8, async_save=False).host.parts["async_save_staging"] == 0
     need = host.peak / GIB
-    planner.check(_plan(micro_batch_size=1, cp_size=8, device_memory_gib=141, host_memory_gib=need / 0.85))
+    planner.check_fits(_plan(micro_batch_size=1, cp_size=8, device_memory_gib=141, host_memory_gib=need / 0.85))
     with pytest.raises(ArgsError, match=r"^memory plan: host memory while training needs .* per node \(8 ranks; "
                                         r"per rank sleep stash .*host_memory_gib less the 10% headroom.*"
                                         r"sleep_after_train=false"):
-        planner.check(_plan(micro_batch_size=1, cp_size=8, device_memory_gib=141, host_memory_gib=need / 1.2))
+        planner.check_fits(_plan(micro_batch_size=1, cp_size=8, device_memory_gib=141, host_memory_gib=need / 1.2))
 
 
 def test_offloaded_shards_move_from_the_device_plan_to_the_host_plan():
@@ -271,11 +271,11 @@ def test_minimax_h3_5s_with_lora_fits_one_node_of_80_gib_within_the_headroom_and
     refused = _plan("minimax-h3", **H3_5S)
     assert not refused.fits and refused.device_peak > 2 * refused.usable
     with pytest.raises(ArgsError, match=r"^memory plan: .*try .*LoRA \((critic_)?lora_rank\)"):
-        planner.check(refused)
+        planner.check_fits(refused)
     assert not _plan("minimax-h3", cp_size=8, **H3_5S).fits
     for cp in (1, 2):
         plan = _plan("minimax-h3", lora_rank=rank, cp_size=cp, **H3_5S)
-        planner.check(plan)
+        planner.check_fits(plan)
         assert plan.fits and plan.device_peak <= plan.usable == int(0.9 * 80 * GIB)
         critic = _groups(plan)["critic"]
         assert critic.teacher == 0 and 7.5 * GIB < critic.base < 8 * GIB  # 33.1 B in bf16 over 8 ranks

@@ -394,7 +394,7 @@ def test_real_size_plan_from_the_shipped_config(tmp_path):
     refused, _ = plan(device_memory_gib=141, num_devices=8)
     with pytest.raises(ArgsError, match=r"memory plan: .* more than the 126.9 GiB of one device \(device_memory_gib less "
                                         r"the 10% headroom \(memory_headroom\)\); try more devices \(num_devices\)"):
-        planner.check(refused)
+        planner.check_fits(refused)
     cmd = [sys.executable, "-m", "dmd2_core", "plan", "--recipe", "minimax-h3", "--set", f"hf_checkpoint={url}",
            "--set", "num_frames=345", "--set", "device_memory_gib=24", "--set", "num_devices=64", "--set", "cp_size=8",
            "--set", "global_batch_size=64", "--set", "eval_interval=0"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmd2_core.train import dmd2_method
+from dmd2_core.train import dmd2_iteration
 from dmd2_core import flow_matching as fm
 from dmd2_core.run.distill_run import preflight
 from dmd2_core.losses import dmd2_loss
@@ -42,7 +42,7 @@ def test_target_is_the_teachers_own_sampler_from_noise_and_from_a_stop_step(tiny
     four_steps = _teacher_sample(critic, noise, cond, grid)
 
     def target(x, sigma):
-        return dmd2_method.regression_target(family, critic.learner.teacher, x, torch.full((5,), sigma), cond,
+        return dmd2_iteration.regression_target(family, critic.learner.teacher, x, torch.full((5,), sigma), cond,
                                       critic._uncond(5), args.dmd2_guidance_scale, 4, args.dmd2_shift)
 
     torch.testing.assert_close(target(noise, 1.0), four_steps, atol=1e-5, rtol=1e-5)
@@ -60,7 +60,7 @@ def test_rows_at_different_sigmas_are_refused(tiny_teacher, tmp_path):
     critic = _critic(tiny_teacher, str(tmp_path))
     x = torch.zeros(2, *critic.family.sample_shape(critic.model, None))
     with pytest.raises(ValueError, match="2 different sigmas"):
-        dmd2_method.regression_target(critic.family, critic.learner.teacher, x, torch.tensor([1.0, 0.5]),
+        dmd2_iteration.regression_target(critic.family, critic.learner.teacher, x, torch.tensor([1.0, 0.5]),
                                critic._cond(torch.arange(2)), None, 1.0, 4, 3.0)
 
 
@@ -69,7 +69,7 @@ def test_critic_hands_over_g_dmd_plus_g_reg_and_the_actor_x0_gradient_is_the_sum
         tiny_teacher, tmp_path, scoring, monkeypatch):
     kw = dict(dmd2_critic_scoring=scoring, dmd2_student_steps=4)
     plain_args = tiny_args(tiny_teacher, str(tmp_path), **kw)
-    iteration = next(i for i in range(1, 100) if dmd2_method.draw_stop_step(plain_args, i, 4) > 0)  # mid-rollout
+    iteration = next(i for i in range(1, 100) if dmd2_iteration.draw_stop_step(plain_args, i, 4) > 0)  # mid-rollout
     actor = Trainer(preflight(tiny_args(tiny_teacher, str(tmp_path), dmd2_regression_weight=WEIGHT, **kw))["actor"], "actor")
     pairs, _ = actor.rollout(iteration)
     assert pairs["sigma"][0].item() < 1.0
@@ -130,7 +130,7 @@ def test_on_the_joint_model_the_target_from_noise_is_the_clip_the_bench_calls_th
     labels = torch.arange(6) % 10
     bench_clips = sounding_digits_teacher.sample_clips(family, model, labels, 4, seed=5)
     noise = family.eval_noise(len(labels), 5)
-    target = dmd2_method.regression_target(family, model, noise, torch.ones(len(labels)), sd.prompt_set().cond(labels), None,
+    target = dmd2_iteration.regression_target(family, model, noise, torch.ones(len(labels)), sd.prompt_set().cond(labels), None,
                                     1.0, 4, 1.0)
     torch.testing.assert_close(target, bench_clips, atol=1e-5, rtol=1e-5)
     assert (target - sounding_digits_teacher.sample_clips(family, model, labels, 1, seed=5)).abs().max() > 1e-3

@@ -115,7 +115,7 @@ def test_summary_markdown_reads_top_down():
         "media": [{"src": "data:image/png;base64,AAAA", "link": "https://x/y.png", "url": "s3://r/h3/media/iter_0000200.png",
                    "full": False, "caption": "iteration 200"}], "media_iteration": 200,
         "plot": b"\x89PNG....", "checkpoint": {"iteration": 200, "trainers": {"actor": "s3://r/h3/trainers/actor/iter_0000200"},
-                                               "tracker": "s3://r/h3/latest_checkpointed_iteration.txt"},
+                                               "latest": "s3://r/h3/latest_checkpointed_iteration.txt"},
         "student": "s3://r/h3/trainers/actor/iter_0000200/model", "metrics_url": "s3://r/h3/metrics.jsonl"})
     order = [text.index(h) for h in ("# minimax-h3-2026-12-02", "Quality before -> after", "## Samples", "## Losses",
                                      "## Evals", "## Checkpoint", "## Configuration")]

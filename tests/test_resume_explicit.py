@@ -28,7 +28,7 @@ def _saved_run(args, iterations: int, start: int = 0) -> dict:
     for trainer in trainers.values():
         trainer.save(start + iterations)
         trainer.save_status(wait=True)
-    ckpt.write_tracker(args.save, start + iterations)
+    ckpt.write_latest(args.save, start + iterations)
     return trainers
 
 
@@ -61,7 +61,7 @@ def test_a_rerun_trains_with_its_own_lr_and_the_summary_says_so(ray_session, tin
     summary = summary_markdown({"name": "run", "iteration": 3, "final": 4, "start": 2, "resumed_with": changes})
     assert "Resumed with this run's optimizer settings, not the checkpoint's: critic lr 0.0001 -> 3e-05" in summary
     same = tiny_args(tiny_teacher, save, lr=1e-4, num_iterations=4)
-    assert resume_check.setting_changes(preflight(same), save, 2) == []
+    assert resume_check.resumed_with(preflight(same), save, 2) == []
 
 
 def test_a_save_url_holding_a_checkpoint_resumes_only_the_start_it_recorded(tiny_teacher, tmp_path):

@@ -179,7 +179,7 @@ def test_served_minimax_h3_run_on_the_stand_in(served, receiver, tmp_path):
     assert len(clip["frames"]) == 124 and clip["audio"].shape[1] > 5 * 32000
     assert (save / "media" / "iter_0000002_p0_spectrogram.png").stat().st_size > 0
     assert (save / "media" / "iter_0000002_p0_frames.png").stat().st_size > 0
-    assert checkpoint.read_tracker(str(save)) == 2
+    assert checkpoint.read_latest(str(save)) == 2
     export = save / "exports" / "iter_0000002"
     assert json.loads((export / "modular_model_index.json").read_text())["_class_name"] == "MiniMaxH3ModularPipeline"
     assert (export / "audio_vae" / "config.json").exists() and (export / "transformer" / "config.json").exists()

@@ -197,9 +197,9 @@ def test_bad_parallel_settings_fail_in_one_line(tiny_teacher, tmp_path, override
 # ---- placement across nodes --------------------------------------------------------------------
 
 def test_ranks_are_ordered_by_node_then_device():
-    assert parallel.rank_bundles(["a", "b", "a", "b"]) == [0, 2, 1, 3]
-    assert parallel.rank_bundles(["n1", "n1", "n0", "n0"]) == [0, 1, 2, 3]
-    assert parallel.rank_bundles(["x"]) == [0]
+    assert parallel.bundles_in_node_order(["a", "b", "a", "b"]) == [0, 2, 1, 3]
+    assert parallel.bundles_in_node_order(["n1", "n1", "n0", "n0"]) == [0, 1, 2, 3]
+    assert parallel.bundles_in_node_order(["x"]) == [0]
 
 
 def _wait_for_port(port: int, timeout_s: float) -> None:

@@ -1,4 +1,4 @@
-"""A trainer's start (dmd2_core.train.rank_models): models built on the meta device, sharded, each rank reading
+"""A trainer's start (dmd2_core.train.trainer_models): models built on the meta device, sharded, each rank reading
 only its own rows of each tensor. The shards equal the old whole-load-then-shard path's bit for bit
 (1 and 2 ranks, fp32 and bf16 compute, a frozen bf16 teacher, kept-fp32 modules, rotary tables,
 sharded safetensors); a rank's peak host memory is its shards plus a block; an s3:// checkpoint is
@@ -61,7 +61,7 @@ def _assert_bitwise(new: torch.nn.Module, old: torch.nn.Module, what: str) -> No
 
 
 def _old_start(url: str, mesh, dtype: torch.dtype, gradient_checkpointing: bool):
-    """The path before dmd2_core.train.rank_models: every rank loads both models whole, then shards them."""
+    """The path before dmd2_core.train.trainer_models: every rank loads both models whole, then shards them."""
     family = FAMILIES[describe_model_dir(url)["family"]]
     model = load_model_dir(url, "cpu", parallel.MASTER_DTYPE).model
     parallel.shard_model(model, mesh, dtype, trainable=True, keep_fp32=family.keep_fp32_modules,
@@ -72,7 +72,7 @@ def _old_start(url: str, mesh, dtype: torch.dtype, gradient_checkpointing: bool)
 
 
 def _equal_to_old_start(rank: int, world: int, cases: list) -> None:
-    from dmd2_core.train.rank_models import TrainerModels
+    from dmd2_core.train.trainer_models import TrainerModels
 
     mesh = _mesh(world)
     for args, dtype in cases:
@@ -101,7 +101,7 @@ def test_start_equals_whole_load_then_shard(checkpoints, tmp_path, world):
 def test_kept_fp32_modules_of_a_bf16_teacher_hold_the_checkpoint_values(checkpoints, tmp_path):
     """MiniMax-H3's _keep_in_fp32_modules stay fp32 in the bf16 teacher, with the checkpoint's fp32
     values (never rounded through bf16 on the way)."""
-    from dmd2_core.train.rank_models import TrainerModels
+    from dmd2_core.train.trainer_models import TrainerModels
 
     parallel.ensure_process_group(0, 1, torch.device("cpu"))
     url = checkpoints["h3"]
@@ -117,7 +117,7 @@ def test_kept_fp32_modules_of_a_bf16_teacher_hold_the_checkpoint_values(checkpoi
 
 def _peak_rss(rank: int, world: int, args) -> None:
     from dmd2_core.models.loading import build_empty
-    from dmd2_core.train.rank_models import TrainerModels
+    from dmd2_core.train.trainer_models import TrainerModels
 
     mesh = _mesh(world)
     build_empty(args.hf_checkpoint)  # the runtime's baseline: diffusers and the model class imported
@@ -159,7 +159,7 @@ def test_two_rank_start_holds_its_shards_not_the_model(tmp_path):
 def test_s3_checkpoint_is_read_in_ranges_never_copied(checkpoints, tmp_path, s3_bucket, monkeypatch):
     """An s3:// checkpoint starts without any local copy: the shards equal the local start's and
     the rows were read once for the fake score and the teacher."""
-    from dmd2_core.train.rank_models import TrainerModels
+    from dmd2_core.train.trainer_models import TrainerModels
 
     parallel.ensure_process_group(0, 1, torch.device("cpu"))
     url = storage.join(s3_bucket, "sd3")
@@ -195,7 +195,7 @@ def test_resume_reads_no_weight_of_the_diffusers_checkpoint(tiny_teacher, tmp_pa
     first.optimizer.zero_grad(set_to_none=True)
     first.save(1)
     first.save_status(wait=True)
-    checkpoint.write_tracker(args.save, 1)
+    checkpoint.write_latest(args.save, 1)
     reads = []
     real = storage.read_ranges
     monkeypatch.setattr(storage, "read_ranges", lambda ranges: (reads.extend(ranges), real(ranges))[1])
@@ -215,7 +215,7 @@ def test_resume_reads_no_weight_of_the_diffusers_checkpoint(tiny_teacher, tmp_pa
 @pytest.mark.parametrize("damage", ["truncated", "missing"])
 def test_a_broken_weights_file_fails_in_one_line_naming_it(checkpoints, tmp_path, damage):
     from dmd2_core.errors import ModelDirError
-    from dmd2_core.train.rank_models import TrainerModels
+    from dmd2_core.train.trainer_models import TrainerModels
 
     parallel.ensure_process_group(0, 1, torch.device("cpu"))
     broken = tmp_path / "broken"

@@ -22,7 +22,7 @@ from dmd2_core.evaluation.eval_step import run_eval
 from dmd2_core.report.nights_view import night_row, nights_markdown
 from dmd2_core.report import best_eval, summary_markdown
 from dmd2_core.run.distill_run import preflight
-from dmd2_core.train import dmd2_method
+from dmd2_core.train import dmd2_iteration
 from dmd2_core.train.reference import ReferenceLoop
 from tests.helpers import in_process_trainers, iterate_in_process, resume_in_process, tiny_args
 
@@ -33,14 +33,14 @@ def test_one_step_count_draws_exactly_what_it_always_drew(tiny_teacher, tmp_path
     args = tiny_args(tiny_teacher, str(tmp_path), dmd2_student_steps=4, dmd2_shift=3.0)
     shape, rows = (1, 8, 8), slice(0, 8)
     for i in range(1, 40):
-        plan = dmd2_method.plan_rollout(args, i, 10, shape, rows)
+        plan = dmd2_iteration.plan_rollout(args, i, 10, shape, rows)
         assert plan.stop_step == int(torch.randint(4, (1,), generator=rng.generator(args.seed, i, "stop_step")))
         assert plan.sigmas == fm.student_sigmas(4, 3.0)
         assert torch.equal(plan.noise, rng.randn_rows((8, *shape), rows, args.seed, i, "noise"))
     several = args.model_copy(update={"dmd2_student_steps": [1, 2, 4, 8]})
-    same = [i for i in range(1, 40) if len(dmd2_method.plan_rollout(several, i, 10, shape, rows).sigmas) == 4]
-    assert same and all(torch.equal(dmd2_method.plan_rollout(several, i, 10, shape, rows).noise,
-                                    dmd2_method.plan_rollout(args, i, 10, shape, rows).noise) for i in same)
+    same = [i for i in range(1, 40) if len(dmd2_iteration.plan_rollout(several, i, 10, shape, rows).sigmas) == 4]
+    assert same and all(torch.equal(dmd2_iteration.plan_rollout(several, i, 10, shape, rows).noise,
+                                    dmd2_iteration.plan_rollout(args, i, 10, shape, rows).noise) for i in same)
 
 
 def test_a_set_draws_each_step_count_by_its_weight_and_stops_inside_its_schedule(tiny_teacher, tmp_path):
@@ -49,11 +49,11 @@ def test_a_set_draws_each_step_count_by_its_weight_and_stops_inside_its_schedule
     assert args.dmd2_student_steps == [1, 2, 4, 8]
     drawn = Counter()
     for i in range(1, 801):
-        k = dmd2_method.draw_student_steps(args, i)
-        plan = dmd2_method.plan_rollout(args, i, 10, (1, 8, 8), slice(0, 4))
+        k = dmd2_iteration.draw_student_steps(args, i)
+        plan = dmd2_iteration.plan_rollout(args, i, 10, (1, 8, 8), slice(0, 4))
         assert plan.sigmas == fm.student_sigmas(k, 3.0)  # backward simulation over the drawn K's schedule
         assert 0 <= plan.stop_step < k
-        assert dmd2_method.plan_rollout(args, i, 10, (1, 8, 8), slice(4, 8)).sigmas == plan.sigmas  # every rank's K
+        assert dmd2_iteration.plan_rollout(args, i, 10, (1, 8, 8), slice(4, 8)).sigmas == plan.sigmas  # every rank's K
         drawn[k] += 1
     assert set(drawn) == {1, 2, 4, 8}
     assert 0.55 < drawn[8] / 800 < 0.70 and all(0.08 < drawn[k] / 800 < 0.17 for k in (1, 2, 4))
@@ -83,7 +83,7 @@ def test_a_sets_fake_score_learns_a_vector_per_step_count_that_the_real_score_ne
             return loop.family.predict_velocity(loop.teacher, x, sigma, cond)
 
     real_before = real(1)
-    drawn = [dmd2_method.draw_student_steps(loop.args, i) for i in (1, 2, 3, 4)]
+    drawn = [dmd2_iteration.draw_student_steps(loop.args, i) for i in (1, 2, 3, 4)]
     loop.run(4)
     assert set(drawn) == {1, 2}, drawn  # the seed draws both K in 4 iterations
     assert all(vectors[i].abs().sum() > 0 for i in range(2))
@@ -122,7 +122,7 @@ def test_a_sets_critic_equals_the_reference_and_sleeps_saves_and_resumes_bitwise
                          (critic.disc.state_dict(), loop.heads.state_dict())):
         assert mine.keys() == theirs.keys()
         assert max((mine[k] - theirs[k]).abs().max().item() for k in mine) < 1e-5
-    drawn = {dmd2_method.draw_student_steps(args, i) for i in (1, 2, 3)}
+    drawn = {dmd2_iteration.draw_student_steps(args, i) for i in (1, 2, 3)}
     moved = [any(not torch.equal(v, start[k]) for k, v in critic.disc.state_dict().items() if k.startswith(f"{i}."))
              for i in range(2)]
     assert moved == [k in drawn for k in (1, 2)]
@@ -144,7 +144,7 @@ def test_a_sets_real_score_is_guided_at_each_step_counts_own_scale(tiny_teacher,
     guided at K's scale everywhere would, and the trainers agree with the reference loop."""
     args = tiny_args(tiny_teacher, str(tmp_path), dmd2_student_steps=[1, 2], dmd2_student_sampler="euler",
                      dmd2_guidance_scale=1.0, dmd2_student_steps_guidance=[1.0, 3.0])
-    drawn = {dmd2_method.draw_student_steps(args, i): i for i in range(1, 9)}
+    drawn = {dmd2_iteration.draw_student_steps(args, i): i for i in range(1, 9)}
     assert set(drawn) == {1, 2}
 
     def student_after(update: dict, iteration: int) -> dict:
@@ -227,9 +227,9 @@ def test_an_euler_export_serves_every_step_count_with_num_inference_steps_alone(
                                 pooled_projections=cond["pooled_prompt_embeds"], timestep=t.float().expand(shape[0]),
                                 return_dict=False)[0]
                 x = scheduler.step(v, t, x, return_dict=False)[0]
-        ours = dmd2_method.eval_samples(family, loaded.model, cond, shape, seed, k, 3.0)
+        ours = dmd2_iteration.eval_samples(family, loaded.model, cond, shape, seed, k, 3.0)
         torch.testing.assert_close(x.float(), ours, atol=1e-5, rtol=0)
-    assert not torch.allclose(x.float(), dmd2_method.eval_samples(family, loaded.model, cond, shape, seed, 1, 3.0))
+    assert not torch.allclose(x.float(), dmd2_iteration.eval_samples(family, loaded.model, cond, shape, seed, 1, 3.0))
 
 
 def test_an_eval_measures_every_step_count_and_ranks_by_their_mean(tiny_teacher, tmp_path):

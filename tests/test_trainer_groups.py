@@ -12,7 +12,7 @@ import torch
 from dmd2_core import checkpoint, parallel
 from dmd2_core.errors import ArgsError
 from dmd2_core.run.distill_run import DistillRun, preflight
-from dmd2_core.run.save_tracker import SaveTracker
+from dmd2_core.run.checkpoint_commits import CheckpointCommits
 from dmd2_core.train.trainer import Trainer
 from dmd2_core.train.trainer_config import TrainerConfig, compute_trainer_args
 from tests.helpers import in_process_trainers, iterate_in_process, tiny_args
@@ -140,7 +140,7 @@ def test_crash_between_two_trainers_saves_keeps_the_tracker(ray_session, tiny_te
         ray.kill(run.groups["actor"].ranks[0])  # the critic saves first, then the actor is gone
         with pytest.raises(RayWorkError):
             run.checkpoint(2)
-    assert checkpoint.read_tracker(save) == 1
+    assert checkpoint.read_latest(save) == 1
     assert (Path(checkpoint.trainer_dir(save, "critic", 2)) / "complete.json").exists()
     assert not (Path(checkpoint.trainer_dir(save, "actor", 2)) / "complete.json").exists()
 
@@ -188,7 +188,7 @@ def _recording_run(sleeping: bool, fail: str = "") -> tuple[DistillRun, list]:
     run.args = tiny_args("unused", "unused").model_copy(update={"sleep_after_train": sleeping})
     run.trainer_args = {"actor": run.args, "critic": run.args}
     run.groups = {"actor": _RecordingGroup("actor", log), "critic": _RecordingGroup("critic", log, fail)}
-    run.handoff, run.started, run.broken, run.lease, run.save_tracker = {}, {}, False, None, SaveTracker(run.args)
+    run.handoff, run.started, run.broken, run.lease, run.checkpoint_commits = {}, {}, False, None, CheckpointCommits(run.args)
     run.done = (0, 5)
     run.rollout_ahead = lambda iteration: iteration < 2
     return run, log

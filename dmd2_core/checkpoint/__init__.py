@@ -1,8 +1,8 @@
-"""Checkpoints of one trainer and the run tracker, at any fsspec URL (path, file://, s3://).
+"""Checkpoints of one trainer and the latest pointer, at any fsspec URL (path, file://, s3://).
 
 Layout under the run's ``save`` URL (format 3)::
 
-    {save}/latest_checkpointed_iteration.txt          the run tracker: one integer
+    {save}/latest_checkpointed_iteration.txt          the latest pointer: one integer
     {save}/trainers/{role}/iter_{iteration:07d}/
         dcp/               torch.distributed.checkpoint: every rank writes its own shards
                            (__{rank}_{n}.distcp) of the model, the EMA and the AdamW moments and
@@ -20,10 +20,10 @@ check every hash before anything is loaded, so a flipped byte is one line naming
 pre-flight check (``validate_resume``, before any actor) checks the listing and sizes only.
 
 A trainer directory counts only once ``complete.json`` exists; a save interrupted midway leaves a
-directory without it, which ``load_trainer`` and ``validate_resume`` refuse. The tracker is
-written by the driver alone (``write_tracker``), after every trainer's save is durable (its marker
+directory without it, which ``load_trainer`` and ``validate_resume`` refuse. The latest pointer is
+written by the driver alone (``write_latest``), after every trainer's save is durable (its marker
 written), so it only ever names an iteration that every role finished saving. Retention
-(``prune``) runs after the tracker moved and never touches the tracked checkpoint or a newer one.
+(``prune``) runs after the latest pointer moved and never touches the tracked checkpoint or a newer one.
 
 Asynchronous saves (``save_trainer(..., asynchronous=True)``): the state is copied to host memory
 before the call returns; the files are written and uploaded in a background thread, which then
@@ -46,7 +46,7 @@ tampered one is refused in one line instead of running code on every rank.
 
 Modules (the paths and file names are in ``dmd2_core.save_layout``): ``integrity`` (hashes, the marker, finite state),
 ``collective`` (the ranks' agreement and retries), ``metadata`` (DCP's .metadata, read safely), ``state`` (the trainer state as saved),
-``save``, ``load``, ``tracker`` (and the pre-flight check), ``retention`` (checkpoints and exports).
+``save``, ``load``, ``latest`` (and the pre-flight check), ``retention`` (checkpoints and exports).
 """
 
 import warnings
@@ -55,14 +55,14 @@ import warnings
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
 from dmd2_core.checkpoint.collective import checkpoint_group  # noqa: E402
-from dmd2_core.save_layout import FORMAT, TRACKER_NAME, export_url, exports_root, tracker_url, trainer_dir  # noqa: E402
+from dmd2_core.save_layout import FORMAT, LATEST_NAME, export_url, exports_root, latest_url, trainer_dir  # noqa: E402
 from dmd2_core.checkpoint.load import load_trainer, read_weights  # noqa: E402
 from dmd2_core.checkpoint.retention import latest_exports, list_exports, prune, prune_exports, saved_iterations  # noqa: E402
 from dmd2_core.checkpoint.save import PendingSave, save_trainer  # noqa: E402
-from dmd2_core.checkpoint.tracker import read_tracker, resume_url, validate_resume, write_tracker  # noqa: E402
+from dmd2_core.checkpoint.latest import read_latest, resume_url, validate_resume, write_latest  # noqa: E402
 
 __all__ = [
-    "FORMAT", "TRACKER_NAME", "PendingSave", "checkpoint_group", "export_url", "exports_root",
-    "latest_exports", "list_exports", "load_trainer", "prune", "prune_exports", "read_tracker",
-    "read_weights", "resume_url", "save_trainer", "saved_iterations", "tracker_url", "trainer_dir", "validate_resume", "write_tracker",
+    "FORMAT", "LATEST_NAME", "PendingSave", "checkpoint_group", "export_url", "exports_root",
+    "latest_exports", "list_exports", "load_trainer", "prune", "prune_exports", "read_latest",
+    "read_weights", "resume_url", "save_trainer", "saved_iterations", "latest_url", "trainer_dir", "validate_resume", "write_latest",
 ]

@@ -17,7 +17,7 @@ from dmd2_core.checkpoint.integrity import check_files, read_current_marker
 from dmd2_core.checkpoint.metadata import SafeReader
 from dmd2_core.errors import CheckpointError, StorageUnavailableError, StoredFilesError, TransientError, one_line
 from dmd2_core.save_layout import DCP_DIR, STATE_NAME, trainer_dir
-from dmd2_core.checkpoint.state import apply_param_groups, sharded_state, torch_load
+from dmd2_core.checkpoint.state import check_param_groups, sharded_state, torch_load
 
 
 def load_trainer(
@@ -105,7 +105,7 @@ def _load_sharded(d: str, model, optimizer, ema, meta: dict, process_group) -> N
     def prepare():
         if optimizer is not None:
             try:
-                apply_param_groups(model, optimizer, meta.get("param_groups") or [])
+                check_param_groups(model, optimizer, meta.get("param_groups") or [])
             except ValueError as exc:
                 raise CheckpointError(f"{state_url}: optimizer state does not fit ({one_line(exc)})") from None
         target = sharded_state(model, optimizer, ema, init_optimizer=True)

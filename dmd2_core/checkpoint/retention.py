@@ -9,7 +9,7 @@ from dmd2_core import storage
 from dmd2_core.export.files import finish_swap
 from dmd2_core.save_layout import (EXPORT_MARKER_NAME, EXPORT_STAGING_SEP, EXPORT_SWAP_SUFFIX, complete_url, exports_root,
                                    trainer_dir)
-from dmd2_core.checkpoint.tracker import read_tracker
+from dmd2_core.checkpoint.latest import read_latest
 
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 _STAGING_RE = re.compile(r"^iter_(\d{7,})" + re.escape(EXPORT_STAGING_SEP))
@@ -33,13 +33,13 @@ def saved_iterations(save_url: str, role: str) -> dict[int, bool]:
 
 def prune(save_url: str, roles: Iterable[str], keep_last_n: int) -> list[str]:
     """Delete the checkpoints of ``roles`` older than the ``keep_last_n`` newest complete ones up
-    to the tracked one (0: keep all). Run it after the tracker moved: it never deletes the tracked
+    to the tracked one (0: keep all). Run it after the latest pointer moved: it never deletes the tracked
     checkpoint or anything newer (a save in flight), and deletes an older one only once a newer
     one is tracked. Older incomplete directories (saves that failed midway) go too. Returns the
     deleted directories."""
     if keep_last_n <= 0:
         return []
-    tracked = read_tracker(save_url)
+    tracked = read_latest(save_url)
     if tracked is None:
         return []
     deleted = []

@@ -19,8 +19,8 @@ from dmd2_core.checkpoint.collective import all_or_none, collective_retrying
 from dmd2_core.checkpoint.integrity import check_finite, hashing_writer, listing, nested_tensors, read_marker
 from dmd2_core.errors import CheckpointError, StoredFilesError, one_line
 from dmd2_core.save_layout import COMPLETE_NAME, DCP_DIR, FORMAT, STATE_NAME, trainer_dir
-from dmd2_core.checkpoint.state import param_groups, sharded_state, torch_bytes, torch_load
-from dmd2_core.checkpoint.tracker import read_tracker
+from dmd2_core.checkpoint.state import param_group_record, sharded_state, torch_bytes, torch_load
+from dmd2_core.checkpoint.latest import read_latest
 
 
 class PendingSave:
@@ -53,7 +53,7 @@ def save_trainer(
     process without torch.distributed). Synchronous saves return a finished PendingSave; with
     ``asynchronous`` the state is staged to host memory and written in the background. The
     tracked iteration, complete, is never rewritten: its save is a no-op (a replay reaches the
-    same bytes, and deleting it first would leave the tracker naming nothing durable while the
+    same bytes, and deleting it first would leave the latest pointer naming nothing durable while the
     new copy is written). Any other directory already there for this iteration is replaced (its
     marker goes first, so no reader ever takes a half-replaced directory for a complete one)."""
     start = time.perf_counter()
@@ -67,7 +67,7 @@ def save_trainer(
     state = sharded_state(model, optimizer, ema)
     check_finite(role, iteration, {**state, **dict(nested_tensors(extra, "extra"))}, process_group)
     d = trainer_dir(save_url, role, iteration)
-    meta = torch_bytes({"format": FORMAT, "param_groups": param_groups(model, optimizer), "extra": extra})
+    meta = torch_bytes({"format": FORMAT, "param_groups": param_group_record(model, optimizer), "extra": extra})
     digests: dict[str, str] = {}
     marker_info = {"has_ema": ema is not None}
 
@@ -112,8 +112,8 @@ def save_trainer(
 
 
 def _tracked_and_complete(save_url: str, role: str, iteration: int) -> Optional[dict]:
-    """The marker of ``iteration`` when the run's tracker names it and it is complete."""
-    if read_tracker(save_url) != int(iteration):
+    """The marker of ``iteration`` when the run's latest pointer names it and it is complete."""
+    if read_latest(save_url) != int(iteration):
         return None
     try:
         return read_marker(trainer_dir(save_url, role, iteration))

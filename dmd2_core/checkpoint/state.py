@@ -46,7 +46,7 @@ def _fresh_adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict
     return state
 
 
-def param_groups(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> list[dict]:
+def param_group_record(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> list[dict]:
     """The optimizer's parameter groups, settings and parameter names (no tensors)."""
     if optimizer is None:
         return []
@@ -55,10 +55,10 @@ def param_groups(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimiz
             for g in optimizer.param_groups]
 
 
-def apply_param_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved_groups: list[dict]) -> None:
+def check_param_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved_groups: list[dict]) -> None:
     """Check that the saved parameter groups are the optimizer's. Their settings (lr, betas,
     weight decay) stay the ones the optimizer was built with: a rerun's settings win over the
-    saved ones (its ``lr`` is the usual fix for a diverging run); ``setting_changes`` says which."""
+    saved ones (its ``lr`` is the usual fix for a diverging run); ``changed_optimizer_settings`` says which."""
     names = {id(p): n for n, p in model.named_parameters()}
     from dmd2_core.models import step_conditioning
 
@@ -81,7 +81,7 @@ def apply_param_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 SETTINGS = ("lr", "betas", "weight_decay", "eps")
 
 
-def setting_changes(saved_groups: list[dict], settings: dict) -> dict[str, tuple]:
+def changed_optimizer_settings(saved_groups: list[dict], settings: dict) -> dict[str, tuple]:
     """The optimizer settings that differ from the saved ones: name -> (saved, now)."""
     saved = saved_groups[0] if saved_groups else {}
     return {k: (_plain(saved[k]), _plain(settings[k])) for k in SETTINGS

@@ -1,5 +1,5 @@
 """One section of a trainer checkpoint ('model' or 'ema') read tensor by tensor in this process,
-for tools that write it elsewhere (``dmd2_core.export.after``): the names, global shapes and dtypes
+for tools that write it elsewhere (``dmd2_core.export.from_checkpoint``): the names, global shapes and dtypes
 come from DCP's ``.metadata`` alone, and indexing a name reads that tensor's bytes and nothing
 else (a seek on a local file, a ranged read on S3), so a model is never held whole."""
 

@@ -77,7 +77,7 @@ class Evaluator:
     def label(self, key: Optional[str]) -> str:
         return next((f.name for f in self.figures if f.key == key), key or "quality")
 
-    def check(self, args: Any, trainer_args: dict) -> None:
+    def preflight_check(self, args: Any, trainer_args: dict) -> None:
         """Pre-flight: raise ``ArgsError`` (one line naming the key) when this run cannot be scored."""
 
     def writes(self, args: Any, trainer_args: dict) -> dict[str, str]:

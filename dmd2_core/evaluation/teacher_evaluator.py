@@ -249,7 +249,7 @@ class TeacherEvaluator(Evaluator):
               Panel("drift statistics out of band", ("drift_out",)))
     drift_statistics = tuple(DRIFT_FLOORS)
 
-    def check(self, args: Args, trainer_args: dict) -> None:
+    def preflight_check(self, args: Args, trainer_args: dict) -> None:
         if not args.eval_interval:
             return
         if args.evaluator == TEACHER and "critic" not in trainer_args:

@@ -144,7 +144,7 @@ def swap_in(staging: str, url: str) -> None:
     export is announced in ``{url}.swap.json`` first and the record removed last: a kill meanwhile
     leaves ``url`` unmarked (incomplete, or absent) and the staging whole, and the next writer
     completes the swap (``finish_swap``). The checkpoint path never swaps over a tracked export
-    (run/save_tracker.py reuses it)."""
+    (run/checkpoint_commits.py reuses it)."""
     if storage.is_local(url):
         target = storage.filesystem(url)[1]
         if not os.path.lexists(target):

@@ -305,7 +305,7 @@ def plan(trainer_args: dict[str, Args]) -> MemoryPlan:
                       reserve, usable, args.memory_headroom, args.cp_size or 1, decoder, host)
 
 
-def check(memory_plan: MemoryPlan) -> None:
+def check_fits(memory_plan: MemoryPlan) -> None:
     """One line naming the group, the figure and the knobs, when the plan does not fit."""
     if not memory_plan.device_fits:
         _refuse_device(memory_plan)

@@ -58,7 +58,7 @@ def attach_for(model: torch.nn.Module, family, args) -> torch.nn.Module:
     return model
 
 
-def param_groups(model: torch.nn.Module, trained: list[torch.nn.Parameter], lr: float, lr_scale: float) -> list[dict]:
+def optimizer_groups(model: torch.nn.Module, trained: list[torch.nn.Parameter], lr: float, lr_scale: float) -> list[dict]:
     """AdamW's parameter groups for the ``trained`` parameters of ``model``: one, or with step
     vectors a second one for them at ``lr_scale`` times ``lr``: they start at zero and must reach
     the time embedding's scale within a run that gives each K a share of its critic steps."""

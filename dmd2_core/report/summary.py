@@ -64,7 +64,7 @@ def summary_markdown(s: dict) -> str:
 
     ``s``: name, iteration, final, start, status, trainer_args (role -> dict), evals (list of
     {iteration, fd, acc, diversity, dmd2_loss, critic_loss}), media (list of embed() dicts with
-    caption), media_iteration, plot (PNG bytes or None), checkpoint ({iteration, trainers, tracker}),
+    caption), media_iteration, plot (PNG bytes or None), checkpoint ({iteration, trainers, latest}),
     student (URL), metrics_url."""
     evaluator = evaluator_for(s)
     quality_keys = evaluator.quality_keys
@@ -118,7 +118,7 @@ def summary_markdown(s: dict) -> str:
     ck = s.get("checkpoint")
     out += ["## Checkpoint and student", ""]
     if ck:
-        out.append(f"- latest checkpoint: iteration {ck['iteration']}, tracker `{ck.get('tracker')}`")
+        out.append(f"- latest checkpoint: iteration {ck['iteration']}, pointer `{ck.get('latest')}`")
         for role, url in sorted((ck.get("trainers") or {}).items()):
             out.append(f"  - {role}: `{url}`")
     else:

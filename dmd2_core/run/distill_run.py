@@ -20,7 +20,7 @@ from dmd2_core.run import lease, resume_check
 from dmd2_core.args import Args
 from dmd2_core.errors import NonFiniteError, RayWorkError, StoredFilesError
 from dmd2_core.run.preflight import handed_over, preflight
-from dmd2_core.run.save_tracker import SaveTracker
+from dmd2_core.run.checkpoint_commits import CheckpointCommits
 from dmd2_core.run.schedule import Schedule
 
 log = logging.getLogger("dmd2")
@@ -36,7 +36,7 @@ class DistillRun:
         if checked is None:
             self.trainer_args = preflight(args, self.owner)
         else:
-            lease.check(args.save, self.owner, args.lease_timeout_s)  # the owner is this run's
+            lease.check_free(args.save, self.owner, args.lease_timeout_s)  # the owner is this run's
             self.trainer_args = checked
         self.args = self.trainer_args["actor"]
         self.lease: lease.Lease | None = None
@@ -53,11 +53,11 @@ class DistillRun:
         self.resumed_from: Optional[str] = None  # the URL whose checkpoint the groups loaded (None: a fresh start)
         self.done: tuple[int, int] = (0, len(PHASES))  # (iteration, phases of it done)
         self.schedule = Schedule.of(self.args)  # the orchestrator sets its own (the run's final iteration)
-        self.save_tracker = SaveTracker(self.args)
+        self.checkpoint_commits = CheckpointCommits(self.args)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> int:
-        """Start or join Ray, create the groups, resume from the tracker. Returns the iteration
+        """Start or join Ray, create the groups, resume from the latest pointer. Returns the iteration
         the run resumes after (0 for a fresh start)."""
         from dmd2_core.run.groups import TrainerGroup, create_placement_group, init_ray
 
@@ -78,9 +78,9 @@ class DistillRun:
             joining = [call for group in self.groups.values() for call in group.begin_connect()]
             next(iter(self.groups.values())).get(joining)  # every group reads its shards at once
             source = checkpoint.resume_url(self.args)
-            resumed = checkpoint.read_tracker(source)
+            resumed = checkpoint.read_latest(source)
             if resumed is not None:
-                self.resumed_with = resume_check.setting_changes(self.trainer_args, source, resumed)
+                self.resumed_with = resume_check.resumed_with(self.trainer_args, source, resumed)
                 if self.resumed_with:
                     log.warning("resume: this run's optimizer settings win over the checkpoint's: "
                                 + ", ".join(self.resumed_with))
@@ -94,7 +94,7 @@ class DistillRun:
         self.done = (self.start_iteration, len(PHASES))
         self.handoff, self.started = {}, {}
         self.broken = False
-        self.save_tracker.resume(resumed if source == self.args.save else None)  # a save in flight is never tracked
+        self.checkpoint_commits.resume(resumed if source == self.args.save else None)  # a save in flight is never tracked
         return self.start_iteration
 
     def __enter__(self) -> "DistillRun":
@@ -123,7 +123,7 @@ class DistillRun:
     @property
     def pending_save(self) -> Optional[int]:
         """The iteration of an asynchronous save not yet tracked."""
-        return self.save_tracker.pending
+        return self.checkpoint_commits.pending
 
     @property
     def has_critic(self) -> bool:
@@ -206,7 +206,7 @@ class DistillRun:
 
             def collect() -> dict:
                 metrics = _merge(group.get([m for _, m in refs]))
-                metrics.update(self.save_tracker.finish(self.groups, self.lease, wait=False))  # an asynchronous save written meanwhile
+                metrics.update(self.checkpoint_commits.finish(self.groups, self.lease, wait=False))  # an asynchronous save written meanwhile
                 return metrics
             return collect
         role = phase.removeprefix("sleep_")
@@ -294,7 +294,7 @@ class DistillRun:
         return self.groups["critic"]
 
     def checkpoint(self, iteration: int, wait: bool = False, export: Optional[bool] = None) -> dict:
-        """Every trainer saves; the tracker moves once every role's save is durable (SaveTracker):
+        """Every trainer saves; the latest pointer moves once every role's save is durable (CheckpointCommits):
         at once for synchronous saves, for asynchronous ones when a later poll (``poll_saves``,
         after each student train), the next checkpoint or ``wait`` finds them written. ``export``
         (default: the schedule's, every ``export_interval``-th iteration and any save that waits)
@@ -302,11 +302,11 @@ class DistillRun:
         tracked, the save's time."""
         if export is None:
             export = self.schedule.exports_at(iteration, wait)
-        return self._call_or_break(lambda: self.save_tracker.save(self.groups, self.lease, iteration, export, wait))
+        return self._call_or_break(lambda: self.checkpoint_commits.save(self.groups, self.lease, iteration, export, wait))
 
     def poll_saves(self) -> dict:
-        """Move the tracker if the save in flight became durable (no wait); its metrics then."""
-        return self._call_or_break(lambda: self.save_tracker.finish(self.groups, self.lease, wait=False))
+        """Move the latest pointer if the save in flight became durable (no wait); its metrics then."""
+        return self._call_or_break(lambda: self.checkpoint_commits.finish(self.groups, self.lease, wait=False))
 
     def _call_or_break(self, fn):
         if self.broken:

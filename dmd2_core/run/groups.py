@@ -69,13 +69,13 @@ def create_placement_group(args: Args, num_groups: int, timeout_s: Optional[floa
     return pg
 
 
-def rank_bundles(pg, offset: int, count: int) -> list[int]:
+def bundle_indices_by_node(pg, offset: int, count: int) -> list[int]:
     """The bundle of each rank among ``count`` bundles from ``offset``: ordered by (node, device),
     so that a shard group (consecutive ranks) stays inside one node whenever it can."""
     from ray.util import placement_group_table
 
     nodes = placement_group_table(pg)["bundles_to_node_id"]
-    return [offset + i for i in parallel.rank_bundles([nodes[offset + b] for b in range(count)])]
+    return [offset + i for i in parallel.bundles_in_node_order([nodes[offset + b] for b in range(count)])]
 
 
 class TrainerGroup:
@@ -86,7 +86,7 @@ class TrainerGroup:
         self.timeout = args.ray_timeout_s
         n = args.num_devices
         self.instance = uuid.uuid4().hex[:8]
-        self.bundle_indices = rank_bundles(pg, bundle_offset, n)
+        self.bundle_indices = bundle_indices_by_node(pg, bundle_offset, n)
         resources = {"num_gpus": share} if args.resource_name == "GPU" else {"resources": {args.resource_name: share}}
         env = worker_env(args)
         self.ranks = [

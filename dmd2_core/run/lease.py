@@ -13,12 +13,12 @@ API calls stopped and started the same flow run elsewhere) are two holders: only
   and bucket) that it honours them; one that does not is refused in one line.
 - Held while the run lives: a daemon thread renews the lease every ``timeout_s / 4``, each renewal
   counting up. A renewal that finds another holder marks the lease lost; ``ensure()`` then raises
-  before the run writes a checkpoint or moves the tracker. The lease also fences itself: once
+  before the run writes a checkpoint or moves the latest pointer. The lease also fences itself: once
   renewals lapsed (a storage outage), ``ensure()`` reads the lease before any write: still this
   holder's, it is renewed and the run goes on; another's, the run stops writing (LeaseLostError,
   retried: the retry acquires it again, refused while that run lives); unreadable past
   ``timeout_s``, the run writes nothing until it can. Writes after the check are bounded by
-  ``expires()`` (the tracker's ``deadline``). The holder measures all of this on its own
+  ``expires()`` (the latest pointer's ``deadline``). The holder measures all of this on its own
   monotonic clock.
 - Taken over only once stale, judged without comparing two hosts' clocks: a waiter watches the
   record (observe, wait, observe) and takes it over when its holder and renewal count did not
@@ -154,7 +154,7 @@ def read(save_url: str) -> Optional[dict]:
     return record if isinstance(record, dict) else dict(_UNREADABLE)
 
 
-def check(save_url: str, owner: Optional[str], timeout_s: float) -> None:
+def check_free(save_url: str, owner: Optional[str], timeout_s: float) -> None:
     """Preflight: raise LeaseHeldError when another run holds ``save_url`` and renews it (watched
     for up to half the lease's timeout: a live holder renews every quarter); ArgsError when its
     object store does not honour conditional writes. A lease of the same run (``owner``) passes
@@ -256,7 +256,7 @@ class _Takeover:
     def __init__(self, save_url: str, owner: str, holder: str, timeout_s: float):
         self.save_url, self.owner, self.holder, self.timeout_s = save_url, owner, holder, timeout_s
 
-    def check(self, current: dict) -> None:
+    def allow(self, current: dict) -> None:
         """Return when ``current`` may be replaced; raise LeaseHeldError or _KeepWatching."""
         if current.get("holder") == self.holder:
             return  # our own write, whose reply was lost
@@ -318,7 +318,7 @@ class _Local:
         with self.locked():
             current = self._read()
             if current:
-                takeover.check(current)
+                takeover.allow(current)
             storage.write_text(str(self.path), json.dumps(record))
             return record
 
@@ -373,7 +373,7 @@ class _ObjectStore:
             current, current_etag = self._get()
             if current is None:
                 continue  # released in between: create again
-            takeover.check(current)
+            takeover.allow(current)
             etag = self._put(record, IfMatch=current_etag)  # fails if its holder renewed meanwhile
             if etag:
                 self.etag = etag
@@ -468,7 +468,7 @@ class Lease:
         not write to the save URL: another holder took it over, or renewals lapsed past
         ``timeout_s`` and the lease cannot be read now. Renewals that lapsed (a storage outage)
         are verified here first: the lease still ours is renewed and the run goes on. Checked
-        before every write that matters (a checkpoint, the tracker)."""
+        before every write that matters (a checkpoint, the latest pointer)."""
         if self.lost:
             raise LeaseLostError(self.lost)
         while time.monotonic() - self.renewed > self.timeout_s / 2:  # renewals lapsed: verify

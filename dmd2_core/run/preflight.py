@@ -66,13 +66,13 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
                                 cond_keys=FAMILIES[teacher["family"]].cond_keys)
     eval_prompt_indices(args, len(prompt_texts(args.prompts)))
     evaluator = evaluator_of(args)
-    evaluator.check(args, trainer_args)
+    evaluator.preflight_check(args, trainer_args)
     for key, url in evaluator.writes(args, trainer_args).items():
         preflight_checks.probe_write(url, key)
     if "critic" in trainer_args and args.gan_critic_weight:
         _check_gan(trainer_args["critic"])
     if planner.device_limit(args) is not None or args.host_memory_gib:
-        planner.check(planner.plan(trainer_args))
+        planner.check_fits(planner.plan(trainer_args))
     for url in sorted(checkpoint_keys):  # headers only: a cut-off download is named before any actor
         check_weight_files(url, checkpoint_keys[url])
     source = checkpoint.resume_url(args)
@@ -81,7 +81,7 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
         resume_check.check_resume(args, trainer_args, source, resumed)
     if resumed is None and args.load and args.load != args.save:
         raise CheckpointError(
-            f"load: no checkpoint at {args.load} (no {checkpoint.TRACKER_NAME})"
+            f"load: no checkpoint at {args.load} (no {checkpoint.LATEST_NAME})"
             f"{storage.nearest_sibling(args.load)}")
     # a finished run rerun (its own save at num_iterations) completes at once; anything else that
     # starts at or past num_iterations would train nothing and report Completed
@@ -93,7 +93,7 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
     # last, these two: nothing is written for input that fails earlier. The probe first, so an
     # unwritable save (a missing bucket) is named as such, not as a store whose conditional writes fail
     preflight_checks.probe_write(args.save)
-    lease.check(args.save, owner, args.lease_timeout_s)  # one run per save URL
+    lease.check_free(args.save, owner, args.lease_timeout_s)  # one run per save URL
     return trainer_args
 
 

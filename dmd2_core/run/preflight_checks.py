@@ -178,7 +178,7 @@ def check_student_sampler(args: Args, family, name: str) -> None:
     """The student's sampler is one its export can step: a modular pipeline (MiniMax-H3) steps by
     Euler only, and only an Euler student serves a set of step counts from one diffusers
     scheduler (export/scheduler.py)."""
-    from dmd2_core.train.dmd2_method import student_is_euler
+    from dmd2_core.train.dmd2_iteration import student_is_euler
 
     euler = student_is_euler(family, args)
     if family.modular_pipeline and not euler:

@@ -11,7 +11,7 @@ a (re)start asks, before any actor.
   head) per K of the set it was saved with: it resumes only with that set and the flag on, and a
   fake score without them only with the flag off or one K; otherwise one line naming the key.
 - The optimizer settings (lr, betas, weight decay) are the run's own, not the checkpoint's;
-  ``setting_changes`` lists the ones that differ, for the log and the summary.
+  ``resumed_with`` lists the ones that differ, for the log and the summary.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Optional
 
 from dmd2_core.args import Args
-from dmd2_core.checkpoint.state import read_trainer_state, setting_changes as changed_settings
+from dmd2_core.checkpoint.state import changed_optimizer_settings, read_trainer_state
 from dmd2_core.errors import ArgsError
 from dmd2_core.models import base_identity, lora, step_conditioning
 from dmd2_core.train.trainer_config import optimizer_settings
@@ -89,12 +89,12 @@ def _adapters(record: Optional[dict]) -> str:
     return f"LoRA rank {record['rank']}, alpha {record['alpha']:g}, targets {','.join(record['targets'])}"
 
 
-def setting_changes(trainer_args: dict[str, Args], source: str, iteration: int) -> list[str]:
+def resumed_with(trainer_args: dict[str, Args], source: str, iteration: int) -> list[str]:
     """This run's optimizer settings that differ from the checkpoint's (this run's win), one
     'role key saved -> now' each."""
     out = []
     for role, targs in trainer_args.items():
         groups = read_trainer_state(source, role, iteration).get("param_groups") or []
-        for key, (saved, now) in changed_settings(groups, optimizer_settings(targs)).items():
+        for key, (saved, now) in changed_optimizer_settings(groups, optimizer_settings(targs)).items():
             out.append(f"{role} {key} {saved} -> {now}")
     return out

@@ -44,7 +44,7 @@ from typing import Callable, Optional
 import torch
 
 from dmd2_core import storage
-from dmd2_core.train import dmd2_method
+from dmd2_core.train import dmd2_iteration
 from dmd2_core.data import REAL_LATENTS, write_safetensors
 from dmd2_core.toys import sounding_digits as sd
 from dmd2_core.losses import flow_matching_loss
@@ -283,7 +283,7 @@ def sample_clips(family, model, labels: torch.Tensor, num_steps: int, seed: int)
     """K Euler steps on MiniMax-H3's grid u = 1, (K-1)/K, .., 1/K, 0 from the pipeline's noise of
     ``seed`` (sample j from seed + j): for a teacher, its K-step samples; for a student, its own."""
     cond = sd.prompt_set().cond(labels)
-    return dmd2_method.eval_samples(family, model, cond, (len(labels), sd.SAMPLE_SIZE), seed, num_steps, 1.0)
+    return dmd2_iteration.eval_samples(family, model, cond, (len(labels), sd.SAMPLE_SIZE), seed, num_steps, 1.0)
 
 
 def av_teacher_table(url: str, steps=TABLE_STEPS, num_samples: int = 500, seed: int = 0) -> dict:

@@ -22,7 +22,7 @@ def medium_name(url: str) -> str:
     return rest or "samples"
 
 
-def eval_media(items: list[dict]) -> list[Medium]:
+def as_media(items: list[dict]) -> list[Medium]:
     """``run_eval``'s media dicts as Medium items (each file read once from storage)."""
     out: list[Medium] = []
     for item in items:

@@ -27,7 +27,7 @@ from dmd2_core.args import Args, nearest
 from dmd2_core.errors import ArgsError, one_line
 from dmd2_core.save_layout import trackers_url
 from dmd2_core.trackers.base import Sink, scalars_of
-from dmd2_core.trackers.media import eval_media, stored_media
+from dmd2_core.trackers.media import as_media, stored_media
 
 log = logging.getLogger("dmd2")
 
@@ -116,7 +116,7 @@ class Trackers:
                 self.written[name] = sink.held
             missed = self.written[name] < due
             for step in sorted(i for i in rows if missed and self.written[name] < i <= start):
-                sink.write(step, scalars_of(rows[step]), eval_media(stored_media(args.save, step)))
+                sink.write(step, scalars_of(rows[step]), as_media(stored_media(args.save, step)))
                 self.written[name] = step
             return sink
         except Exception as exc:  # noqa: BLE001 - a tracker is a view of the metrics log; the run goes on
@@ -151,7 +151,7 @@ class Trackers:
         due = [s for s in self.sinks if step > self.written[s.name]]
         if not due:
             return
-        scalars, items = scalars_of(row), eval_media(media) if media else []
+        scalars, items = scalars_of(row), as_media(media) if media else []
         changed = False  # what trackers.json says of a tracker behind
         for sink in due:
             try:

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from dmd2_core.train.dmd2_method import micro_batches
+from dmd2_core.train.dmd2_iteration import micro_batches
 from dmd2_core.finite import is_finite, nonfinite_rows
 from dmd2_core.losses import dmd2_loss
 from dmd2_core.train.model_update import ModelUpdate

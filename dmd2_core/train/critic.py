@@ -9,11 +9,11 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from dmd2_core.train import dmd2_method
+from dmd2_core.train import dmd2_iteration
 from dmd2_core.train import gan
 from dmd2_core.args import Args
 from dmd2_core.data import RealSet
-from dmd2_core.train.dmd2_method import micro_batches
+from dmd2_core.train.dmd2_iteration import micro_batches
 from dmd2_core.finite import NonFiniteCounter, is_finite, nonfinite_rows
 from dmd2_core.train.model_update import ModelUpdate
 from dmd2_core.models import step_conditioning
@@ -69,7 +69,7 @@ class Critic:
         for step in range(args.num_steps_per_rollout):
             if scoring and step == last and args.dmd2_critic_scoring == "original":
                 scores = self._score_separately(iteration, x0, cond, global_shape)
-            sigma, noise = dmd2_method.noisy_inputs(args, iteration, dmd2_method.critic_stream(step), global_shape, self.rows)
+            sigma, noise = dmd2_iteration.noisy_inputs(args, iteration, dmd2_iteration.critic_stream(step), global_shape, self.rows)
             sigma, noise = sigma.to(self.device), noise.to(self.device)
             sigmas.append(sigma)
             fuse = scoring and step == last and args.dmd2_critic_scoring == "fused"
@@ -128,7 +128,7 @@ class Critic:
     def score(self, x0, x_t, sigma, cond, v_fake=None, gan_grad=None) -> dict:
         """The teacher's and the fake score's view of ``x0`` noised to ``x_t`` (``dmd2.score``),
         with the GAN head's generator gradient ``gan_grad`` alongside when there is one."""
-        out = dmd2_method.score(self.family, self.teacher, self.model, x0, x_t, sigma, cond,
+        out = dmd2_iteration.score(self.family, self.teacher, self.model, x0, x_t, sigma, cond,
                          self.uncond(x0.shape[0]), self.guidance, v_fake=v_fake,
                          weights=self.modality_weights)
         return out if gan_grad is None else {**out, "gan_grad": gan_grad}
@@ -138,15 +138,15 @@ class Critic:
         (each step a no-grad teacher forward, under the critic's own peak)."""
         args, grads = self.args, []
         for mb in micro_batches(self.local_batch, args.micro_batch_size):
-            target = dmd2_method.regression_target(
+            target = dmd2_iteration.regression_target(
                 self.family, self.teacher, pairs["x_t"][mb], pairs["sigma"][mb], {k: v[mb] for k, v in cond.items()},
                 self.uncond(mb.stop - mb.start), self.guidance, args.dmd2_regression_steps, args.dmd2_shift)
-            grads.append(dmd2_method.regression_gradient(x0[mb], target, args.dmd2_regression_weight))
+            grads.append(dmd2_iteration.regression_gradient(x0[mb], target, args.dmd2_regression_weight))
         return torch.cat(grads)
 
     def _score_separately(self, iteration, x0, cond, global_shape) -> list[dict]:
         """The reference's scoring: its own sigma and noise, before the critic's last step."""
-        sigma, noise = dmd2_method.noisy_inputs(self.args, iteration, dmd2_method.SCORING_STREAM, global_shape, self.rows)
+        sigma, noise = dmd2_iteration.noisy_inputs(self.args, iteration, dmd2_iteration.SCORING_STREAM, global_shape, self.rows)
         sigma, noise = sigma.to(self.device), noise.to(self.device)
         scores = []
         for mb in micro_batches(self.local_batch, self.args.micro_batch_size):

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from dmd2_core.models import describe_model_dir, lora
-from dmd2_core.train import dmd2_method
+from dmd2_core.train import dmd2_iteration
 
 
 class EvalSampling:
@@ -25,7 +25,7 @@ class EvalSampling:
         'sample_rate'}; other ranks None."""
         with self._awake():
             with self._ema_weights():
-                x0 = dmd2_method.eval_samples(self.family, self.model, self._cond(torch.tensor(prompt_index)),
+                x0 = dmd2_iteration.eval_samples(self.family, self.model, self._cond(torch.tensor(prompt_index)),
                                               (len(prompt_index), *self.shape), seed,
                                               num_steps or self.args.max_student_steps, self.shift, self.device)
             self._reshard()
@@ -37,10 +37,10 @@ class EvalSampling:
         ``sample(prompt_index, seed)``, with the real score's guidance: the reference an eval
         compares the student with. Critic group only."""
         n = len(prompt_index)
-        noise, _ = dmd2_method.eval_start_noise(self.family, (n, *self.shape), seed)
+        noise, _ = dmd2_iteration.eval_start_noise(self.family, (n, *self.shape), seed)
         cond = self._cond(torch.tensor(prompt_index))
         with self._awake():
-            x = dmd2_method.regression_target(self.family, self._real_score(), noise.to(self.device),
+            x = dmd2_iteration.regression_target(self.family, self._real_score(), noise.to(self.device),
                                               torch.ones(n), cond, self._uncond(n), self.args.dmd2_guidance_scale,
                                               num_steps, self.shift)
             self._reshard()

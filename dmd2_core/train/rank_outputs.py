@@ -1,6 +1,6 @@
 """A trainer rank's outputs: its latest checkpoint shards and, when asked for, the student's export,
 both possibly still written in the background, and their result once durable (the driver's
-run/save_tracker.py moves the run's tracker once every rank's are; checkpoint/save.py writes the shards)."""
+run/checkpoint_commits.py moves the run's latest pointer once every rank's are; checkpoint/save.py writes the shards)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from dmd2_core.train import dmd2_method
+from dmd2_core.train import dmd2_iteration
 from dmd2_core.train import gan
 from dmd2_core.models import lora, step_conditioning
 from dmd2_core.args import Args
@@ -25,7 +25,7 @@ from dmd2_core.models import load_model_dir
 def adamw(model, args: Args, lr: float):
     """AdamW over ``model``'s trained parameters, as the trainers build it (a fake score's step vectors
     in their own group)."""
-    groups = step_conditioning.param_groups(model, lora.trained_parameters(model), lr, args.dmd2_critic_step_lr_scale)
+    groups = step_conditioning.optimizer_groups(model, lora.trained_parameters(model), lr, args.dmd2_critic_step_lr_scale)
     return torch.optim.AdamW(groups, lr=lr, betas=(args.adam_beta1, args.adam_beta2),
                              weight_decay=args.weight_decay, foreach=True)  # as the trainers
 
@@ -43,7 +43,7 @@ class ReferenceLoop:
         teacher = load_model_dir(args.hf_checkpoint)
         self.args = args.model_copy(update={"dmd2_shift": args.dmd2_shift or teacher.shift})
         # a joint model (MiniMax-H3) needs its clip geometry and its two schedules bound
-        self.family = dmd2_method.with_student_sampler(
+        self.family = dmd2_iteration.with_student_sampler(
             teacher.family.bind(args.latent_shape, teacher.model, teacher.modality_shifts), args)
         self.student = lora.attach(load_model_dir(args.hf_checkpoint).model, args)
         from dmd2_core.train.trainer_config import TrainerConfig, compute_trainer_args, critic_overrides
@@ -73,9 +73,9 @@ class ReferenceLoop:
     def iterate(self, iteration: int) -> dict:
         args, family, everything = self.args, self.family, slice(None)
         start = time.perf_counter()
-        plan = dmd2_method.plan_rollout(args, iteration, len(self.prompts), self.shape, everything,
+        plan = dmd2_iteration.plan_rollout(args, iteration, len(self.prompts), self.shape, everything,
                                  self.family.deterministic_student)
-        pairs = dmd2_method.rollout_pairs(family, self.student, self.cond, plan)
+        pairs = dmd2_iteration.rollout_pairs(family, self.student, self.cond, plan)
         self.disc = gan.head_for(self.heads, len(plan.sigmas))  # the GAN head of this K
         with step_conditioning.at(self.critic, len(plan.sigmas)):  # the fake score sees the iteration's K
             return self._train_critic_and_student(iteration, plan, pairs, start)
@@ -91,16 +91,16 @@ class ReferenceLoop:
         gan_grad = None
 
         def scores_at(stream, v_fake=None, noisy=None):
-            sigma, noise = noisy or dmd2_method.noisy_inputs(args, iteration, stream, shape, everything)
+            sigma, noise = noisy or dmd2_iteration.noisy_inputs(args, iteration, stream, shape, everything)
             x_t = family.add_noise(x0, noise, sigma)  # each modality at its own sigma, as the critic
-            return dmd2_method.score(family, self.teacher, self.critic, x0, x_t, sigma, cond, uncond,
+            return dmd2_iteration.score(family, self.teacher, self.critic, x0, x_t, sigma, cond, uncond,
                               guidance, v_fake=v_fake, weights=args.dmd2_modality_weights)
 
         scores = None
         last = args.dmd2_update_ratio - 1
         for step in range(args.dmd2_update_ratio):
             if step == last and args.dmd2_critic_scoring == "original":
-                noisy = dmd2_method.noisy_inputs(args, iteration, dmd2_method.SCORING_STREAM, shape, everything)
+                noisy = dmd2_iteration.noisy_inputs(args, iteration, dmd2_iteration.SCORING_STREAM, shape, everything)
                 if gen_weight is not None:  # g_gan at the scoring pass's own sigma and noise
                     out = gan.critic_forward(family, self.critic, self.disc, args.gan_feature_block, x0, noisy[1],
                                              noisy[0], cond, gen_weight=gen_weight,
@@ -108,7 +108,7 @@ class ReferenceLoop:
                     scores, gan_grad = scores_at(None, v_fake=out["v"], noisy=noisy), out["gan_grad"]
                 else:
                     scores = scores_at(None, noisy=noisy)
-            sigma, noise = dmd2_method.noisy_inputs(args, iteration, dmd2_method.critic_stream(step), shape, everything)
+            sigma, noise = dmd2_iteration.noisy_inputs(args, iteration, dmd2_iteration.critic_stream(step), shape, everything)
             real = None
             if self.disc is not None:
                 index, noise_real = gan.real_inputs(args, iteration, step, len(self.real), shape, everything)
@@ -131,9 +131,9 @@ class ReferenceLoop:
         x0_graded = family.velocity_to_x0(pairs["x_t"], v, pairs["sigma"])  # as the actor
         grad = scores["grad"] if gan_grad is None else scores["grad"] + gan_grad
         if args.dmd2_regression_weight:
-            target = dmd2_method.regression_target(family, self.teacher, pairs["x_t"], pairs["sigma"], cond, uncond,
+            target = dmd2_iteration.regression_target(family, self.teacher, pairs["x_t"], pairs["sigma"], cond, uncond,
                                             guidance, args.dmd2_regression_steps, args.dmd2_shift)
-            grad = grad + dmd2_method.regression_gradient(x0, target, args.dmd2_regression_weight)
+            grad = grad + dmd2_iteration.regression_gradient(x0, target, args.dmd2_regression_weight)
         loss = dmd2_loss(x0_graded, grad)
         loss.backward()
         student_norm = _step(self.student, self.student_opt, args.clip_grad)
@@ -155,6 +155,6 @@ class ReferenceLoop:
         """K-step samples (EMA weights when kept), the same noise as Trainer.sample; ``num_steps``
         one of the student's step counts (default its largest)."""
         model = self.ema if self.ema is not None else self.student
-        return dmd2_method.eval_samples(self.family, model, self.cond(torch.as_tensor(prompt_index)),
+        return dmd2_iteration.eval_samples(self.family, model, self.cond(torch.as_tensor(prompt_index)),
                                  (len(prompt_index), *self.shape), seed, num_steps or self.args.max_student_steps,
                                  self.args.dmd2_shift)

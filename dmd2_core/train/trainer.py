@@ -18,7 +18,7 @@ from typing import Optional, Union
 import torch
 
 from dmd2_core import checkpoint, context_parallel, parallel
-from dmd2_core.train import dmd2_method
+from dmd2_core.train import dmd2_iteration
 from dmd2_core.train import gan
 from dmd2_core.models import lora, step_conditioning
 from dmd2_core.train.actor import Actor
@@ -31,7 +31,7 @@ from dmd2_core.finite import NonFiniteCounter
 from dmd2_core.train.input_hook import batch_size, train_input_hook
 from dmd2_core.train.model_update import ModelUpdate
 from dmd2_core.train.rank_outputs import RankOutputs
-from dmd2_core.train.rank_models import TrainerModels
+from dmd2_core.train.trainer_models import TrainerModels
 from dmd2_core.train.trainer_config import optimizer_settings, run_origin
 
 
@@ -44,7 +44,7 @@ def pick_device(args: Args) -> torch.device:
 class Trainer(EvalSampling):
     """One rank. Models are built on the meta device in ``__init__``; once the rank has joined its
     group (``init_process_group``; at once for a group of one rank) they are sharded, each rank
-    reads its own shards (``dmd2_core.train.rank_models``), and the optimizer and EMA are built on them."""
+    reads its own shards (``dmd2_core.train.trainer_models``), and the optimizer and EMA are built on them."""
 
     def __init__(self, args: Args, role: str, rank: int = 0, world_size: int = 1):
         torch.set_num_threads(args.torch_threads)
@@ -57,13 +57,13 @@ class Trainer(EvalSampling):
         self.device = pick_device(args)
         self.dtype = getattr(torch, args.dtype)  # the compute dtype; trained weights stay fp32
         self.hook = train_input_hook(args.train_input_hook_path)
-        # built on the meta device; sharding fills each rank's shards (dmd2_core.train.rank_models). A LoRA
+        # built on the meta device; sharding fills each rank's shards (dmd2_core.train.trainer_models). A LoRA
         # critic whose fake score is the teacher's LoRA has no teacher: one base (dmd2_core.models.lora)
         teacher = args.teacher_checkpoint or args.hf_checkpoint
         self.models = TrainerModels(args, self.dtype, teacher if args.loss_type == SCORED and not lora.shares_base(args)
                                     else None)
         self.model, self.teacher = self.models.model, self.models.teacher
-        self.family = dmd2_method.with_student_sampler(
+        self.family = dmd2_iteration.with_student_sampler(
             self.models.family.bind(args.latent_shape, self.model, self.models.modality_shifts), args)
         self.shift = args.dmd2_shift or self.models.shift
         self.args = args.model_copy(update={"dmd2_shift": self.shift})
@@ -111,7 +111,7 @@ class Trainer(EvalSampling):
             if module is not None:
                 context_parallel.enable(module, self.mesh, args.cp_size, self.device, trainable, self.family)
         settings = optimizer_settings(args)
-        groups = step_conditioning.param_groups(self.model, lora.trained_parameters(self.model), settings["lr"],
+        groups = step_conditioning.optimizer_groups(self.model, lora.trained_parameters(self.model), settings["lr"],
                                                 args.dmd2_critic_step_lr_scale)
         self.optimizer = torch.optim.AdamW(groups, **settings, foreach=True)  # one dispatch per op over all shards
         if args.ema_decay:
@@ -155,9 +155,9 @@ class Trainer(EvalSampling):
         DMD2 step strategy drew. Returns (train pairs, metrics)."""
         woke = self.wake_up()
         start = time.perf_counter()
-        plan = dmd2_method.plan_rollout(self.args, iteration, len(self.prompts), self.shape, self.rows,
+        plan = dmd2_iteration.plan_rollout(self.args, iteration, len(self.prompts), self.shape, self.rows,
                                  self.family.deterministic_student)
-        pairs = dmd2_method.rollout_pairs(self.family, self.model, self._cond, _on(plan, self.device))
+        pairs = dmd2_iteration.rollout_pairs(self.family, self.model, self._cond, _on(plan, self.device))
         self._reshard()
         metrics = {"stop_step": plan.stop_step, "rollout_sigma": plan.sigmas[plan.stop_step],
                    **({"student_steps": len(plan.sigmas)} if len(self.args.student_step_counts) > 1 else {}),
@@ -386,6 +386,6 @@ def _cpu(d: dict) -> dict:
     return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in d.items()}
 
 
-def _on(plan: dmd2_method.RolloutPlan, device: torch.device) -> dmd2_method.RolloutPlan:
-    return dmd2_method.RolloutPlan(plan.stop_step, plan.sigmas, plan.prompt_index, plan.noise.to(device),
+def _on(plan: dmd2_iteration.RolloutPlan, device: torch.device) -> dmd2_iteration.RolloutPlan:
+    return dmd2_iteration.RolloutPlan(plan.stop_step, plan.sigmas, plan.prompt_index, plan.noise.to(device),
                             [r.to(device) for r in plan.renoise])

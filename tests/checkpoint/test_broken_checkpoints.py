@@ -153,7 +153,7 @@ def test_a_corrupt_weight_shard_found_at_load_ends_the_run_in_one_line(saved_at_
     log = Path(last.rsplit("traceback in ", 1)[1].rstrip(")"))
     assert "Traceback" in log.read_text() and "CheckpointError" in log.read_text()
     assert "Traceback" not in out + err
-    assert _files(save) == before and ckpt.read_tracker(str(save)) == 1
+    assert _files(save) == before and ckpt.read_latest(str(save)) == 1
     left = [p for p in psutil.process_iter(["pid"]) if _session(p.pid) == second.pid]
     psutil.wait_procs(left, timeout=10)
     assert not [p for p in left if p.is_running()], left

@@ -67,7 +67,7 @@ def test_unreadable_marker_and_mismatched_model(tmp_path):
     storage.write_text(storage.join(d, "complete.json"), "{not json")
     with pytest.raises(CheckpointError, match=re.escape(f"{d}/complete.json: unreadable")):
         ckpt.load_trainer(root, "student", 1, *fresh())
-    ckpt.write_tracker(root, 1)
+    ckpt.write_latest(root, 1)
     with pytest.raises(CheckpointError, match=re.escape(f"{d}/complete.json: unreadable")):
         ckpt.validate_resume(root, ["student"])
 
@@ -82,7 +82,7 @@ def test_saving_the_tracked_iteration_again_never_destroys_it(tmp_path, monkeypa
     model, opt = fresh()
     train_step(model, opt, seed=4)
     d = save(root, "student", 3, model, opt, extra={"iteration": 3})
-    ckpt.write_tracker(root, 3)
+    ckpt.write_latest(root, 3)
     before = {p: p.read_bytes() for p in Path(root).rglob("*") if p.is_file()}
 
     def crash(*args, **kwargs):

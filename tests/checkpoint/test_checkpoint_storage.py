@@ -160,7 +160,7 @@ def test_a_checkpoint_in_another_format_fails_in_one_line(tmp_path, found, verdi
     marker.pop("format")
     storage.write_text(marker_url, json.dumps(marker if found is None else {**marker, "format": found}))
     before = {p: p.read_bytes() for p in Path(root).rglob("*") if p.is_file()}
-    ckpt.write_tracker(root, 1)
+    ckpt.write_latest(root, 1)
     calls = (lambda: ckpt.validate_resume(root, ["student"]), lambda: ckpt.load_trainer(root, "student", 1, *fresh()),
              lambda: ckpt.read_weights(root, "student", 1))
     for call in calls:
@@ -197,7 +197,7 @@ def test_a_dcp_metadata_that_would_run_code_is_refused_in_one_line(tmp_path):
     marker["files"]["dcp/.metadata"] = metadata.stat().st_size
     marker["sha256"]["dcp/.metadata"] = hashlib.sha256(metadata.read_bytes()).hexdigest()
     storage.write_text(marker_url, json.dumps(marker))
-    ckpt.write_tracker(root, 1)
+    ckpt.write_latest(root, 1)
     for call in (lambda: ckpt.load_trainer(root, "student", 1, *fresh()), lambda: ckpt.read_weights(root, "student", 1)):
         with pytest.raises(CheckpointError) as info:
             call()
@@ -233,7 +233,7 @@ def _every_reader(root: str):
 
 
 def _refused_by_every_reader(root: str, d: str, match: str) -> None:
-    ckpt.write_tracker(root, 1)
+    ckpt.write_latest(root, 1)
     for name, call in _every_reader(root).items():
         with pytest.raises(CheckpointError, match=match) as info:
             call()
@@ -324,7 +324,7 @@ def test_a_checkpoint_of_another_dtype_does_not_fit(tmp_path):
     precision without a word."""
     root = str(tmp_path / "run")
     d = saved(root)
-    ckpt.write_tracker(root, 1)
+    ckpt.write_latest(root, 1)
     model = tiny_model(3).to(torch.bfloat16)
     with pytest.raises(CheckpointError, match=re.escape(f"{storage.join(d, 'dcp')}: 'model.") + r".* is torch.float32 "
                        r"in the checkpoint, torch.bfloat16 here"):
@@ -339,7 +339,7 @@ def test_retention_keeps_the_newest_and_never_the_tracked(tmp_path):
     opt = optimizer_of(model)
     for i in (1, 2, 3):
         save(root, "student", i, model, opt)
-        ckpt.write_tracker(root, i)
+        ckpt.write_latest(root, i)
         ckpt.prune(root, ["student"], keep_last_n=2)
     assert sorted(ckpt.saved_iterations(root, "student")) == [2, 3]
     # a save of 4 that failed midway (no marker): 3 stays tracked, kept, and so is 2
@@ -348,9 +348,9 @@ def test_retention_keeps_the_newest_and_never_the_tracked(tmp_path):
     assert ckpt.saved_iterations(root, "student") == {3: True, 4: False}  # newer than the tracker: in flight
     # the tracker names an older checkpoint (a resume from it): nothing of it or newer goes
     save(root, "student", 5, model, opt)
-    ckpt.write_tracker(root, 3)
+    ckpt.write_latest(root, 3)
     assert ckpt.prune(root, ["student"], keep_last_n=1) == []
-    ckpt.write_tracker(root, 5)
+    ckpt.write_latest(root, 5)
     assert ckpt.prune(root, ["student"], keep_last_n=1) == [ckpt.trainer_dir(root, "student", i) for i in (3, 4)]
     assert ckpt.prune(root, ["student"], keep_last_n=0) == []
     assert ckpt.saved_iterations(root, "student") == {5: True}
@@ -359,16 +359,16 @@ def test_retention_keeps_the_newest_and_never_the_tracked(tmp_path):
 # ---- tracker and resume -----------------------------------------------------------------------
 
 def test_tracker(root):
-    assert ckpt.read_tracker(root) is None  # the save dir does not even exist yet
-    ckpt.write_tracker(root, 4)
-    assert ckpt.read_tracker(root) == 4
-    ckpt.write_tracker(root, 12)
-    assert ckpt.read_tracker(root) == 12
+    assert ckpt.read_latest(root) is None  # the save dir does not even exist yet
+    ckpt.write_latest(root, 4)
+    assert ckpt.read_latest(root) == 4
+    ckpt.write_latest(root, 12)
+    assert ckpt.read_latest(root) == 12
     assert ckpt.validate_resume(storage.join(root, "elsewhere"), ["student"]) is None
 
-    storage.write_text(ckpt.tracker_url(root), "twelve\n")
+    storage.write_text(ckpt.latest_url(root), "twelve\n")
     with pytest.raises(CheckpointError, match=re.escape("latest_checkpointed_iteration.txt")):
-        ckpt.read_tracker(root)
+        ckpt.read_latest(root)
     with pytest.raises(CheckpointError, match=re.escape("latest_checkpointed_iteration.txt")):
         ckpt.validate_resume(root, ["student"])
 
@@ -377,7 +377,7 @@ def _save_all(root, iteration, trainers) -> None:
     """The driver's rule: every trainer saves; only then does the tracker move."""
     for role, (model, opt) in trainers.items():
         save(root, role, iteration, model, opt, extra={"iteration": iteration})
-    ckpt.write_tracker(root, iteration, roles=list(trainers))
+    ckpt.write_latest(root, iteration, roles=list(trainers))
 
 
 def test_crash_during_save_keeps_tracker(root, monkeypatch):
@@ -400,7 +400,7 @@ def test_crash_during_save_keeps_tracker(root, monkeypatch):
         _save_all(root, 2, trainers)
     monkeypatch.setattr(storage, "write_bytes", real_write)
 
-    assert ckpt.read_tracker(root) == 1
+    assert ckpt.read_latest(root) == 1
     assert ckpt.validate_resume(root, trainers) == 1
     critic_dir = ckpt.trainer_dir(root, "critic", 2)
     assert storage.exists(storage.join(critic_dir, "dcp", ".metadata"))  # written, all but the marker
@@ -409,10 +409,10 @@ def test_crash_during_save_keeps_tracker(root, monkeypatch):
     ckpt.load_trainer(root, "student", 2, tiny_model(0), None)  # the student's save did finish
 
     with pytest.raises(CheckpointError, match=re.escape(f"{critic_dir}/complete.json: missing")):
-        ckpt.write_tracker(root, 2, roles=list(trainers))
-    assert ckpt.read_tracker(root) == 1
+        ckpt.write_latest(root, 2, roles=list(trainers))
+    assert ckpt.read_latest(root) == 1
 
-    ckpt.write_tracker(root, 2)  # a tracker that runs ahead of the checkpoints it names
+    ckpt.write_latest(root, 2)  # a tracker that runs ahead of the checkpoints it names
     with pytest.raises(CheckpointError, match=re.escape(f"{critic_dir}: incomplete")):
         ckpt.validate_resume(root, trainers)
     with pytest.raises(CheckpointError, match=re.escape(ckpt.trainer_dir(root, "ema_student", 2))):

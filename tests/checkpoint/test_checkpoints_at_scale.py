@@ -37,7 +37,7 @@ def test_async_save_at_2_kill_resume_to_4_equals_4_straight(ray_session, tiny_te
         assert _digests(run) == saved  # woke bitwise
         out = run.checkpoint(2)
         if "checkpoint_save_s" not in out:  # returned before the save was durable: not tracked yet
-            assert run.pending_save == 2 and ckpt.read_tracker(save) is None
+            assert run.pending_save == 2 and ckpt.read_latest(save) is None
         rows = [run.iterate(3), run.iterate(4)]
         deadline = time.monotonic() + 120
         while run.pending_save is not None and time.monotonic() < deadline:  # written meanwhile, or soon
@@ -47,7 +47,7 @@ def test_async_save_at_2_kill_resume_to_4_equals_4_straight(ray_session, tiny_te
         assert tracked["checkpoint_iteration"] == 2 and tracked["checkpoint_save_s"] > 0
         assert tracked["checkpoint_bytes_per_rank"] > 0
         straight = _digests(run)
-    assert ckpt.read_tracker(save) == 2
+    assert ckpt.read_latest(save) == 2
     for role in ("actor", "critic"):
         marker = json.loads(storage.read_text(storage.join(ckpt.trainer_dir(save, role, 2), "complete.json")))
         assert marker["world_size"] == 2
@@ -128,7 +128,7 @@ def test_s3_stopped_in_the_middle_of_an_async_save(ray_session, tiny_teacher, s3
     finally:
         run.shutdown()
     assert blocked < 10.0  # the save did not wait for the endpoint
-    assert ckpt.read_tracker(save) == 1
+    assert ckpt.read_latest(save) == 1
     assert not storage.exists(storage.join(ckpt.trainer_dir(save, "actor", 2), "complete.json"))
     with DistillRun(args) as again:
         assert again.start_iteration == 1
@@ -136,4 +136,4 @@ def test_s3_stopped_in_the_middle_of_an_async_save(ray_session, tiny_teacher, s3
         again.checkpoint(2, wait=True)
         again.iterate(3)
         assert _digests(again) == uninterrupted
-    assert ckpt.read_tracker(save) == 2
+    assert ckpt.read_latest(save) == 2

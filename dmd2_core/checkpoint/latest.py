@@ -1,4 +1,4 @@
-"""The run tracker (the latest iteration every role finished saving) and the pre-flight check of
+"""The latest pointer (the latest iteration every role finished saving) and the pre-flight check of
 the checkpoint it names."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from typing import Iterable, Optional
 from dmd2_core import storage
 from dmd2_core.checkpoint.integrity import check_files, read_current_marker
 from dmd2_core.errors import CheckpointError, StorageUnavailableError, one_line
-from dmd2_core.save_layout import STATE_FILES, complete_url, tracker_url, trainer_dir
+from dmd2_core.save_layout import STATE_FILES, complete_url, latest_url, trainer_dir
 
 
-def write_tracker(save_url: str, iteration: int, roles: Optional[Iterable[str]] = None,
+def write_latest(save_url: str, iteration: int, roles: Optional[Iterable[str]] = None,
                   deadline: Optional[float] = None) -> None:
     """Record ``iteration`` as the run's latest checkpoint (atomic). Call it from the driver after
     every trainer's save_trainer returned; with ``roles`` it first checks each one's marker. With
@@ -24,17 +24,17 @@ def write_tracker(save_url: str, iteration: int, roles: Optional[Iterable[str]] 
             if not storage.exists(url):
                 raise CheckpointError(f"{url}: missing; not recording iteration {iteration} as checkpointed")
     if deadline is None:
-        storage.write_text(tracker_url(save_url), f"{int(iteration)}\n")
+        storage.write_text(latest_url(save_url), f"{int(iteration)}\n")
         return
     budget = deadline - time.monotonic()
     if budget <= 0:
-        raise StorageUnavailableError(f"{tracker_url(save_url)}: not written: this run's lease may have expired meanwhile")
-    storage.write_text(tracker_url(save_url), f"{int(iteration)}\n", budget_s=budget)
+        raise StorageUnavailableError(f"{latest_url(save_url)}: not written: this run's lease may have expired meanwhile")
+    storage.write_text(latest_url(save_url), f"{int(iteration)}\n", budget_s=budget)
 
 
-def read_tracker(load_url: str) -> Optional[int]:
-    """The latest checkpointed iteration, or None for a fresh start (no save dir or no tracker)."""
-    url = tracker_url(load_url)
+def read_latest(load_url: str) -> Optional[int]:
+    """The latest checkpointed iteration, or None for a fresh start (no save dir or no latest pointer)."""
+    url = latest_url(load_url)
     try:
         if not storage.exists(url):
             return None
@@ -42,22 +42,22 @@ def read_tracker(load_url: str) -> Optional[int]:
     except StorageUnavailableError:
         raise
     except Exception as exc:  # noqa: BLE001
-        raise CheckpointError(f"{url}: cannot read tracker ({one_line(exc)})") from None
+        raise CheckpointError(f"{url}: cannot read the latest pointer ({one_line(exc)})") from None
     try:
         value = int(text)
     except ValueError:
         value = -1
     if value < 0:
-        raise CheckpointError(f"{url}: tracker must hold a non-negative integer (got {text[:40]!r})")
+        raise CheckpointError(f"{url}: the latest pointer must hold a non-negative integer (got {text[:40]!r})")
     return value
 
 
 def validate_resume(load_url: str, roles: Iterable[str]) -> Optional[int]:
-    """Cheap pre-flight check before any actor starts: the tracker's iteration (None: fresh start)
+    """Cheap pre-flight check before any actor starts: the latest pointer's iteration (None: fresh start)
     after checking that every role has a complete checkpoint there in this dmd2's format, its
     listing and sizes, and the hashes of its small state files (the trainer state, the DCP
     metadata); the shards' hashes are checked by the trainer's ranks at load, in parallel."""
-    iteration = read_tracker(load_url)
+    iteration = read_latest(load_url)
     if iteration is None:
         return None
     for role in roles:
@@ -69,6 +69,6 @@ def validate_resume(load_url: str, roles: Iterable[str]) -> Optional[int]:
 def resume_url(args) -> str:
     """Where a (re)start resumes from: the run's own save once it has a checkpoint there (a retry
     or a rerun continues the run), else ``load`` (a fine-tune from another run)."""
-    if args.save and read_tracker(args.save) is not None:
+    if args.save and read_latest(args.save) is not None:
         return args.save
     return args.load_url

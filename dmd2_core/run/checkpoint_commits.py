@@ -1,5 +1,5 @@
-"""A run's checkpoints from 'every trainer saved' to 'the tracker names them'. Each role's group
-saves (each rank its own shards); the tracker moves only once every role's save is durable: at
+"""A run's checkpoints from 'every trainer saved' to 'the latest pointer names them'. Each role's group
+saves (each rank its own shards); the latest pointer moves only once every role's save is durable: at
 once for synchronous saves, for an asynchronous one when a later poll, the next save or a wait
 finds it written. Then retention prunes older checkpoints and exports."""
 
@@ -14,18 +14,18 @@ from dmd2_core.save_layout import EXPORT_MARKER_NAME, best_student_url, export_u
 from dmd2_core.args import Args
 
 
-class SaveTracker:
+class CheckpointCommits:
     def __init__(self, args: Args):
         self.args = args
         self.pending: Optional[int] = None  # the iteration of an asynchronous save not yet tracked
         self.tracked: Optional[dict] = None  # the latest tracked checkpoint: iteration, trainer dirs
         self.reused_export: Optional[str] = None  # the pending save's export, already complete: not rewritten
-        self.tracked_iteration: Optional[int] = None  # the tracker's iteration as this process knows it
+        self.tracked_iteration: Optional[int] = None  # the latest pointer's iteration as this process knows it
 
     def save(self, groups: dict[str, Any], lease, iteration: int, export: bool, wait: bool) -> dict:
         """Every group saves ``iteration`` (the actor also exports the student when ``export``).
-        An iteration the tracker already names whose export is complete (a checkpoint-task retry
-        after the tracker moved, a rerun of a finished run) is not exported again: that export is
+        An iteration the latest pointer already names whose export is complete (a checkpoint-task retry
+        after the latest pointer moved, a rerun of a finished run) is not exported again: that export is
         the run's. Returns the blocked time and, once tracked, the save's time."""
         start = time.perf_counter()
         lease.ensure()
@@ -58,16 +58,16 @@ class SaveTracker:
 
     def exported(self, iteration: int) -> bool:
         """Whether ``iteration``'s export is complete and belongs to a tracked checkpoint (one at or
-        before the tracker's iteration), so that the weights it holds are the run's for good. A save
-        past the tracker (every save of a run going forward) reads no storage here."""
+        before the latest pointer's iteration), so that the weights it holds are the run's for good. A save
+        past the latest pointer (every save of a run going forward) reads no storage here."""
         if self.tracked_iteration is None or iteration > self.tracked_iteration:
             return False
         return storage.exists(storage.join(export_url(self.args.save, iteration), EXPORT_MARKER_NAME))
 
     def track(self, lease, iteration: int, done: dict[str, list[dict]]) -> dict:
-        """Every role's save of ``iteration`` is durable: move the tracker, then apply retention."""
-        lease.ensure()  # never move the tracker of a URL another run took over, nor retry past the lease
-        checkpoint.write_tracker(self.args.save, iteration, roles=list(done), deadline=lease.expires())
+        """Every role's save of ``iteration`` is durable: move the latest pointer, then apply retention."""
+        lease.ensure()  # never move the latest pointer of a URL another run took over, nor retry past the lease
+        checkpoint.write_latest(self.args.save, iteration, roles=list(done), deadline=lease.expires())
         self.pending, self.tracked_iteration = None, iteration
         self.tracked = {"iteration": iteration, "trainers": {role: outs[0]["url"] for role, outs in done.items()}}
         pruned = checkpoint.prune(self.args.save, list(done), self.args.keep_last_n)

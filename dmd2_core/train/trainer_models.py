@@ -6,7 +6,7 @@ seconds. ``shard`` (once the rank is in its process group) casts, checkpoints an
 (``parallel.shard_model``), which gives each parameter storage for this rank's shard alone, then
 fills the shards (``models.loading``): each rank reads only its rows of each tensor from the
 safetensors files (ranged reads on S3, no local copy), the fake score and the teacher from one
-read when they are the same checkpoint. On a resume (the run's tracker names a checkpoint) the
+read when they are the same checkpoint. On a resume (the run's latest pointer names a checkpoint) the
 trained model is not read from the diffusers checkpoint at all: ``Trainer.load`` fills it from the
 DCP checkpoint; until then it holds uninitialised memory, and ``check_filled`` refuses to run it.
 """
@@ -77,9 +77,9 @@ class TrainerModels:
 
 
 def _resuming(args: Args) -> bool:
-    """Whether the driver will load a checkpoint into this trainer: the run's tracker names one
+    """Whether the driver will load a checkpoint into this trainer: the run's latest pointer names one
     (``checkpoint.resume_url``, as ``DistillRun.start`` decides)."""
     from dmd2_core import checkpoint
     if not (args.save or args.load):
         return False
-    return checkpoint.read_tracker(checkpoint.resume_url(args)) is not None
+    return checkpoint.read_latest(checkpoint.resume_url(args)) is not None
