@@ -112,13 +112,13 @@ def test_wan_export_is_a_wan_pipeline_that_reproduces_eval_samples(wan_teacher, 
     ours = dmd2_iteration.eval_samples(loaded.family, ema_model, {"prompt_embeds": embeds}, shape, seed, 4, WAN_SHIFT)
     call = dict(prompt=PROMPTS, num_inference_steps=4, guidance_scale=1.0, output_type="latent",
                 height=64, width=64, num_frames=9, max_sequence_length=8)
-    torch.manual_seed(seed)  # WanPipeline's steps draw from the global RNG (see export.py)
+    torch.manual_seed(seed)  # WanPipeline's steps draw from the global RNG (see export/pipeline.py)
     theirs = pipe(**call).frames
     assert theirs.shape == shape
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
     # a generator alone seeds the initial latents only: the re-noising of steps 1..K-1 differs
     seeded = pipe(**call, generator=torch.Generator().manual_seed(seed)).frames
-    assert (seeded - ours).abs().max() > 0.1, "WanPipeline now passes the generator to step(): update export.py"
+    assert (seeded - ours).abs().max() > 0.1, "WanPipeline now passes the generator to step(): update export/pipeline.py"
 
 
 def test_bf16_export_without_ema_and_non_writer_ranks(wan_teacher, tmp_path):

@@ -8,7 +8,7 @@ Layout of one export (``{save}/exports/iter_{iteration:07d}/``, any fsspec URL):
                           else the trained weights, cast to the export dtype
     transformer_online/   with an EMA only: the trained (online) weights; not in model_index.json
     scheduler/            FlowMatchLCMScheduler, configured so set_timesteps(K) gives the
-                          student's K sigmas (see ``student_scheduler.student_scheduler_config``)
+                          student's K sigmas (see ``export.scheduler.student_scheduler_config``)
     vae/, text_encoder/, tokenizer/, ...   the teacher's other components, copied file by file
     export.json           written last, after verification: the marker of a complete export
 

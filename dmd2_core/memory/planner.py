@@ -25,7 +25,7 @@ is awake (after its rollout) while the critic trains; so with ``sleep_after_trai
 colocated groups a device peaks at ``max(actor resident + critic peak, actor peak)``, without
 sleeping at every group's resident state plus the largest transient. ``fsdp_cpu_offload`` moves
 a group's shards (weights, gradients, optimizer state, EMA) to host memory. On CUDA each process
-on a device (one per colocated group) adds its reserve (``memory_terms.process_reserve``). A plan
+on a device (one per colocated group) adds its reserve (``memory.terms.process_reserve``). A plan
 above ``1 - memory_headroom`` of the device (or of ``host_memory_gib``) is refused.
 """
 
