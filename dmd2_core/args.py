@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 from dmd2_core import arg_rules
 from dmd2_core.errors import ArgsError
-from dmd2_core.evaluation import registry
+from dmd2_core import evaluators
 from dmd2_core.trackers.flags import TrackerFlags
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "deployments" / "recipes"
@@ -253,9 +253,9 @@ class Args(TrackerFlags):
     @field_validator("evaluator")
     @classmethod
     def _registered_evaluator(cls, value):
-        if value is not None and value not in registry.names():
-            names = [repr(n) for n in registry.names()]
-            raise ValueError(f"Input should be {', '.join(names[:-1])} or {names[-1]}{nearest(value, registry.names())}")
+        if value is not None and value not in evaluators.names():
+            names = [repr(n) for n in evaluators.names()]
+            raise ValueError(f"Input should be {', '.join(names[:-1])} or {names[-1]}{nearest(value, evaluators.names())}")
         return value
 
     @model_validator(mode="after")

@@ -28,7 +28,7 @@ class PromptSet:
     prompts: list[str]
     embeds: dict[str, torch.Tensor]  # key -> [N, ...]
     negative: dict[str, torch.Tensor]  # key -> [1, ...]
-    evaluator: Optional[str] = None  # a toy world's prompts name its evaluator (evaluation.registry)
+    evaluator: Optional[str] = None  # a toy world's prompts name its evaluator (dmd2_core.evaluators)
 
     def __len__(self) -> int:
         return len(self.prompts)

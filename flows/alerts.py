@@ -44,7 +44,7 @@ import statistics
 from datetime import timedelta
 from typing import Any, Optional
 
-from dmd2_core.evaluation.registry import evaluator_for
+from dmd2_core.evaluators import evaluator_for
 
 ALERT_AUTOMATION = "dmd2: tell a person when a run fails"
 REGRESSION_AUTOMATION = "dmd2: tell a person when a night regresses"

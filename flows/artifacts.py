@@ -23,7 +23,7 @@ from typing import Any, Optional
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact
 
 from dmd2_core import report
-from dmd2_core.evaluation.registry import evaluator_for
+from dmd2_core.evaluators import evaluator_for
 
 KINDS = ("summary", "metrics", "progress")
 PROGRESS_EVERY_S = 5.0  # the progress artifact moves at most this often (and at every eval)

@@ -14,8 +14,9 @@ from typing import Any, Optional
 
 from dmd2_core import checkpoint as ckpt
 from dmd2_core.args import Args
+from dmd2_core.export.retention import latest_exports
 from dmd2_core.run.distill_run import DistillRun
-from dmd2_core.evaluation.registry import evaluator_of
+from dmd2_core.evaluation.evaluator import evaluator_of
 from dmd2_core.report import GAN_KEYS, MetricsLog, best_eval, criterion
 from dmd2_core.step_counts import split_steps
 from dmd2_core.run.checkpoint_commits import read_best_student, write_best_student
@@ -78,7 +79,7 @@ class DriverBase:
         self.best = read_best_student(args.save)  # the run's best eval with an export: kept by retention
         self.export_best: Optional[int] = None  # an eval that became the best: its save exports
         if self.last_ckpt:
-            self._note_checkpoint(self.last_ckpt, {}, next(iter(ckpt.latest_exports(args.save)), None))
+            self._note_checkpoint(self.last_ckpt, {}, next(iter(latest_exports(args.save)), None))
         self.artifacts = artifacts.RunArtifacts(self.keys, self.view, total=self.final, done=self.start,
                                                 flow_run_id=run_id)
         self.published = self.start

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmd2_core.evaluation import registry
+from dmd2_core import evaluators as registry
+from dmd2_core.evaluation.evaluator import evaluator_name
 from dmd2_core.evaluation import teacher_evaluator as evaluators
 from tests.helpers import in_process_trainers, tiny_args
 
@@ -49,15 +50,15 @@ def _args(teacher, save, **overrides):
 def test_the_default_evaluator_follows_the_prompt_set(tiny_teacher, tmp_path):
     from dmd2_core.toys import sounding_digits as sd
 
-    assert registry.evaluator_name(tiny_args(tiny_teacher, str(tmp_path))) == "digits"
+    assert evaluator_name(tiny_args(tiny_teacher, str(tmp_path))) == "digits"
     prompts = str(tmp_path / "sounding.safetensors")
     sd.prompt_set().save(prompts)
-    assert registry.evaluator_name(tiny_args(tiny_teacher, str(tmp_path), prompts=prompts)) == "sounding-digits"
+    assert evaluator_name(tiny_args(tiny_teacher, str(tmp_path), prompts=prompts)) == "sounding-digits"
     plain = str(tmp_path / "plain.safetensors")
     from dmd2_core.toys.digits import digits_prompt_set
 
     digits_prompt_set().save(plain)
-    assert registry.evaluator_name(tiny_args(tiny_teacher, str(tmp_path), prompts=plain)) == "teacher"
+    assert evaluator_name(tiny_args(tiny_teacher, str(tmp_path), prompts=plain)) == "teacher"
 
 
 def test_a_bad_evaluator_name_is_one_line_naming_the_key(tiny_teacher, tmp_path):
@@ -150,6 +151,7 @@ def test_retention_keeps_the_best_students_export(tmp_path):
     from types import SimpleNamespace
 
     from dmd2_core import checkpoint
+    from dmd2_core.export.retention import list_exports
     from dmd2_core.run.checkpoint_commits import CheckpointCommits
     from dmd2_core.save_layout import best_student_url, complete_url, export_url
 
@@ -167,7 +169,7 @@ def test_retention_keeps_the_best_students_export(tmp_path):
     done = {"actor": [{"url": "a", "save_s": 1.0, "bytes": 1, "export_url": export_url(save, 4)}],
             "critic": [{"url": "c", "save_s": 1.0, "bytes": 1}]}
     tracker.track(lease, 4, done)
-    assert [e["iteration"] for e in checkpoint.list_exports(checkpoint.exports_root(save))] == [2, 4]
+    assert [e["iteration"] for e in list_exports(checkpoint.exports_root(save))] == [2, 4]
     assert best_student_url(save).endswith("best_student.json")
 
 

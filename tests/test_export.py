@@ -14,7 +14,8 @@ import torch
 from dmd2_core import storage
 from dmd2_core.train import dmd2_iteration
 from dmd2_core import flow_matching as fm
-from dmd2_core.checkpoint import export_url, exports_root, latest_exports, prune_exports
+from dmd2_core.checkpoint import export_url, exports_root
+from dmd2_core.export.retention import latest_exports, prune_exports
 from dmd2_core.export.files import swap_record_url
 from dmd2_core.export.pipeline import export_student
 from dmd2_core.export.scheduler import scheduler_sigmas, student_scheduler_config

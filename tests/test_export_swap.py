@@ -18,6 +18,7 @@ import torch
 from dmd2_core import checkpoint, storage
 from dmd2_core.export import files, stream
 from dmd2_core.export.files import LocalStaging, relative_files, swap_record_url
+from dmd2_core.export.retention import latest_exports
 from dmd2_core.export.pipeline import export_student
 from dmd2_core.models import load_model_dir
 from dmd2_core.run.checkpoint_commits import CheckpointCommits
@@ -246,7 +247,7 @@ def test_a_killed_direct_write_is_rolled_back_and_the_retry_uploads_once(tiny_te
     url = checkpoint.export_url(run, 3)
     storage.write_text(swap_record_url(url), json.dumps({"staging": url}))
     storage.write_bytes(storage.join(url, "transformer", "diffusion_pytorch_model.safetensors"), b"cut off")
-    assert checkpoint.latest_exports(run) == []
+    assert latest_exports(run) == []
     model = student(tiny_teacher)
     traffic = s3_traffic(monkeypatch, url)
     export(url, model, tiny_teacher)
@@ -294,7 +295,7 @@ def test_a_swap_a_kill_interrupts_is_finished_by_the_next_writer(tiny_teacher, r
         with pytest.raises(Killed):
             export(url, moved(model, 0.5), tiny_teacher)
     # what a reader sees meanwhile: no complete export (never the half-overwritten one)
-    assert killed and not files.is_marked(url) and checkpoint.latest_exports(f"{run_root(where)}/run") == []
+    assert killed and not files.is_marked(url) and latest_exports(f"{run_root(where)}/run") == []
 
     with monkeypatch.context() as patched:  # the next writer fails before its own swap
         failed = fail_before_the_swap(patched)

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from dmd2_core import report, storage
-from dmd2_core.evaluation import registry
+from dmd2_core import evaluators as registry
 from dmd2_core.media import images
 from dmd2_core.media.images import image_grid, png_bytes
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dmd2_core.evaluation import registry
+from dmd2_core import evaluators as registry
 from dmd2_core import flow_matching as fm
 from dmd2_core import rng
 from dmd2_core.args import load_args

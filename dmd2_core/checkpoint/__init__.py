@@ -46,7 +46,7 @@ tampered one is refused in one line instead of running code on every rank.
 
 Modules (the paths and file names are in ``dmd2_core.save_layout``): ``integrity`` (hashes, the marker, finite state),
 ``collective`` (the ranks' agreement and retries), ``metadata`` (DCP's .metadata, read safely), ``state`` (the trainer state as saved),
-``save``, ``load``, ``latest`` (and the pre-flight check), ``retention`` (checkpoints and exports).
+``save``, ``load``, ``latest`` (and the pre-flight check), ``retention`` (checkpoints; exports' is export/retention.py).
 """
 
 import warnings
@@ -57,12 +57,12 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled", categ
 from dmd2_core.checkpoint.collective import checkpoint_group  # noqa: E402
 from dmd2_core.save_layout import FORMAT, LATEST_NAME, export_url, exports_root, latest_url, trainer_dir  # noqa: E402
 from dmd2_core.checkpoint.load import load_trainer, read_weights  # noqa: E402
-from dmd2_core.checkpoint.retention import latest_exports, list_exports, prune, prune_exports, saved_iterations  # noqa: E402
+from dmd2_core.checkpoint.retention import prune, saved_iterations  # noqa: E402
 from dmd2_core.checkpoint.save import PendingSave, save_trainer  # noqa: E402
 from dmd2_core.checkpoint.latest import read_latest, resume_url, validate_resume, write_latest  # noqa: E402
 
 __all__ = [
     "FORMAT", "LATEST_NAME", "PendingSave", "checkpoint_group", "export_url", "exports_root",
-    "latest_exports", "list_exports", "load_trainer", "prune", "prune_exports", "read_latest",
+    "load_trainer", "prune", "read_latest",
     "read_weights", "resume_url", "save_trainer", "saved_iterations", "latest_url", "trainer_dir", "validate_resume", "write_latest",
 ]

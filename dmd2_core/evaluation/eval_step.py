@@ -8,8 +8,7 @@ import time
 from typing import Any
 
 from dmd2_core.data import prompt_texts
-from dmd2_core.evaluation.evaluator import EvalRun, eval_prompt_indices
-from dmd2_core.evaluation.registry import evaluator_of
+from dmd2_core.evaluation.evaluator import EvalRun, eval_prompt_indices, evaluator_of
 from dmd2_core.media.eval_files import INLINE_VIDEO_BYTES, write_eval_media
 from dmd2_core.step_counts import at_steps, mean_over_steps
 

@@ -2,8 +2,8 @@
 the drift statistics it owns, its own pre-flight check) and the run side it calls (``EvalRun``).
 
 The report, the nights view, the driver's columns, ``Args`` and pre-flight read names and
-columns from the run's evaluator (``registry.evaluator_of``), never from a list of their own: a
-new evaluator is one module with an ``Evaluator`` subclass and one line in ``registry.EVALUATORS``.
+columns from the run's evaluator (``evaluator_of``), never from a list of their own: a
+new evaluator is one module with an ``Evaluator`` subclass and one line in ``evaluators.EVALUATORS``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import Any, Callable, ClassVar, Optional, Protocol, Sequence
 
 import torch
 
+from dmd2_core import evaluators, storage
+from dmd2_core.data import BUILTIN_SETS
 from dmd2_core.errors import ArgsError
 
 
@@ -118,3 +120,24 @@ def eval_order(args: Any, num_prompts: int) -> list[int]:
     """The prompt of each quality sample: the eval prompts in turn, ``eval_num_samples`` in all."""
     prompts = eval_prompt_indices(args, num_prompts)
     return [prompts[i % len(prompts)] for i in range(args.eval_num_samples)]
+
+
+def evaluator_name(args: Any) -> str:
+    """The run's evaluator: ``evaluator`` when set, else a built-in set's own (``'digits'``), else
+    what the prompt set's metadata names (``evaluator``, as the sounding-digits teacher writes it),
+    else ``teacher``."""
+    if args.evaluator:
+        return args.evaluator
+    if args.prompts in BUILTIN_SETS:
+        return args.prompts
+    if args.prompts:
+        header, _ = storage.read_safetensors_header(args.prompts)
+        named = (header.get("__metadata__") or {}).get("evaluator")
+        if named in evaluators.names():
+            return named
+    return evaluators.TEACHER
+
+
+def evaluator_of(args: Any):
+    """The run's evaluator object (``evaluator_name``)."""
+    return evaluators.get(evaluator_name(args))

@@ -35,7 +35,7 @@ from dmd2_core.evaluation.drift import pooled, within_prompt_diversity
 from dmd2_core.evaluation.kernel import projected_kid
 from dmd2_core.checkpoint.integrity import listing
 from dmd2_core.errors import ArgsError
-from dmd2_core.evaluation.registry import TEACHER
+from dmd2_core.evaluators import TEACHER
 from dmd2_core.step_counts import split_steps
 from dmd2_core.save_layout import eval_reference_root
 

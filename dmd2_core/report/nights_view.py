@@ -7,7 +7,7 @@ from __future__ import annotations
 import io
 from typing import Optional
 
-from dmd2_core.evaluation.registry import evaluator_for
+from dmd2_core.evaluators import evaluator_for
 from dmd2_core.media.images import data_uri
 from dmd2_core.report.summary import best_eval, criterion
 from dmd2_core.report.table import cell, round_sig

@@ -8,7 +8,7 @@ import math
 from typing import Any, Iterable, Optional
 
 from dmd2_core.args import Args
-from dmd2_core.evaluation.registry import evaluator_for
+from dmd2_core.evaluators import evaluator_for
 from dmd2_core.media.images import data_uri
 from dmd2_core.report.table import GAN_KEYS, cell, round_sig
 from dmd2_core.step_counts import STEPS_MARK, counts_in, per_steps_rows, steps_label

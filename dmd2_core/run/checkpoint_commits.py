@@ -10,6 +10,7 @@ import time
 from typing import Any, Optional
 
 from dmd2_core import checkpoint, storage
+from dmd2_core.export import retention as export_retention
 from dmd2_core.save_layout import EXPORT_MARKER_NAME, best_student_url, export_url
 from dmd2_core.args import Args
 
@@ -77,7 +78,7 @@ class CheckpointCommits:
         self.reused_export = None
         if exported:
             self.tracked["export"] = exported["export_url"]
-            checkpoint.prune_exports(checkpoint.exports_root(self.args.save), self.args.keep_exports,
+            export_retention.prune_exports(checkpoint.exports_root(self.args.save), self.args.keep_exports,
                                      protect=[exported["export_url"], *best_student_exports(self.args.save)])
         return {"checkpoint": self.tracked, "checkpoint_iteration": iteration, **exported,
                 "checkpoint_save_s": max(o["save_s"] for outs in done.values() for o in outs),

@@ -12,7 +12,7 @@ from dmd2_core import checkpoint, storage
 from dmd2_core.run import preflight_checks
 from dmd2_core.run import lease, resume_check
 from dmd2_core.evaluation.evaluator import eval_prompt_indices
-from dmd2_core.evaluation.registry import evaluator_of
+from dmd2_core.evaluation.evaluator import evaluator_of
 from dmd2_core.memory import planner
 from dmd2_core.args import Args
 from dmd2_core.errors import ArgsError, CheckpointError

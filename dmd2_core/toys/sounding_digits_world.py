@@ -1,4 +1,4 @@
-"""The evaluator ``'sounding-digits'`` (``evaluation.registry``): a run on the sounding-digits
+"""The evaluator ``'sounding-digits'`` (``dmd2_core.evaluators``): a run on the sounding-digits
 prompts (their set names it) is scored by the toy world's own metrics of picture, sound and their
 agreement (``sounding_digits_metrics``)."""
 

@@ -17,7 +17,7 @@ from PIL import Image
 
 from dmd2_core import storage
 from dmd2_core.args import Args
-from dmd2_core.evaluation.registry import evaluator_of
+from dmd2_core.evaluation.evaluator import evaluator_of
 from dmd2_core.step_counts import split_steps
 from dmd2_core.trackers.base import Medium, Sink
 

@@ -47,30 +47,6 @@ def get(name: str):
     return _LOADED[name]
 
 
-def evaluator_name(args: Any) -> str:
-    """The run's evaluator: ``evaluator`` when set, else a built-in set's own (``'digits'``), else
-    what the prompt set's metadata names (``evaluator``, as the sounding-digits teacher writes it),
-    else ``teacher``."""
-    from dmd2_core import storage
-    from dmd2_core.data import BUILTIN_SETS
-
-    if args.evaluator:
-        return args.evaluator
-    if args.prompts in BUILTIN_SETS:
-        return args.prompts
-    if args.prompts:
-        header, _ = storage.read_safetensors_header(args.prompts)
-        named = (header.get("__metadata__") or {}).get("evaluator")
-        if named in EVALUATORS:
-            return named
-    return TEACHER
-
-
-def evaluator_of(args: Any):
-    """The run's evaluator object (``evaluator_name``)."""
-    return get(evaluator_name(args))
-
-
 def evaluator_for(view: dict):
     """The evaluator whose figures a run's summary view or nights row holds: the one it names
     (``evaluator``), else the first whose criterion its evals carry (a view written before views
