@@ -57,7 +57,7 @@ import torch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H3_CONFIG = os.path.join(ROOT, "deployments", "model_configs", "minimax-h3")
-H100_BF16_TFLOPS = 989.4  # dense, no sparsity (bench/gpu_step.py's PEAK_TFLOPS)
+H100_BF16_TFLOPS = 989.4  # dense, no sparsity (dmd2_core/memory/time_plan.py's DEVICE_PEAK_TFLOPS)
 INTERVALS = (50, 100, 200)
 # (num_devices, cp_size): the recipe as written, and where the memory plan fits full fine-tuning
 # of MiniMax-H3 at 5 s on 80 GiB devices (docs/scale.md: 32 x 80 GiB at cp 2)
@@ -264,9 +264,8 @@ def real_flops(text_tokens: int) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
     from dmd2_core.args import load_args
-    from dmd2_core.memory import lora_terms
+    from dmd2_core.memory import lora_terms, time_plan
     from dmd2_core.models import FAMILIES, describe_model_dir
-    from dmd2_core.models.feature_tap import FeatureTap
     from dmd2_core.models.minimax_h3 import clip_latent_shape
 
     recipe = load_args("minimax-h3", {"hf_checkpoint": H3_CONFIG, "prompts": "digits", "save": "/tmp/unused"})
@@ -274,24 +273,14 @@ def real_flops(text_tokens: int) -> dict:
     shape = clip_latent_shape(recipe.num_frames, recipe.height, recipe.width, info)
     model = lora_terms.meta_model(H3_CONFIG)
     family = FAMILIES[info["family"]].bind(shape, model)
-    sample = family.sample_shape(model, shape)
-    with torch.device("meta"):
-        x = torch.randn(1, *sample)
-        text = torch.randn(1, text_tokens, model.config.text_dim)
-    cond = {"prompt_embeds": text, "prompt_lengths": torch.tensor([text_tokens])}
 
     def count(fn) -> int:
         with torch.no_grad(), FlopCounterMode(display=False) as flops:
             fn()
         return flops.get_total_flops()
 
-    forward = count(lambda: family.predict_velocity(model, x, torch.tensor([0.5]), cond))
-
-    def stopped():
-        with FeatureTap(family, model, None, stop=True):
-            family.predict_velocity(model, x, torch.tensor([0.5]), cond)
-
-    feature = count(stopped)
+    counted = time_plan.model_flops(H3_CONFIG, tuple(shape), None, text_tokens)  # the product's time plan
+    forward, feature = counted.forward, counted.feature_forward
     vae_config, audio_config = (json.loads(Path(H3_CONFIG, part, "config.json").read_text())
                                 for part in ("vae", "audio_vae"))
     with torch.device("meta"):

@@ -33,6 +33,16 @@ def build_parser() -> ArgParser:
                           "(no weights loaded, no device needed); exit 2 when it does not fit")
     plan.add_argument("--recipe", required=True, help=f"recipe name ({', '.join(recipe_names())}) or YAML path")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    plan.add_argument("--assumed-mfu", type=float, default=None, help="model FLOPs utilisation per device the time "
+                      "plan assumes (default 0.4), unless a previous run of the same save measured its pace")
+    plan.add_argument("--device-kind", default=None, help="the device whose dense bf16 peak prices time "
+                      "(H100 or H200; default H100)")
+    plan.add_argument("--peak-tflops", type=float, default=None, help="a device's dense bf16 peak, TFLOP/s "
+                      "(instead of --device-kind)")
+    plan.add_argument("--storage-gbps", type=float, default=None, help="GB/s to and from the save's storage, "
+                      "all ranks together: checkpoints, exports and the start (default 2)")
+    plan.add_argument("--night-hours", type=float, default=None, help="the hours of a night the plan fills "
+                      "(default 10)")
     add_arg_flags(plan)
     sub.add_parser("recipes", help="list the recipes")
     prep = sub.add_parser("prepare-prompts", help="encode a prompt list with the checkpoint's own text encoder")
@@ -202,6 +212,56 @@ def apply_set_to_options(parser: argparse.ArgumentParser, ns: argparse.Namespace
             raise ArgsError(f"--{key.replace('_', '-')} is not set (or --set {key}=...)")
 
 
+def plan_time(ns: argparse.Namespace, args: Args, trainers: dict, memory_plan):
+    """The time plan of ``plan``: from its flags (``--set`` among them), its peak by device kind
+    unless given in TFLOP/s, and the pace a previous run of the same save measured, if any."""
+    from dmd2_core.evaluation.evaluator import evaluator_name
+    from dmd2_core.memory import time_plan
+
+    apply_set_to_plan_flags(ns)
+    if ns.peak_tflops is not None and ns.device_kind is not None:
+        raise ArgsError("peak_tflops: give it or device_kind, not both")
+    if ns.peak_tflops is not None and ns.peak_tflops <= 0:
+        raise ArgsError(f"peak_tflops: {ns.peak_tflops} is not above 0")
+    peak = ns.peak_tflops * 1e12 if ns.peak_tflops is not None else time_plan.device_peak_flops(
+        ns.device_kind or time_plan.DEFAULT_DEVICE)
+    pick = lambda value, default: default if value is None else value  # noqa: E731
+    return time_plan.time_plan(
+        trainers, memory_plan, evaluator_name(args), pick(ns.assumed_mfu, time_plan.DEFAULT_MFU), peak,
+        pick(ns.storage_gbps, time_plan.DEFAULT_STORAGE_GBPS), pick(ns.night_hours, time_plan.DEFAULT_NIGHT_HOURS),
+        time_plan.measured_pace(args.save))
+
+
+PLAN_TIME_FLAGS = {"assumed_mfu": float, "device_kind": str, "peak_tflops": float, "storage_gbps": float,
+                   "night_hours": float}
+
+
+def split_plan_sets(ns: argparse.Namespace) -> None:
+    """Takes ``plan``'s own flags (``--set assumed_mfu=0.3``) out of ``--set``: the rest are Args keys."""
+    ns.time_sets, kept = {}, []
+    for item in ns.set_items:
+        (key, (value, _)), = parse_set_spelled([item]).items()
+        if key in PLAN_TIME_FLAGS:
+            ns.time_sets[key] = value
+        else:
+            kept.append(item)
+    ns.set_items = kept
+
+
+def apply_set_to_plan_flags(ns: argparse.Namespace) -> None:
+    """``--set`` of the time plan's own flags, typed as their flags are; a flag given both ways
+    with two values is refused."""
+    for key, convert in PLAN_TIME_FLAGS.items():
+        if key in ns.time_sets:
+            value = ns.time_sets[key]
+            if getattr(ns, key) is not None and not same_value(key, getattr(ns, key), value):
+                raise given_twice(key, _spelling(ns, key), f"--set {key}={value}")
+            try:
+                setattr(ns, key, convert(value))
+            except (TypeError, ValueError):
+                raise ArgsError(f"invalid value for '{key}' in --set: {value!r}") from None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
@@ -239,17 +299,21 @@ def main(argv: Optional[list[str]] = None) -> int:
                                ns.dtype)
             print(json.dumps(export_checkpoint(plan)))
             return 0
+        if ns.command == "plan":
+            split_plan_sets(ns)
         args = load_args(ns.recipe, arg_overrides(ns))
         if ns.command == "plan":
             from dmd2_core.run import preflight_checks
-            from dmd2_core.memory import planner
+            from dmd2_core.memory import planner, time_plan
             from dmd2_core.models import describe_model_dir
 
             if args.hf_checkpoint:  # a clip's geometry becomes its latents, as in preflight
                 args = preflight_checks.check_family_args(args, describe_model_dir(args.hf_checkpoint, "hf_checkpoint"))
             trainers = {cfg.role: compute_trainer_args(args, cfg) for cfg in compute_trainer_configs(args)}
             memory_plan = planner.plan(trainers)
-            print(json.dumps(memory_plan.as_dict(), indent=1) if ns.json else planner.table(memory_plan))
+            timing = plan_time(ns, args, trainers, memory_plan)
+            print(json.dumps({**memory_plan.as_dict(), "time": timing.as_dict()}, indent=1) if ns.json
+                  else planner.table(memory_plan) + "\n" + time_plan.table(timing))
             planner.check_fits(memory_plan)
             return 0
         if ns.deep:

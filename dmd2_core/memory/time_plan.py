@@ -1,0 +1,372 @@
+"""The time plan of a run, beside its memory plan: seconds per iteration, per eval, per checkpoint
+and per export, the teacher's reference once and the start, then iterations per night and nights
+to ``num_iterations``, from the checkpoints' configs alone.
+
+FLOPs: one transformer forward of each model (student, fake score, teacher, and the teacher
+stopped at its feature block) at the run's sample, built on the meta device and counted with
+torch's ``FlopCounterMode``; the GAN head's own forward likewise. A forward with a backward counts
+3 forwards (the backward at twice the forward), 4 under gradient checkpointing (the blocks run
+again). Per iteration of ``global_batch_size`` samples:
+
+- the rollout: the student's steps up to the drawn stop step, ``(K + 1) / 2`` forwards expected
+  under backward simulation (k ~ U{0..K-1}, then the x0 at step k), else 1;
+- the critic: ``num_steps_per_rollout`` trained forwards of the fake score, each with the GAN head
+  on it and a trained forward of the real rows when there is a head, one more trained forward
+  for the generator's GAN gradient at the last step; the scores: the teacher guided (2 forwards
+  under CFG, 1 guidance-distilled or at scale 1), the fake score once more under ``original``
+  scoring, and ``dmd2_regression_steps`` guided teacher forwards with a regression weight;
+- the actor: one trained forward of the student.
+
+An eval samples ``eval_num_samples`` quality samples and the media clips at K student steps each
+(every rank all of them: the samples are not split over data-parallel ranks; a context group
+splits each), plus, for the ``teacher`` evaluator, the teacher's feature forward per sample; its
+reference (once per teacher and settings) is ``eval_reference_steps`` guided teacher steps and
+the features. The VAE's decode is not counted. Seconds are FLOPs / (MFU x the device's peak x
+devices); a checkpoint writes every group's trainable state (``GroupPlan.saved`` on every shard),
+an export the student in its export dtype (and its EMA), the start reads every group's weights,
+each at ``storage_gbps``. A previous run of the same save that measured its iterations
+(``iteration_s`` in its metrics log) sets the pace instead of the assumed MFU.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+from dmd2_core.args import Args
+from dmd2_core.errors import ArgsError
+from dmd2_core.memory import lora_terms
+from dmd2_core.models import FAMILIES, describe_model_dir
+
+# Dense bf16 peak FLOP/s, no sparsity: NVIDIA's H100 SXM5 and H200 SXM datasheets (1,979 TFLOPS
+# "with sparsity", half of it dense; the H200 is the H100's compute with more memory).
+DEVICE_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4}
+DEFAULT_DEVICE = "H100"
+DEFAULT_MFU = 0.4
+DEFAULT_STORAGE_GBPS = 2.0  # GB/s to and from the save's storage, all ranks together
+DEFAULT_NIGHT_HOURS = 10.0
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    forward: int  # one sample's whole forward
+    feature_forward: int  # one sample's forward stopped after the feature block
+    head: int  # the GAN head on one sample's feature-block tokens
+    params: int
+
+
+def meta_cond(family, config: dict, text_tokens: int) -> dict:
+    """One sample's conditions on the meta device, shaped as the family's forward takes them."""
+    width = int(config.get("text_dim") or config.get("joint_attention_dim") or config.get("caption_channels") or 0)
+    made = {}
+    with torch.device("meta"):
+        for key in family.cond_keys:
+            if key == "prompt_embeds":
+                made[key] = torch.randn(1, text_tokens, width)
+            elif key == "pooled_prompt_embeds":
+                made[key] = torch.randn(1, int(config["pooled_projection_dim"]))
+            elif key == "prompt_lengths":  # read on the host (``.tolist()``): a CPU tensor
+                made[key] = torch.tensor([text_tokens], device="cpu")
+            else:
+                raise NotImplementedError(f"{family.class_name}: no time plan for the condition '{key}'")
+    return made
+
+
+def _count(fn) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.no_grad(), FlopCounterMode(display=False) as flops:
+        fn()
+    return int(flops.get_total_flops())
+
+
+@lru_cache(maxsize=16)
+def model_flops(url: str, latent_shape: Optional[tuple[int, ...]], feature_block: Optional[int],
+                text_tokens: Optional[int] = None) -> ModelFlops:
+    """One forward of checkpoint ``url``'s transformer at ``latent_shape`` and ``text_tokens``
+    (default the family's), whole and stopped at ``feature_block`` (default the middle one), and
+    the GAN head on that block's tokens, counted on the meta device (cached per process: the
+    configs do not change under a plan)."""
+    from dmd2_core.memory.planner import family_shape
+    from dmd2_core.models.feature_tap import FeatureTap
+    from dmd2_core.train.gan import DiscriminatorHead
+
+    model = lora_terms.meta_model(url)
+    family = FAMILIES[describe_model_dir(url)["family"]]
+    shape = family_shape(family, dict(model.config), list(latent_shape) if latent_shape else None)
+    family = family.bind(list(shape), model)
+    with torch.device("meta"):
+        x = torch.randn(1, *family.sample_shape(model, list(shape)))
+    cond = meta_cond(family, dict(model.config), family.default_text_tokens if text_tokens is None else text_tokens)
+    sigma = torch.tensor([0.5])
+    forward = _count(lambda: family.predict_velocity(model, x, sigma, cond))
+    captured = {}
+
+    def stopped():
+        with FeatureTap(family, model, feature_block, stop=True) as tap:
+            family.predict_velocity(model, x, sigma, cond)
+        captured["features"] = tap.features
+
+    feature = _count(stopped)
+    with torch.device("meta"):
+        head = DiscriminatorHead(family.feature_dim(model))
+    head_flops = _count(lambda: head(captured["features"])) if captured.get("features") is not None else 0
+    return ModelFlops(forward, feature, head_flops, sum(p.numel() for p in model.parameters()))
+
+
+def _trained(args: Args) -> int:
+    """Forwards a trained forward costs: the forward, its backward at twice it, and under
+    gradient checkpointing the blocks once more."""
+    return 4 if args.gradient_checkpointing else 3
+
+
+def _guided(args: Args, family) -> int:
+    return 1 if family.guidance_distilled or args.dmd2_guidance_scale == 1.0 else 2
+
+
+def _rollout_forwards(args: Args) -> float:
+    """Expected student forwards of one sample's rollout."""
+    counts = args.student_step_counts
+    weights = args.dmd2_student_steps_weights or [1.0] * len(counts)
+    per = [(k + 1) / 2 if args.dmd2_backward_simulation else 1.0 for k in counts]
+    return sum(w * f for w, f in zip(weights, per)) / sum(weights)
+
+
+def iteration_flops(trainers: dict[str, Args]) -> dict[str, float]:
+    """FLOPs of one iteration by part (rollout, critic, scores, actor), the whole global batch."""
+    actor = trainers["actor"]
+    key = lambda a: tuple(a.latent_shape) if a.latent_shape else None  # noqa: E731
+    student = model_flops(actor.hf_checkpoint, key(actor), actor.gan_feature_block)
+    batch = actor.global_batch_size
+    parts = {"rollout": batch * _rollout_forwards(actor) * student.forward,
+             "actor": batch * _trained(actor) * student.forward}
+    critic = trainers.get("critic")
+    if critic is not None:
+        fake = model_flops(critic.hf_checkpoint, key(critic), critic.gan_feature_block)
+        trained = _trained(critic) * fake.forward
+        steps = critic.num_steps_per_rollout
+        scoring = critic.loss_type == "dmd2_critic"
+        head = scoring and bool(critic.gan_critic_weight)
+        per_step = trained + (trained + 2 * 3 * fake.head if head else 0)  # the real rows, the head on both sides
+        generator = trained + 3 * fake.head if head and critic.gan_weight else 0
+        parts["critic"] = batch * (steps * per_step + generator)
+        if scoring:
+            teacher_url = critic.teacher_checkpoint or critic.hf_checkpoint
+            teacher = model_flops(teacher_url, key(critic), critic.gan_feature_block)
+            family = FAMILIES[describe_model_dir(teacher_url)["family"]]
+            guided = _guided(critic, family) * teacher.forward
+            original = fake.forward if critic.dmd2_critic_scoring == "original" and not generator else 0
+            regression = critic.dmd2_regression_steps * guided if critic.dmd2_regression_weight else 0
+            parts["scores"] = batch * (guided + original + regression)
+    return parts
+
+
+def eval_flops(trainers: dict[str, Args], evaluator: str) -> dict[str, float]:
+    """FLOPs of one eval (the quality samples, the media clips, the teacher's features) and of the
+    teacher's reference, on every rank of a data-parallel group alike."""
+    from dmd2_core.memory.terms import eval_clips
+
+    actor = trainers["actor"]
+    if not actor.eval_interval:
+        return {"eval": 0.0, "reference": 0.0}
+    key = lambda a: tuple(a.latent_shape) if a.latent_shape else None  # noqa: E731
+    student = model_flops(actor.hf_checkpoint, key(actor), actor.gan_feature_block)
+    steps = sum(actor.student_step_counts)  # an eval of a set samples at each of its K
+    samples = actor.eval_num_samples
+    flops = (samples + eval_clips(actor)) * steps * student.forward
+    reference = 0.0
+    if evaluator == "teacher":
+        critic = trainers.get("critic") or actor
+        teacher_url = critic.teacher_checkpoint or critic.hf_checkpoint
+        teacher = model_flops(teacher_url, key(critic), critic.gan_feature_block)
+        family = FAMILIES[describe_model_dir(teacher_url)["family"]]
+        features = samples * teacher.feature_forward
+        flops += features
+        reference = samples * actor.eval_reference_steps * _guided(actor, family) * teacher.forward + features
+    return {"eval": float(flops), "reference": float(reference)}
+
+
+def measured_pace(save_url: Optional[str]) -> Optional[dict]:
+    """The pace a previous run of this save measured: the median ``iteration_s`` of its metrics log
+    (its first iteration left out when there are others: it compiles and warms up), or None."""
+    from dmd2_core import storage
+    from dmd2_core.report.metrics_log import read_metrics
+
+    if not save_url:
+        return None
+    try:
+        rows = read_metrics(save_url)
+    except (FileNotFoundError, OSError):
+        return None
+    timed = [float(r["iteration_s"]) for r in rows if isinstance(r.get("iteration_s"), (int, float))]
+    if len(timed) > 1:
+        timed = timed[1:]
+    if not timed:
+        return None
+    return {"iteration_s": statistics.median(timed), "iterations": len(timed),
+            "url": storage.join(save_url, "metrics.jsonl")}
+
+
+@dataclass
+class TimePlan:
+    num_devices: int
+    cp_size: int
+    mfu: float
+    peak_flops: float  # per device
+    storage_gbps: float
+    night_s: float
+    num_iterations: int
+    eval_interval: int
+    save_interval: int
+    export_interval: int
+    iteration_flops: dict[str, float]
+    eval_flops: float
+    reference_flops: float
+    checkpoint_bytes: int
+    export_bytes: int
+    start_bytes: int
+    measured: Optional[dict] = None  # measured_pace, when a previous run set the pace
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        """FLOP/s of one device at the assumed MFU."""
+        return self.mfu * self.peak_flops
+
+    @property
+    def assumed_iteration_s(self) -> float:
+        return sum(self.iteration_flops.values()) / (self.rate * self.num_devices)
+
+    @property
+    def iteration_s(self) -> float:
+        return self.measured["iteration_s"] if self.measured else self.assumed_iteration_s
+
+    @property
+    def implied_mfu(self) -> float:
+        """The MFU the pace implies (the assumed one, or what the measured pace comes to)."""
+        return sum(self.iteration_flops.values()) / (self.iteration_s * self.peak_flops * self.num_devices)
+
+    @property
+    def eval_s(self) -> float:
+        # every rank samples all of an eval, a context group splitting each sample
+        return self.eval_flops / (self.implied_mfu * self.peak_flops * self.cp_size)
+
+    @property
+    def reference_s(self) -> float:
+        return self.reference_flops / (self.implied_mfu * self.peak_flops * self.cp_size)
+
+    @property
+    def checkpoint_s(self) -> float:
+        return self.checkpoint_bytes / (self.storage_gbps * 1e9)
+
+    @property
+    def export_s(self) -> float:
+        return self.export_bytes / (self.storage_gbps * 1e9)
+
+    @property
+    def start_s(self) -> float:
+        return self.start_bytes / (self.storage_gbps * 1e9)
+
+    def per_iteration_s(self) -> float:
+        """An iteration with its share of the evals, checkpoints and exports."""
+        share = lambda interval: 1 / interval if interval else 0.0  # noqa: E731
+        exports = share(self.save_interval) if self.export_interval == 0 else share(self.export_interval)
+        return (self.iteration_s + share(self.eval_interval) * self.eval_s
+                + share(self.save_interval) * self.checkpoint_s + exports * self.export_s)
+
+    @property
+    def iterations_per_night(self) -> int:
+        """Iterations a night holds after its start, a final checkpoint, eval and export (the first
+        night also makes the teacher's reference)."""
+        closing = self.start_s + self.checkpoint_s + self.export_s + (self.eval_s if self.eval_interval else 0)
+        return max(0, int((self.night_s - closing) / self.per_iteration_s()))
+
+    @property
+    def nights(self) -> Optional[int]:
+        """Nights to ``num_iterations`` at this pace (the first night's reference included)."""
+        per_night = self.iterations_per_night
+        if not per_night:
+            return None
+        first = max(0, int((self.night_s - self.reference_s - self.start_s - self.checkpoint_s - self.export_s
+                            - (self.eval_s if self.eval_interval else 0)) / self.per_iteration_s()))
+        left = max(0, self.num_iterations - first)
+        return (1 if first else 0) + math.ceil(left / per_night) if left else 1
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        for name in ("iteration_s", "assumed_iteration_s", "implied_mfu", "eval_s", "reference_s", "checkpoint_s",
+                     "export_s", "start_s", "iterations_per_night", "nights"):
+            out[name] = getattr(self, name)
+        out["pace"] = "measured" if self.measured else "assumed"
+        return out
+
+
+def device_peak_flops(device: str) -> float:
+    """The dense bf16 peak FLOP/s of one device of a kind in ``DEVICE_PEAK_TFLOPS``."""
+    if device not in DEVICE_PEAK_TFLOPS:
+        from dmd2_core.args import nearest
+
+        raise ArgsError(f"device_kind: no peak for '{device}'{nearest(device, sorted(DEVICE_PEAK_TFLOPS))} "
+                        f"(known: {', '.join(sorted(DEVICE_PEAK_TFLOPS))}; or give peak_tflops)")
+    return DEVICE_PEAK_TFLOPS[device] * 1e12
+
+
+def time_plan(trainers: dict[str, Args], memory_plan, evaluator: str, mfu: float = DEFAULT_MFU,
+              peak_flops: Optional[float] = None, storage_gbps: float = DEFAULT_STORAGE_GBPS,
+              night_hours: float = DEFAULT_NIGHT_HOURS, measured: Optional[dict] = None) -> TimePlan:
+    """The time plan of a run's trainers and their memory plan (``planner.plan``)."""
+    if not 0 < mfu <= 1:
+        raise ArgsError(f"assumed_mfu: {mfu} is not in (0, 1]")
+    if storage_gbps <= 0 or night_hours <= 0:
+        raise ArgsError(f"{'storage_gbps' if storage_gbps <= 0 else 'night_hours'}: must be above 0")
+    actor = trainers["actor"]
+    peak = peak_flops if peak_flops is not None else device_peak_flops(DEFAULT_DEVICE)
+    evals = eval_flops(trainers, evaluator)
+    shards = memory_plan.shard_size
+    # each shard group holds the whole state once; every group's shards written, every weight read
+    checkpoint = sum(g.saved for g in memory_plan.groups) * shards
+    start = sum(g.loaded for g in memory_plan.groups) * shards
+    export_dtype = torch.empty(0, dtype=getattr(torch, actor.export_dtype or actor.dtype)).element_size()
+    student = model_flops(actor.hf_checkpoint, tuple(actor.latent_shape) if actor.latent_shape else None,
+                          actor.gan_feature_block)
+    export = student.params * export_dtype * (2 if actor.ema_decay else 1)
+    notes = ["the VAE's decode is not counted", "eval: every rank samples all of its samples"]
+    return TimePlan(actor.num_devices, memory_plan.cp_size, mfu, peak, storage_gbps, night_hours * 3600,
+                    actor.num_iterations, actor.eval_interval, actor.save_interval, actor.export_interval,
+                    iteration_flops(trainers), evals["eval"], evals["reference"], checkpoint, export, start,
+                    measured, notes)
+
+
+def _seconds(s: float) -> str:
+    if s >= 3600:
+        return f"{s / 3600:.1f} h"
+    return f"{s:.1f} s" if s >= 1 else f"{s * 1000:.1f} ms"
+
+
+def table(tp: TimePlan) -> str:
+    """The time plan as a few lines, under the memory plan's table."""
+    pace = (f"measured {tp.measured['iteration_s']:.3f} s an iteration over {tp.measured['iterations']} iterations "
+            f"of {tp.measured['url']} (implies MFU {tp.implied_mfu:.3g}; assumed {tp.mfu:g} would give "
+            f"{_seconds(tp.assumed_iteration_s)})" if tp.measured else
+            f"assumed MFU {tp.mfu:g} of {tp.peak_flops / 1e12:g} TFLOP/s per device (assumed_mfu, peak_tflops)")
+    flops = ", ".join(f"{k} {v / 1e12:.4g}" for k, v in tp.iteration_flops.items())
+    nights = tp.nights
+    lines = [
+        f"time plan ({tp.num_devices} devices; {pace})",
+        f"  iteration      {_seconds(tp.iteration_s):>10}   {sum(tp.iteration_flops.values()) / 1e12:.4g} TFLOP ({flops})",
+        f"  eval           {_seconds(tp.eval_s):>10}   {tp.eval_flops / 1e12:.4g} TFLOP"
+        + ("" if tp.eval_interval else " (eval_interval 0: none)"),
+        f"  reference      {_seconds(tp.reference_s):>10}   {tp.reference_flops / 1e12:.4g} TFLOP, once per teacher and settings",
+        f"  checkpoint     {_seconds(tp.checkpoint_s):>10}   {tp.checkpoint_bytes / 1e9:.3g} GB at {tp.storage_gbps:g} GB/s (storage_gbps)",
+        f"  export         {_seconds(tp.export_s):>10}   {tp.export_bytes / 1e9:.3g} GB",
+        f"  start          {_seconds(tp.start_s):>10}   {tp.start_bytes / 1e9:.3g} GB read, every group",
+        f"  a night of {tp.night_s / 3600:g} h (night_hours): {tp.iterations_per_night} iterations; "
+        + (f"{nights} night(s) to num_iterations {tp.num_iterations}" if nights else "no iteration fits")
+        + f" ({'; '.join(tp.notes)})",
+    ]
+    return "\n".join(lines)
