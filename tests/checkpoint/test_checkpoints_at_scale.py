@@ -5,8 +5,10 @@ retention in a run, and an S3 outage in the middle of an asynchronous save."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
+import psutil
 import pytest
 import ray
 
@@ -102,6 +104,19 @@ def test_resume_on_another_number_of_ranks_continues_smoothly(ray_session, tiny_
         assert abs(metrics[key] - sixth[key]) <= 1e-4 * max(1.0, abs(sixth[key])), (key, metrics[key], sixth[key])
 
 
+def _wait_gone(pids: list[int], timeout_s: float) -> None:
+    def alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    while any(map(alive, pids)):
+        assert time.monotonic() < deadline, f"ranks {pids} still alive {timeout_s:.0f} s after ray.kill"
+        time.sleep(0.1)
+
+
 def test_s3_stopped_in_the_middle_of_an_async_save(ray_session, tiny_teacher, s3_bucket, s3_outage):
     """The endpoint goes down as the asynchronous save of iteration 2 starts; the run dies while
     the save is still retrying. The tracker names iteration 1 (complete); once the endpoint is
@@ -110,22 +125,28 @@ def test_s3_stopped_in_the_middle_of_an_async_save(ray_session, tiny_teacher, s3
     args = tiny_args(tiny_teacher, save, ema_decay=0.9, async_save=True, run_name="async-outage")
     run = DistillRun(args)
     run.start()
+    restarted = None
     try:
         run.iterate(1)
         run.checkpoint(1, wait=True)
         run.iterate(2)
-        restarted = s3_outage(15.0)
+        restarted = s3_outage(600)  # down until every rank has died (ended below)
         t = time.monotonic()
         run.checkpoint(2)
         blocked = time.monotonic() - t
         run.iterate(3)
         assert run.pending_save == 2  # still being written: the tracker has not moved
         uninterrupted = _digests(run)
+        pids = [pid for group in run.groups.values()
+                for pid in ray.get([rank.__ray_call__.remote(lambda _: os.getpid()) for rank in group.ranks])]
         for group in run.groups.values():  # the run dies with its save in flight
             for rank in group.ranks:
                 ray.kill(rank)
-        restarted.join()
+        _wait_gone(pids, 60)
     finally:
+        if restarted is not None:
+            restarted.end()  # the endpoint comes back, once no rank lives to finish the save
+            restarted.join()
         run.shutdown()
     assert blocked < 10.0  # the save did not wait for the endpoint
     assert ckpt.read_latest(save) == 1
