@@ -4,6 +4,7 @@ rank placement across nodes. Sleep/wake of shards and resume: tests/checkpoint/t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -230,11 +231,18 @@ def test_a_group_across_two_ray_nodes(one_rank, tiny_teacher, tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
     procs = [head]
     script = f"""
-import json, time, ray, torch
+import json, socket, time, ray, torch
 from tests.helpers import tiny_args
 from dmd2_core.run.distill_run import DistillRun
-ray.init(address="127.0.0.1:{port}", namespace="two-nodes")  # the run joins this connection
 deadline = time.monotonic() + 180
+while True:  # started beside the head (its imports overlap the head's start): until its GCS listens
+    try:
+        socket.create_connection(("127.0.0.1", {port}), timeout=1).close()
+        break
+    except OSError:
+        assert time.monotonic() < deadline, "nothing listens on {port}"
+        time.sleep(0.2)
+ray.init(address="127.0.0.1:{port}", namespace="two-nodes")  # the run joins this connection
 while ray.cluster_resources().get("dmd2_device", 0) < 2:  # until the worker node has joined
     assert time.monotonic() < deadline, ray.cluster_resources()
     time.sleep(0.5)
@@ -253,15 +261,17 @@ with DistillRun(args) as run:
                       "tracked": saved["checkpoint_iteration"]}}))
 """
     try:
+        driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, cwd=ROOT, env=env, start_new_session=True)
+        procs.append(driver)
         _wait_for_port(port, 120)  # the head's GCS listens
         worker = subprocess.Popen([str(ray_bin), "start", f"--address=127.0.0.1:{port}", f"--temp-dir={dirs[1]}",
                                    *common], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                   start_new_session=True, env=env)
         procs.append(worker)
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240,
-                              cwd=ROOT, env=env)
-        assert done.returncode == 0, done.stderr[-3000:]
-        out = json.loads(done.stdout.strip().splitlines()[-1])
+        stdout, stderr = driver.communicate(timeout=240)
+        assert driver.returncode == 0, stderr[-3000:]
+        out = json.loads(stdout.strip().splitlines()[-1])
         assert out["alive"] == 2 and len(set(out["nodes"])) == 2  # one rank on each node
         assert all(w["share"] == 0.5 for w in out["where"])
         two = torch.load(tmp_path / "weights.pt", weights_only=True)
@@ -273,7 +283,8 @@ with DistillRun(args) as run:
         assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(marker["sha256"])
     finally:
         for proc in reversed(procs):
-            os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):  # the driver's group is gone once it has ended
+                os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=60)
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
