@@ -26,29 +26,44 @@ from tests.helpers import SHORT_TEACHER_STEPS, free_port, session_shared
 # collective, so two such groups sharing two cores stall each other (a 2-rank test took 12x longer
 # beside two busy processes). Under `--dist loadscope` (make test) the marked tests are one scope
 # and run one after another on one worker; the other tests of a file are a scope of their own, as
-# with loadfile. The controller never imports the tests, so it reads the marker from each file's
-# source. (xdist's own loadgroup cannot do this under pytest 9: its suffix on the node id is ignored.)
-def multi_rank_tests(path: Path) -> set[str]:
-    """Names of the test functions of ``path`` decorated with ``pytest.mark.multi_rank``."""
+# with loadfile. The tests marked `server` (tests/test_alerts.py, tests/test_served.py) are one
+# scope too: the real Prefect server is a session fixture, so on one worker it starts once, where
+# the two files on two workers started one each. The controller never imports the tests, so it
+# reads the markers from each file's source. (xdist's own loadgroup cannot do this under pytest 9:
+# its suffix on the node id is ignored.) A test with both marks is multi-rank.
+MARKED_SCOPES = {"multi_rank": "multi-rank", "server": "prefect-server"}
+
+
+def marked_tests(path: Path) -> dict[str, str]:
+    """The test functions of ``path`` decorated with a mark of MARKED_SCOPES: name -> scope."""
     import ast
 
-    def marked(decorator) -> bool:
-        node = decorator.func if isinstance(decorator, ast.Call) else decorator
-        return isinstance(node, ast.Attribute) and node.attr == "multi_rank"
+    def marks(node) -> list[str]:
+        names = []
+        for decorator in node.decorator_list:
+            target = decorator.func if isinstance(decorator, ast.Call) else decorator
+            if isinstance(target, ast.Attribute) and target.attr in MARKED_SCOPES:
+                names.append(target.attr)
+        return names
 
     tree = ast.parse(path.read_text())
-    return {node.name for node in tree.body
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(map(marked, node.decorator_list))}
+    found = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (names := marks(node)):
+            found[node.name] = MARKED_SCOPES["multi_rank" if "multi_rank" in names else names[0]]
+    return found
 
 
 # The longest scopes go first, so that no long one is left for the end (seconds of work each,
 # `pytest --durations=0` on the 2-core machine, 2026-12-04: multi-rank 580, faults 162, served 156,
-# dmd2 105, broken checkpoints 78, flow 55, wan video 51; most others are under 40).
-LONGEST_FIRST = ("multi-rank", "tests/test_faults.py", "tests/test_served.py", "tests/test_dmd2.py",
+# dmd2 105, broken checkpoints 78, flow 55, wan video 51; most others are under 40). On 2026-12-06
+# the served file alone took 325 s and faults 279-295 s (beside other sessions' runs, load 6 to
+# 23): the served scope, with the alerts' server tests, goes before faults.
+LONGEST_FIRST = ("multi-rank", "prefect-server", "tests/test_faults.py", "tests/test_dmd2.py",
                  "tests/checkpoint/test_broken_checkpoints.py", "tests/test_flow.py", "tests/test_wan_video.py")
 
 
-class MultiRankScheduling:
+class MarkedScopesScheduling:
     """Registered only where xdist is (``-p no:xdist`` must still run the suite)."""
 
     @pytest.hookimpl(tryfirst=True)
@@ -59,13 +74,13 @@ class MultiRankScheduling:
 
         from xdist.scheduler import LoadScopeScheduling
 
-        marked_in = lru_cache(maxsize=None)(lambda path: multi_rank_tests(Path(config.rootpath) / path))
+        marked_in = lru_cache(maxsize=None)(lambda path: marked_tests(Path(config.rootpath) / path))
 
-        class MultiRankTestsTogether(LoadScopeScheduling):
+        class MarkedTestsTogether(LoadScopeScheduling):
             def _split_scope(self, nodeid: str) -> str:
                 path, _, rest = nodeid.partition("::")
                 name = rest.split("[", 1)[0].split("::")[-1]
-                return "multi-rank" if name in marked_in(path) else path
+                return marked_in(path).get(name, path)
 
             def _assign_work_unit(self, node) -> None:
                 first = next((scope for scope in LONGEST_FIRST if scope in self.workqueue), None)
@@ -73,12 +88,12 @@ class MultiRankScheduling:
                     self.workqueue.move_to_end(first, last=False)
                 super()._assign_work_unit(node)
 
-        return MultiRankTestsTogether(config, log)
+        return MarkedTestsTogether(config, log)
 
 
 def pytest_configure(config):
     if config.pluginmanager.hasplugin("xdist"):
-        config.pluginmanager.register(MultiRankScheduling(), "dmd2-multi-rank-scheduling")
+        config.pluginmanager.register(MarkedScopesScheduling(), "dmd2-marked-scopes-scheduling")
 
 
 def _set_env(monkeypatch_env: dict, values: dict) -> None:
