@@ -98,6 +98,9 @@ def served(prefect_server, receiver, tmp_path_factory):
     env = {k: v for k, v in env.items() if not k.startswith("DMD2_MINIMAX_H3_")}
     env["PREFECT_RUNNER_POLL_FREQUENCY"] = "2"  # a rescheduled run is picked up within 2 s
     env["DMD2_ALERT_WEBHOOK_URL"] = receiver[0]
+    # the runs join the session's Ray (shared_ray): a local Ray has token auth unless RAY_AUTH_MODE
+    # says otherwise, and Ray turns it on only for a cluster found automatically, not an address
+    env["RAY_AUTH_MODE"] = os.environ.get("RAY_AUTH_MODE", "token")
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "deployments.serve"], env=env, cwd=REPO, stdout=out,
