@@ -56,9 +56,9 @@ def marked_tests(path: Path) -> dict[str, str]:
 
 # The longest scopes go first, so that no long one is left for the end (seconds of work each,
 # `pytest --durations=0` on the 2-core machine, 2026-12-04: multi-rank 580, faults 162, served 156,
-# dmd2 105, broken checkpoints 78, flow 55, wan video 51; most others are under 40). On 2026-12-06
-# the served file alone took 325 s and faults 279-295 s (beside other sessions' runs, load 6 to
-# 23): the served scope, with the alerts' server tests, goes before faults.
+# dmd2 105, broken checkpoints 78, flow 55, wan video 51; most others are under 40). On 2026-12-06,
+# each file alone beside other sessions' runs (load 6 to 23), the served file took 325 s and faults
+# (its lease tests still in it) 279 s: the served scope, with the alerts' server tests, goes before faults.
 LONGEST_FIRST = ("multi-rank", "prefect-server", "tests/test_faults.py", "tests/test_dmd2.py",
                  "tests/checkpoint/test_broken_checkpoints.py", "tests/test_flow.py", "tests/test_wan_video.py")
 
