@@ -15,7 +15,9 @@ environment), so the two cannot differ; a key there that serve cannot honour sto
   from DMD2_MINIMAX_H3_HF_CHECKPOINT, DMD2_MINIMAX_H3_PROMPTS and DMD2_MINIMAX_H3_SAVE (the
   ``{{ $VAR }}`` parameters of prefect.yaml); when one is missing from both, the deployment is
   served with its schedule paused, a description saying what to set, and serve prints one line
-  naming the missing keys. Skipped with a warning when the recipe file does not exist.
+  naming the missing keys. Skipped with a warning when the recipe file does not exist. Each night
+  is a leg of one distillation: ``time_budget_s`` (prefect.yaml: 36000, the 02:00-12:00 UTC window)
+  stops it in time to checkpoint, evaluate and export, and the next night resumes the same save.
 - ``tiny``: recipe tiny (the digits demo), on demand: ``prefect deployment run dmd2/tiny``.
 
 Server automations made with them: a run that stops sending heartbeats is Crashed, a Crashed one

@@ -96,6 +96,11 @@ class Args(TrackerFlags):
     max_crash_reruns: int = _f(
         3, "run", "Times a crashed deployment run is rerun (from its checkpoint) before it is failed for good.", ge=0
     )
+    time_budget_s: Optional[float] = _f(
+        None, "run", "Seconds this run may take from its start (group start-up included): it stops training early "
+        "enough to checkpoint, evaluate and export the iteration it stopped at inside them, ends Completed and "
+        "continues when run again on the same save (a nightly deployment's window). Unset or 0: no budget.", ge=0
+    )
     summary_interval: int = _f(
         25, "run", "Refresh the run summary artifact (plot, table, update time) at most every this many iterations "
         "between evals and checkpoints (0: only at evals and checkpoints).", ge=0

@@ -46,13 +46,17 @@ from typing import Any, Optional  # noqa: E402
 
 import torch  # noqa: E402
 from prefect import flow, get_run_logger, tags  # noqa: E402
+from prefect.states import Completed, State  # noqa: E402
 
+from dmd2_core import checkpoint as ckpt  # noqa: E402
 from dmd2_core.args import Args, load_args  # noqa: E402
 from dmd2_core.errors import (  # noqa: E402
     ArgsError, LeaseLostError, NonFiniteError, StorageUnavailableError, StoredFilesError, TransientError,
 )
 from dmd2_core.run.distill_run import DistillRun  # noqa: E402
 from dmd2_core.run.preflight import hand_over  # noqa: E402
+from dmd2_core.run.schedule import Schedule  # noqa: E402
+from dmd2_core.run import time_budget  # noqa: E402
 from flows import artifacts, nights, runs  # noqa: E402
 from flows.driver import TRAINING_LOGGED, DriverBase, fmt  # noqa: E402
 from tasks import registry  # noqa: E402
@@ -141,6 +145,8 @@ class Driver(DriverBase):
                 (student_train, (i,)), *([(sleep_groups, (i, "actor"))] if sleeps else [])]
 
     def iteration(self, i: int) -> dict:
+        if self.budget is not None and i < self.final and self.must_stop_after(i):
+            self.stop_at(i)
         t, self.current = time.perf_counter(), i
         metrics: dict[str, Any] = {}
         state = None
@@ -148,8 +154,10 @@ class Driver(DriverBase):
             # wait_for: an edge in the run graph, so one iteration's phases read as one chain
             state = phase(self.run_id, *call, return_state=True, wait_for=[state] if state is not None else None)
             metrics.update(state.result())
+        self.note_save_costs(metrics)
         self._saved(metrics)
         metrics["iteration_s"] = time.perf_counter() - t
+        self.note_cost("iteration", metrics["iteration_s"])
         row = self.log.update(i, metrics)
         evals, saves = self.schedule.evals_at(i), self.schedule.saves_at(i)
         if evals:
@@ -165,9 +173,33 @@ class Driver(DriverBase):
             self.artifacts.progress(i)
         self.track(i)  # after the log holds the row: a rerun skips what the log had, never what it lacked
         self.view["iteration"] = i
-        self.logger.info(f"iteration {i}/{self.final} {fmt(row, (*TRAINING_LOGGED, *self.quality_keys))} "
+        self.logger.info(f"iteration {i}/{self.target} {fmt(row, (*TRAINING_LOGGED, *self.quality_keys))} "
                          f"({metrics['iteration_s']:.2f}s)")
         return row
+
+    # ---- the time budget ----
+    def must_stop_after(self, i: int) -> bool:
+        """Whether iteration i must be this run's last for its end to fit in the time budget."""
+        budget, evaluating = self.budget, self.schedule.evaluating
+        scheduled = ((budget.estimate("eval") if self.schedule.evals_at(i) else 0.0)
+                     + (budget.estimate("checkpoint") if self.schedule.saves_at(i) else 0.0))
+        return budget.must_stop_after_next(evaluating, scheduled)
+
+    def stop_at(self, i: int) -> None:
+        """Make iteration i the run's last: its schedule then evaluates it, saves it (waiting until
+        durable) and exports it, as at a run's end. Decided before the iteration starts, so no
+        later iteration was started ahead; every rank stops alike (the trainers follow the driver)."""
+        self.logger.info(f"time budget: iteration {i} is this run's last of {self.target} "
+                         f"({self.budget.describe(self.schedule.evaluating)}); it is checkpointed, evaluated "
+                         f"and exported, and the next run on {self.args.save} goes on from it")
+        self.final = i
+        self.schedule = self.run.schedule = Schedule.of(self.args, final=i)
+
+    def pace(self) -> Optional[float]:
+        """This run's mean seconds per iteration (its metrics rows), None before one."""
+        measured = [row["iteration_s"] for n, row in self.log.rows.items()
+                    if self.start < n <= self.final and isinstance(row.get("iteration_s"), (int, float))]
+        return round(sum(measured) / len(measured), 3) if measured else None
 
     # ---- the whole run ----
     def drive(self, reruns: int = 0) -> dict:
@@ -185,6 +217,8 @@ class Driver(DriverBase):
             self.track(self.start)
         rerun = f" (rerun {self.reruns})" if self.reruns else ""
         for first, last in windows(self.start, self.final, args.iterations_per_window):
+            if first > self.final:  # the time budget stopped the run in an earlier window
+                break
             name = f"{self.view['name']} iterations-{first:04d}-{last:04d}{rerun}"
             with tags(WINDOW_TAG):
                 iterations.with_options(flow_run_name=name)(self.run_id, first, last)
@@ -199,12 +233,20 @@ class Driver(DriverBase):
             b, a = self.result.get("quality_before"), self.result.get("quality_after")
             if b and a:
                 self.logger.info("quality before -> after: " + ", ".join(f"{k} {b[k]:.4g} -> {a[k]:.4g}" for k in a if k in b))
-        self.view["status"] = "completed"
+        continues = self.final < self.target
+        self.result.update(final_iteration=self.final, stopped_at=self.final, num_iterations=self.target,
+                           continues=continues)
+        self.view["status"] = "completed, continues" if continues else "completed"
+        self.view["seconds_per_iteration"] = self.pace()
         self.log.finish()
         self.trackers.close()
         self.publish(self.final)
         self.result["wall_s"] = round(time.perf_counter() - self.t0, 2)
-        self.logger.info(f"dmd2 done: iteration {self.final} in {self.result['wall_s']}s; metrics {self.log.url}")
+        self.logger.info(f"dmd2 done: iteration {self.final} in {self.result['wall_s']}s; metrics {self.log.url}"
+                         + (f"; continues: {self.target - self.final} of {self.target} iterations left" if continues else ""))
+        if self.budget is not None and self.budget.left() < 0:
+            self.logger.warning(f"time budget: the run took {self.budget.elapsed():.1f}s of its {self.budget.budget_s:g}s "
+                                "(its first iteration or its end took longer than estimated)")
         return self.result
 
 
@@ -217,7 +259,9 @@ def iterations(run_id: str, first: int, last: int) -> dict:
     row: dict = {}
     for i in range(first, last + 1):
         row = driver.iteration(i)
-    return {"first": first, "last": last, "iteration_s": row.get("iteration_s")}
+        if i >= driver.final:  # the time budget made it the run's last
+            break
+    return {"first": first, "last": min(last, driver.final), "iteration_s": row.get("iteration_s")}
 
 
 @contextlib.contextmanager
@@ -241,6 +285,7 @@ def dmd2(
     save: Optional[str] = None,
     prompts: Optional[str] = None,
     seed: Optional[int] = None,
+    time_budget_s: Optional[float] = None,
 ) -> dict:
     """DMD2 distillation of a recipe into a few-step student.
 
@@ -252,11 +297,13 @@ def dmd2(
         save: Storage URL of the run: checkpoints, metrics.jsonl, media; a run with the same save resumes.
         prompts: Prompt-embedding set (safetensors URL) or 'digits'; default the recipe's.
         seed: Seed of every random draw; default the recipe's.
+        time_budget_s: Seconds the run may take (a night's window): it stops early enough to checkpoint, evaluate and export where it stopped, and the next run on the same save goes on; unset or 0: none.
     """
+    started = time_budget.clock()  # the time budget counts from here: the groups' start-up is part of it
     configure_environment()  # where a worker or serve starts the run: before Ray is imported
     logger = get_run_logger()
     args = resolve_args(recipe, overrides, num_iterations=num_iterations, hf_checkpoint=hf_checkpoint,
-                        save=save, prompts=prompts, seed=seed)
+                        save=save, prompts=prompts, seed=seed, time_budget_s=time_budget_s)
     from prefect.runtime import flow_run
 
     reruns = max(0, int(flow_run.run_count or 1) - 1)  # a crashed run set Scheduled again counts up
@@ -277,15 +324,26 @@ def dmd2(
     args = run.args
     torch.set_num_threads(args.torch_threads)  # the driver's own work (digits metrics)
     name = flow_run.name or run_display_name({"recipe": recipe, "overrides": overrides})
+    reached = None if reruns else campaign_complete(args)  # a crash rerun finishes what its attempt began
+    if reached is not None:
+        return _nothing_to_train(args, name, reached, time_budget.clock() - started, logger)
     run_id = registry.register(_run_id(), run)
     driver = None
     try:
         with _quiet_tasks():
-            driver = Driver(run, run_id, args, name, logger)
+            driver = Driver(run, run_id, args, name, logger, started=started)
             _DRIVERS[run_id] = driver
             result = driver.drive(reruns)
-        nights.record_night(driver.view, "completed" + (f" ({reruns} rerun)" if reruns else ""), result["wall_s"])
-        return result
+        outcome = "completed, continues" if result["continues"] else "completed"
+        nights.record_night(driver.view, outcome + (f" ({reruns} rerun)" if reruns else ""), result["wall_s"])
+        if not args.time_budget_s:
+            return result
+        if result["continues"]:
+            message = (f"continues: stopped at iteration {result['stopped_at']} of {result['num_iterations']} to fit "
+                       f"its time budget of {args.time_budget_s:g}s; the next run on {args.save} goes on from it")
+        else:
+            message = f"campaign complete: iteration {result['stopped_at']} of {result['num_iterations']}"
+        return Completed(message=message, data=result)
     except BaseException as exc:
         if driver is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
             at = getattr(driver, "current", driver.view["iteration"])  # the iteration it failed in
@@ -302,6 +360,26 @@ def dmd2(
         _DRIVERS.pop(run_id, None)
         registry.unregister(run_id)
         run.shutdown()
+
+
+def campaign_complete(args: Args) -> Optional[int]:
+    """The iteration the run's own save is at when it already reached ``num_iterations`` (its
+    distillation is complete: a run on it has nothing to train), else None."""
+    reached = ckpt.read_latest(args.save) if args.save else None
+    return reached if reached is not None and reached >= args.num_iterations else None
+
+
+def _nothing_to_train(args: Args, name: str, reached: int, wall_s: float, logger) -> State:
+    """A run on a save whose distillation is complete: no actor starts, nothing is written to the
+    save; it says so once (this log line, the state message, its nights row) and completes."""
+    message = (f"campaign complete: {args.save} is at iteration {reached} of {args.num_iterations}; nothing to "
+               "train (a new campaign is a new save)")
+    logger.info(message)
+    view = {"name": name, "iteration": reached, "start": reached, "final": args.num_iterations, "evals": []}
+    nights.record_night(view, "campaign complete", wall_s)
+    return Completed(message=message, data={
+        "name": name, "start_iteration": reached, "final_iteration": reached, "stopped_at": reached,
+        "num_iterations": args.num_iterations, "continues": False, "campaign_complete": True})
 
 
 # ---- CLI --------------------------------------------------------------------------------------

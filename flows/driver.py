@@ -21,6 +21,8 @@ from dmd2_core.report import GAN_KEYS, MetricsLog, best_eval, criterion
 from dmd2_core.step_counts import split_steps
 from dmd2_core.run.checkpoint_commits import read_best_student, write_best_student
 from dmd2_core.run.schedule import Schedule
+from dmd2_core.run import time_budget
+from dmd2_core.run.time_budget import TimeBudget
 from dmd2_core.trackers.sinks import Trackers
 from flows import artifacts, runs
 from tasks.checkpoint import checkpoint
@@ -45,13 +47,20 @@ class DriverBase:
     """Sequences one run: iterations, evals and checkpoints as tasks, the metrics log, the run
     summary. The flow and its window subflows look it up by run id."""
 
-    def __init__(self, run: DistillRun, run_id: str, args: Args, name: str, logger):
+    def __init__(self, run: DistillRun, run_id: str, args: Args, name: str, logger, started: Optional[float] = None):
+        """``started``: the run's start on time_budget.clock (default now), from which its
+        ``time_budget_s`` counts: the groups' start-up is part of it."""
         self.run, self.run_id, self.args, self.logger = run, run_id, args, logger
         self.evaluator = evaluator_of(args)
         self.quality_keys = self.evaluator.quality_keys
         self.t0 = time.perf_counter()
+        started = time_budget.clock() if started is None else started
         self.start = run.start()
-        self.final = max(self.start, args.num_iterations)
+        self.target = max(self.start, args.num_iterations)  # the distillation's last iteration, over every leg
+        self.final = self.target  # this run's last: earlier when its time budget stops it (Driver.stop_at)
+        # a cost not measured yet is taken as the start-up (reading every group from storage)
+        self.budget = (TimeBudget(args.time_budget_s, started, default_s=time_budget.clock() - started)
+                       if args.time_budget_s else None)
         self.schedule = run.schedule = Schedule.of(args, final=self.final)
         self.last_eval: Optional[int] = None
         # a rerun that resumed from the run's own save has its start's checkpoint (and export) already
@@ -87,7 +96,9 @@ class DriverBase:
 
     # ---- evals and checkpoints ----
     def eval(self, i: int) -> dict:
+        t = time.perf_counter()
         out = evaluate(self.run_id, i)
+        self.note_cost("eval", time.perf_counter() - t)
         self.last_eval = i
         flags = self.evaluator.drift_flags(out["metrics"], self.first_eval(out["metrics"]), out.get("reference") or {})
         row = self.log.update(i, {**out["metrics"], **({"drift_out": float(len(flags))} if out.get("reference") else {})})
@@ -146,9 +157,24 @@ class DriverBase:
         self.logger.info(f"checkpoint at iteration {i} tracked ({metrics['checkpoint_save_s']:.2f}s to write)"
                          + (f"; student exported to {export}" if export else ""))
 
+    def note_cost(self, cost: str, seconds: Optional[float]) -> None:
+        """A measured cost for the time budget (none without one)."""
+        if self.budget is not None and isinstance(seconds, (int, float)):
+            self.budget.note(cost, seconds)
+
+    def note_save_costs(self, metrics: dict) -> None:
+        """What a checkpoint that became durable took to write, and its export (an asynchronous
+        save reports them at a later iteration)."""
+        self.note_cost("checkpoint", metrics.get("checkpoint_save_s"))
+        self.note_cost("export", metrics.get("export_s"))
+
     def checkpoint(self, i: int, wait: bool = False) -> None:
         export = True if self.export_best == i else None  # the best eval's student is exported
+        t = time.perf_counter()
         out = checkpoint(self.run_id, i, wait, export)
+        if wait:  # the driver waited for all of it
+            self.note_cost("checkpoint", time.perf_counter() - t)
+        self.note_save_costs(out)
         self.requested_ckpt = i
         self._saved(out)
         self.log.update(i, {k: v for k, v in out.items()

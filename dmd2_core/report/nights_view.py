@@ -1,6 +1,7 @@
 """The nights view of a deployment: a row per run (its outcome, its quality by the run's criterion,
-final and best, per modality, the drift statistics that left their band, its best student) under a
-plot of the criterion over nights. No Prefect here: flows/nights.py keeps the rows in an artifact."""
+final and best, per modality, the drift statistics that left their band, its best student, the
+iterations it did from -> to, its measured seconds per iteration and the nights that remain at
+that pace) under a plot of the criterion over nights. No Prefect here: flows/nights.py keeps the rows in an artifact."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def night_row(view: dict, outcome: str, wall_s: float, run_id: str, link: Option
            "fd": last.get("fd"), "best_fd": best.get("fd") if key == "fd" else None,
            "drift_out": list(view.get("drift_flags") or []),
            "iteration": view.get("iteration"), "final_iteration": view.get("final"),
+           "from_iteration": view.get("start"), "s_per_iteration": view.get("seconds_per_iteration"),
+           "nights_left": nights_left(view.get("start"), view.get("iteration"), view.get("final")),
            "wall_s": round(float(wall_s), 1), "link": link,
            "student": view.get("best_student") or view.get("student")}
     row.update({k: last.get(k) for k in columns if last.get(k) is not None})
@@ -44,6 +47,17 @@ def night_row(view: dict, outcome: str, wall_s: float, run_id: str, link: Option
                                  **{c: last.get(at_steps(c, k)) for c in columns if last.get(at_steps(c, k)) is not None}}
                         for k in counts}
     return row
+
+
+def nights_left(start: Optional[int], reached: Optional[int], final: Optional[int]) -> Optional[int]:
+    """Nights still needed to reach ``final`` at the pace of a night that went from ``start`` to
+    ``reached``; 0 once reached, None when the night trained nothing short of it (no pace)."""
+    if reached is None or final is None:
+        return None
+    if reached >= final:
+        return 0
+    done = reached - (start or 0)
+    return -(-(final - reached) // done) if done > 0 else None
 
 
 def nights_plot(rows: list[dict], title: str = "") -> Optional[bytes]:
@@ -84,8 +98,10 @@ def nights_markdown(deployment: str, rows: list[dict], plot: Optional[bytes]) ->
     shown = dict.fromkeys(c for r in rows for c in night_columns(evaluator_for(r)))
     extra = [c for c in shown if any(r.get(c) is not None for r in rows)]
     drift = any(r.get("drift_out") or r.get("best_tkd") is not None for r in rows)  # teacher-evaluated nights
+    pace = any(r.get("s_per_iteration") is not None for r in rows)  # nights that measured their iterations
     columns = ["date", "run", "outcome", f"final {name}", f"best {name}", *extra,
-               *(["drift out of band"] if drift else []), "iterations", "wall"]
+               *(["drift out of band"] if drift else []), "iterations",
+               *(["s / iteration", "nights left"] if pace else []), "wall"]
     out = [f"# {deployment}: nights", "", f"{len(rows)} run(s), newest first; {name} lower is better.", ""]
     if plot:
         out += [f"![{name} over nights]({data_uri(plot, 'image/png')})", ""]
@@ -96,17 +112,25 @@ def nights_markdown(deployment: str, rows: list[dict], plot: Optional[bytes]) ->
         cells = [r.get("date"), run + (" (mean over step counts)" if several else ""), r.get("outcome"), r.get("final"),
                  r.get("best"), *(None if several else r.get(c) for c in extra),
                  *([", ".join(r.get("drift_out") or []) or "none"] if drift else []),
-                 f"{r.get('iteration') if r.get('iteration') is not None else '-'}/{r.get('final_iteration')}",
+                 _iterations(r), *([r.get("s_per_iteration"), r.get("nights_left")] if pace else []),
                  f"{r.get('wall_s')} s"]
         out.append(_cells(cells))
         for k, figures in (r.get("steps") or {}).items():  # a row per step count of the night's student
             out.append(_cells(["", f"at {k} steps", "", figures.get("final"), figures.get("best"),
-                               *(figures.get(c) for c in extra), *([""] if drift else []), "", ""]))
+                               *(figures.get(c) for c in extra), *([""] if drift else []), "",
+                               *(["", ""] if pace else []), ""]))
     out.append("")
     students = [r for r in reversed(rows) if r.get("student")]
     if students:
         out += ["Students (each run's best): " + "; ".join(f"{r.get('date')} `{r['student']}`" for r in students[:5]), ""]
     return "\n".join(out)
+
+
+def _iterations(row: dict) -> str:
+    """The iterations a night did, ``from -> to / of`` (a row older than the leg columns: ``to / of``)."""
+    reached = row.get("iteration") if row.get("iteration") is not None else "-"
+    start = row.get("from_iteration")
+    return (f"{start} -> " if start is not None else "") + f"{reached}/{row.get('final_iteration')}"
 
 
 def _cells(cells: list) -> str:
