@@ -335,15 +335,22 @@ def dmd2(
             _DRIVERS[run_id] = driver
             result = driver.drive(reruns)
         outcome = "completed, continues" if result["continues"] else "completed"
-        nights.record_night(driver.view, outcome + (f" ({reruns} rerun)" if reruns else ""), result["wall_s"])
-        if not args.time_budget_s:
+        regressed = nights.record_night(driver.view, outcome + (f" ({reruns} rerun)" if reruns else ""), result["wall_s"])
+        if regressed:  # where a team looks: the run's state message and the summary's first line
+            result["regressed"] = regressed
+            driver.view["status"] = f"{driver.view['status']}, regressed: {regressed}"
+            with contextlib.suppress(Exception):  # the summary is for people; the run's outcome stands
+                driver.artifacts.publish(driver.log.table())
+        if not args.time_budget_s and not regressed:
             return result
         if result["continues"]:
             message = (f"continues: stopped at iteration {result['stopped_at']} of {result['num_iterations']} to fit "
                        f"its time budget of {args.time_budget_s:g}s; the next run on {args.save} goes on from it")
-        else:
+        elif args.time_budget_s:
             message = f"campaign complete: iteration {result['stopped_at']} of {result['num_iterations']}"
-        return Completed(message=message, data=result)
+        else:
+            message = f"completed at iteration {result['stopped_at']} of {result['num_iterations']}"
+        return Completed(message=(f"regressed: {regressed}; " if regressed else "") + message, data=result)
     except BaseException as exc:
         if driver is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
             at = getattr(driver, "current", driver.view["iteration"])  # the iteration it failed in

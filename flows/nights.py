@@ -83,13 +83,16 @@ def one_writer(key: str) -> Iterator[None]:
         yield
 
 
-def add_row(key: str, name: str, row: dict) -> tuple[list[dict], list[dict]]:
+def add_row(key: str, name: str, row: dict, judge=None) -> tuple[list[dict], list[dict]]:
     """Write a new version of the nights view ``key`` of deployment ``name``: its latest rows with
-    ``row`` merged in, read and written by one writer at a time. Returns (the rows before, after)."""
+    ``row`` merged in, read and written by one writer at a time. ``judge(previous rows)`` may mark
+    ``row`` first (a regressed night). Returns (the rows before, after)."""
     from prefect.artifacts import create_markdown_artifact
 
     with one_writer(key):
         previous = rows_of(latest_markdown(key))
+        if judge is not None:
+            judge(previous)
         rows = merge(previous, row)
         markdown = nights_view.nights_markdown(name, rows, nights_view.nights_plot(rows, title=f"{name}: quality over nights"))
         create_markdown_artifact(markdown=with_rows(markdown, rows), key=key,
@@ -98,41 +101,61 @@ def add_row(key: str, name: str, row: dict) -> tuple[list[dict], list[dict]]:
 
 
 def record_night(view: dict, outcome: str, wall_s: float) -> Optional[str]:
-    """Add this run's row to its deployment's nights view; returns the key (None outside a
-    deployment). Best effort: a server hiccup here never fails the run."""
+    """Add this run's row to its deployment's nights view. A completed night that regressed
+    against the nights before it is marked where a team looks (its row's outcome reads
+    "..., regressed", the row keeps the reason) and told (``tell_if_regressed``); returns that
+    reason, None otherwise (and outside a deployment). Best effort: a server hiccup here never
+    fails the run."""
     from prefect.runtime import deployment, flow_run
 
     name = deployment.name
     if not name:
         return None
     key = nights_key(name)
+    judged: dict = {}
+
+    def judge(previous: list[dict]) -> None:
+        if outcome.startswith("completed"):  # a failed night has its own message
+            judged["previous"] = [r for r in previous if r.get("run_id") != row["run_id"]]
+            judged["reason"] = regression_of(view, judged["previous"], row)
+            if judged["reason"]:
+                row["outcome"], row["regressed"] = f"{outcome}, regressed", judged["reason"]
+
     try:
         start = flow_run.scheduled_start_time or datetime.datetime.now(datetime.timezone.utc)
         date = start.astimezone(datetime.timezone.utc).date().isoformat()
         row = nights_view.night_row(view, outcome, wall_s, str(flow_run.id), flow_run.ui_url, date)
-        previous, _ = add_row(key, name, row)
-        if outcome.startswith("completed"):  # a failed night has its own message
-            tell_if_regressed(view, [r for r in previous if r.get("run_id") != row["run_id"]], row)
+        add_row(key, name, row, judge)
     except Exception as exc:  # noqa: BLE001 - the view is for people; the run's outcome stands
         log.warning(f"nights view {key} not updated: {exc}")
         return None
-    return key
+    if judged.get("reason"):
+        tell_if_regressed(view, judged["previous"], row, judged["reason"])
+    return judged.get("reason")
 
 
-def tell_if_regressed(view: dict, previous: list[dict], row: dict) -> Optional[str]:
-    """Emit ``dmd2.night.regressed`` for this run when ``row`` regressed against ``previous`` (the
-    margin: the actor's ``alert_regression_margin``); returns the reason. Never raises."""
-    from prefect.runtime import deployment, flow_run
-
+def regression_of(view: dict, previous: list[dict], row: dict) -> Optional[str]:
+    """Why ``row`` regressed against ``previous`` (the margin: the actor's
+    ``alert_regression_margin``), None when it did not or cannot be judged. Never raises."""
     from flows import alerts
 
     try:
         margin = ((view.get("trainer_args") or {}).get("actor") or {}).get("alert_regression_margin")
         margin = alerts.REGRESSION_MARGIN if margin is None else float(margin)
-        reason = alerts.night_regression(previous, row, margin)
+        return alerts.night_regression(previous, row, margin)
     except Exception as exc:  # noqa: BLE001 - telling a person is best effort; the run's outcome stands
         log.warning(f"regression check not done ({one_line(exc)})")
         return None
+
+
+def tell_if_regressed(view: dict, previous: list[dict], row: dict, reason: Optional[str] = None) -> Optional[str]:
+    """Emit ``dmd2.night.regressed`` for this run when ``row`` regressed against ``previous``
+    (``reason``: already judged); returns the reason. Never raises."""
+    from prefect.runtime import deployment, flow_run
+
+    from flows import alerts
+
+    reason = reason or regression_of(view, previous, row)
     if reason:
         log.warning(f"night regressed: {reason}")
         try:

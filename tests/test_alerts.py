@@ -282,7 +282,10 @@ def test_a_regressed_night_tells_a_person(server_api, receiver, tmp_path):
     assert deployments == [{"prefect.resource.id": f"prefect.deployment.{deployment}",
                             "prefect.resource.role": "deployment", "prefect.resource.name": name}]
     assert event["payload"]["reason"] == reason and event["payload"]["best_tkd"] == 0.41
-    assert event["payload"]["run_id"] == second["id"] and event["payload"]["outcome"] == "completed"
+    assert event["payload"]["run_id"] == second["id"] and event["payload"]["outcome"] == "completed, regressed"
+    # marked where a team looks: the night's row in the nights view, and what the run returns
+    assert (first["outcome"], first["regressed"]) == ("completed", None)
+    assert (second["outcome"], second["regressed"]) == ("completed, regressed", reason)
     time.sleep(2)
     assert len(ours()) == 1 and not any(first["name"] in t for t in ours())
 
@@ -327,10 +330,10 @@ def test_two_nights_ending_together_both_keep_their_rows(prefect_harness, monkey
 # ---- the stand-in night (run in a child process) -------------------------------------------------
 
 @flow(name="dmd2-alerts-stand-in")
-def stand_in_night(view: dict) -> None:
+def stand_in_night(view: dict):
     from flows.nights import record_night
 
-    record_night(view, "completed", 1.0)
+    return record_night(view, "completed", 1.0)
 
 
 def run_nights(deployment_id: str, best_tkds: list[float]) -> None:
@@ -349,7 +352,12 @@ def run_nights(deployment_id: str, best_tkds: list[float]) -> None:
             flow_run = client.create_flow_run_from_deployment(uuid.UUID(deployment_id), parameters={"view": view})
         state = run_flow(stand_in_night, flow_run=flow_run, parameters={"view": view}, return_type="state")
         assert state.is_completed(), state
-        runs.append({"id": str(flow_run.id), "name": flow_run.name})
+        runs.append({"id": str(flow_run.id), "name": flow_run.name, "regressed": state.result()})
     with contextlib.suppress(Exception):
         EventsWorker.drain_all(timeout=30)
-    print(json.dumps(runs))
+    from flows import nights
+
+    with get_client(sync_client=True) as client:
+        name = client.read_deployment(uuid.UUID(deployment_id)).name
+    outcomes = {r["run_id"]: r.get("outcome") for r in nights.rows_of(nights.latest_markdown(nights.nights_key(name)))}
+    print(json.dumps([{**run, "outcome": outcomes.get(run["id"])} for run in runs]))

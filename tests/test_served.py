@@ -216,6 +216,11 @@ def test_served_minimax_h3_run_on_the_stand_in(served, receiver, shared_ray, tmp
     texts = _wait(lambda: [m["text"] for m in receiver[1][seen:] if m["text"].startswith("dmd2 night regressed")],
                   60, f"no regression message: {receiver[1][seen:]}")
     assert len(texts) == 1 and run2["name"] in texts[0] and "minimax-h3" in texts[0], texts
+    # and where a team looks: the runs list's state message, the night's row, the summary's first line
+    assert run2["state"]["message"].startswith("regressed: best teacher KID "), run2["state"]
+    assert [r["outcome"] for r in rows] == ["completed", "completed, regressed"], rows
+    artifacts2 = _api(api, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run2["id"]]}}})
+    assert "**completed, regressed: best teacher KID " in next(a["data"] for a in artifacts2 if a["key"].endswith("-summary"))
     artifacts = _api(api, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}})
     summary = next(a["data"] for a in artifacts if a["key"].endswith("-summary"))
     assert "dmd2-nights-minimax-h3" in {a["key"] for a in artifacts}
