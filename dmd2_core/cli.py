@@ -229,7 +229,22 @@ def plan_time(ns: argparse.Namespace, args: Args, trainers: dict, memory_plan):
     return time_plan.time_plan(
         trainers, memory_plan, evaluator_name(args), pick(ns.assumed_mfu, time_plan.DEFAULT_MFU), peak,
         pick(ns.storage_gbps, time_plan.DEFAULT_STORAGE_GBPS), pick(ns.night_hours, time_plan.DEFAULT_NIGHT_HOURS),
-        time_plan.measured_pace(args.save))
+        _previous_pace(args.save))
+
+
+def _previous_pace(save: Optional[str]) -> Optional[dict]:
+    """The pace a previous run of ``save`` measured (its metrics log), None without one."""
+    from dmd2_core.memory import time_plan
+    from dmd2_core.report.metrics_log import read_metrics
+    from dmd2_core.save_layout import metrics_url
+
+    if not save:
+        return None
+    try:
+        rows = read_metrics(save)
+    except (FileNotFoundError, OSError):
+        return None
+    return time_plan.measured_pace(rows, metrics_url(save))
 
 
 PLAN_TIME_FLAGS = {"assumed_mfu": float, "device_kind": str, "peak_tflops": float, "storage_gbps": float,

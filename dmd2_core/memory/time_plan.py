@@ -94,7 +94,7 @@ def model_flops(url: str, latent_shape: Optional[tuple[int, ...]], feature_block
     configs do not change under a plan)."""
     from dmd2_core.memory.planner import family_shape
     from dmd2_core.models.feature_tap import FeatureTap
-    from dmd2_core.train.gan import DiscriminatorHead
+    from dmd2_core.models.gan_head import DiscriminatorHead
 
     model = lora_terms.meta_model(url)
     family = FAMILIES[describe_model_dir(url)["family"]]
@@ -191,25 +191,16 @@ def eval_flops(trainers: dict[str, Args], evaluator: str) -> dict[str, float]:
     return {"eval": float(flops), "reference": float(reference)}
 
 
-def measured_pace(save_url: Optional[str]) -> Optional[dict]:
-    """The pace a previous run of this save measured: the median ``iteration_s`` of its metrics log
-    (its first iteration left out when there are others: it compiles and warms up), or None."""
-    from dmd2_core import storage
-    from dmd2_core.report.metrics_log import read_metrics
-
-    if not save_url:
-        return None
-    try:
-        rows = read_metrics(save_url)
-    except (FileNotFoundError, OSError):
-        return None
+def measured_pace(rows: list[dict], url: str) -> Optional[dict]:
+    """The pace a previous run of this save measured, from its metrics log's ``rows`` (at
+    ``url``): the median ``iteration_s`` (its first iteration left out when there are others: it
+    compiles and warms up), or None."""
     timed = [float(r["iteration_s"]) for r in rows if isinstance(r.get("iteration_s"), (int, float))]
     if len(timed) > 1:
         timed = timed[1:]
     if not timed:
         return None
-    return {"iteration_s": statistics.median(timed), "iterations": len(timed),
-            "url": storage.join(save_url, "metrics.jsonl")}
+    return {"iteration_s": statistics.median(timed), "iterations": len(timed), "url": url}
 
 
 @dataclass

@@ -26,21 +26,7 @@ import torch.nn.functional as F
 from dmd2_core import context_parallel, rng
 from dmd2_core.losses import flow_matching_loss, modality_mse
 from dmd2_core.models.feature_tap import FeatureTap
-
-
-class DiscriminatorHead(torch.nn.Module):
-    """Tokens [B, N, D] of one transformer block -> one logit per sample: a per-token MLP
-    (LayerNorm, Linear, SiLU, Linear) averaged over tokens, so any token count fits."""
-
-    def __init__(self, dim: int, hidden: int = 256):
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(dim)
-        self.fc1 = torch.nn.Linear(dim, hidden)
-        self.fc2 = torch.nn.Linear(hidden, 1)
-
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        h = F.silu(self.fc1(self.norm(features.to(self.fc1.weight.dtype))))
-        return self.fc2(h).squeeze(-1).flatten(1).mean(1)
+from dmd2_core.models.gan_head import DiscriminatorHead
 
 
 def build_head(dim: int, seed: int, hidden: int = 256) -> DiscriminatorHead:
