@@ -349,7 +349,12 @@ async def _s3_ranges(fs, paths: list[str], ranges: list[tuple[str, int, int]],
     """One concurrent ranged GetObject per range; a pinned URL's carry ``IfMatch`` (the store
     refuses a replaced object: 412, no extra request) and their answer's ETag and total size are
     checked too, for a store that ignores the condition."""
-    from fsspec.asyn import _run_coros_in_chunks
+    import asyncio
+
+    from fsspec.config import conf
+
+    # at most as many requests in flight as fsspec's cat_ranges would have (its batch for calls that open no file)
+    in_flight = asyncio.Semaphore(fs.batch_size or conf.get("nofiles_gather_batch_size", 1280))
 
     async def get(path: str, url: str, start: int, end: int) -> bytes:
         if end <= start:
@@ -382,8 +387,12 @@ async def _s3_ranges(fs, paths: list[str], ranges: list[tuple[str, int, int]],
                 return data
         raise _changed(url, why)
 
-    coros = [get(path, url, start, end) for path, (url, start, end) in zip(paths, ranges)]
-    return await _run_coros_in_chunks(coros, batch_size=fs.batch_size, nofiles=True)
+    async def bounded(path: str, url: str, start: int, end: int) -> bytes:
+        async with in_flight:
+            return await get(path, url, start, end)
+
+    return list(await asyncio.gather(*(bounded(path, url, start, end)
+                                       for path, (url, start, end) in zip(paths, ranges))))
 
 
 def _precondition_failed(exc: BaseException) -> bool:
