@@ -370,7 +370,7 @@ async def _s3_ranges(fs, paths: list[str], ranges: list[tuple[str, int, int]],
                 raise
             why = "no longer there"
         except OSError as exc:
-            if pin is None or not _precondition_failed(exc):
+            if pin is None or not precondition_failed(exc):
                 raise
             why = f"its ETag is no longer {pin.tag}"
         else:
@@ -395,16 +395,18 @@ async def _s3_ranges(fs, paths: list[str], ranges: list[tuple[str, int, int]],
                                        for path, (url, start, end) in zip(paths, ranges))))
 
 
-def _precondition_failed(exc: BaseException) -> bool:
-    """An S3 412 (a condition such as If-Match not met), also behind s3fs's translation to OSError."""
+def precondition_failed(exc: BaseException) -> bool:
+    """An S3 412 (a condition such as If-Match or If-None-Match not met) anywhere in the chain of
+    ``exc``: s3fs translates botocore's error into an OSError with it as the cause."""
     seen = 0
-    while exc is not None and seen < 8:
+    while exc is not None and seen < 8:  # bounded: a chain can loop through __context__
         seen += 1
         response = getattr(exc, "response", None)
         if isinstance(response, dict):
             code = str((response.get("Error") or {}).get("Code", ""))
             status = int((response.get("ResponseMetadata") or {}).get("HTTPStatusCode") or 0)
-            return code == "PreconditionFailed" or status == 412
+            if code == "PreconditionFailed" or status == 412:
+                return True
         exc = exc.__cause__ or exc.__context__
     return False
 

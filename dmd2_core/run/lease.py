@@ -188,22 +188,13 @@ def _store(url: str) -> tuple[str, str]:
     return endpoint, storage.filesystem(url)[1].split("/")[0]
 
 
-def _precondition_failed(exc: BaseException) -> bool:
-    while exc is not None:
-        response = getattr(exc, "response", None)
-        if isinstance(response, dict) and (response.get("Error") or {}).get("Code") == "PreconditionFailed":
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
 def _conditional_put(url: str, body: bytes, budget_s: Optional[float] = None, **condition) -> Optional[str]:
     """ETag of the object written at the s3:// ``url``, or None when the condition did not hold."""
     try:
         return storage.s3_call(url, "put_object", f"lease put_object {url}", budget_s=budget_s, Body=body,
                                **condition).get("ETag")
     except (FileExistsError, OSError) as exc:
-        if isinstance(exc, FileExistsError) or _precondition_failed(exc):
+        if isinstance(exc, FileExistsError) or storage.precondition_failed(exc):
             return None
         raise
 
