@@ -298,3 +298,26 @@ def test_the_host_plan_counts_the_set_rows_a_step_reads_and_the_streaming_export
                                                  + host.parts["set_rows"]) + host.parts["export_writer"]
     merged = _plan("minimax-h3", lora_rank=16, export_merged=True, ema_decay=0.99, **H3_5S).host
     assert merged.parts["export_writer"] >= 2 * size.params * 2
+
+
+def test_the_eval_decoder_counts_each_familys_own_frames_and_refuses_a_family_that_did_not_say():
+    """The decoded clips are priced at the family's frames: a MiniMax-H3 clip of 5n + 2 latent frames
+    is 17n + 5 frames (124 for 5 s), a Wan clip of f latent frames 4(f - 1) + 1; a family without
+    its decoder's facts is refused, never priced by another family's."""
+    from dmd2_core.models.base import ModelFamily
+    from dmd2_core.models.minimax_h3 import MiniMaxH3Family
+    from dmd2_core.models.wan import WanVideoFamily
+
+    args = load_args(None, {"eval_interval": 1, "eval_prompts": [0, 1], "eval_samples_per_prompt": 1})
+
+    def decoded_frames(family, latent_shape):  # the decoded clips' bytes (fp32, 3 channels) over one frame's
+        params, ratio, _ = family.decoder_facts()
+        height, width = latent_shape[-2] * ratio, latent_shape[-1] * ratio
+        total = terms.eval_decoder(args, family, latent_shape, 2)
+        working = terms.DECODE_ELEMENTS_PER_PIXEL * family.decode_chunk_frames * height * width * 2
+        return (total - params * 2 - min(working, total)) / (2 * 3 * height * width * 4)
+
+    assert decoded_frames(MiniMaxH3Family(), (24, 37, 2, 2)) == 124
+    assert decoded_frames(WanVideoFamily(), (16, 21, 2, 2)) == 81
+    with pytest.raises(NotImplementedError, match="does not say its eval decoder"):
+        terms.eval_decoder(args, ModelFamily(), (4, 8, 8), 2)
