@@ -153,10 +153,12 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, compute_dtype: torch.d
     if gradient_checkpointing and trainable:
         model.enable_gradient_checkpointing()
     if not needs_fsdp(mesh, compute_dtype, trainable, cpu_offload):
+        device = _shard_device(mesh, cpu_offload)  # the rank's device, as FSDP would put its shards
+        _materialise(model, device)
+        model.to(device)  # a model built on the host goes to the device too
         with torch.no_grad():  # own every parameter too, as FSDP's shards do (sleep resizes them)
             for param in model.parameters():
                 param.data = param.data.clone()
-        _materialise(model, torch.device("cpu"))
         if not trainable:
             model.requires_grad_(False).eval()
         return model

@@ -230,3 +230,18 @@ def test_a_broken_weights_file_fails_in_one_line_naming_it(checkpoints, tmp_path
         models.shard(_mesh(1))
     message = str(err.value)
     assert "\n" not in message and str(weights if damage == "truncated" else weights.parent) in message
+
+
+def test_a_model_left_unsharded_goes_to_the_ranks_device(checkpoints, monkeypatch):
+    """One rank's frozen teacher needs no FSDP and stays a plain module; it still goes where FSDP
+    would put its shards (the rank's device): on an H100 the teacher stayed on the host, and the
+    critic's first scoring failed with 'weight type CPUBFloat16Type' (meta stands in for the GPU)."""
+    parallel.ensure_process_group(0, 1, torch.device("cpu"))
+    monkeypatch.setattr(parallel, "_shard_device", lambda mesh, cpu_offload: torch.device("meta"))
+    url = checkpoints["wan"]
+    family = FAMILIES[describe_model_dir(url)["family"]]
+    teacher = load_model_dir(url, "cpu", torch.bfloat16).model
+    assert not parallel.needs_fsdp(_mesh(1), torch.bfloat16, trainable=False, cpu_offload=False)
+    parallel.shard_model(teacher, _mesh(1), torch.bfloat16, trainable=False, keep_fp32=family.keep_fp32_modules)
+    placed = {t.device.type for t in [*teacher.parameters(), *teacher.buffers()]}
+    assert placed == {"meta"}
