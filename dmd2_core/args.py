@@ -79,6 +79,11 @@ class Args(TrackerFlags):
         None, "run", "Memory of one device the plan must fit in; default the device's own on cuda (unchecked on cpu).",
         gt=0,
     )
+    device_kind: Optional[str] = _f(
+        None, "run", "The kind of device the run is for (H100, H200; a recipe names its cluster: num_devices of "
+        "device_kind with device_memory_gib each): the time plan prices it at that device's dense bf16 peak. "
+        "Default H100.",
+    )
     host_memory_gib: Optional[float] = _f(
         None, "run", "Host memory of one node the plan must fit in (load peak, sleep stash, async-save staging); "
         "unset: unchecked.", gt=0,
@@ -261,6 +266,17 @@ class Args(TrackerFlags):
         if value is not None and value not in evaluators.names():
             names = [repr(n) for n in evaluators.names()]
             raise ValueError(f"Input should be {', '.join(names[:-1])} or {names[-1]}{nearest(value, evaluators.names())}")
+        return value
+
+    @field_validator("device_kind")
+    @classmethod
+    def _priced_device_kind(cls, value):
+        from dmd2_core.memory.time_plan import DEVICE_PEAK_TFLOPS
+
+        if value is not None and value not in DEVICE_PEAK_TFLOPS:
+            names = [repr(n) for n in sorted(DEVICE_PEAK_TFLOPS)]
+            raise ValueError(f"Input should be {', '.join(names[:-1])} or {names[-1]}{nearest(value, DEVICE_PEAK_TFLOPS)}"
+                             " (or give the plan peak_tflops)")
         return value
 
     @model_validator(mode="after")

@@ -29,16 +29,16 @@ def build_parser() -> ArgParser:
     add_arg_flags(check)
     # every flag, by group, also on the top-level help (they are the recipe keys and flow overrides)
     parser.epilog = "Every flag of a run (recipe keys, flow overrides), by group:\n\n" + check.format_help()
-    plan = sub.add_parser("plan", help="the memory plan per group and rank, from the checkpoints' configs "
-                          "(no weights loaded, no device needed); exit 2 when it does not fit")
+    plan = sub.add_parser("plan", help="the memory and time plan per group and rank, from the checkpoints' configs "
+                          "(no weights loaded, no device needed), against the cluster the recipe names (num_devices "
+                          "of device_kind, device_memory_gib each); exit 2 when it does not fit, naming the nearest "
+                          "settings that do")
     plan.add_argument("--recipe", required=True, help=f"recipe name ({', '.join(recipe_names())}) or YAML path")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     plan.add_argument("--assumed-mfu", type=float, default=None, help="model FLOPs utilisation per device the time "
                       "plan assumes (default 0.4), unless a previous run of the same save measured its pace")
-    plan.add_argument("--device-kind", default=None, help="the device whose dense bf16 peak prices time "
-                      "(H100 or H200; default H100)")
     plan.add_argument("--peak-tflops", type=float, default=None, help="a device's dense bf16 peak, TFLOP/s "
-                      "(instead of --device-kind)")
+                      "(instead of the recipe's device_kind)")
     plan.add_argument("--storage-gbps", type=float, default=None, help="GB/s to and from the save's storage, "
                       "all ranks together: checkpoints, exports and the start (default 2)")
     plan.add_argument("--night-hours", type=float, default=None, help="the hours of a night the plan fills "
@@ -212,24 +212,61 @@ def apply_set_to_options(parser: argparse.ArgumentParser, ns: argparse.Namespace
             raise ArgsError(f"--{key.replace('_', '-')} is not set (or --set {key}=...)")
 
 
-def plan_time(ns: argparse.Namespace, args: Args, trainers: dict, memory_plan):
-    """The time plan of ``plan``: from its flags (``--set`` among them), its peak by device kind
-    unless given in TFLOP/s, and the pace a previous run of the same save measured, if any."""
+def plan_time(ns: argparse.Namespace, args: Args, trainers: dict, memory_plan, kind_given: bool = False,
+              mfu: Optional[float] = None):
+    """The time plan of ``plan``: from its flags (``apply_set_to_plan_flags`` applied), its peak by
+    the run's ``device_kind`` unless given in TFLOP/s (both given on the command line is refused),
+    and the pace a previous run of the same save measured, if any; or at ``mfu``, measured or not."""
     from dmd2_core.evaluation.evaluator import evaluator_name
     from dmd2_core.memory import time_plan
 
-    apply_set_to_plan_flags(ns)
-    if ns.peak_tflops is not None and ns.device_kind is not None:
+    if ns.peak_tflops is not None and kind_given:
         raise ArgsError("peak_tflops: give it or device_kind, not both")
     if ns.peak_tflops is not None and ns.peak_tflops <= 0:
         raise ArgsError(f"peak_tflops: {ns.peak_tflops} is not above 0")
     peak = ns.peak_tflops * 1e12 if ns.peak_tflops is not None else time_plan.device_peak_flops(
-        ns.device_kind or time_plan.DEFAULT_DEVICE)
+        args.device_kind or time_plan.DEFAULT_DEVICE)
     pick = lambda value, default: default if value is None else value  # noqa: E731
     return time_plan.time_plan(
-        trainers, memory_plan, evaluator_name(args), pick(ns.assumed_mfu, time_plan.DEFAULT_MFU), peak,
+        trainers, memory_plan, evaluator_name(args), mfu or pick(ns.assumed_mfu, time_plan.DEFAULT_MFU), peak,
         pick(ns.storage_gbps, time_plan.DEFAULT_STORAGE_GBPS), pick(ns.night_hours, time_plan.DEFAULT_NIGHT_HOURS),
-        _previous_pace(args.save))
+        None if mfu else _previous_pace(args.save))
+
+
+def plan_run(ns: argparse.Namespace, args: Args, kind_given: bool = False) -> int:
+    """``plan``: the memory and time plan of ``args`` against the cluster it names; when it does
+    not fit, the nearest settings that do (planned at this run's pace), and exit 2 in one line."""
+    from dmd2_core.memory import planner, proposals, time_plan
+    from dmd2_core.models import describe_model_dir
+    from dmd2_core.run import preflight_checks
+
+    apply_set_to_plan_flags(ns)
+    if args.hf_checkpoint:  # a clip's geometry becomes its latents, as in preflight
+        args = preflight_checks.check_family_args(args, describe_model_dir(args.hf_checkpoint, "hf_checkpoint"))
+
+    def plans(setting: Args, **time_kw):
+        trainers = {cfg.role: compute_trainer_args(setting, cfg) for cfg in compute_trainer_configs(setting)}
+        memory_plan = planner.plan(trainers)
+        return memory_plan, plan_time(ns, setting, trainers, memory_plan, kind_given, **time_kw)
+
+    memory_plan, timing = plans(args)
+    nearest_fits = []
+    if not memory_plan.fits:  # a measured pace is this setting's: the others run at the MFU it implies
+        pace = min(1.0, timing.implied_mfu)
+        nearest_fits = proposals.propose(args, lambda setting: plans(setting, mfu=pace), memory_plan.shard_size)
+    if ns.json:
+        print(json.dumps({**memory_plan.as_dict(), "time": timing.as_dict(),
+                          "proposals": [p.as_dict() for p in nearest_fits]}, indent=1))
+    else:
+        print(planner.table(memory_plan) + "\n" + time_plan.table(timing)
+              + ("" if memory_plan.fits else "\n" + proposals.table(nearest_fits)))
+    try:
+        planner.check_fits(memory_plan)
+    except ArgsError as refused:
+        if not nearest_fits:
+            raise
+        raise ArgsError(f"{refused}; nearest that fits: {nearest_fits[0].describe()}") from None
+    return 0
 
 
 def _previous_pace(save: Optional[str]) -> Optional[dict]:
@@ -247,8 +284,7 @@ def _previous_pace(save: Optional[str]) -> Optional[dict]:
     return time_plan.measured_pace(rows, metrics_url(save))
 
 
-PLAN_TIME_FLAGS = {"assumed_mfu": float, "device_kind": str, "peak_tflops": float, "storage_gbps": float,
-                   "night_hours": float}
+PLAN_TIME_FLAGS = {"assumed_mfu": float, "peak_tflops": float, "storage_gbps": float, "night_hours": float}
 
 
 def split_plan_sets(ns: argparse.Namespace) -> None:
@@ -316,21 +352,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 0
         if ns.command == "plan":
             split_plan_sets(ns)
-        args = load_args(ns.recipe, arg_overrides(ns))
+        overrides = arg_overrides(ns)
+        args = load_args(ns.recipe, overrides)
         if ns.command == "plan":
-            from dmd2_core.run import preflight_checks
-            from dmd2_core.memory import planner, time_plan
-            from dmd2_core.models import describe_model_dir
-
-            if args.hf_checkpoint:  # a clip's geometry becomes its latents, as in preflight
-                args = preflight_checks.check_family_args(args, describe_model_dir(args.hf_checkpoint, "hf_checkpoint"))
-            trainers = {cfg.role: compute_trainer_args(args, cfg) for cfg in compute_trainer_configs(args)}
-            memory_plan = planner.plan(trainers)
-            timing = plan_time(ns, args, trainers, memory_plan)
-            print(json.dumps({**memory_plan.as_dict(), "time": timing.as_dict()}, indent=1) if ns.json
-                  else planner.table(memory_plan) + "\n" + time_plan.table(timing))
-            planner.check_fits(memory_plan)
-            return 0
+            return plan_run(ns, args, kind_given="device_kind" in overrides)
         if ns.deep:
             from dmd2_core.run.preflight import preflight
 

@@ -112,7 +112,7 @@ def test_rollout_buffers_and_the_eval_decoder_are_planned_and_a_large_eval_is_re
 def test_host_memory_per_node_is_planned_and_refused_naming_the_part_and_the_knob():
     plan = _plan(micro_batch_size=1, cp_size=8, device_memory_gib=141)
     host, groups = plan.host, plan.groups
-    assert host.ranks_per_node == 8 and host.limit is None and host.fits
+    assert host.ranks_per_node == 8 and host.limit == 2048 * GIB and host.fits  # the recipe's node
     assert host.parts["sleep_stash"] == sum(g.resident for g in groups)
     assert host.parts["async_save_staging"] == sum(g.saved for g in groups)  # the recipe saves in the background
     assert _plan(micro_batch_size=1, cp_size=8, async_save=False).host.parts["async_save_staging"] == 0
@@ -184,7 +184,8 @@ def test_a_tiny_block_measures_its_carried_input_exactly():
 
 # ---- LoRA (dmd2_core/memory/lora_terms.py) ------------------------------------------------------------
 
-H3_5S = dict(hf_checkpoint=H3, num_frames=124, device_memory_gib=80)  # 124 frames of 768 x 1344, 8 devices
+# 124 frames of 768 x 1344, 8 devices, fully fine-tuned at cp 1 (not the recipe's LoRA at cp 2)
+H3_5S = dict(hf_checkpoint=H3, num_frames=124, device_memory_gib=80, lora_rank=0, cp_size=1)
 
 
 @pytest.fixture(scope="module")
@@ -272,9 +273,9 @@ def test_minimax_h3_5s_with_lora_fits_one_node_of_80_gib_within_the_headroom_and
     assert not refused.fits and refused.device_peak > 2 * refused.usable
     with pytest.raises(ArgsError, match=r"^memory plan: .*try .*LoRA \((critic_)?lora_rank\)"):
         planner.check_fits(refused)
-    assert not _plan("minimax-h3", cp_size=8, **H3_5S).fits
+    assert not _plan("minimax-h3", **{**H3_5S, "cp_size": 8}).fits
     for cp in (1, 2):
-        plan = _plan("minimax-h3", lora_rank=rank, cp_size=cp, **H3_5S)
+        plan = _plan("minimax-h3", **{**H3_5S, "lora_rank": rank, "cp_size": cp})
         planner.check_fits(plan)
         assert plan.fits and plan.device_peak <= plan.usable == int(0.9 * 80 * GIB)
         critic = _groups(plan)["critic"]
@@ -296,7 +297,7 @@ def test_the_host_plan_counts_the_set_rows_a_step_reads_and_the_streaming_export
     assert host.steady == host.ranks_per_node * (host.parts["sleep_stash"] + host.parts["async_save_staging"]
                                                  + host.parts["offloaded"] + host.parts["processes"]
                                                  + host.parts["set_rows"]) + host.parts["export_writer"]
-    merged = _plan("minimax-h3", lora_rank=16, export_merged=True, ema_decay=0.99, **H3_5S).host
+    merged = _plan("minimax-h3", export_merged=True, ema_decay=0.99, **{**H3_5S, "lora_rank": 16}).host
     assert merged.parts["export_writer"] >= 2 * size.params * 2
 
 

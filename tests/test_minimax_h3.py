@@ -15,8 +15,9 @@ from dmd2_core.run.distill_run import preflight
 from dmd2_core.models import describe_model_dir, load_model_dir
 from dmd2_core.toys.standins import H3_GEOMETRY, build_h3_standin, h3_prompt_set
 
+# the stand-in fully fine-tuned on one CPU (the recipe's LoRA and cp_size 2 are its 8 H100s')
 CPU = dict(device="cpu", num_devices=1, dtype="float32", global_batch_size=4, micro_batch_size=2, torch_threads=1,
-           **H3_GEOMETRY)
+           lora_rank=0, cp_size=1, **H3_GEOMETRY)
 
 
 @pytest.fixture(scope="module")
@@ -383,7 +384,7 @@ def test_real_size_plan_from_the_shipped_config(tmp_path):
     assert 33.0e9 < size.params < 33.2e9 and 645e6 < size.largest_block < 647e6  # 50 blocks of 646 M
 
     def plan(**overrides):
-        args = load_args("minimax-h3", dict(hf_checkpoint=url, **overrides))
+        args = load_args("minimax-h3", dict(hf_checkpoint=url, lora_rank=0, cp_size=1, **overrides))  # full FT
         args = preflight_checks.check_family_args(args, describe_model_dir(url))
         return planner.plan({c.role: compute_trainer_args(args, c) for c in compute_trainer_configs(args)}), args
 

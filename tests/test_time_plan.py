@@ -68,4 +68,5 @@ def test_the_gan_head_is_counted(tiny_teacher):
 def test_an_unknown_device_kind_fails_in_one_line_naming_the_nearest(tiny_teacher, tmp_path, capsys):
     code, _, err = _plan(capsys, tiny_teacher, str(tmp_path / "run"), "--device-kind", "H10")
     assert code == 2 and err.count("\n") == 1
-    assert err.startswith("error: device_kind: no peak for 'H10'; did you mean 'H100'?")
+    assert err.startswith("error: invalid value for 'device_kind' in recipe tiny with overrides: Input should be "
+                          "'H100' or 'H200'; did you mean 'H100'?")

@@ -6,7 +6,8 @@ FLOPs: one transformer forward of each model (student, fake score, teacher, and 
 stopped at its feature block) at the run's sample, built on the meta device and counted with
 torch's ``FlopCounterMode``; the GAN head's own forward likewise. A forward with a backward counts
 3 forwards (the backward at twice the forward), 4 under gradient checkpointing (the blocks run
-again). Per iteration of ``global_batch_size`` samples:
+again); a LoRA's backward, through a frozen base, once the forward. Per iteration of
+``global_batch_size`` samples:
 
 - the rollout: the student's steps up to the drawn stop step, ``(K + 1) / 2`` forwards expected
   under backward simulation (k ~ U{0..K-1}, then the x0 at step k), else 1;
@@ -23,13 +24,15 @@ splits each), plus, for the ``teacher`` evaluator, the teacher's feature forward
 reference (once per teacher and settings) is ``eval_reference_steps`` guided teacher steps and
 the features. The VAE's decode is not counted. Seconds are FLOPs / (MFU x the device's peak x
 devices); a checkpoint writes every group's trainable state (``GroupPlan.saved`` on every shard),
-an export the student in its export dtype (and its EMA), the start reads every group's weights,
-each at ``storage_gbps``. A previous run of the same save that measured its iterations
-(``iteration_s`` in its metrics log) sets the pace instead of the assumed MFU.
+an export the student in its export dtype (and its EMA; a LoRA not merged, its adapters), the
+start reads every group's weights, each at ``storage_gbps``. A previous run of the same save that
+measured its iterations (``iteration_s`` in its metrics log) sets the pace instead of the assumed
+MFU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
@@ -120,9 +123,12 @@ def model_flops(url: str, latent_shape: Optional[tuple[int, ...]], feature_block
 
 
 def _trained(args: Args) -> int:
-    """Forwards a trained forward costs: the forward, its backward at twice it, and under
-    gradient checkpointing the blocks once more."""
-    return 4 if args.gradient_checkpointing else 3
+    """Forwards a trained forward costs: the forward, its backward at twice it (the gradients of
+    the inputs and of the weights), and under gradient checkpointing the blocks once more. A LoRA
+    (``lora_rank``) freezes its base: the backward computes the inputs' gradients alone (its
+    adapters' weight gradients are under 1% of a forward at rank 64), once the forward."""
+    backward = 1 if args.lora_rank else 2
+    return 1 + backward + (1 if args.gradient_checkpointing else 0)
 
 
 def _guided(args: Args, family) -> int:
@@ -297,6 +303,20 @@ class TimePlan:
         return out
 
 
+def nightly_intervals(tp: TimePlan) -> dict[str, int]:
+    """A night's intervals from its time plan: ``eval_interval`` E the largest whose night holds 2E
+    iterations or more, so that every night, wherever it starts, evaluates in its first half and
+    again at its end (a time-boxed leg's final eval); a checkpoint and an export at each eval
+    (``save_interval`` and ``export_interval`` E: a crash loses at most E iterations, and every
+    evaluated student can be kept). 0 each when a night holds fewer than 2 iterations."""
+    most = dataclasses.replace(tp, eval_interval=0, save_interval=0, export_interval=0).iterations_per_night
+    for every in range(max(1, most // 2), 0, -1):
+        night = dataclasses.replace(tp, eval_interval=every, save_interval=every, export_interval=every)
+        if night.iterations_per_night >= 2 * every:
+            return {"eval_interval": every, "save_interval": every, "export_interval": every}
+    return {"eval_interval": 0, "save_interval": 0, "export_interval": 0}
+
+
 def device_peak_flops(device: str) -> float:
     """The dense bf16 peak FLOP/s of one device of a kind in ``DEVICE_PEAK_TFLOPS``."""
     if device not in DEVICE_PEAK_TFLOPS:
@@ -325,7 +345,10 @@ def time_plan(trainers: dict[str, Args], memory_plan, evaluator: str, mfu: float
     export_dtype = torch.empty(0, dtype=getattr(torch, actor.export_dtype or actor.dtype)).element_size()
     student = model_flops(actor.hf_checkpoint, tuple(actor.latent_shape) if actor.latent_shape else None,
                           actor.gan_feature_block)
-    export = student.params * export_dtype * (2 if actor.ema_decay else 1)
+    # a LoRA student is exported as its adapters (the family's diffusers LoRA format) unless merged
+    exported = (lora_terms.size_of(actor).adapters if actor.lora_rank and not actor.export_merged
+                else student.params)
+    export = exported * export_dtype * (2 if actor.ema_decay else 1)
     notes = ["the VAE's decode is not counted", "eval: every rank samples all of its samples"]
     return TimePlan(actor.num_devices, memory_plan.cp_size, mfu, peak, storage_gbps, night_hours * 3600,
                     actor.num_iterations, actor.eval_interval, actor.save_interval, actor.export_interval,
@@ -360,4 +383,9 @@ def table(tp: TimePlan) -> str:
         + (f"{nights} night(s) to num_iterations {tp.num_iterations}" if nights else "no iteration fits")
         + f" ({'; '.join(tp.notes)})",
     ]
+    nightly = nightly_intervals(tp)
+    ours = {k: getattr(tp, k) for k in nightly}
+    lines.append("  a night's intervals by this plan (an eval in every night's first half and at its end): "
+                 + ", ".join(f"{k} {v}" for k, v in nightly.items())
+                 + ("" if ours == nightly else " (this run: " + ", ".join(f"{k} {v}" for k, v in ours.items()) + ")"))
     return "\n".join(lines)
