@@ -88,6 +88,47 @@ def data_parallel(rank: int, world_size: int, cp_size: int) -> tuple[int, int]:
     return rank // cp_size, world_size // cp_size
 
 
+class EvalShare:
+    """One rank's share of an eval's ``n`` rows (samples, features): each data-parallel rank
+    takes a contiguous ``per = ceil(n / dp_size)`` of them (the ranks of a context group the same
+    ones), so an eval's model work divides by the data-parallel size instead of every rank doing
+    all of it. Every rank runs ``per`` rows, the last share padded with copies of row ``n - 1``
+    whose results are dropped: a sharded forward is a collective, and every rank must run as many.
+    ``gather`` brings the shares to rank 0 in row order."""
+
+    def __init__(self, n: int, rank: int, world_size: int, cp_size: int):
+        self.n, self.rank, self.cp_size = n, rank, cp_size
+        dp_rank, self.dp_size = data_parallel(rank, world_size, cp_size)
+        self.per = -(-n // self.dp_size)
+        self.start = dp_rank * self.per
+        self.count = max(0, min(n, self.start + self.per) - self.start)  # this share's rows that are not padding
+
+    @property
+    def positions(self) -> list[int]:
+        """The batch rows this rank runs, padding included (``per`` of them)."""
+        return [min(i, self.n - 1) for i in range(self.start, self.start + self.per)]
+
+    def pick(self, values: Sequence) -> list:
+        """``values`` (one per row of the whole batch) at this rank's positions."""
+        return [values[i] for i in self.positions]
+
+    def gather(self, local):
+        """Every rank's ``per`` rows (a tensor, or a dict of tensors) -> the ``n`` rows in order on
+        rank 0 (on the CPU), None elsewhere. The padding is dropped; of a context group only its
+        first rank's rows are kept (its peers hold the same). A collective over the default group."""
+        if self.dp_size == 1:
+            return local if self.rank == 0 else None
+        if isinstance(local, dict):
+            gathered = {k: self.gather(local[k]) if isinstance(local[k], torch.Tensor) else local[k] for k in sorted(local)}
+            return gathered if self.rank == 0 else None
+        local = local.detach().to("cpu").contiguous()
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())] if self.rank == 0 else None
+        dist.gather(local, parts, dst=0)
+        if self.rank != 0:
+            return None
+        return torch.cat(parts[::self.cp_size])[:self.n]
+
+
 def average_over_data_parallel(model: torch.nn.Module, dp_size: int) -> None:
     """Reduce a sharded model's gradients as a sum over all ranks divided by ``dp_size``: under
     context parallelism each rank of a context group holds the gradient of its part of the

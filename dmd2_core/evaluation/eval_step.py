@@ -1,11 +1,14 @@
-"""The eval step of a run: the student's K-step samples of the eval prompts written as media
-(``media.eval_files``), and the run's evaluator's figures at each of its step counts. No Prefect
-here: the flow turns what ``run_eval`` returns into artifacts (tasks/eval.py)."""
+"""The eval step of a run: the run's evaluator's figures at each of its step counts, and the
+student's K-step samples of the eval prompts written as media (``media.eval_files``), the media
+being the first quality samples (``SampledOnce``), not sampled again. No Prefect here: the flow
+turns what ``run_eval`` returns into artifacts (tasks/eval.py)."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Optional, Sequence
+
+import torch
 
 from dmd2_core.data import prompt_texts
 from dmd2_core.evaluation.evaluator import EvalRun, eval_prompt_indices, evaluator_of
@@ -25,16 +28,59 @@ def run_eval(run: EvalRun, iteration: int, embed_limit: int = 512 * 1024) -> dic
     counts = list(args.student_step_counts)
     several = len(counts) > 1
     indices = eval_prompt_indices(args, len(prompt_texts(args.prompts)))
-    start = time.perf_counter()
-    media = [m for k in counts for m in write_eval_media(run, iteration, indices, k if several else None, embed_limit,
-                                                         INLINE_VIDEO_BYTES // len(counts))]
-    metrics: dict[str, float] = {"eval_media_s": time.perf_counter() - start}
+    once = SampledOnce(run)
+    metrics: dict[str, float] = {}
     t = time.perf_counter()
-    quality = evaluator.evaluate(run, args, counts)
+    quality = evaluator.evaluate(once, args, counts)
     for k, figures in quality["metrics"].items():
         metrics.update({at_steps(key, k) if several else key: v for key, v in figures.items()})
     if several:
         metrics.update(mean_over_steps(metrics, counts, evaluator.criteria))
     if any(quality["metrics"].values()):
         metrics["eval_quality_s"] = time.perf_counter() - t
+    start = time.perf_counter()
+    media = [m for k in counts for m in write_eval_media(once, iteration, indices, k if several else None, embed_limit,
+                                                         INLINE_VIDEO_BYTES // len(counts))]
+    metrics["eval_media_s"] = time.perf_counter() - start
     return {"iteration": int(iteration), "metrics": metrics, "media": media, "reference": quality["reference"]}
+
+
+class SampledOnce:
+    """The run as one eval sees it: the student samples once. Its samples of each (seed, step
+    count) are kept as they are drawn, and a later request for the first rows of them (the media
+    clips: the eval prompts in turn, as the quality samples begin) is served from them, decoded
+    from the kept latents where the evaluator kept latents, instead of sampled again. The same
+    seed, noise and rows: the media are the quality samples' first. Any other request goes to the
+    run; everything else is the run's."""
+
+    def __init__(self, run: EvalRun):
+        self._run = run
+        self._kept: dict[tuple[int, int, bool], tuple[list[int], Any]] = {}  # (seed, K, decoded) -> (order, samples)
+
+    def __getattr__(self, name: str):
+        return getattr(self._run, name)
+
+    def sample(self, order: Sequence[int], seed: int, num_steps: Optional[int] = None) -> Any:
+        return self._serve(order, seed, num_steps, decoded=True)
+
+    def eval_latents(self, order: Sequence[int], seed: int, num_steps: Optional[int] = None) -> Any:
+        return self._serve(order, seed, num_steps, decoded=False)
+
+    def _serve(self, order: Sequence[int], seed: int, num_steps: Optional[int], decoded: bool) -> Any:
+        order, k = list(order), num_steps or self._run.args.max_student_steps
+        for kept_decoded in ((True, False) if decoded else (False,)):
+            kept = self._kept.get((seed, k, kept_decoded))
+            if kept is not None and kept[0][:len(order)] == order:
+                rows = _first_rows(kept[1], len(order))
+                return rows if kept_decoded == decoded else self._run.decode(rows)
+        samples = (self._run.sample if decoded else self._run.eval_latents)(order, seed, num_steps=num_steps)
+        self._kept[(seed, k, decoded)] = (order, samples)
+        return samples
+
+
+def _first_rows(samples: Any, n: int) -> Any:
+    """The first ``n`` samples of a batch: a tensor, or a dict of them beside per-batch facts
+    (a joint model's {'video', 'audio', 'sample_rate', 'fps'})."""
+    if isinstance(samples, dict):
+        return {key: _first_rows(v, n) if isinstance(v, torch.Tensor) and v.dim() else v for key, v in samples.items()}
+    return samples[:n]

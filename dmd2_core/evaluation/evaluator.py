@@ -59,6 +59,9 @@ class EvalRun(Protocol):
     def real_features(self, rows: Sequence[int], u: float, seed: int, noise_offset: int) -> dict[str, torch.Tensor]:
         """The frozen teacher's features of the real set's ``rows`` per modality."""
 
+    def decode(self, latents: Any) -> Any:
+        """Latents -> the decoded samples ``sample`` returns."""
+
     def drift_stats(self, latents: Any) -> dict:
         """The decoded media's drift statistics (``drift.pooled`` reads them)."""
 

@@ -18,12 +18,13 @@ again); a LoRA's backward, through a frozen base, once the forward. Per iteratio
   scoring, and ``dmd2_regression_steps`` guided teacher forwards with a regression weight;
 - the actor: one trained forward of the student.
 
-An eval samples ``eval_num_samples`` quality samples and the media clips at K student steps each
-(every rank all of them: the samples are not split over data-parallel ranks; a context group
-splits each), plus, for the ``teacher`` evaluator, the teacher's feature forward per sample; its
-reference (once per teacher and settings) is ``eval_reference_steps`` guided teacher steps and
-the features. The VAE's decode is not counted. Seconds are FLOPs / (MFU x the device's peak x
-devices); a checkpoint writes every group's trainable state (``GroupPlan.saved`` on every shard),
+An eval samples ``eval_num_samples`` quality samples at K student steps each, split over the
+data-parallel ranks (each rank ``ceil(samples / dp)`` of them, ``parallel.EvalShare``; a context
+group splits each), plus, for the ``teacher`` evaluator, the teacher's feature forward per sample,
+split likewise; the media clips are the first quality samples, sampled again only where there are
+more clips than quality samples. Its reference (once per teacher and settings) is
+``eval_reference_steps`` guided teacher steps and the features, split likewise. The VAE's decode is not counted. Seconds are FLOPs / (MFU x the
+device's peak x devices); a checkpoint writes every group's trainable state (``GroupPlan.saved`` on every shard),
 an export the student in its export dtype (and its EMA; a LoRA not merged, its adapters), the
 start reads every group's weights, each at ``storage_gbps``. A previous run of the same save that
 measured its iterations (``iteration_s`` in its metrics log) sets the pace instead of the assumed
@@ -173,27 +174,30 @@ def iteration_flops(trainers: dict[str, Args]) -> dict[str, float]:
 
 
 def eval_flops(trainers: dict[str, Args], evaluator: str) -> dict[str, float]:
-    """FLOPs of one eval (the quality samples, the media clips, the teacher's features) and of the
-    teacher's reference, on every rank of a data-parallel group alike."""
+    """FLOPs of one eval (the quality samples, the teacher's features; the media clips only where
+    there are more of them than quality samples: else they are the first quality samples) and of
+    the teacher's reference, on one rank: each data-parallel rank runs its share of the rows."""
     from dmd2_core.memory.terms import eval_clips
 
     actor = trainers["actor"]
     if not actor.eval_interval:
         return {"eval": 0.0, "reference": 0.0}
     key = lambda a: tuple(a.latent_shape) if a.latent_shape else None  # noqa: E731
+    share = lambda n, a: math.ceil(n / (a.num_devices // a.cp_size))  # noqa: E731 - one rank's rows (EvalShare)
     student = model_flops(actor.hf_checkpoint, key(actor), actor.gan_feature_block)
     steps = sum(actor.student_step_counts)  # an eval of a set samples at each of its K
-    samples = actor.eval_num_samples
-    flops = (samples + eval_clips(actor)) * steps * student.forward
+    samples, clips = actor.eval_num_samples, eval_clips(actor)
+    flops = (share(samples, actor) + (share(clips, actor) if clips > samples else 0)) * steps * student.forward
     reference = 0.0
     if evaluator == "teacher":
         critic = trainers.get("critic") or actor
         teacher_url = critic.teacher_checkpoint or critic.hf_checkpoint
         teacher = model_flops(teacher_url, key(critic), critic.gan_feature_block)
         family = FAMILIES[describe_model_dir(teacher_url)["family"]]
-        features = samples * teacher.feature_forward
+        features = share(samples, critic) * teacher.feature_forward
         flops += features
-        reference = samples * actor.eval_reference_steps * _guided(actor, family) * teacher.forward + features
+        reference = share(samples, critic) * actor.eval_reference_steps * _guided(actor, family) * teacher.forward \
+            + features
     return {"eval": float(flops), "reference": float(reference)}
 
 
@@ -250,7 +254,7 @@ class TimePlan:
 
     @property
     def eval_s(self) -> float:
-        # every rank samples all of an eval, a context group splitting each sample
+        # eval_flops are one rank's: its share of the samples, a context group splitting each sample
         return self.eval_flops / (self.implied_mfu * self.peak_flops * self.cp_size)
 
     @property
@@ -349,7 +353,8 @@ def time_plan(trainers: dict[str, Args], memory_plan, evaluator: str, mfu: float
     exported = (lora_terms.size_of(actor).adapters if actor.lora_rank and not actor.export_merged
                 else student.params)
     export = exported * export_dtype * (2 if actor.ema_decay else 1)
-    notes = ["the VAE's decode is not counted", "eval: every rank samples all of its samples"]
+    notes = ["the VAE's decode is not counted",
+             "eval: each data-parallel rank samples its share; the media clips are the first quality samples"]
     return TimePlan(actor.num_devices, memory_plan.cp_size, mfu, peak, storage_gbps, night_hours * 3600,
                     actor.num_iterations, actor.eval_interval, actor.save_interval, actor.export_interval,
                     iteration_flops(trainers), evals["eval"], evals["reference"], checkpoint, export, start,

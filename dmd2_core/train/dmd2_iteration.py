@@ -183,14 +183,22 @@ def regression_gradient(x0: torch.Tensor, target: torch.Tensor, weight: float) -
 
 @torch.no_grad()
 def eval_samples(family: ModelFamily, model, cond: dict, shape: tuple[int, ...], seed: int,
-                 num_steps: int, shift: float, device=None) -> torch.Tensor:
+                 num_steps: int, shift: float, device=None, rows: Optional[list[int]] = None) -> torch.Tensor:
     """Full K-step student samples for eval. The noise is drawn as a diffusers pipeline with
     FlowMatchLCMScheduler and ``torch.Generator().manual_seed(seed)`` draws it (the latents, then
-    one draw per step), so an exported student reproduces these samples with diffusers alone."""
+    one draw per step), so an exported student reproduces these samples with diffusers alone.
+
+    ``rows`` (a data-parallel rank's share, ``parallel.EvalShare``): only those rows of the batch
+    of ``shape``, ``cond`` holding theirs. Each draw is the whole batch's, then cut to the rows, so
+    row i's noise is the same whichever rank samples it and however many ranks share the batch."""
     noise, g = eval_start_noise(family, shape, seed)
+    index = None if rows is None else torch.tensor(rows, dtype=torch.long)
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        return (t if index is None else t.index_select(0, index)).to(device)
     renoise = [] if g is None or family.deterministic_student else \
-        [torch.randn(shape, generator=g).to(device) for _ in range(num_steps)]
-    return student_sample(family, model, noise.to(device), cond, fm.student_sigmas(num_steps, shift), renoise)[1]
+        [cut(torch.randn(shape, generator=g)) for _ in range(num_steps)]
+    return student_sample(family, model, cut(noise), cond, fm.student_sigmas(num_steps, shift), renoise)[1]
 
 
 def eval_start_noise(family: ModelFamily, shape: tuple[int, ...], seed: int):

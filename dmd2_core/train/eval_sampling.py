@@ -1,7 +1,12 @@
 """What a trainer group does for an eval: the student's K-step samples (the actor group), the
 teacher's own N-step reference samples from the same noise and the teacher's features of any
 samples (the critic group, which holds the frozen teacher), and decoding them (rank 0). Every rank
-of the group runs each call (a sharded forward is a collective); rank 0 returns the result."""
+of the group runs each call (a sharded forward is a collective) on its own share of the rows
+(``parallel.EvalShare``: each data-parallel rank a contiguous part, padded to equal counts), and
+rank 0 gathers the shares in row order and returns the result. Each row's noise is a function of
+its place in the whole batch and the seed alone, so the figures do not depend on the rank count.
+The features are gathered to rank 0 whole rather than reduced as sums: a kernel distance needs
+every pair of rows, and they are a few hundred floats a row."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from dmd2_core import parallel
 from dmd2_core.models import describe_model_dir, lora
 from dmd2_core.train import dmd2_iteration
 
@@ -23,12 +29,15 @@ class EvalSampling:
         ``num_steps`` one of the student's step counts (default its largest). Rank 0 decodes
         (``decode``) and returns them: a tensor, or for a joint model {'video', 'audio',
         'sample_rate'}; other ranks None."""
+        share = self._eval_share(len(prompt_index))
         with self._awake():
             with self._ema_weights():
-                x0 = dmd2_iteration.eval_samples(self.family, self.model, self._cond(torch.tensor(prompt_index)),
+                x0 = dmd2_iteration.eval_samples(self.family, self.model, self._cond(torch.tensor(share.pick(prompt_index))),
                                               (len(prompt_index), *self.shape), seed,
-                                              num_steps or self.args.max_student_steps, self.shift, self.device)
+                                              num_steps or self.args.max_student_steps, self.shift, self.device,
+                                              rows=share.positions)
             self._reshard()
+            x0 = share.gather(x0)
             return self._rank0(self._decode(x0) if decode else x0)
 
     @torch.no_grad()
@@ -36,15 +45,16 @@ class EvalSampling:
         """The frozen teacher's own ``num_steps``-step samples (latents) from the eval noise of
         ``sample(prompt_index, seed)``, with the real score's guidance: the reference an eval
         compares the student with. Critic group only."""
-        n = len(prompt_index)
-        noise, _ = dmd2_iteration.eval_start_noise(self.family, (n, *self.shape), seed)
-        cond = self._cond(torch.tensor(prompt_index))
+        share = self._eval_share(len(prompt_index))
+        noise, _ = dmd2_iteration.eval_start_noise(self.family, (share.n, *self.shape), seed)
+        noise = noise.index_select(0, torch.tensor(share.positions, dtype=torch.long))
+        cond = self._cond(torch.tensor(share.pick(prompt_index)))
         with self._awake():
             x = dmd2_iteration.regression_target(self.family, self._real_score(), noise.to(self.device),
-                                              torch.ones(n), cond, self._uncond(n), self.args.dmd2_guidance_scale,
-                                              num_steps, self.shift)
+                                              torch.ones(share.per), cond, self._uncond(share.per),
+                                              self.args.dmd2_guidance_scale, num_steps, self.shift)
             self._reshard()
-        return self._rank0(x)
+        return self._rank0(share.gather(x))
 
     @torch.no_grad()
     def teacher_features(self, x0: torch.Tensor, prompt_index: list[int], u: float, seed: int) -> Optional[dict]:
@@ -52,12 +62,15 @@ class EvalSampling:
         (``evaluation.teacher_features``): {modality: [N, width]} on rank 0. Critic group only."""
         from dmd2_core.evaluation.teacher_features import teacher_features
 
+        share = self._eval_share(x0.shape[0])
+        rows = torch.tensor(share.positions, dtype=torch.long)
         with self._awake():
-            out = teacher_features(self.family, self._real_score(), x0.to(self.device), self._cond(torch.tensor(prompt_index)),
-                                   u=u, seed=seed, micro_batch=self.args.micro_batch_size or 8,
+            out = teacher_features(self.family, self._real_score(), x0.index_select(0, rows).to(self.device),
+                                   self._cond(torch.tensor(share.pick(prompt_index))), u=u, seed=seed,
+                                   micro_batch=self.args.micro_batch_size or 8, index_offset=share.start,
                                    stop=self.world_size == 1)  # a sharded forward runs whole on every rank
             self._reshard()
-        return self._rank0(out)
+        return self._rank0(share.gather(out))
 
     @torch.no_grad()
     def real_features(self, rows: list[int], u: float, seed: int, index_offset: int) -> Optional[dict]:
@@ -68,13 +81,14 @@ class EvalSampling:
         from dmd2_core.data import open_real_set
         from dmd2_core.evaluation.teacher_features import teacher_features
 
-        x0, cond = open_real_set(self.args.real_data).batch(torch.tensor(rows))  # those rows alone
+        share = self._eval_share(len(rows))
+        x0, cond = open_real_set(self.args.real_data).batch(torch.tensor(share.pick(rows)))  # this rank's rows alone
         with self._awake():
             out = teacher_features(self.family, self._real_score(), x0.to(self.device), cond, u=u, seed=seed,
-                                   micro_batch=self.args.micro_batch_size or 8, index_offset=index_offset,
+                                   micro_batch=self.args.micro_batch_size or 8, index_offset=index_offset + share.start,
                                    stop=self.world_size == 1)
             self._reshard()
-        return self._rank0(out)
+        return self._rank0(share.gather(out))
 
     @torch.no_grad()
     def drift_stats(self, x0: torch.Tensor) -> Optional[list[dict]]:
@@ -107,6 +121,9 @@ class EvalSampling:
         if self.vae is not None:
             self.vae.to(self.device)
         return self.family.decode(self.vae, x0.to(self.device))
+
+    def _eval_share(self, n: int) -> parallel.EvalShare:
+        return parallel.EvalShare(n, self.rank, self.world_size, self.args.cp_size)
 
     def _real_score(self):
         return self.teacher if self.teacher is not None else lora.RealScore(self.model)
