@@ -23,12 +23,12 @@ data-parallel ranks (each rank ``ceil(samples / dp)`` of them, ``parallel.EvalSh
 group splits each), plus, for the ``teacher`` evaluator, the teacher's feature forward per sample,
 split likewise; the media clips are the first quality samples, sampled again only where there are
 more clips than quality samples. Its reference (once per teacher and settings) is
-``eval_reference_steps`` guided teacher steps and the features, split likewise. The VAE's decode is not counted. Seconds are FLOPs / (MFU x the
-device's peak x devices); a checkpoint writes every group's trainable state (``GroupPlan.saved`` on every shard),
-an export the student in its export dtype (and its EMA; a LoRA not merged, its adapters), the
-start reads every group's weights, each at ``storage_gbps``. A previous run of the same save that
-measured its iterations (``iteration_s`` in its metrics log) sets the pace instead of the assumed
-MFU.
+``eval_reference_steps`` guided teacher steps and the features, split likewise. The VAE's decode
+is not counted. Seconds are FLOPs / (MFU x the device's peak x devices); a checkpoint writes every
+group's trainable state (``GroupPlan.saved`` on every shard), an export the student in its export
+dtype (and its EMA; a LoRA not merged, its adapters), the start reads every group's weights, each
+at ``storage_gbps``. A previous run of the same save that measured its iterations (``iteration_s``
+in its metrics log) sets the pace instead of the assumed MFU.
 """
 
 from __future__ import annotations
