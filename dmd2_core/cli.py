@@ -43,6 +43,9 @@ def build_parser() -> ArgParser:
                       "all ranks together: checkpoints, exports and the start (default 2)")
     plan.add_argument("--night-hours", type=float, default=None, help="the hours of a night the plan fills "
                       "(default 10)")
+    plan.add_argument("--calibrate-from", default=None, help="a save (path or URL) of a run of this recipe, a few "
+                      "iterations on the target devices: its first iteration sets the plan's FLOP/s and its first "
+                      "checkpoint the storage bandwidth, instead of the assumed MFU and --storage-gbps")
     add_arg_flags(plan)
     sub.add_parser("recipes", help="list the recipes")
     prep = sub.add_parser("prepare-prompts", help="encode a prompt list with the checkpoint's own text encoder")
@@ -226,10 +229,27 @@ def plan_time(ns: argparse.Namespace, args: Args, trainers: dict, memory_plan):
     peak = ns.peak_tflops * 1e12 if ns.peak_tflops is not None else time_plan.device_peak_flops(
         ns.device_kind or time_plan.DEFAULT_DEVICE)
     pick = lambda value, default: default if value is None else value  # noqa: E731
-    return time_plan.time_plan(
+    planned = time_plan.time_plan(
         trainers, memory_plan, evaluator_name(args), pick(ns.assumed_mfu, time_plan.DEFAULT_MFU), peak,
         pick(ns.storage_gbps, time_plan.DEFAULT_STORAGE_GBPS), pick(ns.night_hours, time_plan.DEFAULT_NIGHT_HOURS),
-        _previous_pace(args.save))
+        None if ns.calibrate_from else _previous_pace(args.save))
+    if ns.calibrate_from:
+        return time_plan.calibrate(planned, trainers, *_calibration_rows(ns.calibrate_from))
+    return planned
+
+
+def _calibration_rows(save: str) -> tuple[list[dict], str]:
+    """The metrics rows of the save ``--calibrate-from`` names, and its metrics log's URL."""
+    from dmd2_core.report.metrics_log import read_metrics
+    from dmd2_core.save_layout import metrics_url
+
+    try:
+        rows = read_metrics(save)
+    except (FileNotFoundError, OSError):
+        rows = []
+    if not rows:
+        raise ArgsError(f"calibrate_from: no metrics log in {save} (expected {metrics_url(save)})")
+    return rows, metrics_url(save)
 
 
 def _previous_pace(save: Optional[str]) -> Optional[dict]:
@@ -248,7 +268,7 @@ def _previous_pace(save: Optional[str]) -> Optional[dict]:
 
 
 PLAN_TIME_FLAGS = {"assumed_mfu": float, "device_kind": str, "peak_tflops": float, "storage_gbps": float,
-                   "night_hours": float}
+                   "night_hours": float, "calibrate_from": str}
 
 
 def split_plan_sets(ns: argparse.Namespace) -> None:
