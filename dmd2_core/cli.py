@@ -43,6 +43,9 @@ def build_parser() -> ArgParser:
                       "all ranks together: checkpoints, exports and the start (default 2)")
     plan.add_argument("--night-hours", type=float, default=None, help="the hours of a night the plan fills "
                       "(default 10)")
+    plan.add_argument("--calibrate-from", default=None, help="a save (path or URL) of a run of this recipe, a few "
+                      "iterations on the target devices: its first iteration sets the plan's FLOP/s and its first "
+                      "checkpoint the storage bandwidth, instead of the assumed MFU and --storage-gbps")
     add_arg_flags(plan)
     sub.add_parser("recipes", help="list the recipes")
     prep = sub.add_parser("prepare-prompts", help="encode a prompt list with the checkpoint's own text encoder")
@@ -227,10 +230,14 @@ def plan_time(ns: argparse.Namespace, args: Args, trainers: dict, memory_plan, k
     peak = ns.peak_tflops * 1e12 if ns.peak_tflops is not None else time_plan.device_peak_flops(
         args.device_kind or time_plan.DEFAULT_DEVICE)
     pick = lambda value, default: default if value is None else value  # noqa: E731
-    return time_plan.time_plan(
+    calibrating = bool(ns.calibrate_from) and not mfu
+    planned = time_plan.time_plan(
         trainers, memory_plan, evaluator_name(args), mfu or pick(ns.assumed_mfu, time_plan.DEFAULT_MFU), peak,
         pick(ns.storage_gbps, time_plan.DEFAULT_STORAGE_GBPS), pick(ns.night_hours, time_plan.DEFAULT_NIGHT_HOURS),
-        None if mfu else _previous_pace(args.save))
+        None if mfu or calibrating else _previous_pace(args.save))
+    if calibrating:
+        return time_plan.calibrate(planned, trainers, *_calibration_rows(ns.calibrate_from))
+    return planned
 
 
 def plan_run(ns: argparse.Namespace, args: Args, kind_given: bool = False) -> int:
@@ -269,6 +276,20 @@ def plan_run(ns: argparse.Namespace, args: Args, kind_given: bool = False) -> in
     return 0
 
 
+def _calibration_rows(save: str) -> tuple[list[dict], str]:
+    """The metrics rows of the save ``--calibrate-from`` names, and its metrics log's URL."""
+    from dmd2_core.report.metrics_log import read_metrics
+    from dmd2_core.save_layout import metrics_url
+
+    try:
+        rows = read_metrics(save)
+    except (FileNotFoundError, OSError):
+        rows = []
+    if not rows:
+        raise ArgsError(f"calibrate_from: no metrics log in {save} (expected {metrics_url(save)})")
+    return rows, metrics_url(save)
+
+
 def _previous_pace(save: Optional[str]) -> Optional[dict]:
     """The pace a previous run of ``save`` measured (its metrics log), None without one."""
     from dmd2_core.memory import time_plan
@@ -284,7 +305,8 @@ def _previous_pace(save: Optional[str]) -> Optional[dict]:
     return time_plan.measured_pace(rows, metrics_url(save))
 
 
-PLAN_TIME_FLAGS = {"assumed_mfu": float, "peak_tflops": float, "storage_gbps": float, "night_hours": float}
+PLAN_TIME_FLAGS = {"assumed_mfu": float, "peak_tflops": float, "storage_gbps": float, "night_hours": float,
+                   "calibrate_from": str}
 
 
 def split_plan_sets(ns: argparse.Namespace) -> None:

@@ -98,10 +98,12 @@ class DriverBase:
     def eval(self, i: int) -> dict:
         t = time.perf_counter()
         out = evaluate(self.run_id, i)
-        self.note_cost("eval", time.perf_counter() - t)
+        eval_s = time.perf_counter() - t  # the whole eval task, as the time budget and the time plan see it
+        self.note_cost("eval", eval_s)
         self.last_eval = i
         flags = self.evaluator.drift_flags(out["metrics"], self.first_eval(out["metrics"]), out.get("reference") or {})
-        row = self.log.update(i, {**out["metrics"], **({"drift_out": float(len(flags))} if out.get("reference") else {})})
+        row = self.log.update(i, {**out["metrics"], "eval_s": eval_s,
+                                  **({"drift_out": float(len(flags))} if out.get("reference") else {})})
         self.result["media_urls"] += [m["url"] for m in out["media"]]
         quality = {k: out["metrics"][k] for k in self.quality_keys if k in out["metrics"]}
         self.view["evals"] = [e for e in self.view["evals"] if e["iteration"] != i]

@@ -38,6 +38,8 @@ def run_eval(run: EvalRun, iteration: int, embed_limit: int = 512 * 1024) -> dic
         metrics.update(mean_over_steps(metrics, counts, evaluator.criteria))
     if any(quality["metrics"].values()):
         metrics["eval_quality_s"] = time.perf_counter() - t
+    if "reference_s" in quality:  # this eval made its evaluator's reference (inside eval_quality_s)
+        metrics["eval_reference_s"] = quality["reference_s"]
     start = time.perf_counter()
     media = [m for k in counts for m in write_eval_media(once, iteration, indices, k if several else None, embed_limit,
                                                          INLINE_VIDEO_BYTES // len(counts))]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from typing import Any, Optional
 
 import torch
@@ -69,18 +70,23 @@ def evaluate(run, args: Args, num_steps: Optional[int] = None) -> dict[str, Any]
 
 
 def evaluate_each(run, args: Args, step_counts: list[int]) -> dict[str, Any]:
-    """``evaluate`` at each of ``step_counts``: {metrics: {K: {key: float}}, reference}. The
-    references do not depend on the step count: they are read (or made) once, and every K is
-    measured against them."""
+    """``evaluate`` at each of ``step_counts``: {metrics: {K: {key: float}}, reference, and
+    ``reference_s`` when this eval made a reference (the seconds it took: the time plan prices
+    the reference apart from an eval)}. The references do not depend on the step count: they are
+    read (or made) once, and every K is measured against them."""
     if not run.has_critic:  # no group holds the frozen teacher: no quality figures
         return {"metrics": {k: {} for k in step_counts}, "reference": {}}
     order = eval_order(args, len(prompt_texts(args.prompts)))
+    started = time.perf_counter()
     identity = teacher_identity(args)  # one listing and config read an eval, shared by both references' keys
     reference = teacher_reference(run, args, order, identity)
     real = real_reference(run, args, identity)
+    reference_s = time.perf_counter() - started
     metrics = {k: _student_figures(run, args, order, reference, real, k) for k in step_counts}
     yardstick = real["drift"] if real else reference["drift"]
-    return {"metrics": metrics, "reference": {**yardstick, "source": "real" if real else "teacher"}}
+    made = not reference["hit"] or (real and not real["hit"])
+    return {"metrics": metrics, "reference": {**yardstick, "source": "real" if real else "teacher"},
+            **({"reference_s": reference_s} if made else {})}
 
 
 def _student_figures(run, args: Args, order: list[int], reference: dict[str, Any], real: dict[str, Any],
@@ -183,14 +189,14 @@ def real_reference(run, args: Args, identity: Optional[dict[str, Any]] = None) -
     marker = storage.join(url, "reference.json")
     if storage.exists(marker):
         features, _ = read_safetensors(storage.join(url, "features.safetensors"))
-        return {"features": features, "drift": json.loads(storage.read_text(marker))["drift"]}
+        return {"features": features, "drift": json.loads(storage.read_text(marker))["drift"], "hit": True}
     features = run.real_features(rows, FEATURE_U, FEATURE_SEED, REAL_NOISE_OFFSET)
     latents, _ = open_real_set(args.real_data).batch(torch.tensor(rows[:args.eval_num_samples]))
     drift = pooled(run.drift_stats(latents))
     write_safetensors(storage.join(url, "features.safetensors"), {m: f.contiguous() for m, f in features.items()})
     storage.write_text(marker, json.dumps({"format": REFERENCE_FORMAT, "real_data": args.real_data,
                                            "rows": len(rows), "drift": drift}, indent=1))
-    return {"features": features, "drift": drift}
+    return {"features": features, "drift": drift, "hit": False}
 
 
 # ---- drift ----------------------------------------------------------------------------------------

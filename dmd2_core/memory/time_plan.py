@@ -24,11 +24,15 @@ group splits each), plus, for the ``teacher`` evaluator, the teacher's feature f
 split likewise; the media clips are the first quality samples, sampled again only where there are
 more clips than quality samples. Its reference (once per teacher and settings) is
 ``eval_reference_steps`` guided teacher steps and the features, split likewise. The VAE's decode
-is not counted. Seconds are FLOPs / (MFU x the device's peak x devices); a checkpoint writes every
-group's trainable state (``GroupPlan.saved`` on every shard), an export the student in its export
-dtype (and its EMA; a LoRA not merged, its adapters), the start reads every group's weights, each
-at ``storage_gbps``. A previous run of the same save that measured its iterations (``iteration_s``
-in its metrics log) sets the pace instead of the assumed MFU.
+is not counted (bench/plan_calibration.py: on the stand-in it is most of an eval). Seconds are
+FLOPs / (MFU x the device's peak x devices); a checkpoint writes every group's trainable state
+(``GroupPlan.saved`` on every shard); an export writes the student in its export dtype (and its
+EMA; a LoRA not merged, its adapters alone) and the teacher's other components it copies beside a
+whole student (their files, where the teacher directory holds them), then reads the student back
+to verify it; the start reads every group's weights, each at ``storage_gbps``. A previous run of
+the same save that measured its iterations (``iteration_s`` in its metrics log) sets the pace
+instead of the assumed MFU; ``calibrate`` instead sets the rate from one measured iteration (its
+FLOPs at the stop step it drew) and the storage bandwidth from one checkpoint.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from typing import Optional
 
@@ -123,6 +127,19 @@ def model_flops(url: str, latent_shape: Optional[tuple[int, ...]], feature_block
     return ModelFlops(forward, feature, head_flops, sum(p.numel() for p in model.parameters()))
 
 
+def copied_component_bytes(url: str) -> int:
+    """Bytes of the teacher's files an export copies beside the student: every file of the
+    teacher's directory outside its transformers (the VAEs, text encoders, tokenizers, the
+    schedulers' configs). A directory of configs alone (a plan before the weights are at hand)
+    counts only what it holds."""
+    from dmd2_core.checkpoint.integrity import listing
+
+    info = describe_model_dir(url)
+    if info["transformer_url"].rstrip("/") == url.rstrip("/"):  # a bare transformer: nothing copied
+        return 0
+    return sum(size for name, size in listing(url).items() if not name.split("/", 1)[0].startswith("transformer"))
+
+
 def _trained(args: Args) -> int:
     """Forwards a trained forward costs: the forward, its backward at twice it (the gradients of
     the inputs and of the weights), and under gradient checkpointing the blocks once more. A LoRA
@@ -136,21 +153,25 @@ def _guided(args: Args, family) -> int:
     return 1 if family.guidance_distilled or args.dmd2_guidance_scale == 1.0 else 2
 
 
-def _rollout_forwards(args: Args) -> float:
-    """Expected student forwards of one sample's rollout."""
+def _rollout_forwards(args: Args, stop_step: Optional[int] = None) -> float:
+    """Expected student forwards of one sample's rollout; at ``stop_step`` (what an iteration
+    drew, its metrics row's ``stop_step``), that rollout's own."""
+    if stop_step is not None:
+        return stop_step + 1 if args.dmd2_backward_simulation else 1.0
     counts = args.student_step_counts
     weights = args.dmd2_student_steps_weights or [1.0] * len(counts)
     per = [(k + 1) / 2 if args.dmd2_backward_simulation else 1.0 for k in counts]
     return sum(w * f for w, f in zip(weights, per)) / sum(weights)
 
 
-def iteration_flops(trainers: dict[str, Args]) -> dict[str, float]:
-    """FLOPs of one iteration by part (rollout, critic, scores, actor), the whole global batch."""
+def iteration_flops(trainers: dict[str, Args], stop_step: Optional[int] = None) -> dict[str, float]:
+    """FLOPs of one iteration by part (rollout, critic, scores, actor), the whole global batch:
+    the expected iteration, or the one whose rollout stopped at ``stop_step``."""
     actor = trainers["actor"]
     key = lambda a: tuple(a.latent_shape) if a.latent_shape else None  # noqa: E731
     student = model_flops(actor.hf_checkpoint, key(actor), actor.gan_feature_block)
     batch = actor.global_batch_size
-    parts = {"rollout": batch * _rollout_forwards(actor) * student.forward,
+    parts = {"rollout": batch * _rollout_forwards(actor, stop_step) * student.forward,
              "actor": batch * _trained(actor) * student.forward}
     critic = trainers.get("critic")
     if critic is not None:
@@ -233,6 +254,7 @@ class TimePlan:
     start_bytes: int
     measured: Optional[dict] = None  # measured_pace, when a previous run set the pace
     notes: list[str] = field(default_factory=list)
+    calibrated: Optional[dict] = None  # calibrate's figures, when one measured iteration set the rates
 
     @property
     def rate(self) -> float:
@@ -303,7 +325,7 @@ class TimePlan:
         for name in ("iteration_s", "assumed_iteration_s", "implied_mfu", "eval_s", "reference_s", "checkpoint_s",
                      "export_s", "start_s", "iterations_per_night", "nights"):
             out[name] = getattr(self, name)
-        out["pace"] = "measured" if self.measured else "assumed"
+        out["pace"] = "measured" if self.measured else "calibrated" if self.calibrated else "assumed"
         return out
 
 
@@ -350,15 +372,44 @@ def time_plan(trainers: dict[str, Args], memory_plan, evaluator: str, mfu: float
     student = model_flops(actor.hf_checkpoint, tuple(actor.latent_shape) if actor.latent_shape else None,
                           actor.gan_feature_block)
     # a LoRA student is exported as its adapters (the family's diffusers LoRA format) unless merged
-    exported = (lora_terms.size_of(actor).adapters if actor.lora_rank and not actor.export_merged
-                else student.params)
-    export = exported * export_dtype * (2 if actor.ema_decay else 1)
+    adapters_only = bool(actor.lora_rank and not actor.export_merged)
+    exported = lora_terms.size_of(actor).adapters if adapters_only else student.params
+    transformers = exported * export_dtype * (2 if actor.ema_decay else 1)
+    # written: the student (and its EMA) and the teacher's components copied beside it; read back: the student
+    export = 2 * transformers + (0 if adapters_only else copied_component_bytes(actor.hf_checkpoint))
     notes = ["the VAE's decode is not counted",
              "eval: each data-parallel rank samples its share; the media clips are the first quality samples"]
     return TimePlan(actor.num_devices, memory_plan.cp_size, mfu, peak, storage_gbps, night_hours * 3600,
                     actor.num_iterations, actor.eval_interval, actor.save_interval, actor.export_interval,
                     iteration_flops(trainers), evals["eval"], evals["reference"], checkpoint, export, start,
                     measured, notes)
+
+
+def calibrate(plan: TimePlan, trainers: dict[str, Args], rows: list[dict], url: str) -> TimePlan:
+    """``plan`` at the rates one measured iteration and one checkpoint of a previous run imply
+    (its metrics log's ``rows``, at ``url``): the FIRST row with ``iteration_s`` gives the effective
+    FLOP/s per device (that iteration's FLOPs, at the stop step it drew, over its seconds and the
+    devices: the plan's MFU becomes what it implies), the first with ``checkpoint_save_s`` the
+    storage bandwidth (the plan's checkpoint bytes over its seconds); every other cost follows from
+    the model. The first is taken, not a median: it is what a team has after one short try."""
+    timed = next((r for r in rows if isinstance(r.get("iteration_s"), (int, float)) and r["iteration_s"] > 0), None)
+    if timed is None:
+        raise ArgsError(f"calibrate_from: no measured iteration (iteration_s) in {url}")
+    stop = timed.get("stop_step")
+    stop_step = int(stop) if isinstance(stop, (int, float)) else None
+    flops = sum(iteration_flops(trainers, stop_step).values())
+    flops_per_s = flops / (float(timed["iteration_s"]) * plan.num_devices)
+    figures = {"url": url, "iteration": int(timed["iteration"]), "iteration_s": float(timed["iteration_s"]),
+               "stop_step": stop_step, "iteration_flops": flops, "flops_per_s": flops_per_s}
+    storage_gbps = plan.storage_gbps
+    saved = next((r for r in rows if isinstance(r.get("checkpoint_save_s"), (int, float)) and r["checkpoint_save_s"] > 0),
+                 None)
+    if saved is not None:
+        storage_gbps = plan.checkpoint_bytes / float(saved["checkpoint_save_s"]) / 1e9
+        figures.update(checkpoint_iteration=int(saved["iteration"]), checkpoint_save_s=float(saved["checkpoint_save_s"]))
+    figures["storage_gbps"] = storage_gbps
+    return replace(plan, mfu=flops_per_s / plan.peak_flops, storage_gbps=storage_gbps, measured=None,
+                   calibrated=figures)
 
 
 def _seconds(s: float) -> str:
@@ -369,9 +420,14 @@ def _seconds(s: float) -> str:
 
 def table(tp: TimePlan) -> str:
     """The time plan as a few lines, under the memory plan's table."""
+    cal = tp.calibrated
     pace = (f"measured {tp.measured['iteration_s']:.3f} s an iteration over {tp.measured['iterations']} iterations "
             f"of {tp.measured['url']} (implies MFU {tp.implied_mfu:.3g}; assumed {tp.mfu:g} would give "
             f"{_seconds(tp.assumed_iteration_s)})" if tp.measured else
+            f"calibrated from iteration {cal['iteration']} of {cal['url']}: {cal['iteration_s']:.3f} s at stop step "
+            f"{cal['stop_step']} is {cal['flops_per_s'] / 1e12:.4g} TFLOP/s per device (MFU {tp.mfu:.3g})"
+            + (f", its checkpoint at iteration {cal['checkpoint_iteration']} {cal['storage_gbps']:.3g} GB/s"
+               if "checkpoint_iteration" in cal else "") if cal else
             f"assumed MFU {tp.mfu:g} of {tp.peak_flops / 1e12:g} TFLOP/s per device (assumed_mfu, peak_tflops)")
     flops = ", ".join(f"{k} {v / 1e12:.4g}" for k, v in tp.iteration_flops.items())
     nights = tp.nights
@@ -382,7 +438,7 @@ def table(tp: TimePlan) -> str:
         + ("" if tp.eval_interval else " (eval_interval 0: none)"),
         f"  reference      {_seconds(tp.reference_s):>10}   {tp.reference_flops / 1e12:.4g} TFLOP, once per teacher and settings",
         f"  checkpoint     {_seconds(tp.checkpoint_s):>10}   {tp.checkpoint_bytes / 1e9:.3g} GB at {tp.storage_gbps:g} GB/s (storage_gbps)",
-        f"  export         {_seconds(tp.export_s):>10}   {tp.export_bytes / 1e9:.3g} GB",
+        f"  export         {_seconds(tp.export_s):>10}   {tp.export_bytes / 1e9:.3g} GB written and read back",
         f"  start          {_seconds(tp.start_s):>10}   {tp.start_bytes / 1e9:.3g} GB read, every group",
         f"  a night of {tp.night_s / 3600:g} h (night_hours): {tp.iterations_per_night} iterations; "
         + (f"{nights} night(s) to num_iterations {tp.num_iterations}" if nights else "no iteration fits")
