@@ -121,7 +121,7 @@ def test_summary_markdown_reads_top_down():
                                      "## Evals", "## Checkpoint", "## Configuration")]
     assert order == sorted(order)
     assert "Quality before -> after: fd 1, acc 0.9 -> fd 0.4, acc 0.98" in text
-    assert "Best eval so far: iteration 100 (fd 0.3, acc 0.99)" in text
+    assert "Best eval so far (the campaign's): iteration 100 (fd 0.3, acc 0.99)" in text
     assert "iteration 200 of 4000. Updated 2026-12-02 03:04:05 UTC." in text
     # the default UI shows an image inside a link as text: the image alone, the link on its own line
     assert "![iteration 200](data:image/png;base64,AAAA)\n" in text and "](data:image/png;base64,AAAA)](" not in text

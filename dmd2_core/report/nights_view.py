@@ -1,5 +1,6 @@
 """The nights view of a deployment: a row per run (its outcome, its quality by the run's criterion,
-final and best, per modality, the drift statistics that left their band, its best student, the
+final and best, per modality, the drift statistics that left their band, the campaign's best student
+(kept across nights: a night whose evals are all worse offers an earlier night's), the
 iterations it did from -> to, its measured seconds per iteration and the nights that remain at
 that pace) under a plot of the criterion over nights. No Prefect here: flows/nights.py keeps the rows in an artifact."""
 
@@ -10,7 +11,7 @@ from typing import Optional
 
 from dmd2_core.evaluators import evaluator_for
 from dmd2_core.media.images import data_uri
-from dmd2_core.report.summary import best_eval, criterion
+from dmd2_core.report.summary import best_eval, campaign_best, criterion
 from dmd2_core.report.table import cell, round_sig
 from dmd2_core.step_counts import at_steps, counts_in
 
@@ -29,6 +30,7 @@ def night_row(view: dict, outcome: str, wall_s: float, run_id: str, link: Option
     columns = night_columns(evaluator)
     best = best_eval(trained or evals, evaluator.criteria) or {}
     key = criterion(evals, evaluator.criteria)
+    kept = campaign_best(evals, evaluator.criteria) or {}  # over every night: the student the campaign offers
     row = {"run_id": run_id, "name": view.get("name"), "date": date, "outcome": outcome,
            "evaluator": evaluator.name, "criterion": key,
            "final": last.get(key) if key else None, "best": best.get(key) if key else None,
@@ -39,7 +41,9 @@ def night_row(view: dict, outcome: str, wall_s: float, run_id: str, link: Option
            "from_iteration": view.get("start"), "s_per_iteration": view.get("seconds_per_iteration"),
            "nights_left": nights_left(view.get("start"), view.get("iteration"), view.get("final")),
            "wall_s": round(float(wall_s), 1), "link": link,
-           "student": view.get("best_student") or view.get("student")}
+           "campaign_best": kept.get(key) if key else None, "campaign_best_iteration": kept.get("iteration"),
+           "student": view.get("best_student") or view.get("student"),
+           "student_iteration": view.get("best_iteration") if view.get("best_student") else None}
     row.update({k: last.get(k) for k in columns if last.get(k) is not None})
     counts = counts_in(key for e in evals for key in e)
     if key and counts:  # a student of several step counts: its final and best (the run's student) at each
@@ -120,9 +124,14 @@ def nights_markdown(deployment: str, rows: list[dict], plot: Optional[bytes]) ->
                                *(figures.get(c) for c in extra), *([""] if drift else []), "",
                                *(["", ""] if pace else []), ""]))
     out.append("")
-    students = [r for r in reversed(rows) if r.get("student")]
+    offered: dict = {}
+    for r in reversed(rows):  # each student once, as its newest night offered it
+        offered.setdefault(r.get("student"), r)
+    students = [r for url, r in offered.items() if url]
     if students:
-        out += ["Students (each run's best): " + "; ".join(f"{r.get('date')} `{r['student']}`" for r in students[:5]), ""]
+        out += ["Best students (the campaign's best eval, kept across nights; newest first): " + "; ".join(
+            f"{r.get('date')}: " + (f"iteration {r['student_iteration']} " if r.get("student_iteration") is not None else "")
+            + f"`{r['student']}`" for r in students[:5]), ""]
     return "\n".join(out)
 
 

@@ -58,6 +58,17 @@ def best_eval(evals: list[dict], criteria: Iterable[str]) -> Optional[dict]:
     return min(scored, key=lambda e: (e[key], -e["iteration"])) if scored else None
 
 
+def campaign_best(evals: list[dict], criteria: Iterable[str]) -> Optional[dict]:
+    """The campaign's best eval: ``best_eval`` of the evals after the campaign's first (the student
+    it started from is its starting point, not its result), over every night of its save (the
+    metrics log keeps every night's evals), so a night whose evals are all worse keeps an earlier
+    night's. What the run exports as its student, its summary names and its nights row offers."""
+    if not evals:
+        return None
+    origin = min(e["iteration"] for e in evals)
+    return best_eval([e for e in evals if e["iteration"] > origin], criteria)
+
+
 def summary_markdown(s: dict) -> str:
     """The run summary, top-down: status and before -> after, the latest samples, the plot, the
     evals (newest first), checkpoint and exported student, then the configuration.
@@ -81,9 +92,9 @@ def summary_markdown(s: dict) -> str:
                 out.append(f"Quality{steps_label(first)} before -> after: {_quality(first, quality_keys)} -> "
                            f"{_quality(last, quality_keys)} "
                            f"(iterations {evals[0]['iteration']} -> {evals[-1]['iteration']}).")
-    best = best_eval(evals, evaluator.criteria)
+    best = campaign_best(evals, evaluator.criteria)
     if best:
-        out.append(f"Best eval so far: iteration {best['iteration']} ({_quality(best, quality_keys)}"
+        out.append(f"Best eval so far (the campaign's): iteration {best['iteration']} ({_quality(best, quality_keys)}"
                    f"{steps_label(per_steps_rows(best)[0])}).")
     out.append("")
     if s.get("media"):
@@ -124,7 +135,7 @@ def summary_markdown(s: dict) -> str:
     else:
         out.append("- no checkpoint yet")
     if s.get("best_student"):
-        out.append(f"- **the run's student** (its best eval, iteration {s.get('best_iteration')}; kept by retention): "
+        out.append(f"- **the run's student** (the campaign's best eval, iteration {s.get('best_iteration')}; kept by retention): "
                    f"`{s['best_student']}`")
     if s.get("student"):
         out.append(f"- latest exported student (diffusers): `{s['student']}`")

@@ -1,0 +1,86 @@
+"""The nights view shows the campaign, and a morning a team can read: one best student for the
+whole campaign (kept across nights, named alike by the summary and the nights view), the MFU a
+night's pace implies, the nights plot, the drift table's band, the configuration's sources and
+clips that play in place."""
+
+from __future__ import annotations
+
+import time
+
+from dmd2_core import checkpoint, report
+from dmd2_core.report import nights_view
+from dmd2_core.run import time_budget
+from tests.helpers import FAST
+
+# ---- one best student for the campaign ------------------------------------------------------------
+
+SCRIPTED_FD = {0: 1.0, 1: 2.0, 2: 5.0}  # the start scores best; night 2's only eval is worse than night 1's
+
+
+def test_a_night_worse_than_an_earlier_one_keeps_the_campaigns_best_student(harness, tiny_teacher, tmp_path, monkeypatch):
+    """Night 1 stops at iteration 1 (its budget), whose eval is the campaign's best; night 2's eval
+    at 2 is worse: its student stays iteration 1's export, and its summary's header, its student
+    line and its nights row all name iteration 1 (the start's eval is no result of the campaign)."""
+    from dmd2_core.run.distill_run import DistillRun
+    from dmd2_core.run.checkpoint_commits import read_best_student
+    from flows import driver as driver_module
+    from flows import nights
+    from flows.dmd2 import dmd2
+
+    monkeypatch.setattr(driver_module, "evaluate", lambda run_id, i: {
+        "iteration": i, "metrics": {"fd": SCRIPTED_FD[i]}, "media": [], "reference": {}})
+    offset, starts, views, rows = [0.0], [], [], []
+    monkeypatch.setattr(time_budget, "clock", lambda: time.perf_counter() + offset[0])
+    original_start = DistillRun.start
+
+    def start(self):
+        starts.append(1)
+        out = original_start(self)
+        offset[0] = 10_000.0 if len(starts) == 1 else 0.0  # night 1's groups came up late in its window
+        return out
+
+    def record(view, outcome, wall_s):
+        views.append(view)
+        rows.append(nights_view.night_row(view, outcome, wall_s, f"id-{len(rows)}", None, f"2026-12-0{len(rows) + 1}"))
+
+    monkeypatch.setattr(DistillRun, "start", start)
+    monkeypatch.setattr(nights, "record_night", record)
+    save = tmp_path / "campaign"
+    for night in (1, 2):
+        state = dmd2(recipe="tiny", overrides=dict(FAST), num_iterations=2, hf_checkpoint=tiny_teacher,
+                     save=str(save), time_budget_s=1000.0, return_state=True)
+        assert state.is_completed(), state.message
+    assert checkpoint.read_latest(str(save)) == 2
+
+    best = read_best_student(str(save))
+    assert (best["iteration"], best["value"]) == (1, 2.0) and best["export_url"].endswith("iter_0000001")
+    view, row = views[-1], rows[-1]
+    assert view["student"].endswith("iter_0000002")  # the latest export, not the campaign's student
+    assert view["best_student"] == best["export_url"] and view["best_iteration"] == 1
+    text = report.summary_markdown(view)
+    assert "Best eval so far (the campaign's): iteration 1 (fd 2)." in text
+    assert "the campaign's best eval, iteration 1;" in text
+    assert (row["student"], row["student_iteration"]) == (best["export_url"], 1)
+    assert (row["campaign_best"], row["campaign_best_iteration"]) == (2.0, 1)
+    assert (row["best"], row["best_iteration"]) == (5.0, 2)  # the night's own best, what a regression is judged by
+    shown = nights_view.nights_markdown("tiny", rows, None)
+    assert f"2026-12-02: iteration 1 `{best['export_url']}`" in shown
+    assert "iter_0000002`" not in shown.split("Best students")[1]
+
+
+def test_the_summary_header_the_student_line_and_the_nights_row_name_one_best():
+    """A teacher-evaluated night 2 (from 2 to 4) whose evals are all worse than night 1's best (at
+    2); the start's eval (iteration 0, the teacher-like student) scores best of all but is no result."""
+    view = {"name": "h3-night-2", "evaluator": "teacher", "start": 2, "iteration": 4, "final": 8,
+            "best_student": "s3://r/exports/iter_0000002", "best_iteration": 2, "student": "s3://r/exports/iter_0000004",
+            "evals": [{"iteration": 0, "teacher_kid": 0.01}, {"iteration": 1, "teacher_kid": 0.3},
+                      {"iteration": 2, "teacher_kid": 0.2}, {"iteration": 3, "teacher_kid": 0.5},
+                      {"iteration": 4, "teacher_kid": 0.4}]}
+    assert report.campaign_best(view["evals"], ("teacher_kid",))["iteration"] == 2
+    text = report.summary_markdown(view)
+    assert "Best eval so far (the campaign's): iteration 2 (teacher_kid 0.2)." in text
+    assert "the campaign's best eval, iteration 2;" in text
+    row = nights_view.night_row(view, "completed, regressed", 1.0, "id-2", None, "2026-12-08")
+    assert (row["student"], row["student_iteration"], row["campaign_best_iteration"]) == (view["best_student"], 2, 2)
+    assert (row["best"], row["best_iteration"]) == (0.4, 4)  # the night's own, judged against the nights before
+    assert "2026-12-08: iteration 2 `s3://r/exports/iter_0000002`" in nights_view.nights_markdown("minimax-h3", [row], None)
