@@ -201,6 +201,22 @@ class Driver(DriverBase):
                     if self.start < n <= self.final and isinstance(row.get("iteration_s"), (int, float))]
         return round(sum(measured) / len(measured), 3) if measured else None
 
+    def implied_mfu(self, pace: Optional[float]) -> Optional[float]:
+        """The MFU this run's pace implies: the FLOPs of an iteration (the time plan's count, on the
+        meta device) over the devices' peak (the cluster's accelerator kind); None without a pace,
+        on CPUs or an unknown device kind, or for a model the plan cannot count (said in the log)."""
+        from dmd2_core.memory import time_plan
+
+        peak = time_plan.cluster_peak_flops() if pace else None
+        if peak is None:
+            return None
+        try:
+            flops = sum(time_plan.iteration_flops(self.run.trainer_args).values())
+        except Exception as exc:  # noqa: BLE001 - a figure for people: the night's outcome stands
+            self.logger.warning(f"MFU not measured: the iteration's FLOPs were not counted ({type(exc).__name__}: {exc})")
+            return None
+        return round(time_plan.implied_mfu(flops, pace, peak, self.args.num_devices), 4)
+
     # ---- the whole run ----
     def drive(self, reruns: int = 0) -> dict:
         args, self.reruns = self.args, reruns
@@ -238,6 +254,7 @@ class Driver(DriverBase):
                            continues=continues)
         self.view["status"] = "completed, continues" if continues else "completed"
         self.view["seconds_per_iteration"] = self.pace()
+        self.view["mfu"] = self.implied_mfu(self.view["seconds_per_iteration"])
         self.log.finish()
         self.trackers.close()
         self.publish(self.final)

@@ -45,6 +45,9 @@ def test_a_night_worse_than_an_earlier_one_keeps_the_campaigns_best_student(harn
 
     monkeypatch.setattr(DistillRun, "start", start)
     monkeypatch.setattr(nights, "record_night", record)
+    from dmd2_core.memory import time_plan
+
+    monkeypatch.setattr(time_plan, "cluster_peak_flops", lambda: 1e12)  # CPUs have no peak of their own
     save = tmp_path / "campaign"
     for night in (1, 2):
         state = dmd2(recipe="tiny", overrides=dict(FAST), num_iterations=2, hf_checkpoint=tiny_teacher,
@@ -63,6 +66,7 @@ def test_a_night_worse_than_an_earlier_one_keeps_the_campaigns_best_student(harn
     assert (row["student"], row["student_iteration"]) == (best["export_url"], 1)
     assert (row["campaign_best"], row["campaign_best_iteration"]) == (2.0, 1)
     assert (row["best"], row["best_iteration"]) == (5.0, 2)  # the night's own best, what a regression is judged by
+    assert row["mfu"] == view["mfu"] > 0 and row["s_per_iteration"] > 0  # the pace and the MFU it implies
     shown = nights_view.nights_markdown("tiny", rows, None)
     assert f"2026-12-02: iteration 1 `{best['export_url']}`" in shown
     assert "iter_0000002`" not in shown.split("Best students")[1]
@@ -84,3 +88,37 @@ def test_the_summary_header_the_student_line_and_the_nights_row_name_one_best():
     assert (row["student"], row["student_iteration"], row["campaign_best_iteration"]) == (view["best_student"], 2, 2)
     assert (row["best"], row["best_iteration"]) == (0.4, 4)  # the night's own, judged against the nights before
     assert "2026-12-08: iteration 2 `s3://r/exports/iter_0000002`" in nights_view.nights_markdown("minimax-h3", [row], None)
+
+
+# ---- the MFU a night's pace implies ---------------------------------------------------------------
+
+def test_a_nights_pace_implies_its_mfu_from_the_plans_flops_and_the_clusters_peak(tiny_teacher, monkeypatch):
+    from types import SimpleNamespace
+
+    import ray
+
+    from dmd2_core.args import load_args
+    from dmd2_core.memory import time_plan
+    from dmd2_core.train.trainer_config import compute_trainer_args, compute_trainer_configs
+    from flows.dmd2 import Driver
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 8.0, "accelerator_type:H100": 1.0})
+    assert time_plan.cluster_peak_flops() == 989.4e12
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    assert time_plan.cluster_peak_flops() is None  # CPUs: no peak, no MFU
+
+    args = load_args("tiny", {"hf_checkpoint": tiny_teacher, "save": "/tmp/unused", **FAST, "num_devices": 2})
+    trainers = {c.role: compute_trainer_args(args, c) for c in compute_trainer_configs(args)}
+    driver = SimpleNamespace(args=args, run=SimpleNamespace(trainer_args=trainers), logger=None)
+    assert Driver.implied_mfu(driver, 0.5) is None
+    monkeypatch.setattr(time_plan, "cluster_peak_flops", lambda: 2e9)  # a 2 GFLOP/s device
+    flops = sum(time_plan.iteration_flops(trainers).values())
+    assert flops > 0
+    assert Driver.implied_mfu(driver, 0.5) == round(flops / (0.5 * 2e9 * args.num_devices), 4)
+
+    view = {"name": "n", "start": 0, "iteration": 10, "final": 40, "seconds_per_iteration": 490.6, "mfu": 0.398,
+            "evals": [{"iteration": 0, "fd": 3.0}, {"iteration": 10, "fd": 2.0}]}
+    row = nights_view.night_row(view, "completed, continues", 3600.0, "id-1", None, "2026-12-07")
+    assert row["mfu"] == 0.398
+    text = nights_view.nights_markdown("minimax-h3", [row], None)
+    assert "| iterations | s / iteration | MFU | nights left | wall |" in text and "| 0 -> 10/40 | 490.6 | 0.398 | 3 |" in text

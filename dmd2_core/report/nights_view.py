@@ -39,6 +39,7 @@ def night_row(view: dict, outcome: str, wall_s: float, run_id: str, link: Option
            "drift_out": list(view.get("drift_flags") or []),
            "iteration": view.get("iteration"), "final_iteration": view.get("final"),
            "from_iteration": view.get("start"), "s_per_iteration": view.get("seconds_per_iteration"),
+           "mfu": view.get("mfu"),
            "nights_left": nights_left(view.get("start"), view.get("iteration"), view.get("final")),
            "wall_s": round(float(wall_s), 1), "link": link,
            "campaign_best": kept.get(key) if key else None, "campaign_best_iteration": kept.get("iteration"),
@@ -103,9 +104,10 @@ def nights_markdown(deployment: str, rows: list[dict], plot: Optional[bytes]) ->
     extra = [c for c in shown if any(r.get(c) is not None for r in rows)]
     drift = any(r.get("drift_out") or r.get("best_tkd") is not None for r in rows)  # teacher-evaluated nights
     pace = any(r.get("s_per_iteration") is not None for r in rows)  # nights that measured their iterations
+    mfu = any(r.get("mfu") is not None for r in rows)  # nights on devices of a known peak
     columns = ["date", "run", "outcome", f"final {name}", f"best {name}", *extra,
                *(["drift out of band"] if drift else []), "iterations",
-               *(["s / iteration", "nights left"] if pace else []), "wall"]
+               *(["s / iteration", *(["MFU"] if mfu else []), "nights left"] if pace else []), "wall"]
     out = [f"# {deployment}: nights", "", f"{len(rows)} run(s), newest first; {name} lower is better.", ""]
     if plot:
         out += [f"![{name} over nights]({data_uri(plot, 'image/png')})", ""]
@@ -116,13 +118,14 @@ def nights_markdown(deployment: str, rows: list[dict], plot: Optional[bytes]) ->
         cells = [r.get("date"), run + (" (mean over step counts)" if several else ""), r.get("outcome"), r.get("final"),
                  r.get("best"), *(None if several else r.get(c) for c in extra),
                  *([", ".join(r.get("drift_out") or []) or "none"] if drift else []),
-                 _iterations(r), *([r.get("s_per_iteration"), r.get("nights_left")] if pace else []),
+                 _iterations(r),
+                 *([r.get("s_per_iteration"), *([r.get("mfu")] if mfu else []), r.get("nights_left")] if pace else []),
                  f"{r.get('wall_s')} s"]
         out.append(_cells(cells))
         for k, figures in (r.get("steps") or {}).items():  # a row per step count of the night's student
             out.append(_cells(["", f"at {k} steps", "", figures.get("final"), figures.get("best"),
                                *(figures.get(c) for c in extra), *([""] if drift else []), "",
-                               *(["", ""] if pace else []), ""]))
+                               *([""] * (2 + mfu) if pace else []), ""]))
     out.append("")
     offered: dict = {}
     for r in reversed(rows):  # each student once, as its newest night offered it
