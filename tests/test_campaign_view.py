@@ -122,3 +122,26 @@ def test_a_nights_pace_implies_its_mfu_from_the_plans_flops_and_the_clusters_pea
     assert row["mfu"] == 0.398
     text = nights_view.nights_markdown("minimax-h3", [row], None)
     assert "| iterations | s / iteration | MFU | nights left | wall |" in text and "| 0 -> 10/40 | 490.6 | 0.398 | 3 |" in text
+
+
+# ---- the nights plot ------------------------------------------------------------------------------
+
+def test_the_nights_plot_is_on_a_log_axis_with_a_tick_per_night():
+    """A diverged night at 1e11 beside good ones at 0.2-0.3 (a linear axis drew them all at 0), two
+    nights on one date told apart by their start time; a figure at or below 0 gets a symmetric log."""
+    def night(date, at, final, best):
+        return {"criterion": "fd", "evaluator": "digits", "date": date, "time": at, "final": final, "best": best}
+
+    rows = [night("2026-12-07", "02:00", 0.3, 0.2), night("2026-12-08", "02:00", 1e11, 1e11),
+            night("2026-12-08", "14:30", 0.25, 0.2)]
+    fig = nights_view.nights_figure(rows)
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "log"
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert labels == ["#1 2026-12-07", "#2 2026-12-08 02:00", "#3 2026-12-08 14:30"]
+    low, high = ax.get_ylim()
+    assert 0.01 < low < 0.2 and high > 1e11  # the good nights read as ~0.2, in their own decade, not as 0
+    assert nights_view.nights_plot(rows).startswith(b"\x89PNG")
+
+    floor = nights_view.nights_figure([night("2026-12-07", "02:00", -0.01, -0.02), night("2026-12-08", "02:00", 0.5, 0.1)])
+    assert floor.axes[0].get_yscale() == "symlog"

@@ -7,6 +7,7 @@ that pace) under a plot of the criterion over nights. No Prefect here: flows/nig
 from __future__ import annotations
 
 import io
+import math
 from typing import Optional
 
 from dmd2_core.evaluators import evaluator_for
@@ -67,10 +68,23 @@ def nights_left(start: Optional[int], reached: Optional[int], final: Optional[in
 
 def nights_plot(rows: list[dict], title: str = "") -> Optional[bytes]:
     """The criterion per night, final and best (oldest left): the regression a team looks for."""
+    fig = nights_figure(rows, title)
+    if fig is None:
+        return None
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def nights_figure(rows: list[dict], title: str = ""):
+    """``nights_plot``'s figure: on a log axis (a night at 1e11 beside one at 0.2 flattens the good
+    one to 0 on a linear one; symmetric log where a figure is at or below 0, the unbiased KID at its
+    noise floor), one tick per night (its number, its date, and its start time where two nights
+    share a date). None without a night with the criterion."""
     newest = next((r for r in reversed(rows) if r.get("criterion")), None)
     key = newest and newest["criterion"]
     name = evaluator_for(newest).label(key) if newest else None
-    pts = [(n, r) for n, r in enumerate(rows) if r.get("criterion") == key and isinstance(r.get("final"), (int, float))]
+    pts = [(n, r) for n, r in enumerate(rows) if r.get("criterion") == key and _finite(r.get("final"))]
     if not pts:
         return None
     import matplotlib
@@ -81,18 +95,35 @@ def nights_plot(rows: list[dict], title: str = "") -> Optional[bytes]:
     fig = Figure(figsize=(6.0, 3.0), dpi=80)
     ax = fig.add_subplot(1, 1, 1)
     ax.plot([n for n, _ in pts], [r["final"] for _, r in pts], marker="o", label=f"final {name}")
-    best = [(n, r["best"]) for n, r in pts if isinstance(r.get("best"), (int, float))]
+    best = [(n, r["best"]) for n, r in pts if _finite(r.get("best"))]
     if best:
         ax.plot(*zip(*best), marker="x", linestyle="--", label=f"best {name}")
-    ax.set_xticks([n for n, _ in pts], [str(r.get("date")) for _, r in pts], rotation=30, fontsize=7)
+    values = [r["final"] for _, r in pts] + [b for _, b in best]
+    if min(values) > 0:
+        ax.set_yscale("log")
+    else:
+        smallest = min((abs(v) for v in values if v != 0), default=1.0)
+        ax.set_yscale("symlog", linthresh=smallest)
+    dates = [str(r.get("date")) for r in rows]
+    ax.set_xticks([n for n, _ in pts], [night_label(n, r, dates.count(str(r.get("date"))) > 1) for n, r in pts],
+                  rotation=30, fontsize=7)
     ax.set_ylabel(f"{name} (lower is better)", fontsize=8)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     ax.set_title(title or "quality over nights", fontsize=10)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return buf.getvalue()
+    return fig
+
+
+def night_label(index: int, row: dict, shared_date: bool) -> str:
+    """A night's tick: its number in the view, its date, and its start time (UTC) when another
+    night has the same date (a rerun by hand, a second deployment run)."""
+    at = f" {row['time']}" if shared_date and row.get("time") else ""
+    return f"#{index + 1} {row.get('date')}{at}"
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def nights_markdown(deployment: str, rows: list[dict], plot: Optional[bytes]) -> str:
