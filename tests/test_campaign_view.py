@@ -145,3 +145,30 @@ def test_the_nights_plot_is_on_a_log_axis_with_a_tick_per_night():
 
     floor = nights_view.nights_figure([night("2026-12-07", "02:00", -0.01, -0.02), night("2026-12-08", "02:00", 0.5, 0.1)])
     assert floor.axes[0].get_yscale() == "symlog"
+
+
+# ---- the drift table ------------------------------------------------------------------------------
+
+def test_the_drift_table_judges_the_band_it_shows_in_each_statistics_unit():
+    """Each statistic's band is the run's start +- its half-width (what drift_flags judges by), in
+    its unit; out of it and away from the teacher is a drift, out of it towards the teacher is not."""
+    from dmd2_core.evaluation.teacher_evaluator import drift_flags
+
+    reference = {"source": "teacher", "value": {"brightness_video": 0.5, "loudness_audio": -20.0, "centroid_audio": 1000.0},
+                 "se": {"brightness_video": 0.001, "loudness_audio": 0.1, "centroid_audio": 5.0}}
+    start = {"iteration": 0, "teacher_kid": 0.5, "drift_brightness_video": 0.48, "drift_loudness_audio": -20.5,
+             "drift_centroid_audio": 1100.0}
+    latest = {"iteration": 10, "teacher_kid": 0.4, "drift_brightness_video": 0.495, "drift_loudness_audio": -23.0,
+              "drift_centroid_audio": 1120.0}
+    flags = drift_flags(latest, start, reference)
+    assert flags == ["drift_loudness_audio"]
+    text = report.summary_markdown({"name": "n", "evaluator": "teacher", "iteration": 10, "final": 10,
+                                    "evals": [start, latest], "reference": reference, "drift_flags": flags})
+    assert ("| statistic (unit) | teacher ± standard error | run's start | band (start ± half-width) | student | in band |"
+            in text)
+    # brightness: band 0.47-0.49 (the 0.01 floor); 0.495 is out of it, towards the teacher's 0.5
+    assert "| brightness_video (mean luma, 0-1) | 0.5 ± 0.001 | 0.48 | 0.47 to 0.49 | 0.495 | out, towards the teacher: no drift |" in text
+    # loudness: band -21.5 to -19.5 dBFS (the 1 dB floor); -23 is out of it, away from the teacher's -20
+    assert "| loudness_audio (dBFS) | -20 ± 0.1 | -20.5 | -21.5 to -19.5 | -23 | no |" in text
+    # centroid: band 1100 +- 50 Hz (5% of the teacher's 1000); 1120 is in it
+    assert "| centroid_audio (Hz) | 1000 ± 5 | 1100 | 1050 to 1150 | 1120 | yes |" in text

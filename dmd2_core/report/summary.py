@@ -125,7 +125,8 @@ def summary_markdown(s: dict) -> str:
             out.append("| " + " | ".join(cell(round_sig(e.get(c))) if e.get(c) is not None else "" for c in cols) + " |")
         out.append("")
     if s.get("reference"):
-        out += drift_table(s["reference"], evals[-1] if evals else {}, s.get("drift_flags") or [])
+        start = next((e for e in evals if any(k.startswith("drift_") for k in e)), {})  # what drift is judged from
+        out += drift_table(s["reference"], evals[-1] if evals else {}, s.get("drift_flags") or [], start)
     ck = s.get("checkpoint")
     out += ["## Checkpoint and student", ""]
     if ck:
@@ -153,22 +154,41 @@ def summary_markdown(s: dict) -> str:
     return "\n".join(out)
 
 
-def drift_table(reference: dict, latest: dict, flags: list[str]) -> list[str]:
+def drift_table(reference: dict, latest: dict, flags: list[str], start: Optional[dict] = None) -> list[str]:
     """The latest eval's drift statistics beside the yardstick's (the real set's samples, or the
-    teacher's reference samples: ``drift.pooled``), and whether each is in its band
-    (``Evaluator.drift_flags``); a student of several step counts has a column per K."""
+    teacher's reference samples: ``drift.pooled``) and the band each is judged in: the run's first
+    eval's value +- the band's half-width (``teacher_evaluator.drift_band``), each in its unit. In
+    band: inside it; no: out of it and farther from the yardstick than the start (a drift, what
+    ``drift_flags`` flags); out of it towards the yardstick: an improving student, no drift. A
+    student of several step counts has a column per K."""
+    from dmd2_core.evaluation.drift import drift_unit
+    from dmd2_core.evaluation.teacher_evaluator import drift_band, drifted
+
     source = "real set" if reference.get("source") == "real" else "teacher"
+    start = start or {}
     counts = counts_in(latest)
     names = [f"drift_{{}}{STEPS_MARK}{k}" for k in counts] or ["drift_{}"]
     students = [f"{k} steps" for k in counts] or ["student"]
     out = [f"## Drift against the {source} (latest eval)", "",
-           f"| statistic | {source} | ± (standard error) | " + " | ".join(students) + " | in band |",
-           "|---|---|---|" + "---|" * len(students) + "---|"]
+           f"| statistic (unit) | {source} ± standard error | run's start | band (start ± half-width) | "
+           + " | ".join(students) + " | in band |",
+           "|---|---|---|---|" + "---|" * len(students) + "---|"]
     for key, value in sorted((reference.get("value") or {}).items()):
         cells = [latest.get(name.format(key)) for name in names]
-        out.append(f"| {key} | {cell(round_sig(value))} | {cell(round_sig((reference.get('se') or {}).get(key)))} | "
-                   + " | ".join("" if c is None else cell(round_sig(c)) for c in cells) + " | "
-                   + ("no" if any(name.format(key) in flags for name in names) else "yes") + " |")
+        firsts = [start.get(name.format(key)) for name in names]  # each step count from its own start
+        half = drift_band(key, reference)
+        judged = [half is not None and _number(value) and _number(f) and _number(c) for c, f in zip(cells, firsts)]
+        verdicts = [("yes" if abs(c - f) <= half else "no" if drifted(c, f, value, half)
+                     else f"out, towards the {source}: no drift") if ok else ""
+                    for c, f, ok in zip(cells, firsts, judged)]
+        verdict = next((v for v in ("no", f"out, towards the {source}: no drift", "yes") if v in verdicts), "not judged")
+        unit = drift_unit(key)
+        starts = "; ".join("" if f is None else cell(round_sig(f)) for f in firsts)
+        bands = "; ".join(f"{cell(round_sig(f - half))} to {cell(round_sig(f + half))}" if _number(f) and half is not None
+                          else "" for f in firsts)
+        out.append(f"| {key}" + (f" ({unit})" if unit else "") + f" | {cell(round_sig(value))} ± "
+                   f"{cell(round_sig((reference.get('se') or {}).get(key)))} | {starts} | {bands} | "
+                   + " | ".join("" if c is None else cell(round_sig(c)) for c in cells) + f" | {verdict} |")
     collapsed = [k for k in flags if k.startswith("diversity_")]
     if collapsed:
         out += ["", f"Within-prompt diversity fell steeply from the first eval's (collapsing): {', '.join(collapsed)}."]
