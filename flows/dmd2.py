@@ -75,6 +75,16 @@ def resolve_args(recipe: str, overrides: Optional[dict] = None, **flat: Any) -> 
     return load_args(recipe, merged)
 
 
+def config_sources(recipe: str, overrides: Optional[dict] = None, **flat: Any) -> dict[str, str]:
+    """Where each value the user gave came from, as ``resolve_args`` merges them: key -> 'set' (a
+    flag, --set or a flow parameter) or 'recipe' (the recipe's file); the summary's configuration
+    lists these first."""
+    from dmd2_core.args import read_recipe
+
+    given = {**dict(overrides or {}), **{k: v for k, v in flat.items() if v is not None}}
+    return {**{k: "recipe" for k in read_recipe(recipe)}, **{k: "set" for k in given}}
+
+
 def run_display_name(parameters: dict, today: Optional[datetime.date] = None, run_id: Optional[str] = None) -> str:
     """``{run_name}-{date}-{id}`` (UTC date, the flow run id's first 8 hex digits) of a flow run
     with these parameters; the recipe's stem when the parameters do not resolve (the run then
@@ -348,7 +358,9 @@ def dmd2(
     driver = None
     try:
         with _quiet_tasks():
-            driver = Driver(run, run_id, args, name, logger, started=started)
+            sources = config_sources(recipe, overrides, num_iterations=num_iterations, hf_checkpoint=hf_checkpoint,
+                                     save=save, prompts=prompts, seed=seed, time_budget_s=time_budget_s)
+            driver = Driver(run, run_id, args, name, logger, started=started, sources=sources)
             _DRIVERS[run_id] = driver
             result = driver.drive(reruns)
         outcome = "completed, continues" if result["continues"] else "completed"

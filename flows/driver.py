@@ -47,9 +47,11 @@ class DriverBase:
     """Sequences one run: iterations, evals and checkpoints as tasks, the metrics log, the run
     summary. The flow and its window subflows look it up by run id."""
 
-    def __init__(self, run: DistillRun, run_id: str, args: Args, name: str, logger, started: Optional[float] = None):
+    def __init__(self, run: DistillRun, run_id: str, args: Args, name: str, logger, started: Optional[float] = None,
+                 sources: Optional[dict[str, str]] = None):
         """``started``: the run's start on time_budget.clock (default now), from which its
-        ``time_budget_s`` counts: the groups' start-up is part of it."""
+        ``time_budget_s`` counts: the groups' start-up is part of it. ``sources``: where the
+        user's values came from (``flows.dmd2.config_sources``), for the summary's configuration."""
         self.run, self.run_id, self.args, self.logger = run, run_id, args, logger
         self.evaluator = evaluator_of(args)
         self.quality_keys = self.evaluator.quality_keys
@@ -79,7 +81,7 @@ class DriverBase:
         self.view: dict[str, Any] = {
             "name": name, "evaluator": self.evaluator.name, "iteration": self.start, "final": self.final,
             "start": self.start, "status": "running",
-            "trainer_args": shown_args(run.trainer_args),
+            "trainer_args": shown_args(run.trainer_args), "config_sources": dict(sources or {}),
             "evals": [eval_row(row, self.quality_keys) for row in self.log.table()
                       if any(row.get(q) is not None for q in self.quality_keys)],
             "media": [], "metrics_url": self.log.url, "checkpoint": None, "student": None,

@@ -172,3 +172,30 @@ def test_the_drift_table_judges_the_band_it_shows_in_each_statistics_unit():
     assert "| loudness_audio (dBFS) | -20 ± 0.1 | -20.5 | -21.5 to -19.5 | -23 | no |" in text
     # centroid: band 1100 +- 50 Hz (5% of the teacher's 1000); 1120 is in it
     assert "| centroid_audio (Hz) | 1000 ± 5 | 1100 | 1050 to 1150 | 1120 | yes |" in text
+
+
+# ---- the configuration ----------------------------------------------------------------------------
+
+def test_the_configuration_lists_every_value_the_run_used_what_was_set_first(tiny_teacher):
+    from dmd2_core.args import Args, load_args
+    from dmd2_core.train.trainer_config import compute_trainer_args, compute_trainer_configs
+    from dmd2_core.report.summary import SOURCES
+    from flows.dmd2 import config_sources
+
+    sources = config_sources("tiny", {"lr": 3e-5}, hf_checkpoint=tiny_teacher, save="/r/s", seed=None)
+    assert (sources["lr"], sources["hf_checkpoint"], sources["save"]) == ("set", "set", "set")
+    assert "seed" not in sources or sources["seed"] == "recipe"  # a parameter left unset is not the user's
+    args = load_args("tiny", {"lr": 3e-5, "hf_checkpoint": tiny_teacher, "save": "/r/s"})
+    trainers = {c.role: compute_trainer_args(args, c).model_dump(mode="json") for c in compute_trainer_configs(args)}
+    text = report.summary_markdown({"name": "n", "iteration": 0, "final": 2, "evals": [], "trainer_args": trainers,
+                                    "config_sources": sources})
+    table = text.split("## Configuration")[1]
+    lines = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| key")]
+    keys = [line.split(" | ")[0].removeprefix("| ") for line in lines]
+    froms = [line.rstrip(" |").rsplit("| ", 1)[1] for line in lines]
+    assert set(keys) == set(Args.model_fields)  # every value, once
+    assert froms == sorted(froms, key=SOURCES.index)  # set, recipe, per role, derived, default
+    assert froms[:3] == ["set"] * 3 and set(keys[:3]) == {"lr", "hf_checkpoint", "save"}
+    assert dict(zip(keys, froms))["loss_type"] == "per role"  # the actor's and the critic's own
+    recipe_keys = [k for k, f in zip(keys, froms) if f == "recipe"]
+    assert "num_iterations" in recipe_keys and froms[-1] == "default"

@@ -129,8 +129,8 @@ def test_summary_markdown_reads_top_down():
     assert text.index("| 200 | 0.4") < text.index("| 100 | 0.3")  # newest first
     assert "| loss_type | `dmd2_critic` | `dmd2` |" in text  # the differing keys, side by side
     assert "| dmd2_guidance_scale | 1 | 1 |" in text and "| num_devices | 8 | 8 |" in text and "| ema_decay |" in text
-    # a loss term the run turned on is in the table; a key left at its default is not
-    assert "| dmd2_regression_weight | 0.25 | 0.25 |" in text and "| export_merged |" not in text
+    # every value the run used: a loss term it turned on, and a key left at its default (listed last)
+    assert "| dmd2_regression_weight | 0.25 | 0.25 |" in text and "| export_merged | False | False | default |" in text
     assert "`s3://r/h3/trainers/actor/iter_0000200/model`" in text
 
 

@@ -13,28 +13,28 @@ from dmd2_core.media.images import data_uri
 from dmd2_core.report.table import GAN_KEYS, cell, round_sig
 from dmd2_core.step_counts import STEPS_MARK, counts_in, per_steps_rows, steps_label
 
-# shown even at their defaults; any other shared key is shown when the run sets it off its default
-SHOWN_SHARED = ("num_iterations", "lr", "critic_lr", "device", "num_devices", "dtype", "global_batch_size",
-                "micro_batch_size", "dmd2_student_steps", "dmd2_guidance_scale", "dmd2_update_ratio",
-                "dmd2_critic_scoring", "dmd2_shift", "ema_decay", "eval_interval", "save_interval", "seed",
-                "hf_checkpoint", "prompts", "save")
+# the order of a value's source in the configuration: what the user set first, the defaults last
+SOURCES = ("set", "recipe", "per role", "derived", "default")
 
 
-def config_rows(trainer_args: dict[str, dict]) -> tuple[list[str], list[tuple[str, list[Any]]], list[tuple[str, Any]]]:
-    """(roles, differing keys [(key, [value per role])], shared keys [(key, value)]) of the
-    resolved per-trainer arguments (role -> dict): the shared ones are ``SHOWN_SHARED`` and those the
-    run set off their defaults (a loss weight, the GAN head, the regression pull)."""
+def config_rows(trainer_args: dict[str, dict], sources: Optional[dict[str, str]] = None
+                ) -> tuple[list[str], list[tuple[str, str, list[Any]]]]:
+    """(roles, [(key, source, [value per role])]) of every resolved per-trainer argument (role ->
+    dict), what the run used, by source (``SOURCES``): the user's (``sources``: key -> 'set' for
+    a flag, --set or a parameter, 'recipe' for its recipe's), then the values each role resolves
+    on its own, then those the run resolved off their defaults (a shift read from the model,
+    preflight's choices), then the defaults; alphabetical within each."""
     defaults = Args.model_construct().model_dump(mode="json")
+    sources = sources or {}
     roles = list(trainer_args)
-    keys = list(dict.fromkeys(k for a in trainer_args.values() for k in a))
-    differing, shared = [], []
-    for k in keys:
+    rows = []
+    for k in dict.fromkeys(k for a in trainer_args.values() for k in a):
         values = [trainer_args[r].get(k) for r in roles]
-        if any(v != values[0] for v in values):
-            differing.append((k, values))
-        elif k in SHOWN_SHARED or (k in defaults and values[0] != defaults[k]):
-            shared.append((k, values[0]))
-    return roles, differing, shared
+        source = sources.get(k) or ("per role" if any(v != values[0] for v in values)
+                                    else "default" if k in defaults and values[0] == defaults[k] else "derived")
+        rows.append((k, source, values))
+    rows.sort(key=lambda row: (SOURCES.index(row[1]) if row[1] in SOURCES else len(SOURCES), row[0]))
+    return roles, rows
 
 
 def _quality(q: Optional[dict], keys: Iterable[str]) -> str:
@@ -143,13 +143,13 @@ def summary_markdown(s: dict) -> str:
     if s.get("metrics_url"):
         out.append(f"- every metric of every iteration: `{s['metrics_url']}`")
     out.append("")
-    roles, differing, shared = config_rows(s.get("trainer_args") or {})
+    roles, rows = config_rows(s.get("trainer_args") or {}, s.get("config_sources"))
     if roles:
-        out += ["## Configuration", "", "| key | " + " | ".join(roles) + " |", "|---|" + "---|" * len(roles)]
-        for k, values in differing:
-            out.append(f"| {k} | " + " | ".join(cell(v) for v in values) + " |")
-        for k, v in shared:
-            out.append(f"| {k} | " + " | ".join([cell(v)] * len(roles)) + " |")
+        out += ["## Configuration", "", "Every value the run used: what was set (flag, --set or parameter), then the "
+                "recipe's, then what each role or the run resolved, then the defaults.", "",
+                "| key | " + " | ".join(roles) + " | from |", "|---|" + "---|" * (len(roles) + 1)]
+        for k, source, values in rows:
+            out.append(f"| {k} | " + " | ".join(cell(v) for v in values) + f" | {source} |")
         out.append("")
     return "\n".join(out)
 
