@@ -199,3 +199,44 @@ def test_the_configuration_lists_every_value_the_run_used_what_was_set_first(tin
     assert dict(zip(keys, froms))["loss_type"] == "per role"  # the actor's and the critic's own
     recipe_keys = [k for k, f in zip(keys, froms) if f == "recipe"]
     assert "num_iterations" in recipe_keys and froms[-1] == "default"
+
+
+# ---- clips that play in place ---------------------------------------------------------------------
+
+def test_the_minimax_h3_standins_clips_play_in_place_at_its_four_eval_prompts(tmp_path):
+    """A local save's summary carries each of the four eval prompts' clips as a playable data:
+    video (both streams) within its share of INLINE_VIDEO_BYTES; the full clips stay on disk."""
+    import base64
+    import io
+    import re
+
+    import torch
+
+    from dmd2_core.args import load_args
+    from dmd2_core.media import av_clips
+    from dmd2_core.media.eval_files import INLINE_VIDEO_BYTES, av_media_of
+    from dmd2_core.models import FAMILIES, describe_model_dir
+    from dmd2_core.toys.standins import H3_GEOMETRY, build_h3_standin
+    from flows.artifacts import summary_text
+
+    url = build_h3_standin(str(tmp_path / "h3"))
+    args = load_args("minimax-h3", {"hf_checkpoint": url, "prompts": "s3://d/p.safetensors", "save": str(tmp_path / "run")})
+    info = describe_model_dir(url)
+    family = FAMILIES[info["family"]].bind([24, 37, 2, 2])  # the stand-in's clip: H3_GEOMETRY's latents
+    torch.manual_seed(0)
+    decoded = family.decode(family.load_vae(info["vae_url"], torch.float32),
+                            torch.randn(len(args.eval_prompts), family.segments["audio"].stop))
+    assert tuple(decoded["video"].shape[2:]) == tuple(H3_GEOMETRY.values())
+    share = INLINE_VIDEO_BYTES // len(args.eval_prompts)  # write_eval_media's share of one prompt's clip
+    media = [av_media_of(decoded, j, str(tmp_path / f"iter_0000002_p{p}"), f"prompt {p}", 512 * 1024, share)[0]
+             for j, p in enumerate(args.eval_prompts)]
+    for j, m in enumerate(media):
+        assert (tmp_path / f"iter_0000002_p{args.eval_prompts[j]}.mp4").stat().st_size > share  # the full clip, on disk
+    text = summary_text({"name": "n", "iteration": 2, "final": 2, "evals": [], "media": media, "media_iteration": 2})
+    played = re.findall(r'<video controls preload="metadata" src="data:video/mp4;base64,([A-Za-z0-9+/=]+)"></video>', text)
+    assert len(played) == len(args.eval_prompts) == 4
+    for data in played:
+        clip = base64.b64decode(data)
+        assert len(clip) <= share
+        back = av_clips.read_mp4(io.BytesIO(clip))
+        assert len(back["frames"]) >= 124 // 3 and back["audio"].shape[0] == 2 and back["audio"].shape[1] > 0
