@@ -75,6 +75,16 @@ def resolve_args(recipe: str, overrides: Optional[dict] = None, **flat: Any) -> 
     return load_args(recipe, merged)
 
 
+def config_sources(recipe: str, overrides: Optional[dict] = None, **flat: Any) -> dict[str, str]:
+    """Where each value the user gave came from, as ``resolve_args`` merges them: key -> 'set' (a
+    flag, --set or a flow parameter) or 'recipe' (the recipe's file); the summary's configuration
+    lists these first."""
+    from dmd2_core.args import read_recipe
+
+    given = {**dict(overrides or {}), **{k: v for k, v in flat.items() if v is not None}}
+    return {**{k: "recipe" for k in read_recipe(recipe)}, **{k: "set" for k in given}}
+
+
 def run_display_name(parameters: dict, today: Optional[datetime.date] = None, run_id: Optional[str] = None) -> str:
     """``{run_name}-{date}-{id}`` (UTC date, the flow run id's first 8 hex digits) of a flow run
     with these parameters; the recipe's stem when the parameters do not resolve (the run then
@@ -201,6 +211,22 @@ class Driver(DriverBase):
                     if self.start < n <= self.final and isinstance(row.get("iteration_s"), (int, float))]
         return round(sum(measured) / len(measured), 3) if measured else None
 
+    def implied_mfu(self, pace: Optional[float]) -> Optional[float]:
+        """The MFU this run's pace implies: the FLOPs of an iteration (the time plan's count, on the
+        meta device) over the devices' peak (the cluster's accelerator kind); None without a pace,
+        on CPUs or an unknown device kind, or for a model the plan cannot count (said in the log)."""
+        from dmd2_core.memory import time_plan
+
+        peak = time_plan.cluster_peak_flops() if pace else None
+        if peak is None:
+            return None
+        try:
+            flops = sum(time_plan.iteration_flops(self.run.trainer_args).values())
+        except Exception as exc:  # noqa: BLE001 - a figure for people: the night's outcome stands
+            self.logger.warning(f"MFU not measured: the iteration's FLOPs were not counted ({type(exc).__name__}: {exc})")
+            return None
+        return round(time_plan.implied_mfu(flops, pace, peak, self.args.num_devices), 4)
+
     # ---- the whole run ----
     def drive(self, reruns: int = 0) -> dict:
         args, self.reruns = self.args, reruns
@@ -238,6 +264,7 @@ class Driver(DriverBase):
                            continues=continues)
         self.view["status"] = "completed, continues" if continues else "completed"
         self.view["seconds_per_iteration"] = self.pace()
+        self.view["mfu"] = self.implied_mfu(self.view["seconds_per_iteration"])
         self.log.finish()
         self.trackers.close()
         self.publish(self.final)
@@ -331,7 +358,9 @@ def dmd2(
     driver = None
     try:
         with _quiet_tasks():
-            driver = Driver(run, run_id, args, name, logger, started=started)
+            sources = config_sources(recipe, overrides, num_iterations=num_iterations, hf_checkpoint=hf_checkpoint,
+                                     save=save, prompts=prompts, seed=seed, time_budget_s=time_budget_s)
+            driver = Driver(run, run_id, args, name, logger, started=started, sources=sources)
             _DRIVERS[run_id] = driver
             result = driver.drive(reruns)
         outcome = "completed, continues" if result["continues"] else "completed"

@@ -17,7 +17,7 @@ from dmd2_core.args import Args
 from dmd2_core.export.retention import latest_exports
 from dmd2_core.run.distill_run import DistillRun
 from dmd2_core.evaluation.evaluator import evaluator_of
-from dmd2_core.report import GAN_KEYS, MetricsLog, best_eval, criterion
+from dmd2_core.report import GAN_KEYS, MetricsLog, campaign_best, criterion
 from dmd2_core.step_counts import split_steps
 from dmd2_core.run.checkpoint_commits import read_best_student, write_best_student
 from dmd2_core.run.schedule import Schedule
@@ -47,9 +47,11 @@ class DriverBase:
     """Sequences one run: iterations, evals and checkpoints as tasks, the metrics log, the run
     summary. The flow and its window subflows look it up by run id."""
 
-    def __init__(self, run: DistillRun, run_id: str, args: Args, name: str, logger, started: Optional[float] = None):
+    def __init__(self, run: DistillRun, run_id: str, args: Args, name: str, logger, started: Optional[float] = None,
+                 sources: Optional[dict[str, str]] = None):
         """``started``: the run's start on time_budget.clock (default now), from which its
-        ``time_budget_s`` counts: the groups' start-up is part of it."""
+        ``time_budget_s`` counts: the groups' start-up is part of it. ``sources``: where the
+        user's values came from (``flows.dmd2.config_sources``), for the summary's configuration."""
         self.run, self.run_id, self.args, self.logger = run, run_id, args, logger
         self.evaluator = evaluator_of(args)
         self.quality_keys = self.evaluator.quality_keys
@@ -79,7 +81,7 @@ class DriverBase:
         self.view: dict[str, Any] = {
             "name": name, "evaluator": self.evaluator.name, "iteration": self.start, "final": self.final,
             "start": self.start, "status": "running",
-            "trainer_args": shown_args(run.trainer_args),
+            "trainer_args": shown_args(run.trainer_args), "config_sources": dict(sources or {}),
             "evals": [eval_row(row, self.quality_keys) for row in self.log.table()
                       if any(row.get(q) is not None for q in self.quality_keys)],
             "media": [], "metrics_url": self.log.url, "checkpoint": None, "student": None,
@@ -112,7 +114,7 @@ class DriverBase:
         self.media_at[i] = out["media"]
         self.view["drift_flags"] = flags
         self.view["reference"] = out.get("reference") or self.view["reference"]
-        best = best_eval(self.trained_evals(), self.evaluator.criteria)  # the start's student is the run's starting point, not its result
+        best = self.campaign_best()  # a night whose evals are all worse keeps an earlier night's student
         if best is not None and best["iteration"] == i and (self.best or {}).get("iteration") != i:
             self.export_best = i  # exported by a save of this iteration, now
         if quality:
@@ -135,8 +137,8 @@ class DriverBase:
         if export:
             self.view["student"] = self.result["student"] = export
         if export and self.export_best == i:  # the best eval's student, exported: the run's student
-            key = criterion(self.trained_evals(), self.evaluator.criteria)
-            value = (best_eval(self.trained_evals(), self.evaluator.criteria) or {}).get(key)
+            key = criterion(self.view["evals"], self.evaluator.criteria)
+            value = (self.campaign_best() or {}).get(key)
             self.best = {"iteration": i, "criterion": key, "value": value, "export_url": export}
             write_best_student(self.args.save, self.best)
             self.export_best = None
@@ -144,8 +146,10 @@ class DriverBase:
             self.view["best_student"] = self.result["best_student"] = self.best["export_url"]
             self.view["best_iteration"] = self.best["iteration"]
 
-    def trained_evals(self) -> list[dict]:
-        return [e for e in self.view["evals"] if e["iteration"] > self.start]
+    def campaign_best(self) -> Optional[dict]:
+        """The campaign's best eval (``report.campaign_best``): every night's evals of this save
+        (the metrics log keeps them), so a later night never replaces a better earlier student."""
+        return campaign_best(self.view["evals"], self.evaluator.criteria)
 
     def _saved(self, metrics: dict) -> None:
         """A checkpoint became durable and the latest pointer names it: note it, log it."""

@@ -123,8 +123,9 @@ def record_night(view: dict, outcome: str, wall_s: float) -> Optional[str]:
 
     try:
         start = flow_run.scheduled_start_time or datetime.datetime.now(datetime.timezone.utc)
-        date = start.astimezone(datetime.timezone.utc).date().isoformat()
-        row = nights_view.night_row(view, outcome, wall_s, str(flow_run.id), flow_run.ui_url, date)
+        start = start.astimezone(datetime.timezone.utc)
+        row = nights_view.night_row(view, outcome, wall_s, str(flow_run.id), flow_run.ui_url, start.date().isoformat())
+        row["time"] = start.strftime("%H:%M")  # tells two nights of one date apart on the plot
         add_row(key, name, row, judge)
     except Exception as exc:  # noqa: BLE001 - the view is for people; the run's outcome stands
         log.warning(f"nights view {key} not updated: {exc}")

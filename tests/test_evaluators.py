@@ -203,7 +203,7 @@ def test_a_new_evaluator_is_one_file_and_one_registry_line(tiny_teacher, tmp_pat
             {"iteration": 3, "dmd2_loss": 0.5, **out["metrics"]}]
     summary = report.summary_markdown({"name": "n", "evaluator": "brightness", "iteration": 3, "final": 3, "start": 0,
                                        "evals": rows})
-    assert "Best eval so far: iteration 3 (brightness_gap 0.25, brightness 0.75)" in summary
+    assert "Best eval so far (the campaign's): iteration 3 (brightness_gap 0.25, brightness 0.75)" in summary
     assert "| iteration | brightness_gap | brightness | dmd2_loss |" in summary
     table = report.metrics_table(rows, report.table_columns(registry.get("brightness")))
     assert table[0] == {"iteration": 3, "dmd2_loss": 0.5, "brightness_gap": 0.25}

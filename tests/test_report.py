@@ -121,7 +121,7 @@ def test_summary_markdown_reads_top_down():
                                      "## Evals", "## Checkpoint", "## Configuration")]
     assert order == sorted(order)
     assert "Quality before -> after: fd 1, acc 0.9 -> fd 0.4, acc 0.98" in text
-    assert "Best eval so far: iteration 100 (fd 0.3, acc 0.99)" in text
+    assert "Best eval so far (the campaign's): iteration 100 (fd 0.3, acc 0.99)" in text
     assert "iteration 200 of 4000. Updated 2026-12-02 03:04:05 UTC." in text
     # the default UI shows an image inside a link as text: the image alone, the link on its own line
     assert "![iteration 200](data:image/png;base64,AAAA)\n" in text and "](data:image/png;base64,AAAA)](" not in text
@@ -129,8 +129,8 @@ def test_summary_markdown_reads_top_down():
     assert text.index("| 200 | 0.4") < text.index("| 100 | 0.3")  # newest first
     assert "| loss_type | `dmd2_critic` | `dmd2` |" in text  # the differing keys, side by side
     assert "| dmd2_guidance_scale | 1 | 1 |" in text and "| num_devices | 8 | 8 |" in text and "| ema_decay |" in text
-    # a loss term the run turned on is in the table; a key left at its default is not
-    assert "| dmd2_regression_weight | 0.25 | 0.25 |" in text and "| export_merged |" not in text
+    # every value the run used: a loss term it turned on, and a key left at its default (listed last)
+    assert "| dmd2_regression_weight | 0.25 | 0.25 |" in text and "| export_merged | False | False | default |" in text
     assert "`s3://r/h3/trainers/actor/iter_0000200/model`" in text
 
 

@@ -21,6 +21,17 @@ SILENCE_DBFS = -60.0
 SILENCE_WINDOW_S = 0.020
 DB_FLOOR = -120.0  # dBFS of digital silence (log of 0)
 PEAK_FLOOR = 0.1  # a peak must reach this fraction of its clip's largest value (AV sync)
+# each statistic's unit, as a table names it (``drift_stats``: keys without their modality)
+DRIFT_UNITS = {
+    "brightness": "mean luma, 0-1", "saturation": "HSV, 0-1", "contrast": "luma std, 0-1",
+    "flicker": "1 = steady", "loudness": "dBFS", "peak": "of full scale", "clipping": "fraction of samples",
+    "centroid": "Hz", "silence": "fraction of 20 ms windows", "av_align": "IoU, 0-1",
+}
+
+
+def drift_unit(name: str) -> str:
+    """The unit of drift statistic ``name`` (``brightness_video``, ``loudness_audio``, ``av_align``)."""
+    return DRIFT_UNITS.get(name if name in DRIFT_UNITS else name.rsplit("_", 1)[0], "")
 
 
 # ---- pictures ------------------------------------------------------------------------------------

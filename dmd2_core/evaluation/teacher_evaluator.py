@@ -201,20 +201,40 @@ def real_reference(run, args: Args, identity: Optional[dict[str, Any]] = None) -
 
 # ---- drift ----------------------------------------------------------------------------------------
 
+def drift_band(name: str, reference: dict[str, Any]) -> Optional[float]:
+    """The half-width of drift statistic ``name``'s band (``brightness_video``, ``av_align``; in its
+    own units, ``drift.DRIFT_UNITS``): max(BAND_K * sqrt(2) * the reference's standard error, its
+    ``DRIFT_FLOORS`` floor), sqrt(2) for a difference of two draws of that size. None for a
+    statistic without a floor or without a finite reference value (not judged)."""
+    floor = DRIFT_FLOORS.get(name if name == "av_align" else name.rsplit("_", 1)[0])
+    ref = (reference.get("value") or {}).get(name)
+    se = (reference.get("se") or {}).get(name)
+    if floor is None or not isinstance(ref, (int, float)) or not math.isfinite(ref):
+        return None
+    kind, width = floor
+    return max(BAND_K * math.sqrt(2) * se if isinstance(se, (int, float)) and math.isfinite(se) else 0.0,
+               width * abs(ref) if kind == "rel" else width)
+
+
+def drifted(value: float, start: float, ref: float, half_width: float) -> bool:
+    """Whether a statistic at ``value`` drifted: out of its band (``start`` +- ``half_width``) and
+    farther from the reference ``ref`` than the start was (towards it is an improving student)."""
+    return abs(value - start) > half_width and abs(value - ref) > abs(start - ref)
+
+
 def drift_flags(latest: dict[str, float], start: dict[str, float], reference: dict[str, Any]) -> list[str]:
     """The metrics keys of ``latest`` (an eval's metrics) whose drift left its band, judged against
     the run's first eval ``start`` and ``reference`` ({"value", "se"}: ``drift.pooled`` of the
     real set's samples when the run has one, else of the teacher's reference samples; what the
     run distils towards):
 
-    - ``drift_<statistic>_<modality>``: moved from the start by more than its band
-      (max(BAND_K * sqrt(2) * the reference's standard error, ``DRIFT_FLOORS``), sqrt(2) for a
-      difference of two draws of that size) and farther from the reference than the start was.
+    - ``drift_<statistic>_<modality>``: moved from the start by more than its band (``drift_band``)
+      and farther from the reference than the start was (``drifted``).
       Judged from the start, a sampler's own offset (a 4-step sampler against 50 steps) is not a
       drift, and a student moving towards the reference is not one either.
     - ``diversity_<modality>``: fell by more than ``DIVERSITY_DROP`` of the start's (collapse).
     """
-    values, errors = reference.get("value") or {}, reference.get("se") or {}
+    values = reference.get("value") or {}
     flagged = []
     for key, value in sorted(latest.items()):
         first = start.get(key)
@@ -226,14 +246,8 @@ def drift_flags(latest: dict[str, float], start: dict[str, float], reference: di
                 flagged.append(key)
             continue
         name = split_steps(key)[0].removeprefix("drift_")  # each step count's, against the one yardstick
-        floor = DRIFT_FLOORS.get(name if name == "av_align" else name.rsplit("_", 1)[0])
-        ref, se = values.get(name), errors.get(name)
-        if not key.startswith("drift_") or floor is None or not isinstance(ref, (int, float)) or not math.isfinite(ref):
-            continue
-        kind, width = floor
-        half_width = max(BAND_K * math.sqrt(2) * se if isinstance(se, (int, float)) and math.isfinite(se) else 0.0,
-                         width * abs(ref) if kind == "rel" else width)
-        if abs(value - first) > half_width and abs(value - ref) > abs(first - ref):
+        half_width = drift_band(name, reference)
+        if key.startswith("drift_") and half_width is not None and drifted(value, first, values[name], half_width):
             flagged.append(key)
     return flagged
 

@@ -82,9 +82,11 @@ def write_eval_media(run, iteration: int, indices: list[int], num_steps: Optiona
     return media
 
 
-PREVIEW_SIDE_PX = 256
-PREVIEW_CRF = 32  # about a fifth of the bit rate of the stored clip's crf 18
-PREVIEW_AUDIO_BIT_RATE = 32_000  # per channel
+# The copies played in place, tried in turn until one fits the clip's share: (long side at most,
+# px; H.264 crf; AAC bit rate per channel; every n-th frame). Never upscaled (the player scales a
+# small clip), so a MiniMax-H3 stand-in's 32 px clip of 124 frames fits the share of one of its
+# four eval prompts; a full-size clip steps down to a smaller, coarser copy with the same sound.
+PREVIEWS = ((256, 32, 32_000, 1), (128, 40, 16_000, 1), (96, 46, 12_000, 2), (64, 51, 8_000, 3))
 INLINE_VIDEO_BYTES = 256 * 1024  # an eval's clips played in place share this (the summary must stay small)
 
 
@@ -124,18 +126,28 @@ def mp4_bytes(frames: torch.Tensor, audio: torch.Tensor, rate: int, fps: float, 
 def inline_mp4(mp4: bytes, frames: torch.Tensor, audio: torch.Tensor, rate: int, fps: float, limit: int) -> Optional[str]:
     """The clip as a ``data:video/mp4`` URI for the artifact to play in place (Prefect's markdown
     renders a ``<video>`` whose source is a data URI; a link to a local path would open a page of
-    the UI's own): the MP4 itself when it fits ``limit`` bytes, else a preview (frames at most
-    ``PREVIEW_SIDE_PX`` on their long side, a lower bit rate, the same sound at a lower one);
-    None when neither fits."""
-    if len(mp4) > limit:
-        height, width = frames.shape[-2:]
-        scale = min(1.0, PREVIEW_SIDE_PX / max(height, width))
-        size = (max(2, round(height * scale)), max(2, round(width * scale)))
-        small = frames if scale == 1.0 else torch.nn.functional.interpolate(frames.float(), size=size, mode="area")
-        mp4 = mp4_bytes(small, audio, rate, fps, crf=PREVIEW_CRF, audio_bit_rate_per_channel=PREVIEW_AUDIO_BIT_RATE)
-        if len(mp4) > limit:
-            return None
-    return data_uri(mp4, "video/mp4")
+    the UI's own): the MP4 itself when it fits ``limit`` bytes, else the first of ``PREVIEWS``
+    that does (smaller frames, a lower bit rate, fewer frames a second, the same sound at a lower
+    bit rate); None when none fits."""
+    if len(mp4) <= limit:
+        return data_uri(mp4, "video/mp4")
+    for side, crf, audio_rate, every in PREVIEWS:
+        preview = mp4_bytes(_preview_frames(frames, side, every), audio, rate, fps / every, crf=crf,
+                            audio_bit_rate_per_channel=audio_rate, min_side=0)
+        if len(preview) <= limit:
+            return data_uri(preview, "video/mp4")
+    return None
+
+
+def _preview_frames(frames: torch.Tensor, side: int, every: int) -> torch.Tensor:
+    """Every ``every``-th of ``frames`` [F, 3, H, W], at most ``side`` px on their long side."""
+    kept = frames[::every]
+    height, width = kept.shape[-2:]
+    scale = min(1.0, side / max(height, width))
+    if scale == 1.0:
+        return kept
+    size = (max(2, round(height * scale)), max(2, round(width * scale)))
+    return torch.nn.functional.interpolate(kept.float(), size=size, mode="area")
 
 
 def publish(url: str, data: bytes, caption: str, embed_limit: int) -> dict[str, Any]:

@@ -353,6 +353,23 @@ def device_peak_flops(device: str) -> float:
     return DEVICE_PEAK_TFLOPS[device] * 1e12
 
 
+def implied_mfu(flops_per_iteration: float, iteration_s: float, peak_flops: float, num_devices: int) -> float:
+    """The MFU a measured pace implies: an iteration's FLOPs over what ``num_devices`` devices of
+    ``peak_flops`` could do in ``iteration_s`` (as ``TimePlan.implied_mfu``)."""
+    return flops_per_iteration / (iteration_s * peak_flops * num_devices)
+
+
+def cluster_peak_flops() -> Optional[float]:
+    """The dense bf16 peak FLOP/s of one device of the Ray cluster this process is connected to:
+    its GPUs' accelerator type (Ray's ``accelerator_type:<kind>`` resource, e.g. H100) when it is
+    one of ``DEVICE_PEAK_TFLOPS``; None on CPUs, for an unknown kind or a mix of kinds."""
+    import ray
+
+    kinds = {key.split(":", 1)[1] for key in ray.cluster_resources() if key.startswith("accelerator_type:")}
+    peaks = {peak for name, peak in DEVICE_PEAK_TFLOPS.items() for kind in kinds if name in kind}
+    return peaks.pop() * 1e12 if len(kinds) == 1 and len(peaks) == 1 else None
+
+
 def time_plan(trainers: dict[str, Args], memory_plan, evaluator: str, mfu: float = DEFAULT_MFU,
               peak_flops: Optional[float] = None, storage_gbps: float = DEFAULT_STORAGE_GBPS,
               night_hours: float = DEFAULT_NIGHT_HOURS, measured: Optional[dict] = None) -> TimePlan:

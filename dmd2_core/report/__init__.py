@@ -11,11 +11,11 @@ evaluator names the figures, the criterion, the columns and panels), never the r
 
 from dmd2_core.report.metrics_log import MetricsLog, json_line, read_metrics
 from dmd2_core.report.plot import PLOT_POINTS, plot_panels, plot_png, thin
-from dmd2_core.report.summary import best_eval, config_rows, criterion, drift_table, summary_markdown
+from dmd2_core.report.summary import best_eval, campaign_best, config_rows, criterion, drift_table, summary_markdown
 from dmd2_core.report.table import GAN_KEYS, TABLE_ROWS, cell, metrics_table, round_sig, table_columns
 
 __all__ = [
-    "GAN_KEYS", "MetricsLog", "PLOT_POINTS", "TABLE_ROWS", "best_eval", "cell", "config_rows", "criterion",
+    "GAN_KEYS", "MetricsLog", "PLOT_POINTS", "TABLE_ROWS", "best_eval", "campaign_best", "cell", "config_rows", "criterion",
     "drift_table", "json_line", "metrics_table", "plot_panels", "plot_png", "read_metrics", "round_sig",
     "summary_markdown", "table_columns", "thin",
 ]

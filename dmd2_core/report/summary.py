@@ -13,28 +13,28 @@ from dmd2_core.media.images import data_uri
 from dmd2_core.report.table import GAN_KEYS, cell, round_sig
 from dmd2_core.step_counts import STEPS_MARK, counts_in, per_steps_rows, steps_label
 
-# shown even at their defaults; any other shared key is shown when the run sets it off its default
-SHOWN_SHARED = ("num_iterations", "lr", "critic_lr", "device", "num_devices", "dtype", "global_batch_size",
-                "micro_batch_size", "dmd2_student_steps", "dmd2_guidance_scale", "dmd2_update_ratio",
-                "dmd2_critic_scoring", "dmd2_shift", "ema_decay", "eval_interval", "save_interval", "seed",
-                "hf_checkpoint", "prompts", "save")
+# the order of a value's source in the configuration: what the user set first, the defaults last
+SOURCES = ("set", "recipe", "per role", "derived", "default")
 
 
-def config_rows(trainer_args: dict[str, dict]) -> tuple[list[str], list[tuple[str, list[Any]]], list[tuple[str, Any]]]:
-    """(roles, differing keys [(key, [value per role])], shared keys [(key, value)]) of the
-    resolved per-trainer arguments (role -> dict): the shared ones are ``SHOWN_SHARED`` and those the
-    run set off their defaults (a loss weight, the GAN head, the regression pull)."""
+def config_rows(trainer_args: dict[str, dict], sources: Optional[dict[str, str]] = None
+                ) -> tuple[list[str], list[tuple[str, str, list[Any]]]]:
+    """(roles, [(key, source, [value per role])]) of every resolved per-trainer argument (role ->
+    dict), what the run used, by source (``SOURCES``): the user's (``sources``: key -> 'set' for
+    a flag, --set or a parameter, 'recipe' for its recipe's), then the values each role resolves
+    on its own, then those the run resolved off their defaults (a shift read from the model,
+    preflight's choices), then the defaults; alphabetical within each."""
     defaults = Args.model_construct().model_dump(mode="json")
+    sources = sources or {}
     roles = list(trainer_args)
-    keys = list(dict.fromkeys(k for a in trainer_args.values() for k in a))
-    differing, shared = [], []
-    for k in keys:
+    rows = []
+    for k in dict.fromkeys(k for a in trainer_args.values() for k in a):
         values = [trainer_args[r].get(k) for r in roles]
-        if any(v != values[0] for v in values):
-            differing.append((k, values))
-        elif k in SHOWN_SHARED or (k in defaults and values[0] != defaults[k]):
-            shared.append((k, values[0]))
-    return roles, differing, shared
+        source = sources.get(k) or ("per role" if any(v != values[0] for v in values)
+                                    else "default" if k in defaults and values[0] == defaults[k] else "derived")
+        rows.append((k, source, values))
+    rows.sort(key=lambda row: (SOURCES.index(row[1]) if row[1] in SOURCES else len(SOURCES), row[0]))
+    return roles, rows
 
 
 def _quality(q: Optional[dict], keys: Iterable[str]) -> str:
@@ -56,6 +56,17 @@ def best_eval(evals: list[dict], criteria: Iterable[str]) -> Optional[dict]:
     key = criterion(evals, criteria)
     scored = [e for e in evals if _number(e.get(key))] if key else []
     return min(scored, key=lambda e: (e[key], -e["iteration"])) if scored else None
+
+
+def campaign_best(evals: list[dict], criteria: Iterable[str]) -> Optional[dict]:
+    """The campaign's best eval: ``best_eval`` of the evals after the campaign's first (the student
+    it started from is its starting point, not its result), over every night of its save (the
+    metrics log keeps every night's evals), so a night whose evals are all worse keeps an earlier
+    night's. What the run exports as its student, its summary names and its nights row offers."""
+    if not evals:
+        return None
+    origin = min(e["iteration"] for e in evals)
+    return best_eval([e for e in evals if e["iteration"] > origin], criteria)
 
 
 def summary_markdown(s: dict) -> str:
@@ -81,9 +92,9 @@ def summary_markdown(s: dict) -> str:
                 out.append(f"Quality{steps_label(first)} before -> after: {_quality(first, quality_keys)} -> "
                            f"{_quality(last, quality_keys)} "
                            f"(iterations {evals[0]['iteration']} -> {evals[-1]['iteration']}).")
-    best = best_eval(evals, evaluator.criteria)
+    best = campaign_best(evals, evaluator.criteria)
     if best:
-        out.append(f"Best eval so far: iteration {best['iteration']} ({_quality(best, quality_keys)}"
+        out.append(f"Best eval so far (the campaign's): iteration {best['iteration']} ({_quality(best, quality_keys)}"
                    f"{steps_label(per_steps_rows(best)[0])}).")
     out.append("")
     if s.get("media"):
@@ -114,7 +125,8 @@ def summary_markdown(s: dict) -> str:
             out.append("| " + " | ".join(cell(round_sig(e.get(c))) if e.get(c) is not None else "" for c in cols) + " |")
         out.append("")
     if s.get("reference"):
-        out += drift_table(s["reference"], evals[-1] if evals else {}, s.get("drift_flags") or [])
+        start = next((e for e in evals if any(k.startswith("drift_") for k in e)), {})  # what drift is judged from
+        out += drift_table(s["reference"], evals[-1] if evals else {}, s.get("drift_flags") or [], start)
     ck = s.get("checkpoint")
     out += ["## Checkpoint and student", ""]
     if ck:
@@ -124,40 +136,59 @@ def summary_markdown(s: dict) -> str:
     else:
         out.append("- no checkpoint yet")
     if s.get("best_student"):
-        out.append(f"- **the run's student** (its best eval, iteration {s.get('best_iteration')}; kept by retention): "
+        out.append(f"- **the run's student** (the campaign's best eval, iteration {s.get('best_iteration')}; kept by retention): "
                    f"`{s['best_student']}`")
     if s.get("student"):
         out.append(f"- latest exported student (diffusers): `{s['student']}`")
     if s.get("metrics_url"):
         out.append(f"- every metric of every iteration: `{s['metrics_url']}`")
     out.append("")
-    roles, differing, shared = config_rows(s.get("trainer_args") or {})
+    roles, rows = config_rows(s.get("trainer_args") or {}, s.get("config_sources"))
     if roles:
-        out += ["## Configuration", "", "| key | " + " | ".join(roles) + " |", "|---|" + "---|" * len(roles)]
-        for k, values in differing:
-            out.append(f"| {k} | " + " | ".join(cell(v) for v in values) + " |")
-        for k, v in shared:
-            out.append(f"| {k} | " + " | ".join([cell(v)] * len(roles)) + " |")
+        out += ["## Configuration", "", "Every value the run used: what was set (flag, --set or parameter), then the "
+                "recipe's, then what each role or the run resolved, then the defaults.", "",
+                "| key | " + " | ".join(roles) + " | from |", "|---|" + "---|" * (len(roles) + 1)]
+        for k, source, values in rows:
+            out.append(f"| {k} | " + " | ".join(cell(v) for v in values) + f" | {source} |")
         out.append("")
     return "\n".join(out)
 
 
-def drift_table(reference: dict, latest: dict, flags: list[str]) -> list[str]:
+def drift_table(reference: dict, latest: dict, flags: list[str], start: Optional[dict] = None) -> list[str]:
     """The latest eval's drift statistics beside the yardstick's (the real set's samples, or the
-    teacher's reference samples: ``drift.pooled``), and whether each is in its band
-    (``Evaluator.drift_flags``); a student of several step counts has a column per K."""
+    teacher's reference samples: ``drift.pooled``) and the band each is judged in: the run's first
+    eval's value +- the band's half-width (``teacher_evaluator.drift_band``), each in its unit. In
+    band: inside it; no: out of it and farther from the yardstick than the start (a drift, what
+    ``drift_flags`` flags); out of it towards the yardstick: an improving student, no drift. A
+    student of several step counts has a column per K."""
+    from dmd2_core.evaluation.drift import drift_unit
+    from dmd2_core.evaluation.teacher_evaluator import drift_band, drifted
+
     source = "real set" if reference.get("source") == "real" else "teacher"
+    start = start or {}
     counts = counts_in(latest)
     names = [f"drift_{{}}{STEPS_MARK}{k}" for k in counts] or ["drift_{}"]
     students = [f"{k} steps" for k in counts] or ["student"]
     out = [f"## Drift against the {source} (latest eval)", "",
-           f"| statistic | {source} | ± (standard error) | " + " | ".join(students) + " | in band |",
-           "|---|---|---|" + "---|" * len(students) + "---|"]
+           f"| statistic (unit) | {source} ± standard error | run's start | band (start ± half-width) | "
+           + " | ".join(students) + " | in band |",
+           "|---|---|---|---|" + "---|" * len(students) + "---|"]
     for key, value in sorted((reference.get("value") or {}).items()):
         cells = [latest.get(name.format(key)) for name in names]
-        out.append(f"| {key} | {cell(round_sig(value))} | {cell(round_sig((reference.get('se') or {}).get(key)))} | "
-                   + " | ".join("" if c is None else cell(round_sig(c)) for c in cells) + " | "
-                   + ("no" if any(name.format(key) in flags for name in names) else "yes") + " |")
+        firsts = [start.get(name.format(key)) for name in names]  # each step count from its own start
+        half = drift_band(key, reference)
+        judged = [half is not None and _number(value) and _number(f) and _number(c) for c, f in zip(cells, firsts)]
+        verdicts = [("yes" if abs(c - f) <= half else "no" if drifted(c, f, value, half)
+                     else f"out, towards the {source}: no drift") if ok else ""
+                    for c, f, ok in zip(cells, firsts, judged)]
+        verdict = next((v for v in ("no", f"out, towards the {source}: no drift", "yes") if v in verdicts), "not judged")
+        unit = drift_unit(key)
+        starts = "; ".join("" if f is None else cell(round_sig(f)) for f in firsts)
+        bands = "; ".join(f"{cell(round_sig(f - half))} to {cell(round_sig(f + half))}" if _number(f) and half is not None
+                          else "" for f in firsts)
+        out.append(f"| {key}" + (f" ({unit})" if unit else "") + f" | {cell(round_sig(value))} ± "
+                   f"{cell(round_sig((reference.get('se') or {}).get(key)))} | {starts} | {bands} | "
+                   + " | ".join("" if c is None else cell(round_sig(c)) for c in cells) + f" | {verdict} |")
     collapsed = [k for k in flags if k.startswith("diversity_")]
     if collapsed:
         out += ["", f"Within-prompt diversity fell steeply from the first eval's (collapsing): {', '.join(collapsed)}."]
