@@ -5,7 +5,6 @@ latents the figures use, not sampled again; the time plan prices the eval that w
 
 from __future__ import annotations
 
-import io
 
 import pytest
 import torch
