@@ -52,7 +52,7 @@ def recipe_forwards() -> dict:
             "saved": round(1 - after["student_forwards_per_rank"] / before["student_forwards_per_rank"], 4)}
 
 
-class _RankRun:
+class RankRun:
     """A DistillRun's eval calls answered by this rank's trainers; rank 0's answer handed to every
     rank, so each rank's eval goes on alike as the driver's would."""
 
@@ -102,7 +102,7 @@ def _eval_on_rank(rank: int, world_size: int, trainer_args: dict) -> dict:
         trainer.init_process_group()
     args = trainer_args["actor"]
     args = args.model_copy(update={"save": f"{args.save}/rank{rank}"})  # each rank's own media and reference cache
-    run = _RankRun(trainers, args)
+    run = RankRun(trainers, args)
     run_eval(run, 0)  # makes the teacher's reference
     rows: list[int] = []
     trainers["actor"].model.register_forward_pre_hook(

@@ -231,3 +231,26 @@ def _failure_report(failed: list[int], procs: list, out: Path) -> str:
                else f"exit code {procs[rank].exitcode}")
         report += f"\nthen rank {rank} of {world}: {how}"
     return report
+
+
+def first_night_starts_late(monkeypatch) -> list:
+    """Night 1's groups come up 10,000 s late in its time budget's window (the budget's clock
+    jumps once the first run has started), so it stops after its first iteration; later nights
+    start on time. Returns the list of group starts (one entry per ``DistillRun.start``)."""
+    import time
+
+    from dmd2_core.run import time_budget
+    from dmd2_core.run.distill_run import DistillRun
+
+    offset, starts = [0.0], []
+    monkeypatch.setattr(time_budget, "clock", lambda: time.perf_counter() + offset[0])
+    original_start = DistillRun.start
+
+    def start(self):
+        starts.append(1)
+        out = original_start(self)
+        offset[0] = 10_000.0 if len(starts) == 1 else 0.0
+        return out
+
+    monkeypatch.setattr(DistillRun, "start", start)
+    return starts

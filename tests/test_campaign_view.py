@@ -5,12 +5,10 @@ clips that play in place."""
 
 from __future__ import annotations
 
-import time
 
 from dmd2_core import checkpoint, report
 from dmd2_core.report import nights_view
-from dmd2_core.run import time_budget
-from tests.helpers import FAST
+from tests.helpers import FAST, first_night_starts_late
 
 # ---- one best student for the campaign ------------------------------------------------------------
 
@@ -21,7 +19,6 @@ def test_a_night_worse_than_an_earlier_one_keeps_the_campaigns_best_student(harn
     """Night 1 stops at iteration 1 (its budget), whose eval is the campaign's best; night 2's eval
     at 2 is worse: its student stays iteration 1's export, and its summary's header, its student
     line and its nights row all name iteration 1 (the start's eval is no result of the campaign)."""
-    from dmd2_core.run.distill_run import DistillRun
     from dmd2_core.run.checkpoint_commits import read_best_student
     from flows import driver as driver_module
     from flows import nights
@@ -29,21 +26,13 @@ def test_a_night_worse_than_an_earlier_one_keeps_the_campaigns_best_student(harn
 
     monkeypatch.setattr(driver_module, "evaluate", lambda run_id, i: {
         "iteration": i, "metrics": {"fd": SCRIPTED_FD[i]}, "media": [], "reference": {}})
-    offset, starts, views, rows = [0.0], [], [], []
-    monkeypatch.setattr(time_budget, "clock", lambda: time.perf_counter() + offset[0])
-    original_start = DistillRun.start
-
-    def start(self):
-        starts.append(1)
-        out = original_start(self)
-        offset[0] = 10_000.0 if len(starts) == 1 else 0.0  # night 1's groups came up late in its window
-        return out
+    first_night_starts_late(monkeypatch)
+    views, rows = [], []
 
     def record(view, outcome, wall_s):
         views.append(view)
         rows.append(nights_view.night_row(view, outcome, wall_s, f"id-{len(rows)}", None, f"2026-12-0{len(rows) + 1}"))
 
-    monkeypatch.setattr(DistillRun, "start", start)
     monkeypatch.setattr(nights, "record_night", record)
     from dmd2_core.memory import time_plan
 

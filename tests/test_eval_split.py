@@ -14,6 +14,7 @@ from dmd2_core.evaluation.eval_step import run_eval
 from dmd2_core.media.images import image_grid, png_bytes
 from dmd2_core.run.distill_run import preflight
 from dmd2_core.train.trainer import Trainer
+from bench.eval_split import RankRun
 from tests.helpers import in_process_trainers, spawn_ranks, tiny_args
 
 SAMPLES, STEPS = 9, 2  # 9 rows over 2 ranks: 5 and 4, the second share padded with one row
@@ -36,47 +37,25 @@ def _count_student_rows(trainer: Trainer) -> list[int]:
     return rows
 
 
-class _Run:
-    """What an eval asks of a DistillRun, answered by this process's trainers: every rank calls
-    each (a collective), and rank 0's answer is handed to all, so every rank's evaluator goes on
-    alike as the driver would."""
+class _Run(RankRun):
+    """What an eval asks of a DistillRun, answered by this process's trainers on every rank (the
+    bench's RankRun), with the student sampling and decoding calls it made recorded."""
 
     def __init__(self, trainers: dict, args):
-        self.trainers, self.args, self.has_critic = trainers, args, True
-        self.calls: list[str] = []
-
-    def _everywhere(self, value):
-        import torch.distributed as dist
-
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            box = [value]
-            dist.broadcast_object_list(box, src=0)
-            return box[0]
-        return value
+        super().__init__(trainers, args)
+        self.calls: list = []
 
     def sample(self, order, seed, num_steps=None):
         self.calls.append("sample")
-        return self._everywhere(self.trainers["actor"].sample(order, seed, num_steps=num_steps))
+        return super().sample(order, seed, num_steps=num_steps)
 
     def eval_latents(self, order, seed, num_steps=None):
         self.calls.append("eval_latents")
-        return self._everywhere(self.trainers["actor"].sample(order, seed, decode=False, num_steps=num_steps))
+        return super().eval_latents(order, seed, num_steps=num_steps)
 
     def decode(self, latents):
         self.calls.append(("decode", latents.clone()))
-        return self._everywhere(self.trainers["actor"].decode(latents))
-
-    def drift_stats(self, latents):
-        return self._everywhere(self.trainers["actor"].drift_stats(latents))
-
-    def teacher_reference(self, order, seed, num_steps):
-        return self._everywhere(self.trainers["critic"].teacher_reference(order, seed, num_steps))
-
-    def teacher_features(self, latents, order, u, seed):
-        return self._everywhere(self.trainers["critic"].teacher_features(latents, order, u, seed))
-
-    def real_features(self, rows, u, seed, index_offset):
-        return self._everywhere(self.trainers["critic"].real_features(rows, u, seed, index_offset))
+        return super().decode(latents)
 
 
 def _figures(trainers: dict, args, rank: int = 0) -> dict:

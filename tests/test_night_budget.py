@@ -5,7 +5,6 @@ nightly deployment's window."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from dmd2_core import checkpoint
 from dmd2_core.report import nights_view
 from dmd2_core.run import time_budget
 from dmd2_core.run.time_budget import SAFETY, TimeBudget
-from tests.helpers import FAST, assert_same_saved_state
+from tests.helpers import FAST, assert_same_saved_state, first_night_starts_late
 
 
 # ---- the decision (no Ray, no Prefect) ----------------------------------------------------------
@@ -96,23 +95,12 @@ def test_legs_of_a_budget_end_with_the_weights_of_one_uninterrupted_run(harness,
     is its last, checkpointed, evaluated and exported; it completes and says it continues. Night
     2 resumes from there and reaches num_iterations with the uninterrupted run's weights; night 3
     starts no actor and says the campaign is complete."""
-    from dmd2_core.run.distill_run import DistillRun
     from flows import nights
 
     reference = tmp_path / "reference"
     assert run_leg(tiny_teacher, reference).is_completed()
 
-    offset, starts, rows = [0.0], [], []
-    monkeypatch.setattr(time_budget, "clock", lambda: time.perf_counter() + offset[0])
-    original_start = DistillRun.start
-
-    def start(self):
-        starts.append(1)
-        out = original_start(self)
-        offset[0] = 10_000.0 if len(starts) == 1 else 0.0  # night 1's groups came up late in its window
-        return out
-
-    monkeypatch.setattr(DistillRun, "start", start)
+    starts, rows = first_night_starts_late(monkeypatch), []
     monkeypatch.setattr(nights, "record_night", lambda view, outcome, wall_s: rows.append(
         nights_view.night_row(view, outcome, wall_s, "id", None, "d")))
     save = tmp_path / "campaign"
