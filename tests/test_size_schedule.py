@@ -94,3 +94,31 @@ def test_a_gan_heads_real_set_has_no_rows_for_a_smaller_stage(tiny_teacher, tmp_
                            "--set", f"size_schedule={yaml.safe_dump(TWO_STAGES, default_flow_style=True).strip()}")
     assert err.startswith("error: size_schedule[0]: the GAN head's real set (real_data digits) holds samples of the "
                           "full size [1, 8, 8], none of this stage's [1, 4, 4]"), err
+
+
+def test_the_plan_fits_and_prices_each_stage(tiny_teacher, tmp_path, capsys):
+    """``plan`` lists the stages: the memory peak is the full-size stage's, a smaller stage's
+    iteration costs less, and the nights to num_iterations come through the stages (fewer than
+    with every iteration at the full size)."""
+    import json
+
+    import yaml
+
+    from dmd2_core import cli
+
+    schedule = yaml.safe_dump([{"until_iteration": 1000, "latent_shape": SMALL}, {"latent_shape": FULL}],
+                              default_flow_style=True).strip()
+    assert cli.main(["plan", "--recipe", "tiny", "--hf-checkpoint", tiny_teacher, "--save", str(tmp_path / "run"),
+                     "--json", "--set", "gan_weight=0", "--set", "gan_critic_weight=0", "--set", "num_iterations=2000",
+                     "--set", "night_hours=0.01", "--peak-tflops", "0.5", "--set", f"size_schedule={schedule}"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    small, full = plan["stages"]
+    assert (small["first"], small["last"], small["latent_shape"]) == (1, 1000, SMALL)
+    assert (full["first"], full["last"], full["latent_shape"]) == (1001, 2000, FULL)
+    assert small["device_peak"] < full["device_peak"] == plan["device_peak"]
+    timing = plan["time"]
+    time_small, time_full = timing["stages"]
+    assert time_full["iteration_s"] == timing["iteration_s"]
+    assert time_small["iteration_s"] < time_full["iteration_s"]
+    assert time_small["iterations_per_night"] > time_full["iterations_per_night"] == timing["iterations_per_night"]
+    assert timing["nights"] < timing["nights_at_full_size"]
