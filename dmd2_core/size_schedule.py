@@ -8,7 +8,15 @@ a joint model's clip ``num_frames``, ``height`` and ``width``. Preflight resolve
 latents with the family's rules (``run.preflight_checks.check_size_schedule``) and refuses a
 schedule whose last stage is not the run's full size. The stage of an iteration is a function of
 the iteration alone, so a resume mid-schedule continues at the right size. Only the training
-samples change size: the eval, the memory plan's eval and a GAN head's real set stay at the full size.
+samples change size: the eval, the memory plan's eval and a GAN head's real set stay at the full size
+(a GAN head with a smaller stage is refused: its real set holds full-size latents, and latents
+downsampled are not the latents of smaller clips).
+
+What each family's positions make of a smaller sample: SD3 crops its positional table to the
+sample (``pos_embed_max_size`` is checked per stage), Wan's rope tables cover up to
+``rope_max_seq_len`` positions an axis and a stage is no larger than the full size, MiniMax-H3's
+rope is computed from the packed sequence's position ids at each forward; the family is bound to
+each stage's geometry (its packed layout, its audio length) by the trainers.
 """
 
 from __future__ import annotations
