@@ -74,6 +74,9 @@ def check_relations(args):
     if args.run_name in ("", ".", "..") or any(c in args.run_name for c in "/\\\0"):
         raise ValueError(f"run_name: {args.run_name!r} must be one path segment (no '/', not '.' or '..'): "
                          "it names the run's actors and files")
+    from dmd2_core import size_schedule
+
+    size_schedule.check_relations(args)
     if args.gan_weight and not args.gan_critic_weight:
         raise ValueError("gan_critic_weight: must be > 0 when gan_weight is (the discriminator would never train)")
     return args

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from dmd2_core import arg_rules
 from dmd2_core.errors import ArgsError
 from dmd2_core import evaluators
+from dmd2_core import size_schedule
 from dmd2_core.trackers.flags import TrackerFlags
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "deployments" / "recipes"
@@ -126,6 +127,12 @@ class Args(TrackerFlags):
         "with height and width it sets latent_shape.", ge=1)
     height: Optional[int] = _f(None, "model", "Clip height in pixels (MiniMax-H3: a multiple of 32).", ge=1)
     width: Optional[int] = _f(None, "model", "Clip width in pixels (MiniMax-H3: a multiple of 32, aspect 1:4 to 4:1).", ge=1)
+    size_schedule: Optional[list[dict[str, Any]]] = _f(
+        None, "model", "Train the first iterations at a smaller sample, the last at the full size: a list of stages, "
+        "each its until_iteration (the last stage runs to the end) and its size as the run names its own (latent_shape, "
+        "or num_frames, height and width), e.g. [{until_iteration: 2000, num_frames: 124, height: 384, width: 672}, "
+        "{num_frames: 124, height: 768, width: 1344}]. The last stage is the full size; the eval stays at it. "
+        "Default: every iteration at the full size.")
     real_data: Optional[str] = _f(
         None, "model", "Real samples in the model's latent space with their conditions (a real set URL from "
         "`prepare-latents`, or 'digits'); the GAN head's real side."
@@ -259,6 +266,11 @@ class Args(TrackerFlags):
     @classmethod
     def _one_or_a_set(cls, value):
         return arg_rules.one_or_a_set(value)
+
+    @field_validator("size_schedule", mode="before")
+    @classmethod
+    def _stages(cls, value):
+        return size_schedule.normalise(value)
 
     @field_validator("evaluator")
     @classmethod

@@ -249,7 +249,9 @@ def plan_run(ns: argparse.Namespace, args: Args, kind_given: bool = False) -> in
 
     apply_set_to_plan_flags(ns)
     if args.hf_checkpoint:  # a clip's geometry becomes its latents, as in preflight
-        args = preflight_checks.check_family_args(args, describe_model_dir(args.hf_checkpoint, "hf_checkpoint"))
+        teacher = describe_model_dir(args.hf_checkpoint, "hf_checkpoint")
+        args = preflight_checks.check_family_args(args, teacher)
+        preflight_checks.check_size_schedule(args, teacher)
 
     def plans(setting: Args, **time_kw):
         trainers = {cfg.role: compute_trainer_args(setting, cfg) for cfg in compute_trainer_configs(setting)}

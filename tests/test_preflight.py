@@ -79,7 +79,7 @@ PREFLIGHT_CASES = {
     "latent_shape channels": (lambda t, p: {"latent_shape": [4, 8, 8]}, "ArgsError",
                               r"^latent_shape: \[4, 8, 8\]: 4 channels, the model .* takes in_channels=1$"),
     "latent_shape patch": (lambda t, p: {"latent_shape": [1, 7, 8]}, "ArgsError",
-                           r"^latent_shape: \[1, 7, 8\]: H=7 is not a multiple of the model's patch size 2$"),
+                           r"^latent_shape: \[1, 7, 8\]: H=7 is not a multiple of the model's patch size 2; nearest: 6 or 8$"),
     "latent_shape rank": (lambda t, p: {"latent_shape": [1, 2, 8, 8]}, "ArgsError",
                           r"^latent_shape: \[1, 2, 8, 8\] does not fit SD3Transformer2DModel: expected \[C, H, W\]"),
 }

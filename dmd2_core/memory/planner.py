@@ -139,6 +139,7 @@ class MemoryPlan:
     cp_size: int = 1
     eval_decoder: int = 0  # the VAE decode at eval, actor rank 0
     host: Optional[terms.HostPlan] = None
+    stages: list[dict] = field(default_factory=list)  # a size schedule's stages: their sizes and peaks
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -244,7 +245,36 @@ def device_limit(args: Args) -> Optional[int]:
 
 
 def plan(trainer_args: dict[str, Args]) -> MemoryPlan:
-    """The plan of a run's trainers (``preflight``'s per-role args)."""
+    """The plan of a run's trainers (``preflight``'s per-role args). With a size schedule each
+    stage's train is planned at its size and the device peak is the largest over the stages; the
+    eval is the full size's whatever the stage. The full-size stage dominates (a stage is no larger
+    in any dimension), so the peak is today's full-size one; the stages are listed beside it."""
+    full = _plan(trainer_args)
+    args = trainer_args["actor"]
+    if not args.size_schedule:
+        return full
+    from dmd2_core.size_schedule import stage_spans
+
+    spans = stage_spans(args)
+    for index, (first, last, stage) in enumerate(spans):
+        if index == len(spans) - 1:
+            peak, during = full.device_peak, full.peak_during
+        else:  # the train alone: the eval samples at the full size
+            sized = {role: targs.model_copy(update={"latent_shape": list(stage["latent_shape"])})
+                     for role, targs in trainer_args.items()}
+            staged = _plan(sized, with_eval=False)
+            peak, during = staged.device_peak, staged.peak_during
+        full.stages.append({"stage": index + 1, "first": first, "last": last,
+                            "latent_shape": list(stage["latent_shape"]), "device_peak": peak, "peak_during": during})
+    worst = max(full.stages, key=lambda st: st["device_peak"])
+    if worst["device_peak"] > full.device_peak:
+        full.device_peak, full.peak_during = worst["device_peak"], f"stage {worst['stage']}'s {worst['peak_during']}"
+    full.notes.append(f"size schedule: {len(spans)} stages, the peak the largest stage's")
+    return full
+
+
+def _plan(trainer_args: dict[str, Args], with_eval: bool = True) -> MemoryPlan:
+    """The plan of the trainers at their ``latent_shape``; ``with_eval``: the eval's peak too."""
     args = trainer_args["actor"]
     shard_size = parallel.check_shard_size(args.num_devices, args.fsdp_shard_size)
     sizes: dict[str, ModelSize] = {}
@@ -281,7 +311,7 @@ def plan(trainer_args: dict[str, Args]) -> MemoryPlan:
         notes.append(f"+ {_gib(reserve)} reserve: {len(reserves) if args.colocate else 1} process(es) per device, "
                      "each a CUDA context and its NCCL communicators")
     decoder = 0
-    if "actor" in by_role and args.eval_interval:  # eval: the student's K steps, then rank 0 decodes
+    if "actor" in by_role and args.eval_interval and with_eval:  # eval: the student's K steps, then rank 0 decodes
         actor_args, actor = trainer_args["actor"], by_role["actor"]
         family = FAMILIES[describe_model_dir(actor_args.hf_checkpoint)["family"]].bind(actor_args.latent_shape)
         size = size_of(actor_args.hf_checkpoint)

@@ -35,6 +35,9 @@ def table(memory_plan) -> str:
     lines.append(f"device peak: {_gib(memory_plan.device_peak)} of {limit}, during {memory_plan.peak_during} "
                  f"({memory_plan.num_devices} devices, shard size {memory_plan.shard_size}; "
                  + "; ".join(memory_plan.notes) + ")")
+    for stage in memory_plan.stages:
+        lines.append(f"  size stage {stage['stage']} (iterations {stage['first']}-{stage['last']}, latents "
+                     f"{stage['latent_shape']}): device peak {_gib(stage['device_peak'])}, during {stage['peak_during']}")
     host = memory_plan.host
     if host is not None:
         of = "unchecked" if host.limit is None else f"{_gib(host.usable)} usable ({_gib(host.limit)} less {memory_plan.headroom:.0%})"

@@ -255,6 +255,8 @@ class TimePlan:
     measured: Optional[dict] = None  # measured_pace, when a previous run set the pace
     notes: list[str] = field(default_factory=list)
     calibrated: Optional[dict] = None  # calibrate's figures, when one measured iteration set the rates
+    # a size schedule's stages: {stage, first, last, latent_shape, iteration_flops}; the last is the full size
+    stages: list[dict] = field(default_factory=list)
 
     @property
     def rate(self) -> float:
@@ -295,12 +297,47 @@ class TimePlan:
     def start_s(self) -> float:
         return self.start_bytes / (self.storage_gbps * 1e9)
 
-    def per_iteration_s(self) -> float:
-        """An iteration with its share of the evals, checkpoints and exports."""
+    def per_iteration_s(self, iteration_s: Optional[float] = None) -> float:
+        """An iteration (of ``iteration_s``, default the full size's) with its share of the evals,
+        checkpoints and exports."""
         share = lambda interval: 1 / interval if interval else 0.0  # noqa: E731
         exports = share(self.save_interval) if self.export_interval == 0 else share(self.export_interval)
-        return (self.iteration_s + share(self.eval_interval) * self.eval_s
+        return ((self.iteration_s if iteration_s is None else iteration_s) + share(self.eval_interval) * self.eval_s
                 + share(self.save_interval) * self.checkpoint_s + exports * self.export_s)
+
+    def stage_iteration_s(self, stage: dict) -> float:
+        """Seconds of an iteration of a size schedule's stage: its FLOPs at the pace's MFU (a
+        smaller sample runs at the full size's utilisation: optimistic where it is too small to
+        fill the devices)."""
+        return sum(stage["iteration_flops"].values()) / (self.implied_mfu * self.peak_flops * self.num_devices)
+
+    def stage_iterations_per_night(self, stage: dict) -> int:
+        """Iterations of ``stage``'s size a night holds after its start and closing (as ``iterations_per_night``)."""
+        closing = self.start_s + self.checkpoint_s + self.export_s + (self.eval_s if self.eval_interval else 0)
+        return max(0, int((self.night_s - closing) / self.per_iteration_s(self.stage_iteration_s(stage))))
+
+    def _staged_nights(self) -> Optional[int]:
+        """``nights`` through a size schedule: nights filled in order with each iteration at its
+        stage's cost; a first night that trains nothing (its reference alone) is not counted, as
+        in ``nights``."""
+        closing = self.start_s + self.checkpoint_s + self.export_s + (self.eval_s if self.eval_interval else 0)
+        costs = [(stage["last"], self.per_iteration_s(self.stage_iteration_s(stage))) for stage in self.stages]
+        if self.num_iterations <= 0:
+            return 1
+        nights, trained, budget, index = 1, 0, self.night_s - self.reference_s - closing, 0
+        for iteration in range(1, self.num_iterations + 1):
+            while index < len(costs) - 1 and iteration > costs[index][0]:
+                index += 1
+            cost = costs[index][1]
+            if budget < cost:
+                if trained == 0 and nights > 1:
+                    return None  # a whole night holds no iteration of this size
+                nights, trained, budget = nights + (1 if trained else 0), 0, self.night_s - closing
+                if budget < cost:
+                    return None
+            budget -= cost
+            trained += 1
+        return nights
 
     @property
     def iterations_per_night(self) -> int:
@@ -311,7 +348,15 @@ class TimePlan:
 
     @property
     def nights(self) -> Optional[int]:
-        """Nights to ``num_iterations`` at this pace (the first night's reference included)."""
+        """Nights to ``num_iterations`` at this pace (the first night's reference included),
+        through the size schedule's stages when there is one."""
+        if self.stages:
+            return self._staged_nights()
+        return self.nights_at_full_size
+
+    @property
+    def nights_at_full_size(self) -> Optional[int]:
+        """Nights to ``num_iterations`` with every iteration at the full size."""
         per_night = self.iterations_per_night
         if not per_night:
             return None
@@ -323,8 +368,10 @@ class TimePlan:
     def as_dict(self) -> dict:
         out = asdict(self)
         for name in ("iteration_s", "assumed_iteration_s", "implied_mfu", "eval_s", "reference_s", "checkpoint_s",
-                     "export_s", "start_s", "iterations_per_night", "nights"):
+                     "export_s", "start_s", "iterations_per_night", "nights", "nights_at_full_size"):
             out[name] = getattr(self, name)
+        for stage, row in zip(self.stages, out["stages"]):
+            row.update(iteration_s=self.stage_iteration_s(stage), iterations_per_night=self.stage_iterations_per_night(stage))
         out["pace"] = "measured" if self.measured else "calibrated" if self.calibrated else "assumed"
         return out
 
@@ -396,10 +443,28 @@ def time_plan(trainers: dict[str, Args], memory_plan, evaluator: str, mfu: float
     export = 2 * transformers + (0 if adapters_only else copied_component_bytes(actor.hf_checkpoint))
     notes = ["the VAE's decode is not counted",
              "eval: each data-parallel rank samples its share; the media clips are the first quality samples"]
+    full = iteration_flops(trainers)
     return TimePlan(actor.num_devices, memory_plan.cp_size, mfu, peak, storage_gbps, night_hours * 3600,
                     actor.num_iterations, actor.eval_interval, actor.save_interval, actor.export_interval,
-                    iteration_flops(trainers), evals["eval"], evals["reference"], checkpoint, export, start,
-                    measured, notes)
+                    full, evals["eval"], evals["reference"], checkpoint, export, start,
+                    measured, notes, stages=stage_flops(trainers, full))
+
+
+def stage_flops(trainers: dict[str, Args], full: dict[str, float]) -> list[dict]:
+    """A size schedule's stages with the FLOPs of one iteration at each one's size (the last, the
+    full size, is ``full``); [] without a schedule."""
+    from dmd2_core.size_schedule import stage_spans
+
+    spans = stage_spans(trainers["actor"])
+    stages = []
+    for index, (first, last, stage) in enumerate(spans):
+        flops = full
+        if index < len(spans) - 1:
+            flops = iteration_flops({role: targs.model_copy(update={"latent_shape": list(stage["latent_shape"])})
+                                     for role, targs in trainers.items()})
+        stages.append({"stage": index + 1, "first": first, "last": last, "latent_shape": list(stage["latent_shape"]),
+                       "iteration_flops": flops})
+    return stages
 
 
 def calibrate(plan: TimePlan, trainers: dict[str, Args], rows: list[dict], url: str) -> TimePlan:
@@ -461,6 +526,15 @@ def table(tp: TimePlan) -> str:
         + (f"{nights} night(s) to num_iterations {tp.num_iterations}" if nights else "no iteration fits")
         + f" ({'; '.join(tp.notes)})",
     ]
+    for stage in tp.stages:
+        lines.append(f"  size stage {stage['stage']} (iterations {stage['first']}-{stage['last']}, latents "
+                     f"{stage['latent_shape']}): {_seconds(tp.stage_iteration_s(stage))} an iteration, "
+                     f"{sum(stage['iteration_flops'].values()) / 1e12:.4g} TFLOP; a night holds "
+                     f"{tp.stage_iterations_per_night(stage)} of them")
+    if tp.stages:
+        full = tp.nights_at_full_size
+        lines.append(f"  with the size schedule: {nights or 'no'} night(s) to num_iterations {tp.num_iterations}; "
+                     f"every iteration at the full size: {full or 'no'} (the eval is the full size's in every stage)")
     nightly = nightly_intervals(tp)
     ours = {k: getattr(tp, k) for k in nightly}
     lines.append("  a night's intervals by this plan (an eval in every night's first half and at its end): "

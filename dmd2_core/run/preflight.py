@@ -41,6 +41,7 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
         raise ArgsError(f"latent_shape: {args.hf_checkpoint} is a video model ({teacher['family']}); "
                         "set latent_shape to its latents' [C, F, H, W]")
     preflight_checks.check_latent_shape(args, teacher)
+    preflight_checks.check_size_schedule(args, teacher)
     if args.dmd2_shift is None:
         args = args.model_copy(update={"dmd2_shift": teacher["shift"]})
     trainer_args = {}

@@ -161,6 +161,8 @@ def check_family_args(args: Args, teacher: dict[str, Any]) -> Args:
         if problem:
             raise ArgsError(f"latent_shape: {list(args.latent_shape)} is no {name} clip ({problem}); "
                             "set num_frames, height and width instead")
+    if args.size_schedule:
+        args = args.model_copy(update={"size_schedule": resolve_stages(args, family, name, teacher)})
     if args.dmd2_modality_weights:
         known = ("video", "audio") if family.has_audio else ()
         for key, value in args.dmd2_modality_weights.items():
@@ -172,6 +174,68 @@ def check_family_args(args: Args, teacher: dict[str, Any]) -> Args:
             if not value >= 0:
                 raise ArgsError(f"dmd2_modality_weights: {key} weight must be >= 0 (got {value})")
     return args
+
+
+def resolve_stages(args: Args, family, name: str, teacher: dict[str, Any]) -> list[dict]:
+    """Each stage of ``size_schedule`` with its ``latent_shape``: a clip (num_frames, height,
+    width) becomes its latents as the run's own does, by the family's rules; a joint model's
+    latents must be a clip it makes. A refusal names the stage's key."""
+    from dmd2_core.size_schedule import stage_name
+
+    stages = []
+    for index, stage in enumerate(args.size_schedule):
+        where = stage_name(index)
+        shape = stage.get("latent_shape")
+        try:
+            if stage.get("num_frames") is not None:
+                if not family.has_audio:
+                    raise ArgsError(f"num_frames: clip geometry is for joint video + audio models; {name} takes "
+                                    "latent_shape")
+                shape = family.clip_latent_shape((stage["num_frames"], stage["height"], stage["width"]), shape, teacher)
+            elif family.has_audio:
+                problem = family.latent_shape_problem(list(shape), teacher)
+                if problem:
+                    raise ArgsError(f"latent_shape: {list(shape)} is no {name} clip ({problem}); set num_frames, "
+                                    "height and width instead")
+        except ArgsError as exc:
+            raise ArgsError(f"{where}.{exc}") from None
+        stages.append({**stage, "latent_shape": list(shape)})
+    return stages
+
+
+def check_size_schedule(args: Args, teacher: dict[str, Any]) -> None:
+    """``size_schedule`` (resolved by ``check_family_args``) against the model: each stage's
+    latents fit it as ``latent_shape`` must (rank, channels, patch, positional table), are no larger
+    than the full size in any dimension (the memory plan and the eval are the full size's), and
+    the last stage is the full size; a GAN head's real set, stored at the full size, has no rows
+    for a smaller stage (refused rather than resampled: a latent set downsampled is not the latents
+    of smaller clips)."""
+    if not args.size_schedule:
+        return
+    from dmd2_core.memory.planner import family_shape
+    from dmd2_core.models import FAMILIES
+    from dmd2_core.size_schedule import stage_name
+
+    config = _model_config(teacher)
+    family = FAMILIES[teacher["family"]]
+    full = list(family_shape(family, config, args.latent_shape))
+    last = len(args.size_schedule) - 1
+    for index, stage in enumerate(args.size_schedule):
+        where = stage_name(index)
+        shape = list(stage["latent_shape"])
+        _check_shape(shape, f"{where}.latent_shape", teacher, config)
+        if index == last and shape != full:
+            raise ArgsError(f"size_schedule: its last stage ({where}) trains at {shape}, not the run's full size {full} "
+                            "(latent_shape, or num_frames/height/width); a schedule ends at the full size, where the "
+                            "student is evaluated and served")
+        larger = next((i for i, (d, f) in enumerate(zip(shape, full)) if d > f), None)
+        if larger is not None:
+            raise ArgsError(f"{where}.latent_shape: {shape} is larger than the full size {full} in dimension {larger}; "
+                            "a stage trains at the full size or below (the memory plan and the eval are the full size's)")
+        if index != last and args.gan_critic_weight and shape != full:
+            raise ArgsError(f"{where}: the GAN head's real set (real_data {args.real_data}) holds samples of the full "
+                            f"size {full}, none of this stage's {shape}; set gan_weight and gan_critic_weight to 0 "
+                            "for a size schedule, or train at the full size throughout")
 
 
 def check_student_sampler(args: Args, family, name: str) -> None:
@@ -197,19 +261,27 @@ def check_latent_shape(args: Args, teacher: dict[str, Any]) -> None:
     """``latent_shape`` against the teacher's transformer config: rank, channels, patch size."""
     if not args.latent_shape:
         return
-    from dmd2_core.models import FAMILIES
+    _check_shape(list(args.latent_shape), "latent_shape", teacher, _model_config(teacher))
 
-    shape = list(args.latent_shape)
+
+def _model_config(teacher: dict[str, Any]) -> dict:
     url = storage.join(teacher["transformer_url"], "config.json")
     try:
-        config = json.loads(storage.read_text(url))
+        return json.loads(storage.read_text(url))
     except StorageUnavailableError:
         raise
     except Exception as exc:  # noqa: BLE001
         raise ArgsError(f"{url}: unreadable model config ({one_line(exc)})") from None
+
+
+def _check_shape(shape: list[int], key: str, teacher: dict[str, Any], config: dict) -> None:
+    """One sample's latents (``key``) against the model's config."""
+    from dmd2_core.models import FAMILIES
+
+    url = storage.join(teacher["transformer_url"], "config.json")
     video = FAMILIES[teacher["family"]].is_video
     names = "[C, F, H, W]" if video else "[C, H, W]"
-    where = f"latent_shape: {shape}"
+    where = f"{key}: {shape}"
     if len(shape) != (4 if video else 3) or any(int(d) <= 0 for d in shape):
         raise ArgsError(f"{where} does not fit {teacher['family']}: expected {names} of positive sizes")
     channels = config.get("in_channels")
@@ -220,7 +292,10 @@ def check_latent_shape(args: Args, teacher: dict[str, Any]) -> None:
     dims = shape[1:]
     for dim, p, name in zip(dims, patch[-len(dims):], names.strip("[]").split(", ")[1:]):
         if int(dim) % int(p):
-            raise ArgsError(f"{where}: {name}={dim} is not a multiple of the model's patch size {p}")
+            from dmd2_core.models.minimax_h3 import nearest_multiples
+
+            raise ArgsError(f"{where}: {name}={dim} is not a multiple of the model's patch size {p}; nearest: "
+                            f"{nearest_multiples(int(dim), int(p))}")
     max_size = config.get("pos_embed_max_size")
     if max_size and any(int(d) // int(patch[-1]) > int(max_size) for d in dims[-2:]):
         raise ArgsError(f"{where}: larger than the model's pos_embed_max_size {max_size} patches")
@@ -259,12 +334,17 @@ def check_context_parallel(args: Args, trainer_args: dict[str, Args]) -> None:
             if problem:
                 raise ArgsError(f"{key}: {problem}")
             model = SimpleNamespace(config=SimpleNamespace(**config))
-            family = family.bind(targs.latent_shape, model)
-            shape = family.sample_shape(model, targs.latent_shape)
-            for tokens, source in _split_lengths(family, config, shape, targs):
-                if tokens % cp:
-                    raise ArgsError(f"{key}: {cp} ranks do not split the {tokens}-token sequence of {source}; "
-                                    f"choose a cp_size that divides it")
+            # every size the trainer runs: the full one, and a size schedule's smaller stages
+            smaller = [stage["latent_shape"] for stage in (targs.size_schedule or [])[:-1]]
+            for latent_shape in (targs.latent_shape, *smaller):
+                sized = targs if latent_shape == targs.latent_shape else targs.model_copy(
+                    update={"latent_shape": latent_shape})
+                bound = family.bind(latent_shape, model)
+                shape = bound.sample_shape(model, latent_shape)
+                for tokens, source in _split_lengths(bound, config, shape, sized):
+                    if tokens % cp:
+                        raise ArgsError(f"{key}: {cp} ranks do not split the {tokens}-token sequence of {source}; "
+                                        f"choose a cp_size that divides it")
 
 
 def _split_lengths(family, config, shape, targs: Args):

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from dmd2_core import size_schedule
 from dmd2_core.train import dmd2_iteration
 from dmd2_core.train import gan
 from dmd2_core.models import lora, step_conditioning
@@ -45,6 +46,7 @@ class ReferenceLoop:
         # a joint model (MiniMax-H3) needs its clip geometry and its two schedules bound
         self.family = dmd2_iteration.with_student_sampler(
             teacher.family.bind(args.latent_shape, teacher.model, teacher.modality_shifts), args)
+        self.teacher_family, self.modality_shifts = teacher.family, teacher.modality_shifts
         self.student = lora.attach(load_model_dir(args.hf_checkpoint).model, args)
         from dmd2_core.train.trainer_config import TrainerConfig, compute_trainer_args, critic_overrides
 
@@ -71,17 +73,28 @@ class ReferenceLoop:
         return self.prompts.cond(prompt_index)
 
     def iterate(self, iteration: int) -> dict:
-        args, family, everything = self.args, self.family, slice(None)
+        args, everything = self.args, slice(None)
         start = time.perf_counter()
-        plan = dmd2_iteration.plan_rollout(args, iteration, len(self.prompts), self.shape, everything,
-                                 self.family.deterministic_student)
+        family, shape = self.at_size(iteration)
+        plan = dmd2_iteration.plan_rollout(args, iteration, len(self.prompts), shape, everything,
+                                 family.deterministic_student)
         pairs = dmd2_iteration.rollout_pairs(family, self.student, self.cond, plan)
         self.disc = gan.head_for(self.heads, len(plan.sigmas))  # the GAN head of this K
         with step_conditioning.at(self.critic, len(plan.sigmas)):  # the fake score sees the iteration's K
-            return self._train_critic_and_student(iteration, plan, pairs, start)
+            return self._train_critic_and_student(iteration, family, plan, pairs, start)
 
-    def _train_critic_and_student(self, iteration: int, plan, pairs: dict, start: float) -> dict:
-        args, family, everything = self.args, self.family, slice(None)
+    def at_size(self, iteration: int) -> tuple:
+        """(family, sample shape) of ``iteration``: the full size, or a size schedule's smaller
+        stage (its latents resolved, as preflight resolves them), as the trainers."""
+        latent_shape = size_schedule.latent_shape_at(self.args, iteration)
+        if latent_shape is None:
+            return self.family, self.shape
+        family = dmd2_iteration.with_student_sampler(
+            self.teacher_family.bind(latent_shape, self.student, self.modality_shifts), self.args)
+        return family, family.sample_shape(self.student, latent_shape)
+
+    def _train_critic_and_student(self, iteration: int, family, plan, pairs: dict, start: float) -> dict:
+        args, everything = self.args, slice(None)
         x0, cond = pairs["x0"], self.cond(pairs["prompt_index"])
         guidance = args.guidance_at(len(plan.sigmas))  # the real score's at this K
         uncond = self.prompts.uncond(x0.shape[0]) if args.uses_guidance else None

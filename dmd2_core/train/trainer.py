@@ -17,7 +17,7 @@ from typing import Optional, Union
 
 import torch
 
-from dmd2_core import checkpoint, context_parallel, parallel
+from dmd2_core import checkpoint, context_parallel, parallel, size_schedule
 from dmd2_core.train import dmd2_iteration
 from dmd2_core.train import gan
 from dmd2_core.models import lora, step_conditioning
@@ -74,7 +74,8 @@ class Trainer(EvalSampling):
             self.disc = gan.build_heads(self.family.feature_dim(self.model), args.seed, counts).to(self.device)
             self.disc_optimizer = torch.optim.AdamW(self.disc.parameters(), **optimizer_settings(args))
         self.prompts = open_prompt_set(args.prompts)
-        self.shape = self.family.sample_shape(self.model, args.latent_shape)
+        self.shape = self.family.sample_shape(self.model, args.latent_shape)  # the full size: the eval's
+        self._sizes: dict[tuple, tuple] = {}  # a size schedule's smaller stages: latents -> (family, sample shape)
         self.local_batch = args.global_batch_size // self.dp_size  # a context group shares its rows
         self.rows = slice(self.dp_rank * self.local_batch, (self.dp_rank + 1) * self.local_batch)
         self.nonfinite = NonFiniteCounter(role, args.max_nonfinite_steps)
@@ -155,14 +156,30 @@ class Trainer(EvalSampling):
         DMD2 step strategy drew. Returns (train pairs, metrics)."""
         woke = self.wake_up()
         start = time.perf_counter()
-        plan = dmd2_iteration.plan_rollout(self.args, iteration, len(self.prompts), self.shape, self.rows,
-                                 self.family.deterministic_student)
-        pairs = dmd2_iteration.rollout_pairs(self.family, self.model, self._cond, _on(plan, self.device))
+        family, shape = self.at_size(iteration)
+        plan = dmd2_iteration.plan_rollout(self.args, iteration, len(self.prompts), shape, self.rows,
+                                 family.deterministic_student)
+        pairs = dmd2_iteration.rollout_pairs(family, self.model, self._cond, _on(plan, self.device))
         self._reshard()
+        stage = size_schedule.stage_index(self.args, iteration)
         metrics = {"stop_step": plan.stop_step, "rollout_sigma": plan.sigmas[plan.stop_step],
                    **({"student_steps": len(plan.sigmas)} if len(self.args.student_step_counts) > 1 else {}),
+                   **({"size_stage": stage + 1} if stage is not None else {}),
                    "rollout_s": time.perf_counter() - start, **_wake_metric(self.role, woke)}
         return _cpu(pairs), metrics
+
+    def at_size(self, iteration: int) -> tuple:
+        """(the family bound to the sample geometry, the sample shape) ``iteration`` trains at: the
+        full size, or a size schedule's smaller stage (``dmd2_core.size_schedule``)."""
+        latent_shape = size_schedule.latent_shape_at(self.args, iteration)
+        if latent_shape is None:
+            return self.family, self.shape
+        key = tuple(latent_shape)
+        if key not in self._sizes:
+            family = dmd2_iteration.with_student_sampler(
+                self.models.family.bind(latent_shape, self.model, self.models.modality_shifts), self.args)
+            self._sizes[key] = (family, family.sample_shape(self.model, latent_shape))
+        return self._sizes[key]
 
     # ---- train --------------------------------------------------------------------------------
     def train(self, iteration: int, pairs: dict, external_data: Optional[dict] = None):
@@ -175,6 +192,7 @@ class Trainer(EvalSampling):
         pairs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in pairs.items()}
         if batch_size(pairs) != self.local_batch:
             raise ValueError(f"{self.role} rank {self.rank}: {batch_size(pairs)} train pairs, expected {self.local_batch}")
+        self.learner.family = self.at_size(iteration)[0]  # a joint model's layout is its sample's geometry
         outputs, metrics = self.learner.train(iteration, pairs)
         self._reshard()
         if context_parallel.peer_index(self.rank, self.args.cp_size):  # a context group's rows count once
