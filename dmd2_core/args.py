@@ -6,14 +6,14 @@ generated from it. Every validation error is one line naming the key and the clo
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 from dmd2_core import arg_rules
-from dmd2_core.errors import ArgsError
+from dmd2_core.devices import DEVICE_PEAK_TFLOPS
+from dmd2_core.errors import ArgsError, nearest
 from dmd2_core import evaluators
 from dmd2_core import size_schedule
 from dmd2_core.trackers.flags import TrackerFlags
@@ -283,8 +283,6 @@ class Args(TrackerFlags):
     @field_validator("device_kind")
     @classmethod
     def _priced_device_kind(cls, value):
-        from dmd2_core.memory.time_plan import DEVICE_PEAK_TFLOPS
-
         if value is not None and value not in DEVICE_PEAK_TFLOPS:
             names = [repr(n) for n in sorted(DEVICE_PEAK_TFLOPS)]
             raise ValueError(f"Input should be {', '.join(names[:-1])} or {names[-1]}{nearest(value, DEVICE_PEAK_TFLOPS)}"
@@ -326,12 +324,6 @@ class Args(TrackerFlags):
 
 
 ARG_NAMES: tuple[str, ...] = tuple(Args.model_fields)
-
-
-def nearest(name: str, options) -> str:
-    """Suffix suggesting the closest valid name, or '' when none is close."""
-    match = difflib.get_close_matches(str(name), list(options), n=1, cutoff=0.5)
-    return f"; did you mean '{match[0]}'?" if match else ""
 
 
 def check_keys(keys, where: str) -> None:

@@ -13,8 +13,8 @@ import re
 import sys
 from typing import Optional
 
-from dmd2_core.args import Args, given_twice, load_args, nearest, parse_set_spelled, recipe_names, same_value
-from dmd2_core.errors import ArgsError
+from dmd2_core.args import Args, given_twice, load_args, parse_set_spelled, recipe_names, same_value
+from dmd2_core.errors import ArgsError, nearest
 from dmd2_core.train.trainer_config import compute_trainer_args, compute_trainer_configs
 from dmd2_core.trackers.flags import TrackerFlags
 

@@ -5,6 +5,8 @@ CLI read them here."""
 
 from __future__ import annotations
 
+import difflib
+
 import yaml
 
 # ---- bad input ----------------------------------------------------------------------------------
@@ -92,3 +94,9 @@ def one_line(exc: BaseException) -> str:
     """An exception as one line: its class and the first line of its message."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def nearest(name: str, options) -> str:
+    """Suffix of a one-line error suggesting the closest valid name, or '' when none is close."""
+    match = difflib.get_close_matches(str(name), list(options), n=1, cutoff=0.5)
+    return f"; did you mean '{match[0]}'?" if match else ""

@@ -50,7 +50,7 @@ def normalise(value: Optional[list]) -> Optional[list[dict[str, Any]]]:
             raise ValueError(f"{where}: a mapping of {', '.join(STAGE_KEYS)} (got {stage!r})")
         for key in stage:
             if key not in STAGE_KEYS:
-                from dmd2_core.args import nearest
+                from dmd2_core.errors import nearest
 
                 raise ValueError(f"{where}: unknown key '{key}'{nearest(key, STAGE_KEYS)} (keys: {', '.join(STAGE_KEYS)})")
         for key in ("until_iteration", *GEOMETRY):

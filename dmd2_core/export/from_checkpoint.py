@@ -31,12 +31,12 @@ from typing import Optional
 import torch
 
 from dmd2_core import storage
-from dmd2_core.args import Args, nearest
+from dmd2_core.args import Args
 from dmd2_core.checkpoint.integrity import check_files, read_current_marker
 from dmd2_core.checkpoint.retention import saved_iterations
 from dmd2_core.checkpoint.state import read_trainer_state
 from dmd2_core.checkpoint.tensors import CheckpointTensors, dcp_sections
-from dmd2_core.errors import ArgsError, CheckpointError
+from dmd2_core.errors import ArgsError, CheckpointError, nearest
 from dmd2_core.export import adapters, lora_layouts, pipeline, stream
 from dmd2_core.export.files import (EXPORT_FORMAT, is_marked, resolved, staged_export, swap_record_url, total_bytes,
                                     writable_dir)

@@ -47,14 +47,11 @@ from typing import Optional
 import torch
 
 from dmd2_core.args import Args
+from dmd2_core.devices import DEFAULT_DEVICE, DEVICE_PEAK_TFLOPS
 from dmd2_core.errors import ArgsError
 from dmd2_core.memory import lora_terms
 from dmd2_core.models import FAMILIES, describe_model_dir
 
-# Dense bf16 peak FLOP/s, no sparsity: NVIDIA's H100 SXM5 and H200 SXM datasheets (1,979 TFLOPS
-# "with sparsity", half of it dense; the H200 is the H100's compute with more memory).
-DEVICE_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4}
-DEFAULT_DEVICE = "H100"
 DEFAULT_MFU = 0.4
 DEFAULT_STORAGE_GBPS = 2.0  # GB/s to and from the save's storage, all ranks together
 DEFAULT_NIGHT_HOURS = 10.0
@@ -393,7 +390,7 @@ def nightly_intervals(tp: TimePlan) -> dict[str, int]:
 def device_peak_flops(device: str) -> float:
     """The dense bf16 peak FLOP/s of one device of a kind in ``DEVICE_PEAK_TFLOPS``."""
     if device not in DEVICE_PEAK_TFLOPS:
-        from dmd2_core.args import nearest
+        from dmd2_core.errors import nearest
 
         raise ArgsError(f"device_kind: no peak for '{device}'{nearest(device, sorted(DEVICE_PEAK_TFLOPS))} "
                         f"(known: {', '.join(sorted(DEVICE_PEAK_TFLOPS))}; or give peak_tflops)")

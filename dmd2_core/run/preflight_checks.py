@@ -167,7 +167,7 @@ def check_family_args(args: Args, teacher: dict[str, Any]) -> Args:
         known = ("video", "audio") if family.has_audio else ()
         for key, value in args.dmd2_modality_weights.items():
             if key not in known:
-                from dmd2_core.args import nearest
+                from dmd2_core.errors import nearest
 
                 raise ArgsError(f"dmd2_modality_weights: unknown modality '{key}' for {name}{nearest(key, known)} "
                                 f"(modalities: {', '.join(known) or 'none: one modality'})")
@@ -428,7 +428,7 @@ def check_cluster_resources(args: Args, num_groups: int) -> None:
     resources = ray.cluster_resources()
     have = resources.get(args.resource_name, 0.0)
     if have < need:
-        from dmd2_core.args import nearest
+        from dmd2_core.errors import nearest
 
         known = sorted(k for k in resources if not k.startswith(("node:", "accelerator_type:")))
         key = "device" if args.device_resource is None else "device_resource"

@@ -23,8 +23,8 @@ import logging
 from typing import Optional
 
 from dmd2_core import storage
-from dmd2_core.args import Args, nearest
-from dmd2_core.errors import ArgsError, one_line
+from dmd2_core.args import Args
+from dmd2_core.errors import ArgsError, nearest, one_line
 from dmd2_core.save_layout import trackers_url
 from dmd2_core.trackers.base import Sink, scalars_of
 from dmd2_core.trackers.media import as_media, stored_media

@@ -10,8 +10,7 @@ from typing import Callable, Optional
 
 import torch
 
-from dmd2_core.args import nearest
-from dmd2_core.errors import ArgsError
+from dmd2_core.errors import ArgsError, nearest
 
 TRAIN_INPUT_HOOK_PARAMS = ("args", "pairs", "external_data")
 
