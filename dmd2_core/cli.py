@@ -234,7 +234,7 @@ def plan_time(ns: argparse.Namespace, args: Args, trainers: dict, memory_plan, k
     planned = time_plan.time_plan(
         trainers, memory_plan, evaluator_name(args), mfu or pick(ns.assumed_mfu, time_plan.DEFAULT_MFU), peak,
         pick(ns.storage_gbps, time_plan.DEFAULT_STORAGE_GBPS), pick(ns.night_hours, time_plan.DEFAULT_NIGHT_HOURS),
-        None if mfu or calibrating else _previous_pace(args.save))
+        None if mfu or calibrating else _previous_pace(args.save, len(args.size_schedule or []) or None))
     if calibrating:
         return time_plan.calibrate(planned, trainers, *_calibration_rows(ns.calibrate_from))
     return planned
@@ -292,8 +292,8 @@ def _calibration_rows(save: str) -> tuple[list[dict], str]:
     return rows, metrics_url(save)
 
 
-def _previous_pace(save: Optional[str]) -> Optional[dict]:
-    """The pace a previous run of ``save`` measured (its metrics log), None without one."""
+def _previous_pace(save: Optional[str], full_size_stage: Optional[int] = None) -> Optional[dict]:
+    """The pace a previous run of ``save`` measured (its metrics log) at full size, None without one."""
     from dmd2_core.memory import time_plan
     from dmd2_core.report.metrics_log import read_metrics
     from dmd2_core.save_layout import metrics_url
@@ -304,7 +304,7 @@ def _previous_pace(save: Optional[str]) -> Optional[dict]:
         rows = read_metrics(save)
     except (FileNotFoundError, OSError):
         return None
-    return time_plan.measured_pace(rows, metrics_url(save))
+    return time_plan.measured_pace(rows, metrics_url(save), full_size_stage)
 
 
 PLAN_TIME_FLAGS = {"assumed_mfu": float, "peak_tflops": float, "storage_gbps": float, "night_hours": float,

@@ -70,3 +70,13 @@ def test_an_unknown_device_kind_fails_in_one_line_naming_the_nearest(tiny_teache
     assert code == 2 and err.count("\n") == 1
     assert err.startswith("error: invalid value for 'device_kind' in recipe tiny with overrides: Input should be "
                           "'H100' or 'H200'; did you mean 'H100'?")
+
+
+def test_a_measured_pace_under_a_size_schedule_is_the_full_size_stages():
+    """A run whose first iterations ran at a smaller sample: its pace for the plan is that of its
+    full-size iterations alone (the last stage), not a median over both sizes."""
+    rows = [{"iteration": i, "iteration_s": 1.0, "size_stage": 1} for i in range(1, 8)]
+    rows += [{"iteration": i, "iteration_s": 6.0, "size_stage": 2} for i in range(8, 11)]
+    assert time_plan.measured_pace(rows, "u", full_size_stage=2)["iteration_s"] == 6.0
+    assert time_plan.measured_pace(rows[:7], "u", full_size_stage=2) is None  # never reached full size
+    assert time_plan.measured_pace(rows, "u")["iteration_s"] == 1.0  # no schedule: every iteration

@@ -219,10 +219,14 @@ def eval_flops(trainers: dict[str, Args], evaluator: str) -> dict[str, float]:
     return {"eval": float(flops), "reference": float(reference)}
 
 
-def measured_pace(rows: list[dict], url: str) -> Optional[dict]:
+def measured_pace(rows: list[dict], url: str, full_size_stage: Optional[int] = None) -> Optional[dict]:
     """The pace a previous run of this save measured, from its metrics log's ``rows`` (at
     ``url``): the median ``iteration_s`` (its first iteration left out when there are others: it
-    compiles and warms up), or None."""
+    compiles and warms up), or None. Under a size schedule only the full-size iterations count
+    (``size_stage`` equal to ``full_size_stage``, the schedule's last): a smaller stage's pace is
+    not the full size's."""
+    if full_size_stage is not None:
+        rows = [r for r in rows if r.get("size_stage", full_size_stage) == full_size_stage]
     timed = [float(r["iteration_s"]) for r in rows if isinstance(r.get("iteration_s"), (int, float))]
     if len(timed) > 1:
         timed = timed[1:]
