@@ -34,3 +34,18 @@ def test_multi_rank_wins_and_unmarked_tests_keep_their_file(tmp_path):
                     "@pytest.mark.server\ndef test_server(): pass\n\ndef test_plain(): pass\n")
     assert marked_tests(path) == {"test_both": "multi-rank", "test_server": "prefect-server"}
     assert LONGEST_FIRST[:2] == ("multi-rank", "prefect-server")
+
+
+def test_every_longest_first_name_is_a_scope_of_the_suite():
+    """The scheduler moves a LONGEST_FIRST scope to the front only while one of that name is
+    queued: a file renamed or moved, or one whose every test became marked, would silently leave
+    its long scope to the end again."""
+    from tests.conftest import MARKED_SCOPES
+
+    for scope in LONGEST_FIRST:
+        if scope in MARKED_SCOPES.values():
+            continue
+        path = TESTS.parent / scope
+        assert path.is_file(), f"LONGEST_FIRST names {scope}, which is not a test file"
+        unmarked = [node.name for node in _test_functions(path) if node.name not in marked_tests(path)]
+        assert unmarked, f"LONGEST_FIRST names {scope}, whose tests all run in a marked scope"
