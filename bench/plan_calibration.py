@@ -43,7 +43,7 @@ def run_standin(root: str, iterations: int, interval: int) -> tuple[str, dict]:
     url = build_h3_standin(f"{root}/h3")
     h3_prompt_set().save(f"{root}/prompts.safetensors")
     overrides = dict(hf_checkpoint=url, prompts=f"{root}/prompts.safetensors", save=f"{root}/run", device="cpu",
-                     num_devices=1, dtype="float32", torch_threads=1, run_name="bench-plan-calibration",
+                     num_devices=1, cp_size=1, dtype="float32", torch_threads=1, run_name="bench-plan-calibration",
                      num_iterations=iterations, eval_interval=interval, save_interval=interval,
                      export_interval=interval, async_save=False, **H3_GEOMETRY)
     summary = dmd2(recipe="minimax-h3", overrides=overrides)
@@ -82,7 +82,6 @@ def compare(save: str, overrides: dict) -> dict:
     plain_evals = [r["eval_s"] for r in rows if "eval_s" in r and "eval_reference_s" not in r]
     first_eval = [r["eval_s"] for r in rows if "eval_reference_s" in r]
     saves = [r for r in rows if isinstance(r.get("checkpoint_save_s"), (int, float))]
-    exports = [r["export_s"] for r in rows if isinstance(r.get("export_s"), (int, float))]
 
     def at_own_stop_step(row: dict) -> float:
         return sum(time_plan.iteration_flops(trainers, int(row["stop_step"])).values()) / rate
@@ -98,7 +97,8 @@ def compare(save: str, overrides: dict) -> dict:
         "eval_with_reference": (plan.eval_s + plan.reference_s, first_eval),
         "checkpoint_after_the_first": (plan.checkpoint_s, [r["checkpoint_save_s"] for r in saves
                                                            if r["iteration"] != cal.get("checkpoint_iteration")]),
-        "export": (plan.export_s, exports),
+        "export_after_the_first": (plan.export_s, [r["export_s"] for r in rows if isinstance(r.get("export_s"), (int, float))
+                                                   and r["iteration"] != cal.get("export_iteration")]),
     }
     out = {}
     for name, (predicted, measured) in costs.items():
@@ -109,8 +109,9 @@ def compare(save: str, overrides: dict) -> dict:
     # where the eval's seconds went, as the run measured them (eval_media_s: the media clips sampled,
     # decoded and encoded; eval_quality_s: the quality samples, their features, decodes and drift)
     eval_rows = [r for r in rows if "eval_s" in r]
-    parts = {k: [round(r[k], 3) for r in eval_rows if k in r] for k in ("eval_media_s", "eval_quality_s",
-                                                                          "eval_reference_s")}
+    parts = {k: [round(r[k], 3) for r in eval_rows if k in r]
+             for k in ("eval_media_s", "eval_quality_s", "eval_reference_s", "eval_decode_s", "eval_decoded_clips",
+                       "eval_drift_s", "eval_encode_s")}
     return {
         "settings": {k: overrides[k] for k in ("num_iterations", "eval_interval", "save_interval", "export_interval",
                                                "num_devices", "dtype", "torch_threads", "num_frames", "height", "width")}
@@ -119,6 +120,7 @@ def compare(save: str, overrides: dict) -> dict:
         "calibration": {**{k: v for k, v in cal.items() if k != "url"}, "implied_mfu_of_1_tflops": plan.mfu},
         "plan": {"iteration_flops": sum(plan.iteration_flops.values()), "eval_flops": plan.eval_flops,
 "reference_flops": plan.reference_flops,
+                 "decode_flops": plan.decode_flops, "decodes": plan.decodes, "pixel_frames": plan.pixel_frames,
                  "checkpoint_bytes": plan.checkpoint_bytes, "export_bytes": plan.export_bytes},
         "eval_parts_s": parts,
         "costs": out,

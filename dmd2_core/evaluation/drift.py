@@ -293,6 +293,16 @@ def per_sample_stats(decoded) -> list[dict[str, float]]:
     return [media_stats(decoded[i:i + 1]) for i in range(decoded.shape[0])] if torch.is_tensor(decoded) else []
 
 
+class TimedStats(list):
+    """``per_sample_stats`` of an eval's samples, as a list, with where the seconds went on the rank
+    that made them: ``decode_s`` (the decoder) and ``stats_s`` (these statistics, host work) over
+    ``clips`` decoded samples. The time plan prices the two apart (``time_plan.calibrate``)."""
+
+    def __init__(self, stats=(), decode_s: float = 0.0, stats_s: float = 0.0, clips: int = 0):
+        super().__init__(stats)
+        self.decode_s, self.stats_s, self.clips = decode_s, stats_s, clips
+
+
 def pooled(per_sample: list[dict[str, float]]) -> dict[str, dict[str, float]]:
     """{"value": the mean over samples, "se": its standard error (NaN below 2 samples)} per key;
     a sample's NaN (a silent clip's centroid, a clip without onsets' AV-Align) is left out."""

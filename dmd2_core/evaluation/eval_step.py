@@ -40,10 +40,12 @@ def run_eval(run: EvalRun, iteration: int, embed_limit: int = 512 * 1024) -> dic
         metrics["eval_quality_s"] = time.perf_counter() - t
     if "reference_s" in quality:  # this eval made its evaluator's reference (inside eval_quality_s)
         metrics["eval_reference_s"] = quality["reference_s"]
+    decoded_for_quality = dict(once.decoding)
     start = time.perf_counter()
     media = [m for k in counts for m in write_eval_media(once, iteration, indices, k if several else None, embed_limit,
                                                          INLINE_VIDEO_BYTES // len(counts))]
     metrics["eval_media_s"] = time.perf_counter() - start
+    metrics.update(once.timings(decoded_for_quality, metrics["eval_media_s"]))
     return {"iteration": int(iteration), "metrics": metrics, "media": media, "reference": quality["reference"]}
 
 
@@ -58,6 +60,43 @@ class SampledOnce:
     def __init__(self, run: EvalRun):
         self._run = run
         self._kept: dict[tuple[int, int, bool], tuple[list[int], Any]] = {}  # (seed, K, decoded) -> (order, samples)
+        # where the eval's seconds went outside the transformers: the decoder's (rank 0's, a decode
+        # call timed here with its transfer) and the drift statistics' (the rank's own split)
+        self.decoding = {"decode_s": 0.0, "decoded_clips": 0, "drift_s": 0.0, "drift_clips": 0}
+
+    def decode(self, latents: Any) -> Any:
+        started = time.perf_counter()
+        out = self._run.decode(latents)
+        self.decoding["decode_s"] += time.perf_counter() - started
+        self.decoding["decoded_clips"] += _rows(latents)
+        return out
+
+    def drift_stats(self, latents: Any) -> Any:
+        """The run's drift statistics; a ``drift.TimedStats`` answer splits its seconds into the
+        decoder's and the statistics'."""
+        out = self._run.drift_stats(latents)
+        if hasattr(out, "decode_s"):
+            self.decoding["decode_s"] += out.decode_s
+            self.decoding["decoded_clips"] += out.clips
+            self.decoding["drift_s"] += out.stats_s
+            self.decoding["drift_clips"] += out.clips
+        return out
+
+    def timings(self, before_media: dict, media_s: float) -> dict[str, float]:
+        """The eval's decoder and host work for its metrics row (where a run measured them):
+        ``eval_decode_s`` over ``eval_decoded_clips`` (the quality samples', the reference's and
+        the media's decodes), ``eval_drift_s`` over ``eval_drift_clips`` (the drift statistics),
+        ``eval_encode_s`` over ``eval_encoded_clips`` (the media written: ``media_s`` less their
+        decode)."""
+        if not self.decoding["decoded_clips"]:
+            return {}
+        out = {"eval_decode_s": self.decoding["decode_s"], "eval_decoded_clips": self.decoding["decoded_clips"],
+               "eval_drift_s": self.decoding["drift_s"], "eval_drift_clips": self.decoding["drift_clips"]}
+        media_clips = self.decoding["decoded_clips"] - before_media["decoded_clips"]
+        if media_clips:  # the media were decoded here from kept latents: the rest of their seconds is the writing
+            out.update(eval_encode_s=max(0.0, media_s - (self.decoding["decode_s"] - before_media["decode_s"])),
+                       eval_encoded_clips=media_clips)
+        return out
 
     def __getattr__(self, name: str):
         return getattr(self._run, name)
@@ -74,10 +113,17 @@ class SampledOnce:
             kept = self._kept.get((seed, k, kept_decoded))
             if kept is not None and kept[0][:len(order)] == order:
                 rows = _first_rows(kept[1], len(order))
-                return rows if kept_decoded == decoded else self._run.decode(rows)
+                return rows if kept_decoded == decoded else self.decode(rows)
         samples = (self._run.sample if decoded else self._run.eval_latents)(order, seed, num_steps=num_steps)
         self._kept[(seed, k, decoded)] = (order, samples)
         return samples
+
+
+def _rows(samples: Any) -> int:
+    """How many samples a batch holds (a tensor, or a joint model's dict of them)."""
+    if isinstance(samples, dict):
+        return next(int(v.shape[0]) for v in samples.values() if isinstance(v, torch.Tensor) and v.dim())
+    return int(samples.shape[0])
 
 
 def _first_rows(samples: Any, n: int) -> Any:

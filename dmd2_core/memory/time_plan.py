@@ -23,8 +23,11 @@ data-parallel ranks (each rank ``ceil(samples / dp)`` of them, ``parallel.EvalSh
 group splits each), plus, for the ``teacher`` evaluator, the teacher's feature forward per sample,
 split likewise; the media clips are the first quality samples, sampled again only where there are
 more clips than quality samples. Its reference (once per teacher and settings) is
-``eval_reference_steps`` guided teacher steps and the features, split likewise. The VAE's decode
-is not counted (bench/plan_calibration.py: on the stand-in it is most of an eval). Seconds are
+``eval_reference_steps`` guided teacher steps and the features, split likewise. Rank 0 decodes
+alone (``eval_decodes``: the quality samples for their drift statistics, the media clips, the
+reference's samples), each ``decode_flops`` at the device's rate or the decoder's measured one,
+and the host's drift statistics and media encode cost seconds a decoded megapixel-frame where a
+run measured them (``calibrate``). Seconds are
 FLOPs / (MFU x the device's peak x devices); a checkpoint writes every group's trainable state
 (``GroupPlan.saved`` on every shard); an export writes the student in its export dtype (and its
 EMA; a LoRA not merged, its adapters alone) and the teacher's other components it copies beside a
@@ -32,7 +35,8 @@ whole student (their files, where the teacher directory holds them), then reads 
 to verify it; the start reads every group's weights, each at ``storage_gbps``. A previous run of
 the same save that measured its iterations (``iteration_s`` in its metrics log) sets the pace
 instead of the assumed MFU; ``calibrate`` instead sets the rate from one measured iteration (its
-FLOPs at the stop step it drew) and the storage bandwidth from one checkpoint.
+FLOPs at the stop step it drew), the decoder's rate and the host's pace from the first eval, and
+each save's fixed part from the first checkpoint and export.
 """
 
 from __future__ import annotations
@@ -122,6 +126,42 @@ def model_flops(url: str, latent_shape: Optional[tuple[int, ...]], feature_block
         head = DiscriminatorHead(family.feature_dim(model))
     head_flops = _count(lambda: head(captured["features"])) if captured.get("features") is not None else 0
     return ModelFlops(forward, feature, head_flops, sum(p.numel() for p in model.parameters()))
+
+
+@lru_cache(maxsize=16)
+def decode_flops(url: str, latent_shape: Optional[tuple[int, ...]]) -> tuple[int, int]:
+    """(FLOPs, decoded pixel-frames) of decoding one sample of checkpoint ``url`` at
+    ``latent_shape`` with its VAE (the family's ``decode_flops``: its config on the meta device,
+    a video VAE's chunks and tiles each shape counted once); (0, 0) without a VAE (a model in pixel
+    space). Cached per process, as ``model_flops``."""
+    from dmd2_core.memory.planner import family_shape
+
+    info = describe_model_dir(url)
+    if not info["vae_url"]:
+        return 0, 0
+    model = lora_terms.meta_model(url)
+    family = FAMILIES[info["family"]]
+    shape = tuple(family_shape(family, dict(model.config), list(latent_shape) if latent_shape else None))
+    family = family.bind(list(shape), model)
+    return family.decode_flops(info["vae_url"], shape), family.decoded_pixel_frames(shape)
+
+
+def eval_decodes(trainers: dict[str, Args], evaluator: str) -> dict[str, int]:
+    """Samples the actor's rank 0 decodes in an eval, alone (the decode is not split over ranks):
+    at each step count the teacher evaluator's quality samples (their drift statistics) and the
+    media clips (decoded from the kept latents, then encoded); the reference's samples once.
+    {"eval", "reference": decodes, "eval_drift", "reference_drift": samples measured for drift,
+    "eval_encoded": media clips written}."""
+    from dmd2_core.memory.terms import eval_clips
+
+    actor = trainers["actor"]
+    if not actor.eval_interval:
+        return {"eval": 0, "reference": 0, "eval_drift": 0, "reference_drift": 0, "eval_encoded": 0}
+    counts = len(actor.student_step_counts)
+    drifted = actor.eval_num_samples if evaluator == "teacher" else 0
+    clips = eval_clips(actor)
+    return {"eval": counts * (drifted + clips), "reference": drifted, "eval_drift": counts * drifted,
+            "reference_drift": drifted, "eval_encoded": counts * clips}
 
 
 def copied_component_bytes(url: str) -> int:
@@ -258,6 +298,16 @@ class TimePlan:
     calibrated: Optional[dict] = None  # calibrate's figures, when one measured iteration set the rates
     # a size schedule's stages: {stage, first, last, latent_shape, iteration_flops}; the last is the full size
     stages: list[dict] = field(default_factory=list)
+    # the eval's decoder and host work (eval_decodes), on the actor's rank 0 alone
+    decode_flops: float = 0.0  # one sample's decode
+    pixel_frames: int = 0  # one decoded sample's pixels over its frames
+    decodes: dict[str, int] = field(default_factory=dict)
+    decode_flops_per_s: Optional[float] = None  # measured (calibrate); None: the device's rate
+    drift_s_per_mpf: Optional[float] = None  # host seconds a decoded megapixel-frame; None: not priced
+    encode_s_per_mpf: Optional[float] = None
+    # a save's fixed seconds (its files, hashes, marker) beside its bytes at storage_gbps (calibrate)
+    checkpoint_fixed_s: float = 0.0
+    export_fixed_s: float = 0.0
 
     @property
     def rate(self) -> float:
@@ -278,21 +328,37 @@ class TimePlan:
         return sum(self.iteration_flops.values()) / (self.iteration_s * self.peak_flops * self.num_devices)
 
     @property
+    def decode_rate(self) -> float:
+        """FLOP/s of the decoder on rank 0: as measured (``calibrate``), else the device's rate."""
+        return self.decode_flops_per_s or self.implied_mfu * self.peak_flops
+
+    def _decoder_and_host_s(self, part: str) -> float:
+        """Rank 0's decodes of an eval (``part`` 'eval') or of the reference, and the host's work on
+        them (drift statistics, the media encode) where a run measured its pace."""
+        mpf = self.pixel_frames / 1e6
+        decodes = self.decodes.get(part, 0)
+        seconds = decodes * self.decode_flops / self.decode_rate if decodes else 0.0
+        seconds += self.decodes.get(f"{part}_drift", 0) * mpf * (self.drift_s_per_mpf or 0.0)
+        seconds += self.decodes.get(f"{part}_encoded", 0) * mpf * (self.encode_s_per_mpf or 0.0)
+        return seconds
+
+    @property
     def eval_s(self) -> float:
         # eval_flops are one rank's: its share of the samples, a context group splitting each sample
-        return self.eval_flops / (self.implied_mfu * self.peak_flops * self.cp_size)
+        return self.eval_flops / (self.implied_mfu * self.peak_flops * self.cp_size) + self._decoder_and_host_s("eval")
 
     @property
     def reference_s(self) -> float:
-        return self.reference_flops / (self.implied_mfu * self.peak_flops * self.cp_size)
+        return (self.reference_flops / (self.implied_mfu * self.peak_flops * self.cp_size)
+                + self._decoder_and_host_s("reference"))
 
     @property
     def checkpoint_s(self) -> float:
-        return self.checkpoint_bytes / (self.storage_gbps * 1e9)
+        return self.checkpoint_fixed_s + self.checkpoint_bytes / (self.storage_gbps * 1e9)
 
     @property
     def export_s(self) -> float:
-        return self.export_bytes / (self.storage_gbps * 1e9)
+        return self.export_fixed_s + self.export_bytes / (self.storage_gbps * 1e9)
 
     @property
     def start_s(self) -> float:
@@ -442,13 +508,17 @@ def time_plan(trainers: dict[str, Args], memory_plan, evaluator: str, mfu: float
     transformers = exported * export_dtype * (2 if actor.ema_decay else 1)
     # written: the student (and its EMA) and the teacher's components copied beside it; read back: the student
     export = 2 * transformers + (0 if adapters_only else copied_component_bytes(actor.hf_checkpoint))
-    notes = ["the VAE's decode is not counted",
-             "eval: each data-parallel rank samples its share; the media clips are the first quality samples"]
+    decoded, pixel_frames = decode_flops(actor.hf_checkpoint, tuple(actor.latent_shape) if actor.latent_shape else None)
+    notes = ["eval: each data-parallel rank samples its share; the media clips are the first quality samples"]
+    if decoded:
+        notes.append("the decodes (rank 0 alone) at the device's rate; the host's drift statistics and media encode "
+                     "not priced (calibrate_from a run measures both)")
     full = iteration_flops(trainers)
     return TimePlan(actor.num_devices, memory_plan.cp_size, mfu, peak, storage_gbps, night_hours * 3600,
                     actor.num_iterations, actor.eval_interval, actor.save_interval, actor.export_interval,
                     full, evals["eval"], evals["reference"], checkpoint, export, start,
-                    measured, notes, stages=stage_flops(trainers, full))
+                    measured, notes, stages=stage_flops(trainers, full), decode_flops=float(decoded),
+                    pixel_frames=pixel_frames, decodes=eval_decodes(trainers, evaluator) if decoded else {})
 
 
 def stage_flops(trainers: dict[str, Args], full: dict[str, float]) -> list[dict]:
@@ -472,9 +542,10 @@ def calibrate(plan: TimePlan, trainers: dict[str, Args], rows: list[dict], url: 
     """``plan`` at the rates one measured iteration and one checkpoint of a previous run imply
     (its metrics log's ``rows``, at ``url``): the FIRST row with ``iteration_s`` gives the effective
     FLOP/s per device (that iteration's FLOPs, at the stop step it drew, over its seconds and the
-    devices: the plan's MFU becomes what it implies), the first with ``checkpoint_save_s`` the
-    storage bandwidth (the plan's checkpoint bytes over its seconds); every other cost follows from
-    the model. The first is taken, not a median: it is what a team has after one short try."""
+    devices: the plan's MFU becomes what it implies), the first checkpoint and export their fixed
+    seconds (``_save_fixed``), the first eval that split its seconds the decoder's FLOP/s and the
+    host's pace (``_decoder_and_host``); every other cost follows from the model. The first is
+    taken, not a median: it is what a team has after one short try."""
     timed = next((r for r in rows if isinstance(r.get("iteration_s"), (int, float)) and r["iteration_s"] > 0), None)
     if timed is None:
         raise ArgsError(f"calibrate_from: no measured iteration (iteration_s) in {url}")
@@ -484,15 +555,50 @@ def calibrate(plan: TimePlan, trainers: dict[str, Args], rows: list[dict], url: 
     flops_per_s = flops / (float(timed["iteration_s"]) * plan.num_devices)
     figures = {"url": url, "iteration": int(timed["iteration"]), "iteration_s": float(timed["iteration_s"]),
                "stop_step": stop_step, "iteration_flops": flops, "flops_per_s": flops_per_s}
-    storage_gbps = plan.storage_gbps
-    saved = next((r for r in rows if isinstance(r.get("checkpoint_save_s"), (int, float)) and r["checkpoint_save_s"] > 0),
-                 None)
-    if saved is not None:
-        storage_gbps = plan.checkpoint_bytes / float(saved["checkpoint_save_s"]) / 1e9
-        figures.update(checkpoint_iteration=int(saved["iteration"]), checkpoint_save_s=float(saved["checkpoint_save_s"]))
-    figures["storage_gbps"] = storage_gbps
-    return replace(plan, mfu=flops_per_s / plan.peak_flops, storage_gbps=storage_gbps, measured=None,
-                   calibrated=figures)
+    saves = _save_fixed(plan, rows, figures)
+    figures.update(storage_gbps=plan.storage_gbps, **saves)
+    decoder = _decoder_and_host(plan, _first(rows, "eval_decode_s"), figures)
+    return replace(plan, mfu=flops_per_s / plan.peak_flops, measured=None, calibrated=figures, **saves, **decoder)
+
+
+def _first(rows: list[dict], key: str) -> Optional[dict]:
+    """The first row that measured ``key`` (a positive number)."""
+    return next((r for r in rows if isinstance(r.get(key), (int, float)) and r[key] > 0), None)
+
+
+def _save_fixed(plan: TimePlan, rows: list[dict], figures: dict) -> dict:
+    """Each kind of save's fixed seconds (a checkpoint's: DCP's planning, its files, hashes and
+    marker; an export's: its files and read-back set up) from the first of it the run measured:
+    its seconds less its bytes at ``storage_gbps``. One save of a kind cannot tell its fixed part
+    from its bandwidth; the bandwidth is the storage's (the flag), and a small save (the
+    stand-in's MB) measures its fixed part alone, which a real-size save's bytes then dwarf."""
+    out = {}
+    for kind, seconds, size in (("checkpoint", "checkpoint_save_s", plan.checkpoint_bytes),
+                                ("export", "export_s", plan.export_bytes)):
+        first = _first(rows, seconds)
+        if first is not None:
+            out[f"{kind}_fixed_s"] = max(0.0, float(first[seconds]) - size / (plan.storage_gbps * 1e9))
+            figures.update({f"{kind}_iteration": int(first["iteration"]), seconds: float(first[seconds])})
+    return out
+
+
+def _decoder_and_host(plan: TimePlan, evaluated: Optional[dict], figures: dict) -> dict:
+    """The decoder's FLOP/s and the host's seconds a decoded megapixel-frame (the drift statistics,
+    the media encode) from the first eval that measured them (its ``eval_decode_s`` over
+    ``eval_decoded_clips``, ``eval_drift_s`` over ``eval_drift_clips``, ``eval_encode_s`` over
+    ``eval_encoded_clips``: ``eval_step.SampledOnce.timings``): the decoder runs 3-D convolutions
+    and, alone on rank 0, at another efficiency than the transformers' matmuls the iteration
+    measured; the host's work is CPU time the FLOP count does not see."""
+    if evaluated is None or not plan.decode_flops or not plan.pixel_frames:
+        return {}
+    mpf = plan.pixel_frames / 1e6
+    out = {"decode_flops_per_s": plan.decode_flops * evaluated["eval_decoded_clips"] / evaluated["eval_decode_s"]}
+    for kind, seconds, clips in (("drift", "eval_drift_s", "eval_drift_clips"),
+                                 ("encode", "eval_encode_s", "eval_encoded_clips")):
+        if evaluated.get(clips) and isinstance(evaluated.get(seconds), (int, float)):
+            out[f"{kind}_s_per_mpf"] = float(evaluated[seconds]) / (evaluated[clips] * mpf)
+    figures.update(eval_iteration=int(evaluated["iteration"]), **out)
+    return out
 
 
 def _seconds(s: float) -> str:
@@ -509,8 +615,12 @@ def table(tp: TimePlan) -> str:
             f"{_seconds(tp.assumed_iteration_s)})" if tp.measured else
             f"calibrated from iteration {cal['iteration']} of {cal['url']}: {cal['iteration_s']:.3f} s at stop step "
             f"{cal['stop_step']} is {cal['flops_per_s'] / 1e12:.4g} TFLOP/s per device (MFU {tp.mfu:.3g})"
-            + (f", its checkpoint at iteration {cal['checkpoint_iteration']} {cal['storage_gbps']:.3g} GB/s"
-               if "checkpoint_iteration" in cal else "") if cal else
+            + (f", its checkpoint at iteration {cal['checkpoint_iteration']} {cal['checkpoint_fixed_s']:.3g} s fixed"
+               if "checkpoint_iteration" in cal else "")
+            + (f", its eval at iteration {cal['eval_iteration']}: the decoder {cal['decode_flops_per_s'] / 1e9:.3g} "
+               f"GFLOP/s, the host {cal.get('drift_s_per_mpf', 0):.3g} s (drift) and "
+               f"{cal.get('encode_s_per_mpf', 0):.3g} s (encode) a megapixel-frame" if "eval_iteration" in cal else "")
+            if cal else
             f"assumed MFU {tp.mfu:g} of {tp.peak_flops / 1e12:g} TFLOP/s per device (assumed_mfu, peak_tflops)")
     flops = ", ".join(f"{k} {v / 1e12:.4g}" for k, v in tp.iteration_flops.items())
     nights = tp.nights
@@ -518,7 +628,9 @@ def table(tp: TimePlan) -> str:
         f"time plan ({tp.num_devices} devices; {pace})",
         f"  iteration      {_seconds(tp.iteration_s):>10}   {sum(tp.iteration_flops.values()) / 1e12:.4g} TFLOP ({flops})",
         f"  eval           {_seconds(tp.eval_s):>10}   {tp.eval_flops / 1e12:.4g} TFLOP"
-        + ("" if tp.eval_interval else " (eval_interval 0: none)"),
+        + ("" if tp.eval_interval else " (eval_interval 0: none)")
+        + (f"; rank 0 decodes {tp.decodes.get('eval', 0)} samples of {tp.decode_flops / 1e12:.4g} TFLOP"
+           if tp.decode_flops and tp.eval_interval else ""),
         f"  reference      {_seconds(tp.reference_s):>10}   {tp.reference_flops / 1e12:.4g} TFLOP, once per teacher and settings",
         f"  checkpoint     {_seconds(tp.checkpoint_s):>10}   {tp.checkpoint_bytes / 1e9:.3g} GB at {tp.storage_gbps:g} GB/s (storage_gbps)",
         f"  export         {_seconds(tp.export_s):>10}   {tp.export_bytes / 1e9:.3g} GB written and read back",

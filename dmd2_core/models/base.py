@@ -132,6 +132,22 @@ class ModelFamily:
     vae_class: str = "AutoencoderKL"
     blocks_attr: str = "transformer_blocks"  # the transformer's block list (GAN features)
 
+    def decode_flops(self, vae_url: str, latent_shape: tuple[int, ...]) -> int:
+        """FLOPs of decoding one sample of ``latent_shape`` with the VAE at ``vae_url`` (its config
+        alone, built on the meta device): ``count_decode``. The family's latent scaling (a few
+        elementwise operations) is left out."""
+        vae = meta_vae(self.vae_class, vae_url)
+        with torch.device("meta"):
+            latents = torch.randn(1, *latent_shape)
+        return count_decode(vae, lambda: vae.decode(latents, return_dict=False))
+
+    def decoded_pixel_frames(self, latent_shape: tuple[int, ...]) -> int:
+        """Pixels of one decoded sample, over its frames (an image is one frame): the host's work
+        on it (drift statistics, the media encode) scales with them."""
+        _, scale, _ = self.decoder_facts()
+        frames = self.pixel_frames(latent_shape[-3]) if len(latent_shape) == 4 else 1
+        return frames * latent_shape[-2] * scale * latent_shape[-1] * scale
+
     def feature_block(self, model: torch.nn.Module, index: Optional[int]) -> torch.nn.Module:
         """The block whose output tokens feed the GAN head; default the middle one."""
         blocks = getattr(model, self.blocks_attr)
@@ -181,3 +197,54 @@ class ModelFamily:
             return latents.float().clamp(-1, 1)
         scaled = self.unscale_latents(vae, latents.float())
         return vae.decode(scaled.to(next(vae.parameters()).dtype), return_dict=False)[0].float().clamp(-1, 1)
+
+
+def meta_vae(class_name: str, url: str) -> torch.nn.Module:
+    """The diffusers VAE ``class_name`` from the config at ``url``, its weights on the meta device."""
+    import json
+
+    import diffusers
+
+    from dmd2_core import storage
+
+    config = json.loads(storage.read_text(storage.join(url, "config.json")))
+    with torch.device("meta"):
+        return getattr(diffusers, class_name).from_config(config).eval()
+
+
+def count_decode(vae: torch.nn.Module, decode) -> int:
+    """FLOPs of ``decode()`` (a call of ``vae`` on meta tensors), with torch's FlopCounterMode. A
+    video VAE runs its ``decoder`` once per temporal chunk and spatial tile, on inputs of a few
+    shapes: each distinct input is counted once and its count reused for the calls like it (at
+    MiniMax-H3's clip, 8 chunks of 28 tiles: tracing every one took minutes), so a real-size
+    decode counts in seconds."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    decoder = getattr(vae, "decoder", None)
+    seen: dict[tuple, tuple[int, torch.Tensor]] = {}
+    reused = 0
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        if decoder is not None:
+            inner = decoder.forward
+
+            def forward(*args, **kwargs):
+                nonlocal reused
+                key = (tuple(tuple(a.shape) if torch.is_tensor(a) else type(a).__name__ for a in args),
+                       tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, (bool, int, float, str)))))
+                if key in seen:
+                    flops, out = seen[key]
+                    reused += flops
+                    return torch.empty_like(out)
+                before = counter.get_total_flops()
+                out = inner(*args, **kwargs)
+                if torch.is_tensor(out):
+                    seen[key] = (counter.get_total_flops() - before, out)
+                return out
+
+            decoder.forward = forward
+        try:
+            decode()
+        finally:
+            if decoder is not None:
+                del decoder.forward  # the instance attribute: the class's forward again
+    return int(counter.get_total_flops()) + reused

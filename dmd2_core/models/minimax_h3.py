@@ -316,6 +316,23 @@ class MiniMaxH3Family(ModelFamily):
         return -v
 
     # ---- decoding ---------------------------------------------------------------------------------
+    def decode_flops(self, vae_url: str, latent_shape) -> int:
+        """One clip's decode: the video VAE's (per temporal chunk and spatial tile, each shape
+        counted once: ``count_decode``) and the audio VAE's, built from their configs as shipped
+        (the audio VAE's ``latents_mean`` may be null: the unscaling is left out, as everywhere in
+        the count)."""
+        from dmd2_core import storage
+        from dmd2_core.models.base import count_decode, meta_vae
+
+        family = self.bind(list(latent_shape))
+        video = meta_vae(self.vae_class, vae_url)
+        audio = meta_vae(self.audio_vae_class, storage.join(vae_url.rstrip("/").rsplit("/", 1)[0], "audio_vae"))
+        with torch.device("meta"):
+            video_latents = torch.randn(1, *family.video_shape)
+            audio_latents = torch.randn(*family.audio_shape)  # the mono VAE takes the two channels as items
+        return (count_decode(video, lambda: video.decode(video_latents, return_dict=False))
+                + count_decode(audio, lambda: audio.decode(audio_latents, return_dict=False)))
+
     def load_vae(self, url: str, dtype: torch.dtype) -> torch.nn.Module:
         """The video VAE and, beside it, the audio VAE (``audio_vae/``), as one module."""
         import diffusers

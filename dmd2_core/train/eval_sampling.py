@@ -11,6 +11,7 @@ every pair of rows, and they are a few hundred floats a row."""
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Optional
 
 import torch
@@ -94,17 +95,24 @@ class EvalSampling:
     def drift_stats(self, x0: torch.Tensor) -> Optional[list[dict]]:
         """Each sample's drift statistics (``drift.per_sample_stats``) of latents ``x0``, decoded on
         rank 0 a media eval's clips at a time (the memory plan's decoder term), so the decoded
-        media never all exist at once nor cross to the driver; other ranks None."""
-        from dmd2_core.evaluation.drift import per_sample_stats
+        media never all exist at once nor cross to the driver; other ranks None. A
+        ``drift.TimedStats``: the decoder's seconds and the statistics' apart."""
+        from dmd2_core.evaluation.drift import TimedStats, per_sample_stats
         from dmd2_core.memory.terms import eval_clips
 
         chunk = eval_clips(self.args)
-        out = []
+        out = TimedStats()
         with self._awake():
+            self._decoder()  # loaded once a run: not a decode's seconds
             for start in range(0, x0.shape[0], chunk):
+                started = time.perf_counter()
                 decoded = self._decode(x0[start:start + chunk])
+                decoded_at = time.perf_counter()
                 if decoded is not None:
                     out += per_sample_stats(decoded)
+                    out.clips += x0[start:start + chunk].shape[0]
+                out.decode_s += decoded_at - started
+                out.stats_s += time.perf_counter() - decoded_at
         return out if self.rank == 0 else None
 
     def decode(self, x0: torch.Tensor):
@@ -112,7 +120,8 @@ class EvalSampling:
         with self._awake():
             return self._rank0(self._decode(x0))
 
-    def _decode(self, x0: torch.Tensor):
+    def _decoder(self):
+        """Rank 0's VAE on its device, loaded on first use (None: no VAE, or another rank)."""
         if self.rank != 0:
             return None
         vae_url = describe_model_dir(self.args.hf_checkpoint)["vae_url"]
@@ -120,7 +129,12 @@ class EvalSampling:
             self.vae = self.family.load_vae(vae_url, self.dtype)
         if self.vae is not None:
             self.vae.to(self.device)
-        return self.family.decode(self.vae, x0.to(self.device))
+        return self.vae
+
+    def _decode(self, x0: torch.Tensor):
+        if self.rank != 0:
+            return None
+        return self.family.decode(self._decoder(), x0.to(self.device))
 
     def _eval_share(self, n: int) -> parallel.EvalShare:
         return parallel.EvalShare(n, self.rank, self.world_size, self.args.cp_size)
