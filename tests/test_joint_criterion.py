@@ -1,14 +1,19 @@
 """One criterion for a joint night (dmd2_core/evaluation/criterion.py): the best student is not one
 whose picture improved while its sound degraded, a night within the KID's own noise is not called
-regressed while a real regression is, and the KID's standard error is the jackknife's."""
+regressed while a real regression is, the KID's standard error is the jackknife's, and the sound's
+drift row sees a noise floor."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 from dmd2_core import evaluators, report
+from dmd2_core.evaluation import drift
 from dmd2_core.evaluation.kernel import kernel_distance, kernel_distance_se
+from dmd2_core.evaluation.teacher_evaluator import drift_flags
 from dmd2_core.report import nights_view
 from flows.alerts import night_regression
 
@@ -76,3 +81,30 @@ def test_the_kids_standard_error_is_the_jackknife_over_the_samples():
     reference = torch.randn(11, 5, generator=g, dtype=torch.float64)
     samples = [kernel_distance(reference, torch.cat([y[:i], y[i + 1:]])) for i in range(7)]
     assert kernel_distance_se(reference, y) == pytest.approx(jackknife(samples), rel=1e-9)  # the reference fixed
+
+
+def _tones(n=8, rate=8000, samples=2048) -> torch.Tensor:
+    t = torch.arange(samples) / rate
+    freqs = torch.linspace(300.0, 900.0, n)[:, None]
+    return (0.8 * torch.sin(2 * math.pi * freqs * t))[:, None].expand(n, 2, samples).clone()
+
+
+def _per_clip(audio: torch.Tensor, rate: int) -> dict:
+    """``drift.pooled`` of each clip's sound statistics, keyed as an eval's (``<statistic>_audio``)."""
+    return drift.pooled([{f"{k}_audio": v for k, v in drift.audio_stats(clip[None], rate).items()} for clip in audio])
+
+
+def test_the_sounds_drift_row_sees_a_noise_floor():
+    rate, g = 8000, torch.Generator().manual_seed(0)
+    clean = _tones()
+    floors = [float(drift.noise_floor(clean + r * torch.randn(clean.shape, generator=g), rate).mean())
+              for r in (1e-3, 1e-2, 1e-1)]
+    assert floors[0] < floors[1] < floors[2] and floors[2] - floors[1] == pytest.approx(20.0, abs=2.0)
+    # loudness and peak barely move under a floor 5x higher, far below the tone; the floor statistic by 14 dB
+    start = _per_clip(clean + 1e-3 * torch.randn(clean.shape, generator=g), rate)
+    hissing = _per_clip(clean + 5e-3 * torch.randn(clean.shape, generator=g), rate)
+    real = _per_clip(clean, rate)
+    latest = {f"drift_{k}": v for k, v in hissing["value"].items()}
+    first = {f"drift_{k}": v for k, v in start["value"].items()}
+    assert abs(latest["drift_loudness_audio"] - first["drift_loudness_audio"]) < 0.1
+    assert drift_flags(latest, first, real) == ["drift_floor_audio"]

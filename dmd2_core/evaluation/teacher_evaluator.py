@@ -59,6 +59,7 @@ DRIFT_FLOORS = {
     "brightness": ("abs", 0.01), "saturation": ("abs", 0.01), "contrast": ("abs", 0.01), "flicker": ("abs", 0.01),
     "loudness": ("abs", 1.0), "peak": ("abs", 0.02), "clipping": ("abs", 0.01), "centroid": ("rel", 0.05),
     "silence": ("abs", 0.02), "av_align": ("abs", 0.05),
+    "floor": ("abs", 3.0),  # dB: the hiss's power doubled
 }
 DIVERSITY_DROP = 0.10  # a within-prompt diversity this fraction below the first eval's: collapsing
 
