@@ -29,6 +29,7 @@ DRIFT_UNITS = {
     "floor": "dBFS of white noise",
 }
 FLOOR_WINDOW_S = 0.032  # the spectrum's window (at most a quarter of the clip, so a clip has frames to choose from)
+FLOOR_MIN_WINDOW = 32  # samples: at least this many bins' worth, whatever the rate (a toy's 40 Hz "audio")
 FLOOR_QUANTILE = 0.1  # a band's floor: its level in its quietest tenth of the clip
 
 
@@ -132,8 +133,8 @@ def silence_fraction(audio: torch.Tensor, sample_rate: int) -> float:
 
 def noise_floor(audio: torch.Tensor, sample_rate: int) -> torch.Tensor:
     """Per clip [N] (dBFS): the level of the hiss under the sound. A short-time spectrum (Hann
-    windows of ``FLOOR_WINDOW_S``, a power of two of samples, at most a quarter of the clip; half
-    overlapping), each frequency bin's power (the channels' mean) at its ``FLOOR_QUANTILE`` over
+    windows of ``FLOOR_WINDOW_S``, at least ``FLOOR_MIN_WINDOW`` samples and at most a quarter of
+    the clip, a power of two; half overlapping), each frequency bin's power (the channels' mean) at its ``FLOOR_QUANTILE`` over
     time (where that band is quietest), then the median over bins: tones, hum and speech hold a
     few bins, a noise floor lifts them all, so the median bin is the floor. Scaled per bin so a
     white noise of RMS r has mean power r^2 in every bin, whatever the window: it reads about
@@ -141,7 +142,7 @@ def noise_floor(audio: torch.Tensor, sample_rate: int) -> torch.Tensor:
     Weight-free: hiss that a loud tone hides from a loudness or a centroid moves this by its own
     size (a floor 10x higher reads 20 dB higher)."""
     a = _audio(audio)
-    longest = max(2, min(round(FLOOR_WINDOW_S * sample_rate), a.shape[-1] // 4))
+    longest = max(2, min(max(FLOOR_MIN_WINDOW, round(FLOOR_WINDOW_S * sample_rate)), a.shape[-1] // 4))
     window = 1 << (longest.bit_length() - 1)
     hann = torch.hann_window(window, periodic=True, dtype=torch.float64)
     frames = a.unfold(-1, window, max(1, window // 2))  # [N, C, T, window]
