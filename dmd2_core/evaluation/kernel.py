@@ -110,10 +110,10 @@ def projected_kid(reference: torch.Tensor, samples: torch.Tensor, *, dim: int = 
     return kernel_distance(ref, out)
 
 
-def kernel_distance_se(x: torch.Tensor, y: torch.Tensor) -> float:
-    """The standard error of ``kernel_distance(x, y)`` over draws of the samples ``y`` (the
+def kernel_distance_sample_se(x: torch.Tensor, y: torch.Tensor) -> float:
+    """The standard error of ``kernel_distance(x, y)`` over draws of the samples ``y`` alone (the
     delete-one jackknife, in closed form from the kernel's row sums): what the figure would move by
-    if the student's samples were drawn again. The reference ``x`` is cached and shared by every
+    if the student's samples were drawn again against the same reference. The reference ``x`` is cached and shared by every
     eval and night a figure is compared with, so its own sampling error is common to both sides of
     any comparison and is left out: with n != m only the rows of ``y`` are left out in turn. With
     n == m the rows are pairs (sample i made from reference i's prompt and noise: see
@@ -145,6 +145,7 @@ def kernel_distance_se(x: torch.Tensor, y: torch.Tensor) -> float:
 
 def projected_kid_se(reference: torch.Tensor, samples: torch.Tensor, *, dim: int = 64, seed: int = 0,
                      stats: Optional[torch.Tensor] = None) -> float:
-    """``kernel_distance_se`` of ``projected_kid``'s figure, on the same standardised projection."""
+    """``kernel_distance_sample_se`` of ``projected_kid``'s figure, on the same standardised projection:
+    the standard error a night's figure is compared with others' by (``evaluation.criterion``)."""
     ref, out = standardised_projection(reference, samples, dim=dim, seed=seed, stats=stats)
-    return kernel_distance_se(ref, out)
+    return kernel_distance_sample_se(ref, out)
