@@ -259,8 +259,9 @@ class Args(TrackerFlags):
         256, "eval", "Rows of real_data the teacher evaluator also measures the student against (real_kid; "
         "their teacher features are cached with the reference); 0: none.", ge=0)
     alert_regression_margin: float = _f(
-        0.25, "eval", "A night whose best teacher-feature distance exceeds the previous nights' median by this "
-        "fraction (or whose drift leaves its band) is reported as a regression.", ge=0)
+        0.25, "eval", "A night whose best figure of a modality (picture, sound) exceeds the previous nights' median "
+        "by more than this fraction and 2 standard errors (or whose drift leaves its band) is reported as a "
+        "regression.", ge=0)
 
     @field_validator("dmd2_student_steps")
     @classmethod

@@ -36,8 +36,9 @@ def fmt(metrics: dict, keys: tuple[str, ...]) -> str:
 
 
 def eval_row(row: dict, quality_keys: tuple[str, ...]) -> dict:
-    """What the summary's evals table keeps of a metrics row: quality, losses, the GAN head's."""
-    columns = ("iteration", *quality_keys, "dmd2_loss", "critic_loss", *GAN_KEYS)
+    """What the summary's evals table keeps of a metrics row: quality (with each figure's standard
+    error, ``<key>_se``, which the joint criterion weighs it by), losses, the GAN head's."""
+    columns = ("iteration", *quality_keys, *(f"{k}_se" for k in quality_keys), "dmd2_loss", "critic_loss", *GAN_KEYS)
     kept = {k: row.get(k) for k in columns if k in row or k in ("iteration", *quality_keys)}
     return kept | {k: v for k, v in row.items() if k.startswith(("drift_", "diversity_"))  # beside the teacher's
                    or split_steps(k)[0] in columns}  # each step count's of a student of several
@@ -149,7 +150,7 @@ class DriverBase:
     def campaign_best(self) -> Optional[dict]:
         """The campaign's best eval (``report.campaign_best``): every night's evals of this save
         (the metrics log keeps them), so a later night never replaces a better earlier student."""
-        return campaign_best(self.view["evals"], self.evaluator.criteria)
+        return campaign_best(self.view["evals"], self.evaluator.joint_criteria)
 
     def _saved(self, metrics: dict) -> None:
         """A checkpoint became durable and the latest pointer names it: note it, log it."""

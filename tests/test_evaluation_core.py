@@ -362,7 +362,7 @@ def test_drift_stats_in_one_dict():
     videos, audio = _hits_and_clicks(n=4)
     stats = drift.drift_stats(videos, audio, RATE, FPS)
     assert {"brightness", "saturation", "contrast", "flicker", "audio_loudness", "audio_peak", "audio_clipping",
-            "audio_centroid", "audio_silence", "av_align"} == set(stats)
+            "audio_centroid", "audio_silence", "audio_floor", "av_align"} == set(stats)
     assert stats["av_align"] == 1.0
     assert set(drift.drift_stats(_pictures())) == {"brightness", "saturation", "contrast"}
     with pytest.raises(ValueError):

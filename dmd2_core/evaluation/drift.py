@@ -26,7 +26,11 @@ DRIFT_UNITS = {
     "brightness": "mean luma, 0-1", "saturation": "HSV, 0-1", "contrast": "luma std, 0-1",
     "flicker": "1 = steady", "loudness": "dBFS", "peak": "of full scale", "clipping": "fraction of samples",
     "centroid": "Hz", "silence": "fraction of 20 ms windows", "av_align": "IoU, 0-1",
+    "floor": "dBFS of white noise",
 }
+FLOOR_WINDOW_S = 0.032  # the spectrum's window (at most a quarter of the clip, so a clip has frames to choose from)
+FLOOR_MIN_WINDOW = 32  # samples: at least this many bins' worth, whatever the rate (a toy's 40 Hz "audio")
+FLOOR_QUANTILE = 0.1  # a band's floor: its level in its quietest tenth of the clip
 
 
 def drift_unit(name: str) -> str:
@@ -127,11 +131,33 @@ def silence_fraction(audio: torch.Tensor, sample_rate: int) -> float:
     return float((dbfs(rms) < SILENCE_DBFS).double().mean())
 
 
+def noise_floor(audio: torch.Tensor, sample_rate: int) -> torch.Tensor:
+    """Per clip [N] (dBFS): the level of the hiss under the sound. A short-time spectrum (Hann
+    windows of ``FLOOR_WINDOW_S``, at least ``FLOOR_MIN_WINDOW`` samples and at most a quarter of
+    the clip, a power of two; half overlapping), each frequency bin's power (the channels' mean) at its ``FLOOR_QUANTILE`` over
+    time (where that band is quietest), then the median over bins: tones, hum and speech hold a
+    few bins, a noise floor lifts them all, so the median bin is the floor. Scaled per bin so a
+    white noise of RMS r has mean power r^2 in every bin, whatever the window: it reads about
+    20 log10 r - 2.5 dB (its quiet tenth lies below its mean); ``DB_FLOOR`` for digital silence.
+    Weight-free: hiss that a loud tone hides from a loudness or a centroid moves this by its own
+    size (a floor 10x higher reads 20 dB higher)."""
+    a = _audio(audio)
+    longest = max(2, min(max(FLOOR_MIN_WINDOW, round(FLOOR_WINDOW_S * sample_rate)), a.shape[-1] // 4))
+    window = 1 << (longest.bit_length() - 1)
+    hann = torch.hann_window(window, periodic=True, dtype=torch.float64)
+    frames = a.unfold(-1, window, max(1, window // 2))  # [N, C, T, window]
+    power = torch.fft.rfft(frames * hann, dim=-1).abs().pow(2).mean(1) / hann.pow(2).sum()  # [N, T, bins]
+    power[..., 1:-1] *= 2  # one-sided: a white noise of variance s^2 reads s^2 in every bin
+    quiet = torch.quantile(power, FLOOR_QUANTILE, dim=1)  # [N, bins]
+    return (10 * torch.log10(quiet.median(dim=-1).values.clamp_min(10 ** (DB_FLOOR / 10)))).clamp_min(DB_FLOOR)
+
+
 def audio_stats(audio: torch.Tensor, sample_rate: int) -> dict[str, float]:
     """Waveforms [N, C, S] in [-1, 1] at ``sample_rate`` Hz -> {loudness: RMS in dBFS per clip,
     peak: max |x| per clip, clipping: fraction of samples with |x| >= 0.999, centroid: spectral
     centroid in Hz (non-silent clips; NaN if all are silent), silence: fraction of silent 20 ms
-    windows}, per-clip figures averaged over clips."""
+    windows, floor: the noise floor under the sound in dBFS (``noise_floor``)}, per-clip figures
+    averaged over clips."""
     a = _audio(audio)
     centroid = spectral_centroid(a, sample_rate)
     centroid = centroid[~centroid.isnan()]
@@ -139,7 +165,8 @@ def audio_stats(audio: torch.Tensor, sample_rate: int) -> dict[str, float]:
             "peak": float(a.abs().amax((1, 2)).mean()),
             "clipping": float((a.abs() >= CLIP_LEVEL).double().mean()),
             "centroid": float(centroid.mean()) if len(centroid) else math.nan,
-            "silence": silence_fraction(a, sample_rate)}
+            "silence": silence_fraction(a, sample_rate),
+            "floor": float(noise_floor(a, sample_rate).mean())}
 
 
 # ---- variety -------------------------------------------------------------------------------------

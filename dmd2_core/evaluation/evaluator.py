@@ -17,6 +17,7 @@ import torch
 from dmd2_core import evaluators, storage
 from dmd2_core.data import BUILTIN_SETS
 from dmd2_core.errors import ArgsError
+from dmd2_core.evaluation.criterion import Criterion
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,14 @@ class Evaluator:
     panels: ClassVar[tuple[Panel, ...]] = ()  # its panels of the metrics plot
     table: ClassVar[tuple[str, ...]] = ()  # its columns of the short metrics table
     drift_statistics: ClassVar[tuple[str, ...]] = ()  # the drift statistics it owns (``drift_<statistic>_<modality>``)
+    # the criterion per modality (figure, standard error, direction) that picks the best student and
+    # calls a regression (``evaluation.criterion``); none declared: ``criteria`` as one modality
+    modality_criteria: ClassVar[tuple[Criterion, ...]] = ()
+
+    @property
+    def joint_criteria(self) -> tuple[Criterion, ...]:
+        """``modality_criteria``, then ``criteria`` as one figure for evals without any of theirs."""
+        return (*self.modality_criteria, Criterion("quality", tuple(self.criteria), fallback=bool(self.modality_criteria)))
 
     @property
     def quality_keys(self) -> tuple[str, ...]:

@@ -108,3 +108,44 @@ def projected_kid(reference: torch.Tensor, samples: torch.Tensor, *, dim: int = 
     samples) to standardise with instead, which removes it."""
     ref, out = standardised_projection(reference, samples, dim=dim, seed=seed, stats=stats)
     return kernel_distance(ref, out)
+
+
+def kernel_distance_sample_se(x: torch.Tensor, y: torch.Tensor) -> float:
+    """The standard error of ``kernel_distance(x, y)`` over draws of the samples ``y`` alone (the
+    delete-one jackknife, in closed form from the kernel's row sums): what the figure would move by
+    if the student's samples were drawn again against the same reference. The reference ``x`` is cached and shared by every
+    eval and night a figure is compared with, so its own sampling error is common to both sides of
+    any comparison and is left out: with n != m only the rows of ``y`` are left out in turn. With
+    n == m the rows are pairs (sample i made from reference i's prompt and noise: see
+    ``kernel_distance``) and pair i is left out whole. NaN below 3 samples."""
+    x = torch.as_tensor(x).detach().to("cpu", torch.float64)
+    y = torch.as_tensor(y).detach().to("cpu", torch.float64)
+    n, m, d = x.shape[0], y.shape[0], x.shape[1]
+    if min(n, m) < 3:
+        return float("nan")
+
+    def k(a, b):
+        return (a @ b.T / d + 1.0) ** 3
+
+    kyy, kxy = k(y, y), k(x, y)  # only the samples' terms move when a sample is left out
+    kyy_rows = kyy.sum(1) - kyy.diagonal()  # each y_j's kernel sum with the other y's
+    within_y = kyy_rows.sum()
+    if n == m:
+        kxx = k(x, x)
+        kxx_rows = kxx.sum(1) - kxx.diagonal()
+        cross_rows = kxy.sum(1) + kxy.sum(0) - 2 * kxy.diagonal()  # pair i's terms of the off-diagonal cross sum
+        cross = kxy.sum() - kxy.diagonal().sum()
+        within_x = kxx_rows.sum()
+        pairs = (m - 1) * (m - 2)
+        left_out = ((within_x - 2 * kxx_rows) + (within_y - 2 * kyy_rows) - 2 * (cross - cross_rows)) / pairs
+    else:  # the reference's own term is the same in every left-out figure: it drops out of their spread
+        left_out = (within_y - 2 * kyy_rows) / ((m - 1) * (m - 2)) - 2 * (kxy.sum() - kxy.sum(0)) / (n * (m - 1))
+    return float(((m - 1) / m * (left_out - left_out.mean()).pow(2).sum()).sqrt())
+
+
+def projected_kid_se(reference: torch.Tensor, samples: torch.Tensor, *, dim: int = 64, seed: int = 0,
+                     stats: Optional[torch.Tensor] = None) -> float:
+    """``kernel_distance_sample_se`` of ``projected_kid``'s figure, on the same standardised projection:
+    the standard error a night's figure is compared with others' by (``evaluation.criterion``)."""
+    ref, out = standardised_projection(reference, samples, dim=dim, seed=seed, stats=stats)
+    return kernel_distance_sample_se(ref, out)

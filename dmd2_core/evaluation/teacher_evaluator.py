@@ -8,6 +8,9 @@
     run's criterion for its best student when present (``TeacherEvaluator.criteria``). Its level carries a
     constant offset where the eval prompts and the real set's captions differ: compare it across
     evals and nights, not with 0.
+  Each per-modality KID has its standard error over draws of the student's samples
+  (``<key>_se``, ``kernel.projected_kid_se``): the joint criterion (``evaluation.criterion``) picks
+  the best student and calls a regression per modality, each within its own noise.
   Drift statistics of the decoded media (``drift_<statistic>_<modality>``) and the within-prompt
   diversity of the features (``diversity_<modality>``) are judged by ``drift_flags`` against the
   run's first eval and a yardstick: the real set's samples when there is one, else the teacher's
@@ -33,7 +36,8 @@ from dmd2_core.data import (BUILTIN_SETS, REAL_LATENTS, open_real_set, prompt_te
                             write_safetensors)
 from dmd2_core.evaluation.evaluator import Evaluator, Figure, Panel, eval_order
 from dmd2_core.evaluation.drift import pooled, within_prompt_diversity
-from dmd2_core.evaluation.kernel import projected_kid
+from dmd2_core.evaluation.criterion import Criterion
+from dmd2_core.evaluation.kernel import projected_kid, projected_kid_se
 from dmd2_core.checkpoint.integrity import listing
 from dmd2_core.errors import ArgsError
 from dmd2_core.evaluators import TEACHER
@@ -55,6 +59,7 @@ DRIFT_FLOORS = {
     "brightness": ("abs", 0.01), "saturation": ("abs", 0.01), "contrast": ("abs", 0.01), "flicker": ("abs", 0.01),
     "loudness": ("abs", 1.0), "peak": ("abs", 0.02), "clipping": ("abs", 0.01), "centroid": ("rel", 0.05),
     "silence": ("abs", 0.02), "av_align": ("abs", 0.05),
+    "floor": ("abs", 3.0),  # dB: the hiss's power doubled
 }
 DIVERSITY_DROP = 0.10  # a within-prompt diversity this fraction below the first eval's: collapsing
 
@@ -94,13 +99,14 @@ def _student_figures(run, args: Args, order: list[int], reference: dict[str, Any
     """The student's ``num_steps``-step samples against both references, its diversity and drift."""
     latents = run.eval_latents(order, args.eval_seed, num_steps=num_steps)
     features = run.teacher_features(latents, order, FEATURE_U, FEATURE_SEED)
-    metrics = {f"teacher_kid_{m}": projected_kid(reference["features"][m], f, dim=PROJECTION_DIM)
-               for m, f in sorted(features.items())}
-    metrics["teacher_kid"] = sum(metrics.values()) / len(metrics)
-    if real:
-        metrics.update({f"real_kid_{m}": projected_kid(real["features"][m], f, dim=PROJECTION_DIM)
-                        for m, f in sorted(features.items())})
-        metrics["real_kid"] = sum(metrics[f"real_kid_{m}"] for m in features) / len(features)
+    metrics = {}
+    for source, ref in (("teacher", reference), ("real", real)):
+        if not ref:
+            continue
+        for m, f in sorted(features.items()):
+            metrics[f"{source}_kid_{m}"] = projected_kid(ref["features"][m], f, dim=PROJECTION_DIM)
+            metrics[f"{source}_kid_{m}_se"] = projected_kid_se(ref["features"][m], f, dim=PROJECTION_DIM)
+        metrics[f"{source}_kid"] = sum(metrics[f"{source}_kid_{m}"] for m in features) / len(features)
     metrics.update({f"diversity_{m}": v for m, v in within_prompt_diversity(features, order).items()})
     metrics.update({f"drift_{k}": v for k, v in pooled(run.drift_stats(latents))["value"].items()})
     return metrics
@@ -264,6 +270,11 @@ class TeacherEvaluator(Evaluator):
                Figure("drift_out", "drift statistics out of band", on_nights=False))
     # with a real set the run distils towards it (its GAN head's data): the real-set KID comes first
     criteria = ("real_kid", "teacher_kid")
+    # the picture and the sound each judged in its own noise (``evaluation.criterion``); the sound by
+    # its weight-free mel distance where the eval has it, else by the teacher-feature audio KID
+    modality_criteria = (
+        Criterion("picture", ("real_kid_video", "teacher_kid_video", "real_kid_image", "teacher_kid_image")),
+        Criterion("sound", ("sound_mel_kid", "real_kid_audio", "teacher_kid_audio")))
     panels = (Panel("KID to the real set, teacher features (lower is better)", tuple(f"real_kid_{m}" for m in _MODALITIES)),
               Panel("KID to the teacher's samples (lower is better)", tuple(f"teacher_kid_{m}" for m in _MODALITIES)),
               Panel("drift statistics out of band", ("drift_out",)))

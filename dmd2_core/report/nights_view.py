@@ -10,6 +10,7 @@ import io
 import math
 from typing import Optional
 
+from dmd2_core.evaluation.criterion import best_figures
 from dmd2_core.evaluators import evaluator_for
 from dmd2_core.media.images import data_uri
 from dmd2_core.report.summary import best_eval, campaign_best, criterion
@@ -29,13 +30,15 @@ def night_row(view: dict, outcome: str, wall_s: float, run_id: str, link: Option
     trained = [e for e in evals if e["iteration"] > (view.get("start") or 0)]  # not the start, every night's same
     evaluator = evaluator_for(view)
     columns = night_columns(evaluator)
-    best = best_eval(trained or evals, evaluator.criteria) or {}
+    best = best_eval(trained or evals, evaluator.joint_criteria) or {}
     key = criterion(evals, evaluator.criteria)
-    kept = campaign_best(evals, evaluator.criteria) or {}  # over every night: the student the campaign offers
+    kept = campaign_best(evals, evaluator.joint_criteria) or {}  # over every night: the student the campaign offers
     row = {"run_id": run_id, "name": view.get("name"), "date": date, "outcome": outcome,
            "evaluator": evaluator.name, "criterion": key,
            "final": last.get(key) if key else None, "best": best.get(key) if key else None,
            "best_iteration": best.get("iteration"), "best_tkd": best.get("teacher_kid"),
+           # the best eval's figure and standard error per modality: what a regression is judged on
+           "best_figures": best_figures(best, evaluator.joint_criteria, trained or evals),
            "fd": last.get("fd"), "best_fd": best.get("fd") if key == "fd" else None,
            "drift_out": list(view.get("drift_flags") or []),
            "iteration": view.get("iteration"), "final_iteration": view.get("final"),

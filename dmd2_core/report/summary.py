@@ -8,6 +8,7 @@ import math
 from typing import Any, Iterable, Optional
 
 from dmd2_core.args import Args
+from dmd2_core.evaluation.criterion import Criteria, best_of
 from dmd2_core.evaluators import evaluator_for
 from dmd2_core.media.images import data_uri
 from dmd2_core.report.table import GAN_KEYS, cell, round_sig
@@ -51,14 +52,15 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def best_eval(evals: list[dict], criteria: Iterable[str]) -> Optional[dict]:
-    """The eval with the lowest value of the run's criterion (the latest of equals); None without one."""
-    key = criterion(evals, criteria)
-    scored = [e for e in evals if _number(e.get(key))] if key else []
-    return min(scored, key=lambda e: (e[key], -e["iteration"])) if scored else None
+def best_eval(evals: list[dict], criteria: Criteria) -> Optional[dict]:
+    """The best eval by the run's criterion (``evaluation.criterion.best_of``; None without one):
+    ``criteria`` its evaluator's ``joint_criteria`` (each modality within its own noise: a student
+    whose picture improves while its sound degrades is not the best), or figure names (one figure:
+    the lowest value, the latest of equals)."""
+    return best_of(evals, criteria)
 
 
-def campaign_best(evals: list[dict], criteria: Iterable[str]) -> Optional[dict]:
+def campaign_best(evals: list[dict], criteria: Criteria) -> Optional[dict]:
     """The campaign's best eval: ``best_eval`` of the evals after the campaign's first (the student
     it started from is its starting point, not its result), over every night of its save (the
     metrics log keeps every night's evals), so a night whose evals are all worse keeps an earlier
@@ -92,7 +94,7 @@ def summary_markdown(s: dict) -> str:
                 out.append(f"Quality{steps_label(first)} before -> after: {_quality(first, quality_keys)} -> "
                            f"{_quality(last, quality_keys)} "
                            f"(iterations {evals[0]['iteration']} -> {evals[-1]['iteration']}).")
-    best = campaign_best(evals, evaluator.criteria)
+    best = campaign_best(evals, evaluator.joint_criteria)
     if best:
         out.append(f"Best eval so far (the campaign's): iteration {best['iteration']} ({_quality(best, quality_keys)}"
                    f"{steps_label(per_steps_rows(best)[0])}).")
