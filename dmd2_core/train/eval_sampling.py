@@ -92,10 +92,12 @@ class EvalSampling:
 
     @torch.no_grad()
     def drift_stats(self, x0: torch.Tensor) -> Optional[list[dict]]:
-        """Each sample's drift statistics (``drift.per_sample_stats``) of latents ``x0``, decoded on
+        """Each sample's drift statistics (``drift.per_sample_stats``) of latents ``x0``, with its
+        clip's sound features where it has sound (``sound_distance.with_sound_features``), decoded on
         rank 0 a media eval's clips at a time (the memory plan's decoder term), so the decoded
         media never all exist at once nor cross to the driver; other ranks None."""
         from dmd2_core.evaluation.drift import per_sample_stats
+        from dmd2_core.evaluation.sound_distance import with_sound_features
         from dmd2_core.memory.terms import eval_clips
 
         chunk = eval_clips(self.args)
@@ -104,7 +106,7 @@ class EvalSampling:
             for start in range(0, x0.shape[0], chunk):
                 decoded = self._decode(x0[start:start + chunk])
                 if decoded is not None:
-                    out += per_sample_stats(decoded)
+                    out += with_sound_features(per_sample_stats(decoded), decoded)
         return out if self.rank == 0 else None
 
     def decode(self, x0: torch.Tensor):
