@@ -77,6 +77,7 @@ from dmd2_core.args import load_args
 from dmd2_core.evaluation import drift
 from dmd2_core.evaluation import teacher_evaluator as evaluators
 from dmd2_core.evaluation.kernel import projected_kid
+from dmd2_core.evaluation.sound_distance import clip_features, sound_mel_kid
 from dmd2_core.evaluation.teacher_features import teacher_features
 from dmd2_core.models import load_model_dir
 from dmd2_core.sampling import euler_sample
@@ -362,6 +363,14 @@ def student_job(job: dict) -> dict:
     return {"world": world, "run": job["run"], "seed": job["seed"], "evals": evals, "wall_s": time.perf_counter() - start}
 
 
+def job_file(run_dir: str, job: dict) -> str:
+    """Where a finished training run's evaluations are kept: named by its world, run and seed and
+    a key of everything that makes it (a rerun with other settings does not read it)."""
+    key = hashlib.sha256(json.dumps({k: v for k, v in job.items() if k != "progress"}, sort_keys=True,
+                                    default=str).encode()).hexdigest()[:12]
+    return os.path.join(run_dir, "runs", f"{job['world']}-{job['run']}-seed{job['seed']}-{key}.pt")
+
+
 def first_samples(results: list[dict], n: int) -> list[dict]:
     """Kept evaluations cut to their first ``n`` signal samples: what a run of ``--num-samples n``
     evaluates (sample j's prompt is j mod 10 and its noise seed + j, whatever the count)."""
@@ -410,6 +419,19 @@ def derive(results: list[dict], teachers: dict, ns) -> None:
             for e in r["evals"]:
                 e["features"] = all_features(world, family, model, e["x"], cond)
                 e["metrics"] = eval_metrics(world, e["x"], e["features"][PRODUCT], labels)
+                if world == "av":
+                    e["sound_features"] = clip_features(decoded(world, e["x"])["audio"], SAMPLE_RATE)
+
+
+def sound_references(refs: dict, url: str, ns) -> dict:
+    """``sound_mel_kid``'s yardsticks, as the teacher evaluator takes them: the clip features of
+    the real set's first ``--num-samples`` rows (the clips its drift yardstick decodes; 'real')
+    and of each seed's teacher reference clips (row-paired with the students'; 'teacher', seed)."""
+    real_x0, _ = real_rows("av", url, ns.real_samples)
+    out = {"real": clip_features(decoded("av", real_x0[:ns.num_samples])["audio"], SAMPLE_RATE)}
+    out.update({("teacher", seed): clip_features(decoded("av", refs[("av", seed)]["x0"][:ns.num_samples])["audio"],
+                                                 SAMPLE_RATE) for seed in ns.seeds})
+    return out
 
 
 def distinct_students(results: list[dict], world: str, seed: int) -> list[tuple[str, dict]]:
@@ -424,9 +446,11 @@ def distinct_students(results: list[dict], world: str, seed: int) -> list[tuple[
     return rows
 
 
-def ranking(results: list[dict], refs: dict, reals: dict, ns, worlds) -> dict:
+def ranking(results: list[dict], refs: dict, reals: dict, ns, worlds, sounds: dict | None = None) -> dict:
     """Per world, seed and student: the ground truth and the KIDs (against the teacher's samples
-    and against the real set, every variant); Spearman per modality, the mean over seeds."""
+    and against the real set, every variant); on sounding digits ``sound_mel_kid`` against the
+    real set's clips (the product's yardstick) and, beside it, against the teacher's reference
+    clips (``sound_mel_kid_teacher``); Spearman per modality, the mean over seeds."""
     out: dict = {}
     students: dict = {}
     for world in worlds:
@@ -442,6 +466,10 @@ def ranking(results: list[dict], refs: dict, reals: dict, ns, worlds) -> dict:
                     ours = e["features"][variant][mod]
                     row[f"teacher_kid_{mod}{suffix}"] = r4(projected_kid(ref["features"][variant][mod], ours))
                     row[f"real_kid_{mod}{suffix}"] = r4(projected_kid(real["features"][variant][mod], ours))
+                if world == "av" and sounds:
+                    row["sound_mel_kid"] = r4(sound_mel_kid(sounds["real"], e["sound_features"])["sound_mel_kid"])
+                    row["sound_mel_kid_teacher"] = r4(sound_mel_kid(sounds[("teacher", seed)],
+                                                                    e["sound_features"])["sound_mel_kid"])
                 rows.append(row)
             students[world][str(seed)] = rows
             out.setdefault(f"{world}_num_students", []).append(len(rows))
@@ -452,6 +480,10 @@ def ranking(results: list[dict], refs: dict, reals: dict, ns, worlds) -> dict:
                     col = f"{kind}_{mod}" + ("" if variant == PRODUCT else f"_{variant}")
                     out.setdefault(f"{world}_{mod}_{kind}_spearman{suffix}_per_seed", []).append(
                         r4(spearman([r[col] for r in rows], gt)))
+                if mod == "audio" and sounds:
+                    for col in ("sound_mel_kid", "sound_mel_kid_teacher"):
+                        out.setdefault(f"{world}_{mod}_{col}_spearman" + (f"_vs_{truth}" if also else "") + "_per_seed",
+                                       []).append(r4(spearman([r[col] for r in rows], gt)))
     for key in [k for k in out if k.endswith("_spearman_per_seed") or "_spearman_" in k and k.endswith("_per_seed")]:
         vals = [v for v in out[key] if v is not None]
         out[key.removesuffix("_per_seed")] = r4(sum(vals) / len(vals)) if vals else None
@@ -499,9 +531,11 @@ def drift_runs(results: list[dict], refs: dict, reals: dict, ns, worlds) -> dict
 
 def summarise(results: list[dict], refs: dict, reals: dict, ns, teachers: dict) -> dict:
     worlds = [w for w in ("digits", "av") if w in teachers]
-    out = ranking(results, refs, reals, ns, worlds)
+    sounds = sound_references(refs, teachers["av"], ns) if "av" in teachers else None
+    out = ranking(results, refs, reals, ns, worlds, sounds)
     out.update(drift_runs(results, refs, reals, ns, worlds))
     headline = [f"{w}_{m}_{kind}_spearman" for w in worlds for m, _, _ in MODALITIES[w] for kind in ("real_kid", "teacher_kid")]
+    headline += ["av_audio_sound_mel_kid_spearman"] if "av" in worlds else []
     out["targets"] = {
         **{f"{k}_ge_0.8": out.get(k) is not None and out[k] >= 0.8 for k in headline},
         **{f"{k}": all(v is not False for v in out[k]) and any(v for v in out[k])
@@ -576,10 +610,15 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if kept is not None:
         results = kept
-    else:
-        results = []
+    else:  # each finished run kept as it ends (``job_file``): a run cut short resumes from them
+        results = [torch.load(job_file(ns.run_dir, j)) for j in jobs if os.path.isfile(job_file(ns.run_dir, j))]
+        todo = [j for j in jobs if not os.path.isfile(job_file(ns.run_dir, j))]
+        log(f"{len(results)} of {len(jobs)} runs kept from before")
         with mp.get_context("spawn").Pool(ns.workers) as pool:
-            for r in pool.imap_unordered(student_job, jobs):
+            for job, r in zip(todo, pool.imap(student_job, todo)):
+                os.makedirs(os.path.dirname(job_file(ns.run_dir, job)), exist_ok=True)
+                torch.save(r, job_file(ns.run_dir, job) + ".tmp")
+                os.replace(job_file(ns.run_dir, job) + ".tmp", job_file(ns.run_dir, job))
                 results.append(r)
                 log(f"done: {r['world']} {r['run']} seed {r['seed']} in {r['wall_s']:.0f}s ({len(results)}/{len(jobs)})")
         torch.save(results, saved)

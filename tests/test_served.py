@@ -177,8 +177,8 @@ def test_served_minimax_h3_run_on_the_stand_in(served, receiver, shared_ray, tmp
     url = build_h3_standin(str(tmp_path / "h3"))
     h3_prompt_set().save(str(tmp_path / "prompts.safetensors"))
     save = tmp_path / "run"
-    overrides = dict(device="cpu", num_devices=1, dtype="float32", global_batch_size=4, micro_batch_size=2,
-                     torch_threads=1, **H3_GEOMETRY, run_name="h3-standin", eval_interval=2, save_interval=2,
+    overrides = dict(device="cpu", num_devices=1, cp_size=1, dtype="float32", global_batch_size=4, micro_batch_size=2,
+                     torch_threads=1, **H3_GEOMETRY, run_name="h3-standin", eval_interval=2, save_interval=2, export_interval=2,
                      eval_prompts=[0, 1], eval_samples_per_prompt=1, eval_num_samples=4, eval_reference_steps=2,
                      eval_reference_url=str(tmp_path / "reference"),  # shared by both nights
                      ema_decay=None,  # no EMA: two iterations of one would hide what they did
@@ -194,7 +194,8 @@ def test_served_minimax_h3_run_on_the_stand_in(served, receiver, shared_ray, tmp
         assert all(key in r for r in trained), key
     evals = [r for r in rows if "teacher_kid" in r]  # the teacher evaluator, at iterations 0 and 2
     assert [r["iteration"] for r in evals] == [0, 2]
-    for key in ("teacher_kid_video", "teacher_kid_audio", "drift_brightness_video", "drift_loudness_audio", "drift_out"):
+    for key in ("teacher_kid_video", "teacher_kid_audio", "drift_brightness_video", "drift_loudness_audio", "drift_out",
+                "sound_mel_kid", "sound_mel_kid_se"):  # the sound's weight-free distance beside its teacher-feature alarm
         assert all(isinstance(r[key], float) for r in evals), key
     clips = sorted((save / "media").glob("iter_0000002_*.mp4"))
     assert [c.name for c in clips] == ["iter_0000002_p0.mp4", "iter_0000002_p1.mp4"]  # one per eval prompt
@@ -225,7 +226,9 @@ def test_served_minimax_h3_run_on_the_stand_in(served, receiver, shared_ray, tmp
     for row in rows:
         assert row["criterion"] == "teacher_kid" and isinstance(row["best_tkd"], float), row
         assert isinstance(row["teacher_kid_video"], float) and isinstance(row["teacher_kid_audio"], float), row
+        assert isinstance(row["sound_mel_kid"], float), row
     assert "teacher_kid_video" in nights[0]["data"] and "drift out of band" in nights[0]["data"]
+    assert "sound_mel_kid" in nights[0]["data"]
     texts = _wait(lambda: [m["text"] for m in receiver[1][seen:] if m["text"].startswith("dmd2 night regressed")],
                   60, f"no regression message: {receiver[1][seen:]}")
     assert len(texts) == 1 and run2["name"] in texts[0] and "minimax-h3" in texts[0], texts
@@ -239,6 +242,7 @@ def test_served_minimax_h3_run_on_the_stand_in(served, receiver, shared_ray, tmp
     assert "dmd2-nights-minimax-h3" in {a["key"] for a in artifacts}
     assert "MP4 with sound: `" in summary and "[MP4 with sound](" not in summary  # local: named, not a dead link
     assert "| dmd2_shift | `video 12, audio 3` |" in summary and "## Drift against the teacher" in summary
+    assert any(line.startswith("| iteration |") and "sound_mel_kid" in line for line in summary.splitlines()), summary
 
 
 @pytest.mark.server

@@ -50,6 +50,14 @@ def test_labels_agree_with_content():
     assert real["sound_acc"] == 1.0 and real["stereo_agreement"] == 1.0 and real["agreement"] > 0.9
     swapped = sounding_digits_metrics.evaluate_decoded(clips.frames, clips.audio.flip(0), clips.labels)
     assert swapped["agreement"] < 0.3
+    # the night's weight-free sound distance: 32 train clips sit at the held-out ones', a hiss moves them away
+    train = sd.make_clips("train", 0)
+    frames, audio, labels = train.frames[:32], train.audio[:32], train.labels[:32]
+    clean = sounding_digits_metrics.evaluate_decoded(frames, audio, labels)
+    assert abs(clean["sound_mel_kid"]) < 3 * clean["sound_mel_kid_se"], clean
+    hiss = audio + 0.01 * torch.randn(audio.shape, generator=torch.Generator().manual_seed(0))
+    hissing = sounding_digits_metrics.evaluate_decoded(frames, hiss, labels)
+    assert hissing["sound_mel_kid"] > clean["sound_mel_kid"] + 3 * hissing["sound_mel_kid_se"], hissing
 
 
 def test_patch_latents_are_lossless_and_laid_out_as_h3_expects():

@@ -11,6 +11,11 @@
   Each per-modality KID has its standard error over draws of the student's samples
   (``<key>_se``, ``kernel.projected_kid_se``): the joint criterion (``evaluation.criterion``) picks
   the best student and calls a regression per modality, each within its own noise.
+  With sound (MiniMax-H3), the weight-free ``sound_mel_kid`` (and its standard error
+  ``sound_mel_kid_se``; ``sound_distance``): the clips' log-mel band statistics against the real
+  set's clips the eval decodes for its drift yardstick, else the teacher's reference clips. It
+  ranks the sound; the teacher-feature audio KIDs stay as its alarm (working against broken):
+  at their noise level the teacher cannot hear a noise floor.
   Drift statistics of the decoded media (``drift_<statistic>_<modality>``) and the within-prompt
   diversity of the features (``diversity_<modality>``) are judged by ``drift_flags`` against the
   run's first eval and a yardstick: the real set's samples when there is one, else the teacher's
@@ -38,15 +43,17 @@ from dmd2_core.evaluation.evaluator import Evaluator, Figure, Panel, eval_order
 from dmd2_core.evaluation.drift import pooled, within_prompt_diversity
 from dmd2_core.evaluation.criterion import Criterion
 from dmd2_core.evaluation.kernel import projected_kid, projected_kid_se
+from dmd2_core.evaluation.sound_distance import sound_mel_kid, split_sound_features
 from dmd2_core.checkpoint.integrity import listing
 from dmd2_core.errors import ArgsError
 from dmd2_core.evaluators import TEACHER
 from dmd2_core.step_counts import split_steps
 from dmd2_core.save_layout import eval_reference_root
 
-REFERENCE_FORMAT = 2  # bump when what a reference holds or how it is made changes: old entries are not hits
+REFERENCE_FORMAT = 3  # bump when what a reference holds or how it is made changes: old entries are not hits
 FEATURE_U = 0.5  # the schedule position the teacher sees the samples at (evaluation.teacher_features)
 FEATURE_SEED = 0
+SOUND_MEL = "sound_mel"  # the references' clip features for ``sound_mel_kid``, beside the teacher's per modality
 PROJECTION_DIM = 64
 REAL_ROWS_SEED = 0
 REAL_NOISE_OFFSET = 1 << 30  # the real rows' re-noising noise: indices no eval sample uses
@@ -108,7 +115,11 @@ def _student_figures(run, args: Args, order: list[int], reference: dict[str, Any
             metrics[f"{source}_kid_{m}_se"] = projected_kid_se(ref["features"][m], f, dim=PROJECTION_DIM)
         metrics[f"{source}_kid"] = sum(metrics[f"{source}_kid_{m}"] for m in features) / len(features)
     metrics.update({f"diversity_{m}": v for m, v in within_prompt_diversity(features, order).items()})
-    metrics.update({f"drift_{k}": v for k, v in pooled(run.drift_stats(latents))["value"].items()})
+    stats, sound = split_sound_features(run.drift_stats(latents))
+    yardstick = (real or reference)["features"].get(SOUND_MEL)
+    if sound is not None and yardstick is not None and min(len(sound), len(yardstick)) >= 3:  # the SE's least
+        metrics.update(sound_mel_kid(yardstick, sound))
+    metrics.update({f"drift_{k}": v for k, v in pooled(stats)["value"].items()})
     return metrics
 
 
@@ -165,7 +176,8 @@ def reference_url(args: Args) -> str:
 
 
 def teacher_reference(run, args: Args, order: list[int], identity: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """The teacher's features and drift statistics of its own samples: read from the cache when
+    """The teacher's features, drift statistics and (with sound) clip features (``SOUND_MEL``) of
+    its own samples: read from the cache when
     an entry of the same key is there (complete: its JSON is written last), else made by the
     critic group and written."""
     url = storage.join(reference_url(args), reference_key(args, order, identity))
@@ -176,7 +188,9 @@ def teacher_reference(run, args: Args, order: list[int], identity: Optional[dict
         return {"features": tensors, "drift": meta["drift"], "url": url, "hit": True}
     latents = run.teacher_reference(order, args.eval_seed, args.eval_reference_steps)
     features = run.teacher_features(latents, order, FEATURE_U, FEATURE_SEED)
-    drift = pooled(run.drift_stats(latents))
+    stats, sound = split_sound_features(run.drift_stats(latents))
+    drift = pooled(stats)
+    features = {**features, **({SOUND_MEL: sound} if sound is not None else {})}
     write_safetensors(storage.join(url, "features.safetensors"), {m: f.contiguous() for m, f in features.items()})
     storage.write_text(marker, json.dumps({"format": REFERENCE_FORMAT, "teacher": args.teacher_checkpoint or args.hf_checkpoint,
                                            "samples": len(order), "steps": args.eval_reference_steps,
@@ -185,8 +199,9 @@ def teacher_reference(run, args: Args, order: list[int], identity: Optional[dict
 
 
 def real_reference(run, args: Args, identity: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """The second reference, from ``real_rows``: the teacher's features of them and the drift
-    statistics of the first ``eval_num_samples`` of them decoded ({features, drift}); cached as
+    """The second reference, from ``real_rows``: the teacher's features of them, and the drift
+    statistics and (with sound) clip features (``SOUND_MEL``) of the first ``eval_num_samples``
+    of them, the clips it decodes ({features, drift}); cached as
     the teacher's reference is, made on a miss; {} without a real set."""
     rows = real_rows(args)
     if not rows:
@@ -198,7 +213,9 @@ def real_reference(run, args: Args, identity: Optional[dict[str, Any]] = None) -
         return {"features": features, "drift": json.loads(storage.read_text(marker))["drift"], "hit": True}
     features = run.real_features(rows, FEATURE_U, FEATURE_SEED, REAL_NOISE_OFFSET)
     latents, _ = open_real_set(args.real_data).batch(torch.tensor(rows[:args.eval_num_samples]))
-    drift = pooled(run.drift_stats(latents))
+    stats, sound = split_sound_features(run.drift_stats(latents))
+    drift = pooled(stats)
+    features = {**features, **({SOUND_MEL: sound} if sound is not None else {})}
     write_safetensors(storage.join(url, "features.safetensors"), {m: f.contiguous() for m, f in features.items()})
     storage.write_text(marker, json.dumps({"format": REFERENCE_FORMAT, "real_data": args.real_data,
                                            "rows": len(rows), "drift": drift}, indent=1))
@@ -261,12 +278,18 @@ def drift_flags(latest: dict[str, float], start: dict[str, float], reference: di
 # ---- the evaluator ------------------------------------------------------------------------------
 
 _MODALITIES = ("video", "audio", "image")
+# the teacher-feature sound KIDs keep their keys (old metrics logs read as before) and are read as
+# the alarm they are (working against broken); sound_mel_kid ranks the sound
+_LABELS = {"real_kid_audio": "sound alarm: real-set KID, teacher features",
+           "teacher_kid_audio": "sound alarm: teacher KID, teacher features"}
 
 
 class TeacherEvaluator(Evaluator):
     name = TEACHER
-    figures = (Figure("real_kid", "real-set KID"), *(Figure(f"real_kid_{m}") for m in _MODALITIES),
-               Figure("teacher_kid", "teacher KID"), *(Figure(f"teacher_kid_{m}") for m in _MODALITIES),
+    figures = (Figure("real_kid", "real-set KID"), *(Figure(f"real_kid_{m}", _LABELS.get(f"real_kid_{m}", "")) for m in _MODALITIES),
+               Figure("teacher_kid", "teacher KID"),
+               *(Figure(f"teacher_kid_{m}", _LABELS.get(f"teacher_kid_{m}", "")) for m in _MODALITIES),
+               Figure("sound_mel_kid", "sound mel KID"), Figure("sound_mel_kid_se", "sound mel KID's standard error", on_nights=False),
                Figure("drift_out", "drift statistics out of band", on_nights=False))
     # with a real set the run distils towards it (its GAN head's data): the real-set KID comes first
     criteria = ("real_kid", "teacher_kid")
@@ -277,7 +300,9 @@ class TeacherEvaluator(Evaluator):
         Criterion("sound", ("sound_mel_kid", "real_kid_audio", "teacher_kid_audio")))
     panels = (Panel("KID to the real set, teacher features (lower is better)", tuple(f"real_kid_{m}" for m in _MODALITIES)),
               Panel("KID to the teacher's samples (lower is better)", tuple(f"teacher_kid_{m}" for m in _MODALITIES)),
+              Panel("sound: mel-band KID, no weights (lower is better)", ("sound_mel_kid",)),
               Panel("drift statistics out of band", ("drift_out",)))
+    table = ("sound_mel_kid",)
     drift_statistics = tuple(DRIFT_FLOORS)
 
     def preflight_check(self, args: Args, trainer_args: dict) -> None:

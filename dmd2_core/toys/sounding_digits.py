@@ -35,6 +35,7 @@ AUDIO_SAMPLES = 256  # per channel
 AUDIO_ROWS, AUDIO_ROW = 8, 32  # MiniMax-H3's audio latents: 32 channels per row
 AUDIO_SCALE = 0.5  # waveform = AUDIO_SCALE * latent: the tone's latents have unit-order spread
 TONE_AMPLITUDE = 0.8
+SAMPLE_RATE = AUDIO_SAMPLES * 24 // FRAMES  # a clip's 4 frames at MiniMax-H3's 24 fps: 1/6 s, so 1536 Hz
 VIDEO_LATENT_SHAPE = [1, FRAMES, HEIGHT, WIDTH]
 SAMPLE_SIZE = FRAMES * HEIGHT * WIDTH + 2 * AUDIO_ROWS * AUDIO_ROW
 MAX_COLUMN = WIDTH - DIGIT

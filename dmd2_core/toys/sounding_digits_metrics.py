@@ -14,10 +14,14 @@ Every metric works on decoded clips: frames in [-1, 1] and stereo waveforms in [
   balance moves the way the digit moves, by more than ``BALANCE_MIN_CHANGE``); both parts are
   also reported, ``class_agreement`` and ``stereo_agreement``.
 - ``diversity``: the digits' within-prompt diversity (``evaluation.within_prompt_diversity``).
+- ``sound_mel_kid`` and ``sound_mel_kid_se``: the product's weight-free sound distance
+  (``evaluation.sound_distance``) against the held-out test clips, the sound FD's reference: what
+  a night reads from its few eval clips, beside the ground truth it is validated against.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -25,6 +29,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from dmd2_core.evaluation.sound_distance import clip_features, sound_mel_kid
 from dmd2_core.toys import digits_metrics
 from dmd2_core.toys import sounding_digits as sd
 from dmd2_core.toys.digits import digits_tensors
@@ -157,6 +162,11 @@ def _test_features() -> np.ndarray:
     return _TEST_FEATURES[key]
 
 
+@functools.lru_cache(maxsize=1)
+def _test_clip_features() -> torch.Tensor:
+    return clip_features(sd.make_clips("test", 0).audio, sd.SAMPLE_RATE)
+
+
 def _test_sound_features() -> np.ndarray:
     key = str(sound_classifier_path())
     if key not in _TEST_FEATURES:
@@ -196,6 +206,7 @@ def evaluate_decoded(frames: torch.Tensor, audio: torch.Tensor, labels) -> dict[
         "class_agreement": float(same_class.mean()),
         "stereo_agreement": float(stereo.mean()),
         "diversity": digits_metrics.feature_diversity(feats, frame_labels),
+        **(sound_mel_kid(_test_clip_features(), clip_features(audio, sd.SAMPLE_RATE)) if n >= 3 else {}),
     }
 
 

@@ -1,6 +1,7 @@
 """The evaluator ``'sounding-digits'`` (``dmd2_core.evaluators``): a run on the sounding-digits
 prompts (their set names it) is scored by the toy world's own metrics of picture, sound and their
-agreement (``sounding_digits_metrics``)."""
+agreement (``sounding_digits_metrics``), and by the product's weight-free sound distance
+(``sound_mel_kid``) against the world's held-out clips."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ def quality(sample: Callable[[list[int], int], torch.Tensor], num_samples: int, 
 
 class SoundingDigitsEvaluator(GroundTruthEvaluator):
     name = "sounding-digits"
-    figures = (Figure("frame_fd", "frame FD", on_nights=False), Figure("sound_acc"), Figure("agreement"))
+    figures = (Figure("frame_fd", "frame FD", on_nights=False), Figure("sound_acc"), Figure("agreement"),
+               Figure("sound_mel_kid", "sound mel KID"), Figure("sound_mel_kid_se", on_nights=False))
+    table = ("sound_mel_kid",)
     criteria = ("frame_fd",)
     quality = staticmethod(quality)

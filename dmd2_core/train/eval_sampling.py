@@ -93,11 +93,13 @@ class EvalSampling:
 
     @torch.no_grad()
     def drift_stats(self, x0: torch.Tensor) -> Optional[list[dict]]:
-        """Each sample's drift statistics (``drift.per_sample_stats``) of latents ``x0``, decoded on
+        """Each sample's drift statistics (``drift.per_sample_stats``) of latents ``x0``, with its
+        clip's sound features where it has sound (``sound_distance.with_sound_features``), decoded on
         rank 0 a media eval's clips at a time (the memory plan's decoder term), so the decoded
         media never all exist at once nor cross to the driver; other ranks None. A
         ``drift.TimedStats``: the decoder's seconds and the statistics' apart."""
         from dmd2_core.evaluation.drift import TimedStats, per_sample_stats
+        from dmd2_core.evaluation.sound_distance import with_sound_features
         from dmd2_core.memory.terms import eval_clips
 
         chunk = eval_clips(self.args)
@@ -109,7 +111,7 @@ class EvalSampling:
                 decoded = self._decode(x0[start:start + chunk])
                 decoded_at = time.perf_counter()
                 if decoded is not None:
-                    out += per_sample_stats(decoded)
+                    out += with_sound_features(per_sample_stats(decoded), decoded)
                     out.clips += x0[start:start + chunk].shape[0]
                 out.decode_s += decoded_at - started
                 out.stats_s += time.perf_counter() - decoded_at
