@@ -125,6 +125,9 @@ class Args(TrackerFlags):
     num_frames: Optional[int] = _f(
         None, "model", "Clip length in frames of a joint video + audio model (MiniMax-H3: 17n + 5 at 24 fps, 5-15 s); "
         "with height and width it sets latent_shape.", ge=1)
+    workflow: str = _f(
+        "t2va", "model", "What a MiniMax-H3 student conditions on: 't2va' (text), 'fl2va' (text and the first "
+        "and/or last keyframe: a prompt set prepared with --keyframes) or 'ref2va' (references; not built yet).")
     height: Optional[int] = _f(None, "model", "Clip height in pixels (MiniMax-H3: a multiple of 32).", ge=1)
     width: Optional[int] = _f(None, "model", "Clip width in pixels (MiniMax-H3: a multiple of 32, aspect 1:4 to 4:1).", ge=1)
     size_schedule: Optional[list[dict[str, Any]]] = _f(

@@ -54,6 +54,9 @@ def build_parser() -> ArgParser:
     prep.add_argument("--out", help="where to write the prompt set (.safetensors, path or URL); required")
     prep.add_argument("--negative-prompt", default="", help="the unconditional prompt for guidance (default empty)")
     prep.add_argument("--max-sequence-length", type=int, default=None, help="default: the pipeline's")
+    prep.add_argument("--keyframes", default=None, help="MiniMax-H3 fl2va: a JSON list, one entry per prompt, "
+                      "{\"first\": image, \"last\": image} (either or both, the clip's frame size), encoded with "
+                      "the checkpoint's VAE into the set")
     add_set_flag(prep, "set one of the options above, e.g. out=prompts.safetensors")
     lat = sub.add_parser("prepare-latents", help="encode images or clips with the checkpoint's own VAE, and their "
                          "captions with its text encoder, into a real set (the GAN head's real_data)")
@@ -350,7 +353,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             from dmd2_core.prepare.prompts import prepare_prompts, read_prompt_list
 
             prompt_set = prepare_prompts(ns.hf_checkpoint, read_prompt_list(ns.prompts_file), ns.out,
-                                         ns.negative_prompt, ns.max_sequence_length)
+                                         ns.negative_prompt, ns.max_sequence_length, ns.keyframes)
             shapes = {k: list(v.shape) for k, v in prompt_set.embeds.items()}
             print(json.dumps({"out": ns.out, "prompts": len(prompt_set), "shapes": shapes}))
             return 0

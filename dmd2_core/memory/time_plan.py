@@ -83,6 +83,11 @@ def meta_cond(family, config: dict, text_tokens: int) -> dict:
                 made[key] = torch.tensor([text_tokens], device="cpu")
             else:
                 raise NotImplementedError(f"{family.class_name}: no time plan for the condition '{key}'")
+        keyframes = getattr(family, "keyframes", 0)
+        if keyframes:  # fl2va: each keyframe a frame of condition rows in front of the video rows
+            channels, _, height, width = family.video_shape
+            made["keyframe_latents"] = torch.randn(1, keyframes, channels, 1, height, width)
+            made["keyframe_anchors"] = torch.zeros(1, keyframes, dtype=torch.long, device="cpu")
     return made
 
 
@@ -96,9 +101,10 @@ def _count(fn) -> int:
 
 @lru_cache(maxsize=16)
 def model_flops(url: str, latent_shape: Optional[tuple[int, ...]], feature_block: Optional[int],
-                text_tokens: Optional[int] = None) -> ModelFlops:
+                text_tokens: Optional[int] = None, keyframes: int = 0) -> ModelFlops:
     """One forward of checkpoint ``url``'s transformer at ``latent_shape`` and ``text_tokens``
-    (default the family's), whole and stopped at ``feature_block`` (default the middle one), and
+    (default the family's) with ``keyframes`` condition frames (fl2va), whole and stopped at
+    ``feature_block`` (default the middle one), and
     the GAN head on that block's tokens, counted on the meta device (cached per process: the
     configs do not change under a plan)."""
     from dmd2_core.memory.planner import family_shape
@@ -108,7 +114,7 @@ def model_flops(url: str, latent_shape: Optional[tuple[int, ...]], feature_block
     model = lora_terms.meta_model(url)
     family = FAMILIES[describe_model_dir(url)["family"]]
     shape = family_shape(family, dict(model.config), list(latent_shape) if latent_shape else None)
-    family = family.bind(list(shape), model)
+    family = family.bind(list(shape), model, keyframes=keyframes) if keyframes else family.bind(list(shape), model)
     with torch.device("meta"):
         x = torch.randn(1, *family.sample_shape(model, list(shape)))
     cond = meta_cond(family, dict(model.config), family.default_text_tokens if text_tokens is None else text_tokens)
@@ -201,18 +207,25 @@ def _rollout_forwards(args: Args, stop_step: Optional[int] = None) -> float:
     return sum(w * f for w, f in zip(weights, per)) / sum(weights)
 
 
+def _keyframes(args: Args) -> int:
+    """The keyframe condition frames an fl2va run's every forward carries (0 otherwise)."""
+    from dmd2_core.models.minimax_h3 import keyframes_per_sample
+
+    return keyframes_per_sample(args.prompts, args.workflow)
+
+
 def iteration_flops(trainers: dict[str, Args], stop_step: Optional[int] = None) -> dict[str, float]:
     """FLOPs of one iteration by part (rollout, critic, scores, actor), the whole global batch:
     the expected iteration, or the one whose rollout stopped at ``stop_step``."""
     actor = trainers["actor"]
     key = lambda a: tuple(a.latent_shape) if a.latent_shape else None  # noqa: E731
-    student = model_flops(actor.hf_checkpoint, key(actor), actor.gan_feature_block)
+    student = model_flops(actor.hf_checkpoint, key(actor), actor.gan_feature_block, None, _keyframes(actor))
     batch = actor.global_batch_size
     parts = {"rollout": batch * _rollout_forwards(actor, stop_step) * student.forward,
              "actor": batch * _trained(actor) * student.forward}
     critic = trainers.get("critic")
     if critic is not None:
-        fake = model_flops(critic.hf_checkpoint, key(critic), critic.gan_feature_block)
+        fake = model_flops(critic.hf_checkpoint, key(critic), critic.gan_feature_block, None, _keyframes(critic))
         trained = _trained(critic) * fake.forward
         steps = critic.num_steps_per_rollout
         scoring = critic.loss_type == "dmd2_critic"
@@ -222,7 +235,7 @@ def iteration_flops(trainers: dict[str, Args], stop_step: Optional[int] = None) 
         parts["critic"] = batch * (steps * per_step + generator)
         if scoring:
             teacher_url = critic.teacher_checkpoint or critic.hf_checkpoint
-            teacher = model_flops(teacher_url, key(critic), critic.gan_feature_block)
+            teacher = model_flops(teacher_url, key(critic), critic.gan_feature_block, None, _keyframes(critic))
             family = FAMILIES[describe_model_dir(teacher_url)["family"]]
             guided = _guided(critic, family) * teacher.forward
             original = fake.forward if critic.dmd2_critic_scoring == "original" and not generator else 0
@@ -242,7 +255,7 @@ def eval_flops(trainers: dict[str, Args], evaluator: str) -> dict[str, float]:
         return {"eval": 0.0, "reference": 0.0}
     key = lambda a: tuple(a.latent_shape) if a.latent_shape else None  # noqa: E731
     share = lambda n, a: math.ceil(n / (a.num_devices // a.cp_size))  # noqa: E731 - one rank's rows (EvalShare)
-    student = model_flops(actor.hf_checkpoint, key(actor), actor.gan_feature_block)
+    student = model_flops(actor.hf_checkpoint, key(actor), actor.gan_feature_block, None, _keyframes(actor))
     steps = sum(actor.student_step_counts)  # an eval of a set samples at each of its K
     samples, clips = actor.eval_num_samples, eval_clips(actor)
     flops = (share(samples, actor) + (share(clips, actor) if clips > samples else 0)) * steps * student.forward
@@ -250,7 +263,7 @@ def eval_flops(trainers: dict[str, Args], evaluator: str) -> dict[str, float]:
     if evaluator == "teacher":
         critic = trainers.get("critic") or actor
         teacher_url = critic.teacher_checkpoint or critic.hf_checkpoint
-        teacher = model_flops(teacher_url, key(critic), critic.gan_feature_block)
+        teacher = model_flops(teacher_url, key(critic), critic.gan_feature_block, None, _keyframes(critic))
         family = FAMILIES[describe_model_dir(teacher_url)["family"]]
         features = share(samples, critic) * teacher.feature_forward
         flops += features

@@ -358,3 +358,50 @@ def encode_prompts_h3(path, prompts: list[str], layer: int = TEXT_ENCODER_LAYER)
             )
             embeds.append(hidden[0].float().cpu())
     return embeds
+
+
+def keyframe_processor(tokenizer, text_encoder) -> TokenTypeProcessor:
+    """:class:`TokenTypeProcessor` with the image processor the fl2va presentation needs: Qwen2-VL's
+    PIL image processor (no torchvision) at the conditioner's own vision patch and merge sizes."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    vision = text_encoder.config.vision_config
+    processor = TokenTypeProcessor(tokenizer)
+    processor.image_processor = Qwen2VLImageProcessorPil(
+        patch_size=vision.patch_size, merge_size=vision.spatial_merge_size, temporal_patch_size=vision.temporal_patch_size)
+    return processor
+
+
+def encode_keyframe_prompts_h3(path, prompts: list[str], keyframes: list[dict]) -> list[dict]:
+    """Per prompt, what diffusers' fl2va blocks compute before denoising: the presentation
+    (``"<Picture i>: "`` and a vision block per keyframe, then the prompt) through the Qwen3-VL
+    conditioner (``prompt_embeds`` [T, D], ``text_token_tags`` [T]: vision rows tagged video) and the
+    keyframes through the video VAE (``keyframe_latents`` [K, 24, 1, H, W], normalised) with their
+    anchors (``keyframe_anchors``: 'first' / 'last'). ``keyframes[i]``: {'image' and/or
+    'last_image': PIL image} at the clip's canvas. The pipeline is MiniMaxH3Blocks' fl2va workflow
+    cut before its denoise: the conditioner and the VAE encoder load, no transformer."""
+    from diffusers import ModularPipeline
+
+    with storage.local_copy(path) as local:
+        pipe = ModularPipeline.from_pretrained(str(local), workflow="fl2va")
+        blocks = pipe.blocks
+        for name in [n for n in blocks.sub_blocks if n.startswith(("denoise.", "decode."))]:
+            blocks.sub_blocks.pop(name)
+        pipe = blocks.init_pipeline(str(local))
+        pipe.load_components()
+    if pipe.text_encoder is None or pipe.tokenizer is None or pipe.vae is None:
+        raise ValueError(f"{path}: the repository has no text_encoder/tokenizer/vae to encode keyframes with")
+    if getattr(pipe, "processor", None) is None:
+        pipe.update_components(processor=keyframe_processor(pipe.tokenizer, pipe.text_encoder))
+    pipe.set_progress_bar_config(disable=True)
+    encoded = []
+    with torch.no_grad():
+        for prompt, images in zip(prompts, keyframes):
+            width, height = next(iter(images.values())).size
+            out = pipe(prompt=prompt, height=height, width=width, **images,
+                       output=["prompt_embeds", "text_token_tags", "condition_latents", "keyframe_anchors"])
+            encoded.append(dict(prompt_embeds=out["prompt_embeds"][0].float().cpu(),
+                                text_token_tags=out["text_token_tags"].long().cpu(),
+                                keyframe_latents=torch.cat(out["condition_latents"]).float(),
+                                keyframe_anchors=tuple(out["keyframe_anchors"])))
+    return encoded

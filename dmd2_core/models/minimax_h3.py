@@ -21,6 +21,17 @@ What differs from the project's flow-matching math, mapped here and nowhere else
   ``x_next = x0 + s_next / s * (x_t - x0)``), so diffusers' own modular pipeline with the student
   inside, ``num_inference_steps = K + 1``, reproduces the student's samples.
 
+- **Workflows.** ``t2va`` conditions on text alone. ``fl2va`` conditions on keyframes too: a
+  prompt set prepared with keyframes carries, per prompt, their clean VAE latents
+  (``keyframe_latents`` [N, K, 24, 1, H, W]), which end each is anchored to (``keyframe_anchors``
+  [N, K]: 0 first, 1 last) and the presentation's modality tags (``text_token_tags`` [N, T]: a
+  keyframe's vision block is tagged video). The forward reads them from the condition dict, so
+  the student, the teacher and the fake score see the same keyframes for a sample. As diffusers'
+  fl2va blocks do, the keyframes become condition rows in front of the generated video rows,
+  noised to ``t = 0.999`` and held at ``max(t, 0.999)``; the model's outputs on them are dropped,
+  so no loss and no DMD gradient reaches them. ``ref2va`` (its own ``transformer_ref/``) is not
+  built: a run naming it is refused.
+
 The packed layout and the per-row timesteps are built by diffusers' own blocks
 (``MiniMaxH3PrepareLayoutStep.build_packed_sequence``, ``MiniMaxH3SetTimestepsStep
 .build_row_timesteps``, ``patchify_video_latents``).
@@ -50,6 +61,37 @@ VIDEO_SHIFT, AUDIO_SHIFT = 12.0, 3.0
 TEXT_TAG = 1
 VIDEO_TAG, AUDIO_TAG = 0, 2
 PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+WORKFLOWS = ("t2va", "fl2va", "ref2va")  # diffusers' MiniMaxH3Blocks._workflow_map
+KEYFRAME_ANCHORS = ("first", "last")  # keyframe_anchors codes 0 and 1, diffusers' anchor names
+KEYFRAME_KEYS = ("keyframe_latents", "keyframe_anchors", "text_token_tags")  # an fl2va prompt set's own keys
+KEYFRAME_NOISE_AUG = 0.999  # the t a keyframe anchor is noised to and held at (pipe.keyframe_noise_aug)
+# diffusers draws the anchors' 0.1 % of noise from the request's generator; training draws it once
+# from this seed, so every forward of a sample (rollout, teacher, fake score) sees the same anchors
+KEYFRAME_NOISE_SEED = 42
+
+
+def workflow_problem(workflow: str) -> Optional[str]:
+    """Why ``workflow`` is not one a MiniMax-H3 run distills, or None."""
+    if workflow not in WORKFLOWS:
+        from dmd2_core.args import nearest
+
+        return f"workflow: '{workflow}' is not a MiniMax-H3 workflow{nearest(workflow, WORKFLOWS)} ({', '.join(WORKFLOWS)})"
+    if workflow == "ref2va":
+        return ("workflow: ref2va (references, distilled on transformer_ref/) is not built yet; "
+                "distill t2va or fl2va")
+    return None
+
+
+def keyframes_per_sample(prompts_url: Optional[str], workflow: str) -> int:
+    """Keyframe condition frames each sample of an fl2va run carries (0 for t2va), from its prompt
+    set's header: the rows they add to every sequence, for the memory and time plans."""
+    from dmd2_core.data import BUILTIN_SETS, safetensors_shapes
+
+    if workflow != "fl2va" or not prompts_url or prompts_url in BUILTIN_SETS:
+        return 0
+    shape = safetensors_shapes(prompts_url).get("keyframe_latents")
+    return int(shape[1]) if shape else 0
 
 
 def latent_frames(num_frames: int) -> int:
@@ -167,20 +209,23 @@ class MiniMaxH3Family(ModelFamily):
     context_parallel = True  # diffusers' plan splits the packed sequence (video, audio and text rows)
 
     def __init__(self, latent_shape: Optional[list[int]] = None, patch_size=(1, 2, 2),
-                 shifts: tuple[float, float] = (VIDEO_SHIFT, AUDIO_SHIFT)):
+                 shifts: tuple[float, float] = (VIDEO_SHIFT, AUDIO_SHIFT), keyframes: int = 0):
         self.latent_shape = tuple(int(d) for d in latent_shape) if latent_shape else None
         self.patch_size = tuple(int(p) for p in patch_size)
         self.shifts = tuple(float(s) for s in shifts)
-        self._layouts: dict[int, tuple] = {}
+        self.keyframes = int(keyframes)  # keyframes per sample, for the plan (the forward reads the cond's)
+        self._layouts: dict[tuple, tuple] = {}
 
     # ---- geometry -------------------------------------------------------------------------------
-    def bind(self, latent_shape, model=None, shifts=None) -> "MiniMaxH3Family":
-        """This family for one clip geometry (video latents [24, F, H, W]; the audio follows)."""
+    def bind(self, latent_shape, model=None, shifts=None, keyframes: Optional[int] = None) -> "MiniMaxH3Family":
+        """This family for one clip geometry (video latents [24, F, H, W]; the audio follows) and,
+        for the plan, ``keyframes`` condition frames per sample (fl2va; kept when None)."""
         if not latent_shape:
             raise ValueError("latent_shape: MiniMax-H3 needs the clip geometry (num_frames, height, width or "
                              "latent_shape [24, F, H, W])")
         patch = tuple(model.config.patch_size) if model is not None else self.patch_size
-        return MiniMaxH3Family(latent_shape, patch, shifts or self.shifts)
+        return MiniMaxH3Family(latent_shape, patch, shifts or self.shifts,
+                               self.keyframes if keyframes is None else keyframes)
 
     def pixel_frames(self, latent_frames: int) -> int:
         return pixel_frames(latent_frames)
@@ -236,22 +281,23 @@ class MiniMaxH3Family(ModelFamily):
         return float(shifted(t, self.shifts[0])), float(shifted(t, self.shifts[1]))
 
     # ---- the forward ------------------------------------------------------------------------------
-    def _layout(self, text_tokens: int) -> tuple:
-        """diffusers' t2va layout for this geometry and text length (cached)."""
-        if text_tokens not in self._layouts:
+    def _layout(self, text_tags: tuple[int, ...], anchors: tuple[str, ...] = ()) -> tuple:
+        """diffusers' t2va / fl2va layout ``[text | keyframes | audio | video]`` for this geometry,
+        the text rows' modality tags and the keyframes' anchors (cached)."""
+        key = (text_tags, anchors)
+        if key not in self._layouts:
             from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep
 
             _, frames, height, width = self.video_shape
-            position_ids, tags, video_idx, audio_idx, text_idx, _, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-                torch.full((text_tokens,), TEXT_TAG, dtype=torch.long), frames, height, width,
-                self.audio_shape[2], self.patch_size, AUDIO_CHANNELS, AUDIO_TAG, VIDEO_TAG)
-            self._layouts[text_tokens] = (position_ids, tags, video_idx, audio_idx, text_idx)
-        return self._layouts[text_tokens]
+            self._layouts[key] = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+                torch.tensor(text_tags, dtype=torch.long), frames, height, width,
+                self.audio_shape[2], self.patch_size, AUDIO_CHANNELS, AUDIO_TAG, VIDEO_TAG, anchors)[:6]
+        return self._layouts[key]
 
     def feature_tokens(self, text_tokens: int) -> dict[str, torch.Tensor]:
         """The packed sequence's generated video and audio rows ([text | keyframes | audio | video]);
         text and keyframe rows are in neither."""
-        _, _, video_idx, audio_idx, _ = self._layout(int(text_tokens))
+        _, _, video_idx, audio_idx, _, _ = self._layout((TEXT_TAG,) * int(text_tokens))
         return {"video": video_idx, "audio": audio_idx}
 
     def _rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,42 +319,72 @@ class MiniMaxH3Family(ModelFamily):
         audio = audio_rows.reshape(n, AUDIO_CHANNELS, -1, AUDIO_LATENT_CHANNELS).permute(0, 1, 3, 2)
         return self.join(video, audio)
 
-    def _forward_group(self, model, x_t: torch.Tensor, u: float, text: torch.Tensor) -> torch.Tensor:
-        """One forward of rows sharing (u, text length): the model's data-ward velocity, flat."""
+    def keyframe_rows(self, keyframe_latents: torch.Tensor) -> torch.Tensor:
+        """Clean keyframe latents [n, K, 24, 1, H, W] -> the condition rows [n, K * H W / patch, 24 * patch]
+        that lead the video rows: each keyframe noised to t = 0.999 (diffusers' ``scale_noise`` with
+        ``keyframe_noise_aug``), with one fixed draw per keyframe (``KEYFRAME_NOISE_SEED``)."""
+        from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
+
+        n, k = keyframe_latents.shape[:2]
+        g = torch.Generator().manual_seed(KEYFRAME_NOISE_SEED)
+        noise = torch.stack([torch.randn(keyframe_latents.shape[2:], generator=g) for _ in range(k)])
+        noised = KEYFRAME_NOISE_AUG * keyframe_latents.float() + (1 - KEYFRAME_NOISE_AUG) * noise.to(keyframe_latents.device)
+        rows = patchify_video_latents(noised.flatten(0, 1), self.patch_size)
+        return rows.reshape(n, -1, rows.shape[-1])
+
+    def _forward_group(self, model, x_t: torch.Tensor, u: float, text: torch.Tensor,
+                       text_tags: Optional[tuple[int, ...]] = None, keyframes: Optional[torch.Tensor] = None,
+                       anchors: tuple[str, ...] = ()) -> torch.Tensor:
+        """One forward of rows sharing (u, text length, text tags, anchors): the model's data-ward
+        velocity on the generated rows, flat; with ``keyframes`` [n, K, 24, 1, H, W] (fl2va) their
+        condition rows lead the video rows and their outputs are dropped."""
         from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
 
         device = x_t.device
-        position_ids, tags, video_idx, audio_idx, text_idx = self._layout(text.shape[1])
+        text_tags = text_tags or (TEXT_TAG,) * text.shape[1]
+        position_ids, tags, video_idx, audio_idx, text_idx, condition_rows = self._layout(text_tags, anchors)
         s_video, s_audio = self.modality_sigmas(u)
         t_video = float(1.0 - torch.tensor(s_video, dtype=torch.float32))
         t_audio = float(1.0 - torch.tensor(s_audio, dtype=torch.float32))
         timestep, timestep_idx = MiniMaxH3SetTimestepsStep.build_row_timesteps(
-            video_idx, audio_idx, 0, 0, text.shape[1], t_video, t_audio, t_video, 1.0)
+            video_idx, audio_idx, condition_rows, 0, text.shape[1], t_video, t_audio,
+            max(t_video, KEYFRAME_NOISE_AUG), 1.0)
         video_rows, audio_rows = self._rows(x_t.float())
+        if condition_rows:
+            video_rows = torch.cat([self.keyframe_rows(keyframes).to(device), video_rows], dim=1)
         v_video, v_audio = model(
             hidden_states=video_rows, audio_hidden_states=audio_rows, encoder_hidden_states=text,
             timestep=timestep.to(device), timestep_indices=timestep_idx.to(device), token_tags=tags.to(device),
             position_ids=position_ids.to(device), video_indices=video_idx.to(device),
             audio_indices=audio_idx.to(device), text_indices=text_idx.to(device), return_dict=False)
-        return self._unrows(v_video.float(), v_audio.float())
+        return self._unrows(v_video[:, condition_rows:].float(), v_audio.float())
 
     def predict_velocity(self, model, x_t, sigma, cond):
-        """The project's velocity ``eps - x0`` (fp32): minus H3's data-ward velocity."""
+        """The project's velocity ``eps - x0`` (fp32): minus H3's data-ward velocity. An fl2va
+        condition (``keyframe_latents``, ``keyframe_anchors``, ``text_token_tags``) conditions each
+        sample on its own keyframes."""
         n = x_t.shape[0]
         u = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1).expand(n).tolist()
         lengths = cond["prompt_lengths"].reshape(-1).long().tolist()
         text = cond["prompt_embeds"].to(x_t.device)
+        keyframes = cond.get("keyframe_latents")
+        tags = [tuple(row[:length]) for row, length in zip(cond["text_token_tags"].long().tolist(), lengths)] \
+            if "text_token_tags" in cond else [None] * n
+        anchors = [tuple(KEYFRAME_ANCHORS[a] for a in row) for row in cond["keyframe_anchors"].long().tolist()] \
+            if keyframes is not None else [()] * n
         groups: dict[tuple, list[int]] = {}
         # a sharded model's forward is a collective: every rank must run as many as the others,
         # so across ranks each item runs alone (micro-batches are equal on every rank)
         sharded = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-        for i, key in enumerate(zip(u, lengths)):
+        for i, key in enumerate(zip(u, lengths, tags, anchors)):
             groups.setdefault((i, *key) if sharded else key, []).append(i)
         order, parts = [], []
-        for (*_, u_i, length), rows in groups.items():
+        for (*_, u_i, length, tags_i, anchors_i), rows in groups.items():
             index = torch.tensor(rows, device=x_t.device)
+            group_keyframes = keyframes.index_select(0, index.to(keyframes.device)) if anchors_i else None
             parts.append(self._forward_group(model, x_t.index_select(0, index), u_i,
-                                             text.index_select(0, index)[:, :length]))
+                                             text.index_select(0, index)[:, :length], tags_i, group_keyframes,
+                                             anchors_i))
             order += rows
         v = parts[0] if len(parts) == 1 else torch.cat(parts)
         if order != sorted(order):
@@ -422,7 +498,8 @@ class MiniMaxH3Family(ModelFamily):
             raise ValueError("MiniMax-H3 tokens need the clip geometry")
         _, frames, height, width = self.video_shape
         pt, ph, pw = config.get("patch_size", self.patch_size)
-        return (frames // pt) * (height // ph) * (width // pw) + AUDIO_CHANNELS * self.audio_shape[2]
+        keyframe_rows = self.keyframes * (height // ph) * (width // pw)  # fl2va: one frame of rows each
+        return (frames // pt) * (height // ph) * (width // pw) + keyframe_rows + AUDIO_CHANNELS * self.audio_shape[2]
 
     def split_tokens(self, config, sample_shape, text_tokens):
         return self.tokens(config, sample_shape) + text_tokens

@@ -65,6 +65,8 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
             raise ArgsError(f"prompts: no prompt set at {args.prompts}{storage.nearest_sibling(args.prompts)}")
         preflight_checks.check_prompt_set(args.prompts, needs_negative=args.uses_guidance,
                                 cond_keys=FAMILIES[teacher["family"]].cond_keys)
+        if FAMILIES[teacher["family"]].has_audio:
+            preflight_checks.check_workflow_prompts(args.prompts, args.workflow, args.latent_shape)
     eval_prompt_indices(args, len(prompt_texts(args.prompts)))
     evaluator = evaluator_of(args)
     evaluator.preflight_check(args, trainer_args)

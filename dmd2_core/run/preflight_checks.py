@@ -147,6 +147,8 @@ def check_family_args(args: Args, teacher: dict[str, Any]) -> Args:
         raise ArgsError(f"dmd2_shift: {name} shifts each modality by its own scheduler {teacher.get('modality_shifts')}; "
                         f"leave dmd2_shift unset (got {args.dmd2_shift:g})")
     check_student_sampler(args, family, name)
+    if args.workflow != "t2va" or not family.has_audio:
+        check_workflow_name(args.workflow, family, name)
     geometry = [args.num_frames, args.height, args.width]
     if any(v is not None for v in geometry):
         if not family.has_audio:
@@ -174,6 +176,56 @@ def check_family_args(args: Args, teacher: dict[str, Any]) -> Args:
             if not value >= 0:
                 raise ArgsError(f"dmd2_modality_weights: {key} weight must be >= 0 (got {value})")
     return args
+
+
+def check_workflow_name(workflow: str, family, name: str) -> None:
+    """A workflow other than text-to-video is MiniMax-H3's, and one of those it distills."""
+    if not family.has_audio:
+        if workflow != "t2va":
+            raise ArgsError(f"workflow: {workflow} is a MiniMax-H3 workflow; {name} distills text conditioning "
+                            "alone (leave workflow unset)")
+        return
+    from dmd2_core.models.minimax_h3 import workflow_problem
+
+    problem = workflow_problem(workflow)
+    if problem:
+        raise ArgsError(problem)
+
+
+def check_workflow_prompts(url: str, workflow: str, latent_shape: Optional[list[int]]) -> None:
+    """A MiniMax-H3 prompt set agrees with the run's workflow: an fl2va run needs a set prepared
+    with keyframes (``prepare-prompts --keyframes``), each of the clip's frame size; a t2va run is
+    refused a keyframe set (it would train with keyframes it never names). Reads the header and
+    the small anchor and length tensors only."""
+    from dmd2_core.models.minimax_h3 import KEYFRAME_ANCHORS, KEYFRAME_KEYS
+
+    entries, _ = storage.read_safetensors_header(url)
+    has = [key for key in KEYFRAME_KEYS if key in entries]
+    if workflow == "t2va":
+        if has:
+            raise ArgsError(f"prompts: {url} holds keyframes ({', '.join(has)}: an fl2va set); set workflow: fl2va "
+                            "or prepare the prompts without --keyframes")
+        return
+    missing = [key for key in KEYFRAME_KEYS if key not in entries]
+    if missing:
+        raise ArgsError(f"prompts: {url} holds no '{missing[0]}' ({workflow} conditions on keyframes); prepare it "
+                        "with prepare-prompts --keyframes")
+    n = entries["prompt_embeds"]["shape"][0]
+    keyframes = entries["keyframe_latents"]["shape"]
+    for key in KEYFRAME_KEYS:
+        if entries[key]["shape"][0] != n:
+            raise ArgsError(f"prompts: {url} '{key}' has {entries[key]['shape'][0]} rows for {n} prompts")
+    if len(keyframes) != 6 or keyframes[3] != 1:
+        raise ArgsError(f"prompts: {url} 'keyframe_latents' is {keyframes}; it must be [N, K, C, 1, H, W]")
+    if latent_shape and list(keyframes[4:]) != list(latent_shape[2:]):
+        raise ArgsError(f"prompts: {url} keyframes encode to {keyframes[4]}x{keyframes[5]} latents, the clip's "
+                        f"frames to {latent_shape[2]}x{latent_shape[3]}; prepare the keyframes at the clip's height "
+                        "and width")
+    anchors = _tensor(url, "keyframe_anchors")
+    bad = [i for i, row in enumerate(anchors.tolist()) if any(not 0 <= a < len(KEYFRAME_ANCHORS) for a in row)]
+    if bad:
+        raise ArgsError(f"prompts: {url} row {bad[0]} anchors a keyframe at {anchors[bad[0]].tolist()}; anchors are "
+                        "0 (first) and 1 (last)")
 
 
 def resolve_stages(args: Args, family, name: str, teacher: dict[str, Any]) -> list[dict]:

@@ -1,0 +1,175 @@
+"""MiniMax-H3's fl2va workflow on the CPU stand-in: keyframes prepared once into the prompt set
+with diffusers' own fl2va blocks, the packed layout with keyframe condition rows as diffusers
+builds it (noised to 0.999, held at max(t, 0.999), never reached by a loss), one trainer
+iteration on keyframes, and every bad keyframe or workflow refused in one line before any actor."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dmd2_core.args import load_args
+from dmd2_core.errors import ArgsError
+from dmd2_core.models import load_model_dir
+from dmd2_core.run.distill_run import preflight
+from dmd2_core.toys.standins import H3_GEOMETRY, build_h3_standin, h3_prompt_set
+
+CPU = dict(device="cpu", num_devices=1, dtype="float32", global_batch_size=2, micro_batch_size=2, torch_threads=1,
+           lora_rank=0, cp_size=1, eval_prompts=[0, 1], **H3_GEOMETRY)
+PROMPTS = ["a red ball moving left", "a blue cat jumping"]
+
+
+def _image(path, size=(32, 32), seed=0):
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path)
+    return path.name
+
+
+@pytest.fixture(scope="module")
+def fl2va(tmp_path_factory):
+    from dmd2_core.prepare.prompts import prepare_prompts
+
+    root = tmp_path_factory.mktemp("fl2va")
+    url = build_h3_standin(str(root / "h3"), with_conditioner=True)
+    entries = [{"first": _image(root / f"first{i}.png", seed=i), "last": _image(root / f"last{i}.png", seed=9 + i)}
+               for i in range(len(PROMPTS))]
+    (root / "keyframes.json").write_text(json.dumps(entries))
+    prompts = str(root / "fl2va.safetensors")
+    prompt_set = prepare_prompts(url, PROMPTS, prompts, keyframes=str(root / "keyframes.json"))
+    t2va = str(root / "t2va.safetensors")
+    h3_prompt_set().save(t2va)
+    loaded = load_model_dir(url)
+    family = loaded.family.bind([24, 37, 2, 2], loaded.model, loaded.modality_shifts)
+    return dict(root=root, url=url, prompts=prompts, t2va=t2va, set=prompt_set, model=loaded.model, family=family,
+                entries=entries)
+
+
+def test_prepared_set_holds_the_keyframes_as_diffusers_fl2va_blocks_encode_them(fl2va):
+    """Per prompt: the presentation with a vision block per keyframe (its rows tagged video), the
+    keyframes' VAE latents at the clip's latent frame size and their anchors, first then last."""
+    embeds = fl2va["set"].embeds
+    n, k = len(PROMPTS), 2
+    assert embeds["keyframe_latents"].shape == (n, k, 24, 1, 2, 2)
+    assert embeds["keyframe_anchors"].tolist() == [[0, 1]] * n
+    for i in range(n):
+        tags = embeds["text_token_tags"][i, :embeds["prompt_lengths"][i]]
+        assert (tags == 0).sum() > 0 and (tags == 1).sum() > 0  # vision rows (video) and text rows
+    assert not torch.equal(embeds["keyframe_latents"][0], embeds["keyframe_latents"][1])
+
+
+def _capturing(model, seen):
+    def forward(**kwargs):
+        out = model(**kwargs)
+        out[0].retain_grad()
+        seen.update(kwargs, video_out=out[0])
+        return out
+    return forward
+
+
+def test_keyframe_rows_are_conditions_never_reached_by_the_loss(fl2va):
+    """The keyframes lead the video rows, noised to 0.999 and held at max(t_video, 0.999); the
+    model's outputs on them get no gradient from a loss on the family's velocity, and the
+    keyframes change the generated rows' velocity (the condition is seen)."""
+    family, model = fl2va["family"], fl2va["model"]
+    cond = fl2va["set"].cond([0, 0])  # one layout: one forward
+    x = torch.randn(2, family.segments["audio"].stop, generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.5, 0.5])
+    seen: dict = {}
+    v = family.predict_velocity(_capturing(model, seen), x, sigma, cond)
+    assert v.shape == x.shape
+    rows = 2 * 1 * 1  # two keyframes of one 2x2 latent frame at patch 2: one row each
+    t_video = 1 - family.modality_sigmas(0.5)[0]
+    row_t = seen["timestep"][seen["timestep_indices"]]
+    torch.testing.assert_close(row_t[seen["video_indices"][:rows]], torch.full((rows,), 0.999))
+    torch.testing.assert_close(row_t[seen["video_indices"][rows:]], torch.full((37,), t_video))
+    torch.testing.assert_close(seen["hidden_states"][:, :rows], family.keyframe_rows(cond["keyframe_latents"]))
+    v.square().sum().backward()
+    grad = seen["video_out"].grad
+    assert grad[:, :rows].abs().max() == 0 and grad[:, rows:].abs().max() > 0
+    with torch.no_grad():
+        other = dict(cond, keyframe_latents=fl2va["set"].cond([1, 1])["keyframe_latents"])
+        assert not torch.allclose(family.predict_velocity(model, x, sigma, other), v)
+
+
+def test_one_fl2va_iteration_trains_on_keyframes(fl2va, tmp_path):
+    """Through preflight and the in-process trainers: the rollout, the critic and the student on
+    the keyframe set, the student moves."""
+    from dmd2_core.train.trainer import Trainer
+
+    args = load_args("minimax-h3", dict(CPU, hf_checkpoint=fl2va["url"], prompts=fl2va["prompts"], workflow="fl2va",
+                                        save=str(tmp_path / "run")))
+    roles = preflight(args)
+    actor, critic = Trainer(roles["actor"], "actor"), Trainer(roles["critic"], "critic")
+    pairs, _ = actor.rollout(1)
+    outputs, metrics = critic.train(1, pairs)
+    assert metrics["dmd2_grad_norm_video"] > 0
+    before = actor.weights()
+    _, trained = actor.train(1, pairs, outputs)
+    assert trained["graded_x0_drift"] < 1e-4
+    assert any(not torch.equal(before[k], after) for k, after in actor.weights().items())
+
+
+def _bad_set(fl2va, name, **changes):
+    from dmd2_core.data import PromptSet
+
+    embeds = dict(fl2va["set"].embeds, **changes)
+    path = str(fl2va["root"] / name)
+    PromptSet(PROMPTS, embeds, {}).save(path)
+    return path
+
+
+@pytest.mark.parametrize("override, message", [
+    (dict(workflow="fl2v"), r"^workflow: 'fl2v' is not a MiniMax-H3 workflow; did you mean 'fl2va'\?"),
+    (dict(workflow="ref2va"), r"^workflow: ref2va .* is not built yet"),
+    (dict(workflow="fl2va", prompts="t2va"), r"^prompts: .*t2va.safetensors holds no 'keyframe_latents' .*--keyframes"),
+    (dict(workflow="t2va"), r"^prompts: .*fl2va.safetensors holds keyframes .*set workflow: fl2va"),
+    (dict(workflow="fl2va", prompts="big"), r"^prompts: .* keyframes encode to 4x4 latents, the clip's frames to 2x2"),
+])
+def test_a_bad_workflow_or_keyframe_set_fails_before_any_actor_in_one_line(fl2va, tmp_path, override, message):
+    sets = {"t2va": fl2va["t2va"], "big": lambda: _bad_set(fl2va, "big.safetensors",
+                                                           keyframe_latents=torch.zeros(2, 2, 24, 1, 4, 4))}
+    prompts = override.pop("prompts", None)
+    url = fl2va["prompts"] if prompts is None else sets[prompts]() if callable(sets[prompts]) else sets[prompts]
+    args = load_args("minimax-h3", dict(CPU, hf_checkpoint=fl2va["url"], prompts=url, save=str(tmp_path / "run"),
+                                        **override))
+    with pytest.raises(ArgsError, match=message) as err:
+        preflight(args)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("entries, message", [
+    ([{"first": "first0.png"}, {}], r"^keyframes: row 1 \('a blue cat jumping'\) has no keyframe"),
+    ([{"first": "first0.png"}, {"frist": "first1.png"}], r"^keyframes: row 1 .*'frist' is no keyframe; did you mean 'first'"),
+    ([{"first": "first0.png"}, {"first": "wide.png"}], r"^keyframes: row 1 .* first: 64x32 pixels, row 0's are 32x32"),
+    ([{"first": "first0.png"}, {"last": "last1.png"}], r"^keyframes: row 1 .* anchors last; row 0 anchors first"),
+    ([{"first": "first0.png"}], r"^keyframes: .* holds 1 entries for 2 prompts"),
+    ([{"first": "first0.png"}, {"first": "missing.png"}], r"^keyframes: row 1 .* first: no image at .*missing.png"),
+])
+def test_a_bad_keyframe_is_named_in_one_line_before_encoding(fl2va, tmp_path, entries, message):
+    from dmd2_core.prepare.prompts import prepare_prompts
+
+    _image(fl2va["root"] / "wide.png", size=(64, 32))
+    listing = fl2va["root"] / "bad_keyframes.json"
+    listing.write_text(json.dumps(entries))
+    out = tmp_path / "never.safetensors"
+    with pytest.raises(ArgsError, match=message) as err:
+        prepare_prompts(fl2va["url"], PROMPTS, str(out), keyframes=str(listing))
+    assert "\n" not in str(err.value) and not out.exists()
+
+
+def test_the_plan_counts_the_keyframe_rows(fl2va):
+    """Every keyframe adds one latent frame of rows to each sequence: the memory plan's tokens and
+    the time plan's FLOPs grow with them."""
+    from dmd2_core.memory.time_plan import model_flops
+
+    family, config = fl2va["family"], dict(fl2va["model"].config)
+    plain = family.tokens(config, None)
+    assert family.bind(family.latent_shape, keyframes=2).tokens(config, None) == plain + 2 * 1 * 1
+    shape = tuple(family.latent_shape)
+    assert model_flops(fl2va["url"], shape, None, 8, 2).forward > model_flops(fl2va["url"], shape, None, 8).forward
