@@ -172,7 +172,7 @@ def standin(tmp: str) -> tuple[dict, object]:
     prompts.save(f"{tmp}/prompts.safetensors")
     args = load_args("minimax-h3", dict(
         hf_checkpoint=url, prompts=f"{tmp}/prompts.safetensors", save=f"{tmp}/run", device="cpu", num_devices=1,
-        dtype="float32", torch_threads=1, run_name="bench-eval-cost", **H3_GEOMETRY))
+        cp_size=1, lora_rank=0, dtype="float32", torch_threads=1, run_name="bench-eval-cost", **H3_GEOMETRY))
     roles = preflight(args)
     critic, actor = Trainer(roles["critic"], "critic"), Trainer(roles["actor"], "actor")
     counter = ForwardCounter()

@@ -144,6 +144,7 @@ def main() -> None:
         url, prompts, params_b = build(tmp, ns.config, ns.device, text_tokens, ns.num_layers)
         args = load_args("minimax-h3", dict(
             hf_checkpoint=url, prompts=prompts, save=f"{tmp}/run", device=ns.device, num_devices=1,
+            cp_size=1, lora_rank=0,  # one device, fully fine-tuned: the iteration this bench measures
             global_batch_size=ns.micro_batch, micro_batch_size=ns.micro_batch, latent_shape=ns.latent_shape,
             num_frames=None, height=None, width=None,  # the recipe's clip gives way to --latent-shape
             eval_interval=0, save_interval=0, eval_prompts=[0, 1], torch_threads=max(1, os.cpu_count() // 2),

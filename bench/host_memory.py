@@ -82,7 +82,7 @@ def child_set(teacher: str, prompts: str, save: str, old: bool) -> dict:
         from dmd2_core.data import load_prompt_set
 
         trainer_module.open_prompt_set = load_prompt_set
-    args = load_args("minimax-h3", dict(device="cpu", num_devices=1, dtype="float32", global_batch_size=4,
+    args = load_args("minimax-h3", dict(device="cpu", num_devices=1, cp_size=1, lora_rank=0, dtype="float32", global_batch_size=4,
                                         micro_batch_size=2, torch_threads=1, hf_checkpoint=teacher, prompts=prompts,
                                         save=save, **H3_GEOMETRY))
     roles = preflight(args)

@@ -82,7 +82,7 @@ def standin(tmp: str) -> dict:
         for n in (1, 2):
             args = load_args("minimax-h3", dict(
                 hf_checkpoint=url, prompts=f"{tmp}/prompts.safetensors", save=f"{tmp}/run{n}", device="cpu",
-                num_devices=n, global_batch_size=4, micro_batch_size=2, eval_interval=0, save_interval=0,
+                num_devices=n, cp_size=1, lora_rank=0, global_batch_size=4, micro_batch_size=2, eval_interval=0, save_interval=0,
                 run_name=f"bench-memory-{n}", **H3_GEOMETRY))
             planned = {g.role: g for g in planner.plan(preflight(args)).groups}
             with DistillRun(args) as run:

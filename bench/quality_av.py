@@ -78,7 +78,7 @@ def cpu_overrides(teacher: str, steps: int, seed: int, ns, sets: dict) -> dict:
     if any(heads.values()):
         heads["real_data"] = sets.get("real_data") or sounding_digits_teacher.real_set_url(teacher)
     return {"hf_checkpoint": teacher, "prompts": sounding_digits_teacher.prompts_url(teacher), "save": "runs/bench-quality-av",
-            "device": "cpu", "num_devices": 1, "cp_size": 1, "dtype": "float32", "gradient_checkpointing": False,
+            "device": "cpu", "num_devices": 1, "cp_size": 1, "lora_rank": 0, "dtype": "float32", "gradient_checkpointing": False,
             "sleep_after_train": False, "num_frames": None, "height": None, "width": None,
             "latent_shape": sd.VIDEO_LATENT_SHAPE, "global_batch_size": ns.batch_size,
             "micro_batch_size": ns.batch_size, "lr": ns.lr, "critic_lr": ns.lr, "ema_decay": ns.ema or None,

@@ -97,7 +97,7 @@ def test_a_night_with_sound_shows_sound_mel_kid_in_its_summary_table_and_nights_
                      eval_reference_steps=2, eval_prompts=[0, 1, 2])
     clean = teacher_evaluator.evaluate(SoundRun(args, 0.0), args)["metrics"]
     hissing = teacher_evaluator.evaluate(SoundRun(args, 0.02), args)["metrics"]
-    assert abs(clean["sound_mel_kid"]) < 3 * clean["sound_mel_kid_se"], clean
+    assert abs(clean["sound_mel_kid"]) <= 3 * clean["sound_mel_kid_se"], clean  # the same clips: 0 within 0
     assert hissing["sound_mel_kid"] > clean["sound_mel_kid"] + 3 * hissing["sound_mel_kid_se"], (clean, hissing)
 
     teacher = registry.get("teacher")

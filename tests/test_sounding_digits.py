@@ -115,7 +115,7 @@ def _h3_cpu_args(teacher: str, save: str, **overrides):
 
     return load_args("minimax-h3", {
         "hf_checkpoint": teacher, "prompts": sounding_digits_teacher.prompts_url(teacher), "save": save,
-        "device": "cpu", "num_devices": 1, "dtype": "float32", "gradient_checkpointing": False,
+        "device": "cpu", "num_devices": 1, "cp_size": 1, "lora_rank": 0, "dtype": "float32", "gradient_checkpointing": False,
         "sleep_after_train": False, "num_frames": None, "height": None, "width": None,
         "latent_shape": sd.VIDEO_LATENT_SHAPE, "global_batch_size": 8, "micro_batch_size": 8, "lr": 1e-4,
         "critic_lr": 1e-4, "ema_decay": None, "dmd2_update_ratio": 2, "seed": 0, **overrides})
@@ -135,7 +135,7 @@ def test_reference_loop_is_the_oracle_of_the_trainers_for_a_joint_model(tmp_path
     h3_prompt_set().save(prompts)
     args = load_args("minimax-h3", dict(
         hf_checkpoint=teacher, prompts=prompts, save=str(tmp_path / "run"), device="cpu", num_devices=1,
-        dtype="float32", global_batch_size=4, micro_batch_size=3, torch_threads=1, lr=1e-4, critic_lr=1e-4,
+        cp_size=1, lora_rank=0, dtype="float32", global_batch_size=4, micro_batch_size=3, torch_threads=1, lr=1e-4, critic_lr=1e-4,
         dmd2_update_ratio=2, dmd2_critic_scoring=scoring, num_frames=None, height=None, width=None,
         latent_shape=[24, 37, 2, 2]))  # the stand-in's clip (H3_GEOMETRY), as the reference loop takes it
     trainers = in_process_trainers(args)
