@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import re
 import os
 import signal
 import subprocess
@@ -113,18 +112,6 @@ def served(prefect_server, receiver, tmp_path_factory):
         yield api, env, proc, log
     finally:
         _stop(proc)
-
-
-def _log_records(text: str) -> list[str]:
-    """The serve log's records: each Prefect line with the lines after it that are not one (a
-    traceback, a subprocess's output) joined to it."""
-    records: list[str] = []
-    for line in text.splitlines():
-        if re.match(r"\d\d:\d\d:\d\d\.\d{3} \|", line) or not records:
-            records.append(line)
-        else:
-            records[-1] += "\n" + line
-    return records
 
 
 def _run_deployment(api: str, env: dict, params: dict, deployment: str = "tiny") -> dict:
@@ -263,25 +250,12 @@ def test_nights_in_a_row(served, receiver, shared_ray, tiny_teacher, tmp_path):
     params = {"recipe": "tiny", "overrides": overrides, "hf_checkpoint": tiny_teacher}
     today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
 
-    # three nights at once, as three teams' deployments would run (they share the serve process and
-    # the Ray; a night waits mostly on its processes and actors): night 1 a plain run, the
-    # uninterrupted reference of night 2; night 2 killed after its checkpoint at iteration 2, rerun by
-    # the automation; night 3 failing at iteration 1 (a NaN gradient every step, one allowed)
-    first, save = tmp_path / "n1", tmp_path / "n2"
-    bad = {**overrides, "train_input_hook_path": "tests.hooks_fixture.nan_dmd2_gradient_always",
-           "max_nonfinite_steps": 1}
-    one = _run_deployment(api, env, {**params, "num_iterations": 4, "save": str(first)})
-    two = _run_deployment(api, env, {**params, "num_iterations": 4, "save": str(save)})
-    three = created_three = _run_deployment(api, env, {**params, "overrides": bad, "num_iterations": 2,
-                                                       "save": str(tmp_path / "n3")})
-    tracker = save / "latest_checkpointed_iteration.txt"
-    _wait(lambda: tracker.exists() and tracker.read_text().strip() == "2", 240, log.read_text()[-3000:])
-    _kill_flow_process(serve, two["id"])
-
-    # night 1: named {run_name}-{date}-{id}, a window subflow per 2 iterations (its phases chained,
-    # no sleep tasks when the groups do not sleep), one run summary with the configuration, the
-    # plot, the latest grid and the export
-    one = _wait_final(api, one["id"], 300, log, until=lambda r: r["state"]["type"] in FINAL)
+    # night 1: a plain run (the uninterrupted reference of night 2): named {run_name}-{date}-{id},
+    # a window subflow per 2 iterations (its phases chained, no sleep tasks when the groups do not
+    # sleep), one run summary with the configuration, the plot, the latest grid and the export
+    first = tmp_path / "n1"
+    one = _wait_final(api, _run_deployment(api, env, {**params, "num_iterations": 4, "save": str(first)})["id"],
+                      240, log, until=lambda r: r["state"]["type"] in FINAL)
     assert one["state"]["type"] == "COMPLETED", one["state"]
     name = f"dmd2-tiny-{today}-{one['id'].replace('-', '')[:8]}"
     assert one["name"] == name
@@ -307,17 +281,24 @@ def test_nights_in_a_row(served, receiver, shared_ray, tiny_teacher, tmp_path):
     table = json.loads(next(a["data"] for a in artifacts if a["key"] == f"{name}-metrics"))
     assert [r["iteration"] for r in table] == [4, 3, 2, 1, 0]
 
-    # night 2 completes on its rerun with the weights of the uninterrupted night 1
+    # night 2: killed after its checkpoint at iteration 2, rerun by the automation, completes with
+    # the weights of the uninterrupted night 1
+    save = tmp_path / "n2"
+    two = _run_deployment(api, env, {**params, "num_iterations": 4, "save": str(save)})
+    tracker = save / "latest_checkpointed_iteration.txt"
+    _wait(lambda: tracker.exists() and tracker.read_text().strip() == "2", 180, log.read_text()[-3000:])
+    _kill_flow_process(serve, two["id"])
     two = _wait_final(api, two["id"], 300, log, until=lambda r: r["state"]["type"] in FINAL and r["run_count"] > 1)
     assert two["state"]["type"] == "COMPLETED" and two["run_count"] == 2, two["state"]
+    rerun_log = log.read_text()[start:]
     assert_same_saved_state(save, first, 4)
 
-    # night 3 failed; the serve log's records without it (its name before the flow renamed it, and
-    # its task's NonFiniteError, whose lines name no flow run) are the others'
+    # night 3: fails at iteration 1 (a NaN gradient every step, one allowed)
+    bad = {**overrides, "train_input_hook_path": "tests.hooks_fixture.nan_dmd2_gradient_always",
+           "max_nonfinite_steps": 1}
+    three = _run_deployment(api, env, {**params, "overrides": bad, "num_iterations": 2, "save": str(tmp_path / "n3")})
     three = _wait_final(api, three["id"], 240, log, until=lambda r: r["state"]["type"] in FINAL)
     assert three["state"]["type"] == "FAILED", three["state"]
-    night3 = {three["name"], created_three["name"], "NonFiniteError"}
-    rerun_log = "\n".join(r for r in _log_records(log.read_text()[start:]) if not any(n in r for n in night3))
 
     # distinct names and keys; one set of artifacts per run (the rerun updated night 2's)
     names = [r["name"] for r in (one, two, three)]
@@ -364,10 +345,10 @@ def test_nights_in_a_row(served, receiver, shared_ray, tiny_teacher, tmp_path):
     from flows.nights import rows_of
 
     # the server is shared with other test files whose tiny runs are nights too: ours are the last three
-    rows = {r["run_id"]: r for r in rows_of(nights[0]["data"])[-3:]}
-    assert [rows[run["id"]]["outcome"] for run in (one, two, three)] == ["completed", "completed (1 rerun)", "failed"]
-    night2 = rows[two["id"]]
-    assert night2["iteration"] == 4 and isinstance(night2["fd"], float) and night2["best_fd"] <= night2["fd"]
+    rows = rows_of(nights[0]["data"])[-3:]
+    assert [r["run_id"] for r in rows] == [one["id"], two["id"], three["id"]]
+    assert [r["outcome"] for r in rows] == ["completed", "completed (1 rerun)", "failed"]
+    assert rows[1]["iteration"] == 4 and isinstance(rows[1]["fd"], float) and rows[1]["best_fd"] <= rows[1]["fd"]
     assert "![FD over nights](data:image/png;base64," in nights[0]["data"]
 
     # a person is told: one message for the crash of night 2, one for the failure of night 3
