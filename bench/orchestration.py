@@ -169,7 +169,7 @@ def measure(api: str, home: Path | None, iterations: int, window: int, server_pi
     driver_cpu = time.process_time()
     start = time.perf_counter()
     state = flow_module.dmd2(recipe="minimax-h3", overrides={
-        "hf_checkpoint": "stand-in", "prompts": "digits", "save": save, "device": "cpu", "num_devices": 1,
+        "hf_checkpoint": "stand-in", "prompts": "digits", "save": save, "device": "cpu", "num_devices": 1, "cp_size": 1, "lora_rank": 0,
         "num_iterations": iterations, "iterations_per_window": window, "run_name": "orchestration-bench"},
         return_state=True)
     wall = time.perf_counter() - start
