@@ -218,7 +218,7 @@ def test_flow_end_to_end(reference):
     best = json.loads((save / "best_student.json").read_text())  # the best trained eval's student, exported, kept
     assert best["criterion"] == "fd" and best["iteration"] in (1, 2) and summary["best_student"] == best["export_url"]
     assert (Path(best["export_url"]) / "export.json").is_file()
-    assert f"**the run's student** (its best eval, iteration {best['iteration']}; kept by retention)" in text
+    assert f"**the run's student** (the campaign's best eval, iteration {best['iteration']}; kept by retention)" in text
     assert "| dmd2_guidance_scale | 1.5 | 1.5 |" in text and "| loss_type | `dmd2_critic` | `dmd2` |" in text
     assert read_flow_run(run_id).name == name
     names = {t.name: t for t in read_task_runs(run_id)}
