@@ -92,6 +92,9 @@ def test_a_nights_pace_implies_its_mfu_from_the_plans_flops_and_the_clusters_pea
     from flows.dmd2 import Driver
 
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 8.0, "accelerator_type:H100": 1.0})
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    assert time_plan.cluster_peak_flops() is None  # no cluster connected: no peak, no MFU (and no error)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
     assert time_plan.cluster_peak_flops() == 989.4e12
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
     assert time_plan.cluster_peak_flops() is None  # CPUs: no peak, no MFU

@@ -489,9 +489,12 @@ def implied_mfu(flops_per_iteration: float, iteration_s: float, peak_flops: floa
 def cluster_peak_flops() -> Optional[float]:
     """The dense bf16 peak FLOP/s of one device of the Ray cluster this process is connected to:
     its GPUs' accelerator type (Ray's ``accelerator_type:<kind>`` resource, e.g. H100) when it is
-    one of ``DEVICE_PEAK_TFLOPS``; None on CPUs, for an unknown kind or a mix of kinds."""
+    one of ``DEVICE_PEAK_TFLOPS``; None on CPUs, for an unknown kind or a mix of kinds, and when
+    this process is connected to no cluster (a driver whose groups run elsewhere or are stood in)."""
     import ray
 
+    if not ray.is_initialized():
+        return None
     kinds = {key.split(":", 1)[1] for key in ray.cluster_resources() if key.startswith("accelerator_type:")}
     peaks = {peak for name, peak in DEVICE_PEAK_TFLOPS.items() for kind in kinds if name in kind}
     return peaks.pop() * 1e12 if len(kinds) == 1 and len(peaks) == 1 else None
