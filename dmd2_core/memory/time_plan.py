@@ -558,10 +558,10 @@ def calibrate(plan: TimePlan, trainers: dict[str, Args], rows: list[dict], url: 
     """``plan`` at the rates one measured iteration and one checkpoint of a previous run imply
     (its metrics log's ``rows``, at ``url``): the FIRST row with ``iteration_s`` gives the effective
     FLOP/s per device (that iteration's FLOPs, at the stop step it drew, over its seconds and the
-    devices: the plan's MFU becomes what it implies), the first checkpoint and export their fixed
+    devices: the plan's MFU becomes what it implies), the checkpoints and exports their fixed
     seconds (``_save_fixed``), the first eval that split its seconds the decoder's FLOP/s and the
-    host's pace (``_decoder_and_host``); every other cost follows from the model. The first is
-    taken, not a median: it is what a team has after one short try."""
+    host's pace (``_decoder_and_host``); every other cost follows from the model. The first
+    iteration is taken, not a median: it is what a team has after one short try."""
     timed = next((r for r in rows if isinstance(r.get("iteration_s"), (int, float)) and r["iteration_s"] > 0), None)
     if timed is None:
         raise ArgsError(f"calibrate_from: no measured iteration (iteration_s) in {url}")
@@ -584,17 +584,22 @@ def _first(rows: list[dict], key: str) -> Optional[dict]:
 
 def _save_fixed(plan: TimePlan, rows: list[dict], figures: dict) -> dict:
     """Each kind of save's fixed seconds (a checkpoint's: DCP's planning, its files, hashes and
-    marker; an export's: its files and read-back set up) from the first of it the run measured:
-    its seconds less its bytes at ``storage_gbps``. One save of a kind cannot tell its fixed part
-    from its bandwidth; the bandwidth is the storage's (the flag), and a small save (the
-    stand-in's MB) measures its fixed part alone, which a real-size save's bytes then dwarf."""
+    marker; an export's: its files and read-back set up): a save's seconds less its bytes at
+    ``storage_gbps``, from the median of the run's saves of that kind after its first, or from the
+    first where the run made one. A trainer process's first save runs every code path cold (the
+    MiniMax-H3 stand-in in one process: checkpoint 0.31 s, then 0.08 s and 0.09 s; export 23 ms, then
+    7 and 8 ms), and a night's saves after its first are the many. One save of a kind cannot tell
+    its fixed part from its bandwidth; the bandwidth is the storage's (the flag), and a small save
+    (the stand-in's MB) measures its fixed part alone, which a real-size save's bytes then dwarf."""
     out = {}
     for kind, seconds, size in (("checkpoint", "checkpoint_save_s", plan.checkpoint_bytes),
                                 ("export", "export_s", plan.export_bytes)):
-        first = _first(rows, seconds)
-        if first is not None:
-            out[f"{kind}_fixed_s"] = max(0.0, float(first[seconds]) - size / (plan.storage_gbps * 1e9))
-            figures.update({f"{kind}_iteration": int(first["iteration"]), seconds: float(first[seconds])})
+        measured = [r for r in rows if isinstance(r.get(seconds), (int, float)) and r[seconds] > 0]
+        if measured:
+            warm = measured[1:] or measured
+            typical = statistics.median(float(r[seconds]) for r in warm)
+            out[f"{kind}_fixed_s"] = max(0.0, typical - size / (plan.storage_gbps * 1e9))
+            figures.update({f"{kind}_iterations": [int(r["iteration"]) for r in warm], seconds: typical})
     return out
 
 
@@ -631,8 +636,8 @@ def table(tp: TimePlan) -> str:
             f"{_seconds(tp.assumed_iteration_s)})" if tp.measured else
             f"calibrated from iteration {cal['iteration']} of {cal['url']}: {cal['iteration_s']:.3f} s at stop step "
             f"{cal['stop_step']} is {cal['flops_per_s'] / 1e12:.4g} TFLOP/s per device (MFU {tp.mfu:.3g})"
-            + (f", its checkpoint at iteration {cal['checkpoint_iteration']} {cal['checkpoint_fixed_s']:.3g} s fixed"
-               if "checkpoint_iteration" in cal else "")
+            + (f", its checkpoints at iterations {', '.join(map(str, cal['checkpoint_iterations']))} "
+               f"{cal['checkpoint_fixed_s']:.3g} s fixed" if "checkpoint_iterations" in cal else "")
             + (f", its eval at iteration {cal['eval_iteration']}: the decoder {cal['decode_flops_per_s'] / 1e9:.3g} "
                f"GFLOP/s, the host {cal.get('drift_s_per_mpf', 0):.3g} s (drift) and "
                f"{cal.get('encode_s_per_mpf', 0):.3g} s (encode) a megapixel-frame" if "eval_iteration" in cal else "")
