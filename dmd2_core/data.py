@@ -273,3 +273,12 @@ def check_real_set(url: str, sample_shape: tuple, prompts_url: str, cond_keys) -
             what = "per token" if first == 2 else "per sample"
             raise ValueError(f"real_data: {url} '{key}' is {shapes[key][first:]} {what}, the prompt set's is "
                              f"{want[key][first:]}")
+
+
+def keyframes_per_sample(prompts_url: Optional[str], workflow: str) -> int:
+    """Keyframe condition frames each sample of a MiniMax-H3 fl2va run carries (0 for t2va), from
+    its prompt set's header: the rows they add to every sequence, for the memory and time plans."""
+    if workflow != "fl2va" or not prompts_url or prompts_url in BUILTIN_SETS:
+        return 0
+    shape = safetensors_shapes(prompts_url).get("keyframe_latents")
+    return int(shape[1]) if shape else 0

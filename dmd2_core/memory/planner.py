@@ -169,7 +169,7 @@ def group_plan(role: str, args: Args, size: ModelSize, teacher: Optional[ModelSi
     (default: it has one; a LoRA critic over a shared base has none of its own)."""
     family = FAMILIES[describe_model_dir(args.hf_checkpoint)["family"]].bind(args.latent_shape)
     if args.workflow == "fl2va":  # the keyframes' condition rows lengthen every sequence
-        from dmd2_core.models.minimax_h3 import keyframes_per_sample
+        from dmd2_core.data import keyframes_per_sample
 
         family = family.bind(args.latent_shape, keyframes=keyframes_per_sample(args.prompts, args.workflow))
     compute = _dtype_bytes(args.dtype)
@@ -319,7 +319,7 @@ def _plan(trainer_args: dict[str, Args], with_eval: bool = True) -> MemoryPlan:
         actor_args, actor = trainer_args["actor"], by_role["actor"]
         family = FAMILIES[describe_model_dir(actor_args.hf_checkpoint)["family"]].bind(actor_args.latent_shape)
         if actor_args.workflow == "fl2va":
-            from dmd2_core.models.minimax_h3 import keyframes_per_sample
+            from dmd2_core.data import keyframes_per_sample
 
             family = family.bind(actor_args.latent_shape,
                                  keyframes=keyframes_per_sample(actor_args.prompts, actor_args.workflow))

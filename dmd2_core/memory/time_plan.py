@@ -209,7 +209,7 @@ def _rollout_forwards(args: Args, stop_step: Optional[int] = None) -> float:
 
 def _keyframes(args: Args) -> int:
     """The keyframe condition frames an fl2va run's every forward carries (0 otherwise)."""
-    from dmd2_core.models.minimax_h3 import keyframes_per_sample
+    from dmd2_core.data import keyframes_per_sample
 
     return keyframes_per_sample(args.prompts, args.workflow)
 

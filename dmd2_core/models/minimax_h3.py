@@ -83,17 +83,6 @@ def workflow_problem(workflow: str) -> Optional[str]:
     return None
 
 
-def keyframes_per_sample(prompts_url: Optional[str], workflow: str) -> int:
-    """Keyframe condition frames each sample of an fl2va run carries (0 for t2va), from its prompt
-    set's header: the rows they add to every sequence, for the memory and time plans."""
-    from dmd2_core.data import BUILTIN_SETS, safetensors_shapes
-
-    if workflow != "fl2va" or not prompts_url or prompts_url in BUILTIN_SETS:
-        return 0
-    shape = safetensors_shapes(prompts_url).get("keyframe_latents")
-    return int(shape[1]) if shape else 0
-
-
 def latent_frames(num_frames: int) -> int:
     """Latent frames of a ``17 n + 5`` frame clip: ``5 n + 2`` (diffusers' video_latent_num_frames)."""
     return (num_frames - LATENTS_PER_CHUNK) // FRAMES_PER_CHUNK * LATENTS_PER_CHUNK + 2
