@@ -29,8 +29,11 @@ What differs from the project's flow-matching math, mapped here and nowhere else
   the student, the teacher and the fake score see the same keyframes for a sample. As diffusers'
   fl2va blocks do, the keyframes become condition rows in front of the generated video rows,
   noised to ``t = 0.999`` and held at ``max(t, 0.999)``; the model's outputs on them are dropped,
-  so no loss and no DMD gradient reaches them. ``ref2va`` (its own ``transformer_ref/``) is not
-  built: a run naming it is refused.
+  so no loss and no DMD gradient reaches them. An eval sample j draws as a request of seed
+  ``s + j`` does, each keyframe's noise first and then the clip's (``eval_keyframe_noise``,
+  ``eval_noise``), so the export loaded with ``workflow="fl2va"`` samples the eval's latents
+  from the same inputs. ``ref2va`` (its own ``transformer_ref/``) is not built: a run naming it
+  is refused.
 
 The packed layout and the per-row timesteps are built by diffusers' own blocks
 (``MiniMaxH3PrepareLayoutStep.build_packed_sequence``, ``MiniMaxH3SetTimestepsStep
@@ -66,8 +69,9 @@ WORKFLOWS = ("t2va", "fl2va", "ref2va")  # diffusers' MiniMaxH3Blocks._workflow_
 KEYFRAME_ANCHORS = ("first", "last")  # keyframe_anchors codes 0 and 1, diffusers' anchor names
 KEYFRAME_KEYS = ("keyframe_latents", "keyframe_anchors", "text_token_tags")  # an fl2va prompt set's own keys
 KEYFRAME_NOISE_AUG = 0.999  # the t a keyframe anchor is noised to and held at (pipe.keyframe_noise_aug)
-# diffusers draws the anchors' 0.1 % of noise from the request's generator; training draws it once
-# from this seed, so every forward of a sample (rollout, teacher, fake score) sees the same anchors
+# diffusers draws the anchors' 0.1 % of noise from the request's generator, before the clip's noise;
+# training draws it once from this seed, so every forward of a sample (rollout, teacher, fake score)
+# sees the same anchors; an eval sample j draws it as a request of seed + j does (``keyframe_noise``)
 KEYFRAME_NOISE_SEED = 42
 
 
@@ -308,25 +312,30 @@ class MiniMaxH3Family(ModelFamily):
         audio = audio_rows.reshape(n, AUDIO_CHANNELS, -1, AUDIO_LATENT_CHANNELS).permute(0, 1, 3, 2)
         return self.join(video, audio)
 
-    def keyframe_rows(self, keyframe_latents: torch.Tensor) -> torch.Tensor:
+    def keyframe_rows(self, keyframe_latents: torch.Tensor, noise: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Clean keyframe latents [n, K, 24, 1, H, W] -> the condition rows [n, K * H W / patch, 24 * patch]
-        that lead the video rows: each keyframe noised to t = 0.999 (diffusers' ``scale_noise`` with
-        ``keyframe_noise_aug``), with one fixed draw per keyframe (``KEYFRAME_NOISE_SEED``)."""
+        that lead the video rows: each keyframe noised to t = 0.999 as diffusers' ``scale_noise``
+        mixes it (``keyframe_noise_aug``, in float32). ``noise`` [n, K, 24, 1, H, W]: each sample's
+        own draws (an eval sample's, as its request draws them: ``eval_keyframe_noise``); None: one
+        fixed draw per keyframe (``KEYFRAME_NOISE_SEED``), the same for every sample."""
         from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
 
         n, k = keyframe_latents.shape[:2]
-        g = torch.Generator().manual_seed(KEYFRAME_NOISE_SEED)
-        noise = torch.stack([torch.randn(keyframe_latents.shape[2:], generator=g) for _ in range(k)])
-        noised = KEYFRAME_NOISE_AUG * keyframe_latents.float() + (1 - KEYFRAME_NOISE_AUG) * noise.to(keyframe_latents.device)
+        if noise is None:
+            g = torch.Generator().manual_seed(KEYFRAME_NOISE_SEED)
+            noise = torch.stack([torch.randn(keyframe_latents.shape[2:], generator=g) for _ in range(k)])
+        t = torch.tensor(KEYFRAME_NOISE_AUG, dtype=torch.float32)
+        noised = t * keyframe_latents.float() + (1.0 - t) * noise.float().to(keyframe_latents.device)
         rows = patchify_video_latents(noised.flatten(0, 1), self.patch_size)
         return rows.reshape(n, -1, rows.shape[-1])
 
     def _forward_group(self, model, x_t: torch.Tensor, u: float, text: torch.Tensor,
                        text_tags: Optional[tuple[int, ...]] = None, keyframes: Optional[torch.Tensor] = None,
-                       anchors: tuple[str, ...] = ()) -> torch.Tensor:
+                       anchors: tuple[str, ...] = (), keyframe_noise: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One forward of rows sharing (u, text length, text tags, anchors): the model's data-ward
         velocity on the generated rows, flat; with ``keyframes`` [n, K, 24, 1, H, W] (fl2va) their
-        condition rows lead the video rows and their outputs are dropped."""
+        condition rows (noised with ``keyframe_noise``: ``keyframe_rows``) lead the video rows and
+        their outputs are dropped."""
         from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
 
         device = x_t.device
@@ -340,7 +349,7 @@ class MiniMaxH3Family(ModelFamily):
             max(t_video, KEYFRAME_NOISE_AUG), 1.0)
         video_rows, audio_rows = self._rows(x_t.float())
         if condition_rows:
-            video_rows = torch.cat([self.keyframe_rows(keyframes).to(device), video_rows], dim=1)
+            video_rows = torch.cat([self.keyframe_rows(keyframes, keyframe_noise).to(device), video_rows], dim=1)
         v_video, v_audio = model(
             hidden_states=video_rows, audio_hidden_states=audio_rows, encoder_hidden_states=text,
             timestep=timestep.to(device), timestep_indices=timestep_idx.to(device), token_tags=tags.to(device),
@@ -351,12 +360,13 @@ class MiniMaxH3Family(ModelFamily):
     def predict_velocity(self, model, x_t, sigma, cond):
         """The project's velocity ``eps - x0`` (fp32): minus H3's data-ward velocity. An fl2va
         condition (``keyframe_latents``, ``keyframe_anchors``, ``text_token_tags``) conditions each
-        sample on its own keyframes."""
+        sample on its own keyframes, noised with its ``keyframe_noise`` where the cond holds one (an
+        eval's) and with the fixed training draw where not."""
         n = x_t.shape[0]
         u = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1).expand(n).tolist()
         lengths = cond["prompt_lengths"].reshape(-1).long().tolist()
         text = cond["prompt_embeds"].to(x_t.device)
-        keyframes = cond.get("keyframe_latents")
+        keyframes, keyframe_noise = cond.get("keyframe_latents"), cond.get("keyframe_noise")
         tags = [tuple(row[:length]) for row, length in zip(cond["text_token_tags"].long().tolist(), lengths)] \
             if "text_token_tags" in cond else [None] * n
         anchors = [tuple(KEYFRAME_ANCHORS[a] for a in row) for row in cond["keyframe_anchors"].long().tolist()] \
@@ -371,9 +381,11 @@ class MiniMaxH3Family(ModelFamily):
         for (*_, u_i, length, tags_i, anchors_i), rows in groups.items():
             index = torch.tensor(rows, device=x_t.device)
             group_keyframes = keyframes.index_select(0, index.to(keyframes.device)) if anchors_i else None
+            group_noise = keyframe_noise.index_select(0, index.to(keyframe_noise.device)) \
+                if anchors_i and keyframe_noise is not None else None
             parts.append(self._forward_group(model, x_t.index_select(0, index), u_i,
                                              text.index_select(0, index)[:, :length], tags_i, group_keyframes,
-                                             anchors_i))
+                                             anchors_i, group_noise))
             order += rows
         v = parts[0] if len(parts) == 1 else torch.cat(parts)
         if order != sorted(order):
@@ -468,17 +480,30 @@ class MiniMaxH3Family(ModelFamily):
         return self.join(z, a[None])
 
     # ---- eval noise, as the modular pipeline draws it --------------------------------------------
-    def eval_noise(self, n: int, seed: int) -> torch.Tensor:
+    def eval_noise(self, n: int, seed: int, keyframes: int = 0) -> torch.Tensor:
         """Sample j's initial noise is what ``MiniMaxH3PrepareLatentsStep`` draws from
-        ``torch.Generator().manual_seed(seed + j)``: the video latents, then the audio rows."""
-        rows = []
-        for j in range(n):
-            g = torch.Generator().manual_seed(seed + j)
-            video = torch.randn((1, *self.video_shape), generator=g)
-            audio_rows = torch.randn((self.audio_shape[2] * AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS), generator=g)
-            audio = audio_rows.reshape(AUDIO_CHANNELS, -1, AUDIO_LATENT_CHANNELS).permute(0, 2, 1)
-            rows.append(self.join(video, audio[None]))
-        return torch.cat(rows)
+        ``torch.Generator().manual_seed(seed + j)``: the video latents, then the audio rows; an
+        fl2va request (``keyframes`` per sample) draws its keyframes' noise first, one draw each
+        (``MiniMaxH3PrepareConditionLatentsStep``), so its clip's noise comes after those."""
+        return torch.cat([self._request_draws(seed + j, keyframes)[1] for j in range(n)])
+
+    def eval_keyframe_noise(self, n: int, seed: int, keyframes: int) -> torch.Tensor:
+        """Sample j's keyframe noise [n, K, 24, 1, H, W], the draws a request of seed + j makes
+        before its clip's (``eval_noise``): the cond's ``keyframe_noise`` of an fl2va eval."""
+        return torch.stack([self._request_draws(seed + j, keyframes)[0] for j in range(n)])
+
+    def _request_draws(self, seed: int, keyframes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One request's draws from ``torch.Generator().manual_seed(seed)``, in diffusers' order:
+        each keyframe's noise [K, 24, 1, H, W] (one latent frame at the clip's size), then the
+        clip's video latents and audio rows (flat [1, D])."""
+        g = torch.Generator().manual_seed(seed)
+        channels, _, height, width = self.video_shape
+        anchors = torch.stack([torch.randn((channels, 1, height, width), generator=g) for _ in range(keyframes)]) \
+            if keyframes else torch.zeros(0)
+        video = torch.randn((1, *self.video_shape), generator=g)
+        audio_rows = torch.randn((self.audio_shape[2] * AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS), generator=g)
+        audio = audio_rows.reshape(AUDIO_CHANNELS, -1, AUDIO_LATENT_CHANNELS).permute(0, 2, 1)
+        return anchors, self.join(video, audio[None])
 
     # ---- for the memory plan ----------------------------------------------------------------------
     def tokens(self, config, sample_shape):

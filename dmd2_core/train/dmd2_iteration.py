@@ -191,22 +191,43 @@ def eval_samples(family: ModelFamily, model, cond: dict, shape: tuple[int, ...],
     ``rows`` (a data-parallel rank's share, ``parallel.EvalShare``): only those rows of the batch
     of ``shape``, ``cond`` holding theirs. Each draw is the whole batch's, then cut to the rows, so
     row i's noise is the same whichever rank samples it and however many ranks share the batch."""
-    noise, g = eval_start_noise(family, shape, seed)
+    noise, g = eval_start_noise(family, shape, seed, cond)
     index = None if rows is None else torch.tensor(rows, dtype=torch.long)
 
     def cut(t: torch.Tensor) -> torch.Tensor:
         return (t if index is None else t.index_select(0, index)).to(device)
     renoise = [] if g is None or family.deterministic_student else \
         [cut(torch.randn(shape, generator=g)) for _ in range(num_steps)]
+    cond = eval_cond(family, cond, shape[0], seed, rows)
     return student_sample(family, model, cut(noise), cond, fm.student_sigmas(num_steps, shift), renoise)[1]
 
 
-def eval_start_noise(family: ModelFamily, shape: tuple[int, ...], seed: int):
+def eval_start_noise(family: ModelFamily, shape: tuple[int, ...], seed: int, cond: Optional[dict] = None):
     """The noise an eval's samples start from, and the generator that drew it (None where the
-    family's pipeline draws it per sample, sample j from seed + j): the student's eval samples and
-    the teacher's reference samples of the same prompts start from the same noise."""
-    noise = family.eval_noise(shape[0], seed)
+    family's pipeline draws it per sample, sample j from seed + j, after the draws of its
+    keyframes where ``cond`` holds them): the student's eval samples and the teacher's reference
+    samples of the same prompts start from the same noise."""
+    noise = family.eval_noise(shape[0], seed, _keyframes(cond))
     if noise is not None:
         return noise, None
     g = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=g), g
+
+
+def eval_cond(family: ModelFamily, cond: dict, n: int, seed: int, rows: Optional[list[int]] = None) -> dict:
+    """``cond`` of an eval batch of ``n`` samples (``rows`` of it: this rank's share), with each
+    sample's keyframe noise as its request draws it where it holds keyframes (MiniMax-H3's fl2va:
+    ``keyframe_noise``, sample j's from seed + j, before its clip's noise), so the sample is the one
+    the exported student's pipeline gives from the same inputs; as it is otherwise."""
+    keyframes = _keyframes(cond)
+    if not keyframes:
+        return cond
+    noise = family.eval_keyframe_noise(n, seed, keyframes)
+    if rows is not None:
+        noise = noise.index_select(0, torch.tensor(rows, dtype=torch.long))
+    return dict(cond, keyframe_noise=noise.to(cond["keyframe_latents"].device))
+
+
+def _keyframes(cond: Optional[dict]) -> int:
+    """Keyframes per sample in ``cond`` (0: none)."""
+    return int(cond["keyframe_latents"].shape[1]) if cond and "keyframe_latents" in cond else 0

@@ -47,9 +47,10 @@ class EvalSampling:
         ``sample(prompt_index, seed)``, with the real score's guidance: the reference an eval
         compares the student with. Critic group only."""
         share = self._eval_share(len(prompt_index))
-        noise, _ = dmd2_iteration.eval_start_noise(self.family, (share.n, *self.shape), seed)
-        noise = noise.index_select(0, torch.tensor(share.positions, dtype=torch.long))
         cond = self._cond(torch.tensor(share.pick(prompt_index)))
+        noise, _ = dmd2_iteration.eval_start_noise(self.family, (share.n, *self.shape), seed, cond)
+        noise = noise.index_select(0, torch.tensor(share.positions, dtype=torch.long))
+        cond = dmd2_iteration.eval_cond(self.family, cond, share.n, seed, share.positions)
         with self._awake():
             x = dmd2_iteration.regression_target(self.family, self._real_score(), noise.to(self.device),
                                               torch.ones(share.per), cond, self._uncond(share.per),
