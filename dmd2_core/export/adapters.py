@@ -31,7 +31,8 @@ from dmd2_core.models import lora
 from dmd2_core.save_layout import EXPORT_MARKER_NAME
 from dmd2_core.models import describe_model_dir
 from dmd2_core.errors import ModelDirError
-from dmd2_core.export.files import EXPORT_FORMAT, cast, persistent, staged_export, total_bytes, writable_dir
+from dmd2_core.export.files import (EXPORT_FORMAT, cast, persistent, staged_export, total_bytes, workflow_entry,
+                                    writable_dir)
 from dmd2_core.export.scheduler import StudentSteps, verify_written_scheduler, write_scheduler
 
 ONLINE_WEIGHT_NAME = "pytorch_lora_weights_online.safetensors"
@@ -71,7 +72,7 @@ def gather(model: torch.nn.Module, export_dtype: torch.dtype, metadata: dict, em
 
 def write(url: str, family, gathered: dict, *, teacher_url: str, shift: float, num_steps: int,
           export_dtype: torch.dtype, verify: bool = True, iteration: Optional[int] = None,
-          started: Optional[float] = None) -> dict:
+          started: Optional[float] = None, workflow: str = "t2va") -> dict:
     """The writer's half (no collective): the adapters at ``url`` through the family's
     ``save_lora_weights``, the student's scheduler, a read-back check, export.json last."""
     started = time.perf_counter() if started is None else started
@@ -89,7 +90,7 @@ def write(url: str, family, gathered: dict, *, teacher_url: str, shift: float, n
         marker = {
             "format": EXPORT_FORMAT, "iteration": None if iteration is None else int(iteration),
             **StudentSteps.of(num_steps).marker(shift), "shift": float(shift),
-            "dtype": str(export_dtype).removeprefix("torch."),
+            "dtype": str(export_dtype).removeprefix("torch."), **workflow_entry(family, workflow),
             "lora": {**metadata, "weight_name": lora.LORA_WEIGHT_NAME, "loader": loader.__name__,
                      "note": "load onto the teacher's pipeline: pipe.load_lora_weights(export)"},
             "transformer": "ema" if averaged is not None else "online",

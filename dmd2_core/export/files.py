@@ -306,3 +306,13 @@ def _lock_is_free(lock: Path) -> bool:
         return False
     finally:
         os.close(fd)  # releases the lock taken here, if any
+
+
+def workflow_entry(family, workflow: str) -> dict:
+    """export.json's ``workflow`` of a student whose modular pipeline serves several (MiniMax-H3):
+    the name ``ModularPipeline.from_pretrained(export, workflow=...)`` takes, the one the student
+    was distilled on (an fl2va student is served its keyframes: ``image`` / ``last_image``, or
+    their ``condition_latents``); nothing for a family with one pipeline."""
+    if not family.modular_pipeline:
+        return {}
+    return {"workflow": workflow}

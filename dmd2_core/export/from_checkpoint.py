@@ -66,6 +66,7 @@ class ExportPlan:
     num_steps: StudentSteps  # the step counts the student serves and its sampler
     shift: float
     dtype: torch.dtype
+    workflow: str = "t2va"  # what the student was distilled on (MiniMax-H3's workflows), as its run records it
 
 
 def plan_export(load: str, out: str, export_format: str, iteration: Optional[int] = None,
@@ -118,7 +119,8 @@ def plan_export(load: str, out: str, export_format: str, iteration: Optional[int
         raise ArgsError(f"num_steps / shift: {exc}") from None
     return ExportPlan(load=load, iteration=iteration, out=out, format=export_format, family=family, teacher=teacher,
                       config=config, lora=metadata, has_ema="ema" in sections, num_steps=num_steps, shift=shift,
-                      dtype=getattr(torch, dtype or student.get("export_dtype") or "float32"))
+                      dtype=getattr(torch, dtype or student.get("export_dtype") or "float32"),
+                      workflow=student.get("workflow") or "t2va")
 
 
 def pick_iteration(load: str, iteration: Optional[int]) -> int:
@@ -191,7 +193,8 @@ def export_checkpoint(plan: ExportPlan) -> dict:
         ema = _Overlay(CheckpointTensors(plan.load, STUDENT, plan.iteration, "ema"), online) if plan.has_ema else None
     if plan.format == "lora-diffusers":
         adapters.write(plan.out, plan.family, {"online": online, "ema": ema, "lora": plan.lora}, teacher_url=plan.teacher,
-                       shift=plan.shift, num_steps=plan.num_steps, export_dtype=plan.dtype, iteration=plan.iteration)
+                       shift=plan.shift, num_steps=plan.num_steps, export_dtype=plan.dtype, iteration=plan.iteration,
+                       workflow=plan.workflow)
     elif plan.format in ("peft", "original"):
         _write_adapter_layout(plan, ema if ema is not None else online)
     else:
@@ -205,7 +208,7 @@ def export_checkpoint(plan: ExportPlan) -> dict:
             staged = pipeline.stream_student(plan.out, model, plan.dtype, values={"online": online, "ema": ema})
             pipeline.write_export(plan.out, model, staged, teacher_url=plan.teacher, shift=plan.shift,
                                   num_steps=plan.num_steps, export_dtype=plan.dtype, iteration=plan.iteration,
-                                  started=started)
+                                  started=started, workflow=plan.workflow)
         else:
             _write_transformer(plan, model, ema if ema is not None else online)
     return {"out": plan.out, "format": plan.format, "iteration": plan.iteration, "bytes": total_bytes(plan.out),

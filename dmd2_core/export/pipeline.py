@@ -48,7 +48,7 @@ from dmd2_core import flow_matching as fm
 from dmd2_core import storage
 from dmd2_core.export import adapters, stream
 from dmd2_core.export.files import (EXPORT_FORMAT, LocalStaging, new_staging_url, resolved, staged_export, total_bytes,
-                                    writable_dir)
+                                    workflow_entry, writable_dir)
 from dmd2_core.save_layout import EXPORT_MARKER_NAME
 from dmd2_core.models import describe_model_dir, family_of
 from dmd2_core.errors import ModelDirError, StorageUnavailableError, one_line
@@ -74,6 +74,7 @@ def export_student(
     run_write=None,
     lora_metadata: Optional[dict] = None,
     merged: bool = False,
+    workflow: str = "t2va",
 ):
     """Export the student ``model`` (possibly FSDP2-sharded; ``ema``: its EMA tensors in
     parameter order, sharded like it) to ``url`` as a diffusers directory (layout in the module
@@ -97,7 +98,9 @@ def export_student(
     (the trainer runs it in a background thread and gets a future). A LoRA student
     (``lora_metadata``: ``lora.adapter_metadata``) is written in the family's diffusers LoRA format
     (``dmd2_core.export.adapters``), or with ``merged`` merged into its base as a full export (that
-    one merges on the writer's host: the merged model whole, once).
+    one merges on the writer's host: the merged model whole, once). ``workflow``: what the student
+    was distilled on (MiniMax-H3's t2va or fl2va), recorded in export.json for the pipeline call
+    that serves it (``workflow_entry``).
     """
     started = time.perf_counter()
     if not family_of(model).modular_pipeline:
@@ -110,7 +113,7 @@ def export_student(
         return None
     write = functools.partial(write_export, url, model, staged, teacher_url=teacher_url, shift=shift,
                               num_steps=num_steps, export_dtype=export_dtype, verify=verify, iteration=iteration,
-                              started=started)
+                              started=started, workflow=workflow)
     return write() if run_write is None else run_write(write)
 
 
@@ -151,7 +154,7 @@ def stream_student(url: str, model: torch.nn.Module, export_dtype: torch.dtype, 
 
 def write_export(url: str, model: torch.nn.Module, staged: dict, *, teacher_url: str, shift: float,
                  num_steps: int, export_dtype: torch.dtype, verify: bool = True, iteration: Optional[int] = None,
-                 started: Optional[float] = None) -> dict:
+                 started: Optional[float] = None, workflow: str = "t2va") -> dict:
     """The writer's half of an export (no collective: it may run in a background thread): from
     ``stream_student``'s staging (or a LoRA's gathered adapters, or a merged LoRA's whole
     states), the transformers' configs, the rest of the pipeline, verification, export.json last,
@@ -160,7 +163,8 @@ def write_export(url: str, model: torch.nn.Module, staged: dict, *, teacher_url:
     family = family_of(model)
     if staged.get("lora") is not None:  # the adapters alone, in the family's diffusers LoRA format
         return adapters.write(url, family, staged, teacher_url=teacher_url, shift=shift, num_steps=num_steps,
-                              export_dtype=export_dtype, verify=verify, iteration=iteration, started=started)
+                              export_dtype=export_dtype, verify=verify, iteration=iteration, started=started,
+                              workflow=workflow)
     if "streamed" not in staged:  # a merged LoRA's whole states
         staged = stream_student(url, model, export_dtype, values=staged)
     try:
@@ -175,7 +179,7 @@ def write_export(url: str, model: torch.nn.Module, staged: dict, *, teacher_url:
                     storage.upload_dir(staged["local"] / name, storage.join(staging, name))
             marker = _finish(staging, model, family, teacher, staged["streamed"], teacher_url=teacher_url, shift=shift,
                              num_steps=num_steps, export_dtype=export_dtype, verify=verify, iteration=iteration,
-                             started=started)
+                             started=started, workflow=workflow)
     finally:
         if staged.get("held") is not None:  # the local staging of an object store's export
             staged["held"].remove()
@@ -184,7 +188,8 @@ def write_export(url: str, model: torch.nn.Module, staged: dict, *, teacher_url:
 
 
 def _finish(staging: str, model, family, teacher: dict, streamed: dict, *, teacher_url: str, shift: float,
-            num_steps: int, export_dtype: torch.dtype, verify: bool, iteration: Optional[int], started: float) -> dict:
+            num_steps: int, export_dtype: torch.dtype, verify: bool, iteration: Optional[int], started: float,
+            workflow: str = "t2va") -> dict:
     """Beside the streamed transformers in ``staging``: the scheduler (or the teacher's modular
     index), the teacher's other components, the index, verification, then export.json."""
     modular = family.modular_pipeline  # the teacher's own (modular) pipeline steps the student
@@ -218,7 +223,8 @@ def _finish(staging: str, model, family, teacher: dict, streamed: dict, *, teach
     if modular:  # its schedulers stay the teacher's: num_inference_steps = K + 1 steps the student's K sigmas
         counts = steps.counts
         one = len(counts) == 1
-        marker.update(num_inference_steps=counts[0] + 1 if one else [k + 1 for k in counts],
+        marker.update(**workflow_entry(family, workflow),
+                      num_inference_steps=counts[0] + 1 if one else [k + 1 for k in counts],
                       shift=float(family.fixed_shift or 1.0),
                       sigmas=steps.per_count(lambda k: fm.student_sigmas(k, 1.0)),
                       modality_sigmas=_modality_sigmas(staging, steps),

@@ -47,7 +47,8 @@ class RankOutputs:
                 shift=self.shift, num_steps=self.steps,
                 export_dtype=getattr(torch, args.export_dtype or args.dtype), ema=ema,
                 writer=self.rank == 0, iteration=iteration, run_write=run_write,
-                lora_metadata=lora.adapter_metadata(args) if args.lora_rank else None, merged=args.export_merged)
+                lora_metadata=lora.adapter_metadata(args) if args.lora_rank else None, merged=args.export_merged,
+                workflow=args.workflow)
         return self.checkpoint
 
     def durable(self) -> bool:
