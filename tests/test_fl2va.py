@@ -114,6 +114,72 @@ def test_one_fl2va_iteration_trains_on_keyframes(fl2va, tmp_path):
     assert any(not torch.equal(before[k], after) for k, after in actor.weights().items())
 
 
+class _LeadingRows:
+    """The leading ``count`` video rows of each forward ``module`` runs (its ``hidden_states``)."""
+
+    def __init__(self, module, count):
+        self.module, self.count, self.seen = module, count, []
+
+    def __enter__(self):
+        self.handle = self.module.register_forward_pre_hook(
+            lambda _, args, kwargs: self.seen.append(kwargs["hidden_states"][:, :self.count].detach().clone()),
+            with_kwargs=True)
+        return self.seen
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+def test_an_fl2va_export_serves_the_fl2va_workflow_with_the_trainers_latents(fl2va, tmp_path):
+    """An fl2va run's export (and one written after the fact from its checkpoint) names its
+    workflow in export.json, and diffusers' modular pipeline
+    loaded with it (``ModularPipeline.from_pretrained(export, workflow="fl2va")``), given a prompt
+    set row (the presentation's embeddings and tags, the keyframes' latents and anchors), seed
+    s + j and num_inference_steps K + 1, samples the trainer's eval sample j, video and audio
+    latents both. Each keyframe's noise is drawn from that seed before the clip's, as diffusers
+    draws it: every step of both sees the same noised keyframe rows (their 0.1 % of noise moves the
+    stand-in's latents by ~1e-6 only, so the rows are compared themselves)."""
+    import contextlib
+    import io
+
+    from dmd2_core.cli import main
+    from dmd2_core.models.h3_repository import load_denoising, run_fl2va
+    from dmd2_core.train.trainer import Trainer
+
+    save = tmp_path / "run"
+    args = load_args("minimax-h3", dict(CPU, hf_checkpoint=fl2va["url"], prompts=fl2va["prompts"], workflow="fl2va",
+                                        save=str(save), async_save=False, dmd2_student_steps=[2]))
+    roles = preflight(args)
+    actor, critic = Trainer(roles["actor"], "actor"), Trainer(roles["critic"], "critic")
+    pairs, _ = actor.rollout(1)
+    outputs, _ = critic.train(1, pairs)
+    actor.train(1, pairs, outputs)
+    url = actor.save(1, export=True)["export_url"]
+    marker = json.loads((save / "exports" / "iter_0000001" / "export.json").read_text())
+    assert marker["workflow"] == "fl2va" and marker["num_inference_steps"] == 3
+    later = tmp_path / "later"  # exported after the fact from the checkpoint: the workflow it recorded
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["export", "--load", str(save), "--out", str(later), "--format", "pipeline"]) == 0
+    assert json.loads((later / "export.json").read_text())["workflow"] == "fl2va"
+    rows = 2 * 1 * 1  # two keyframes of one 2x2 latent frame at patch 2
+    with _LeadingRows(actor.model, rows) as ours_rows:
+        ours = actor.sample([1, 0], seed=7, decode=False)  # rows j use seed 7 + j
+    pipe = load_denoising(url, marker["workflow"])
+    embeds = fl2va["set"].embeds
+    for j, p in enumerate([1, 0]):
+        length = int(embeds["prompt_lengths"][p])
+        with _LeadingRows(pipe.transformer, rows) as theirs_rows:
+            theirs = run_fl2va(pipe, embeds["prompt_embeds"][p, :length], embeds["text_token_tags"][p, :length],
+                               embeds["keyframe_latents"][p], embeds["keyframe_anchors"][p].tolist(),
+                               num_inference_steps=3, num_frames=124, height=32, width=32, seed=7 + j)
+        joined = fl2va["family"].join(theirs["latents"][None], theirs["audio_latents"][None])
+        torch.testing.assert_close(joined, ours[j:j + 1], atol=2e-4, rtol=2e-4)
+        per_step = torch.cat(ours_rows).unflatten(0, (2, 2))  # [step, sample]: the forwards run step by step
+        assert len(theirs_rows) == 2  # the student's 2 steps
+        for step, anchors in enumerate(theirs_rows):
+            torch.testing.assert_close(anchors[0], per_step[step, j], atol=1e-6, rtol=0)
+
+
 def _bad_set(fl2va, name, **changes):
     from dmd2_core.data import PromptSet
 

@@ -240,32 +240,51 @@ def build_tiny_h3_repository(url_or_path: str, seed: int = 0, with_conditioner: 
 # --------------------------------------------------------------------------------------------
 
 
+ENCODING_STEPS = ("before_encode", "text_encoder", "vae_encoder")  # a workflow's steps before its denoise
+
+
 def load_t2va(path: str, with_text_encoder: bool = False, device: Optional[str] = None):
     """The repository's t2va pipeline with its components loaded (``path``: local or storage URL).
 
     ``ModularPipeline.from_pretrained(path, workflow="t2va")`` prunes ``MiniMaxH3Blocks`` to the
     t2va execution blocks (flat: ``text_encoder``, ``denoise.*``, ``decode.*``). Without the text
-    encoder, that ``text_encoder`` step is popped from (a copy of) the blocks and a pipeline is
-    re-initialised from the rest with ``blocks.init_pipeline(path)``: it then takes
-    ``prompt_embeds`` / ``text_token_tags`` as inputs, and ``load_components()`` loads only what
-    those blocks expect (transformer, vae, audio_vae, the two schedulers). With it, the pipeline
-    keeps the encoder step and gets :class:`TokenTypeProcessor` as its ``processor``.
+    encoder, see :func:`load_denoising`. With it, the pipeline keeps the encoder step and gets
+    :class:`TokenTypeProcessor` as its ``processor``.
     """
+    if not with_text_encoder:
+        return load_denoising(path, "t2va", device)
     from diffusers import ModularPipeline
 
     with storage.local_copy(path) as local:
         pipe = ModularPipeline.from_pretrained(str(local), workflow="t2va")
-        if with_text_encoder:
-            pipe.load_components()
-            if pipe.text_encoder is None or pipe.tokenizer is None:
-                raise ValueError(f"{path}: the repository has no text_encoder/tokenizer (built without a conditioner?)")
-            if getattr(pipe, "processor", None) is None:
-                pipe.update_components(processor=TokenTypeProcessor(pipe.tokenizer))
-        else:
-            blocks = pipe.blocks  # a copy
-            blocks.sub_blocks.pop("text_encoder")
-            pipe = blocks.init_pipeline(str(local))
-            pipe.load_components()
+        pipe.load_components()
+        if pipe.text_encoder is None or pipe.tokenizer is None:
+            raise ValueError(f"{path}: the repository has no text_encoder/tokenizer (built without a conditioner?)")
+        if getattr(pipe, "processor", None) is None:
+            pipe.update_components(processor=TokenTypeProcessor(pipe.tokenizer))
+    return _ready(pipe, path, device)
+
+
+def load_denoising(path: str, workflow: str = "t2va", device: Optional[str] = None):
+    """The repository's ``workflow`` pipeline from its prepared inputs on: the workflow's encoding
+    steps (``ENCODING_STEPS``: the media setup, the conditioner, the keyframes' VAE encoder) are
+    popped from (a copy of) its blocks and a pipeline is re-initialised from the rest with
+    ``blocks.init_pipeline(path)``. It then takes what a prompt set holds: ``prompt_embeds`` /
+    ``text_token_tags``, and for fl2va ``condition_latents`` / ``keyframe_anchors``; and
+    ``load_components()`` loads only what those blocks expect (transformer, vae, audio_vae, the
+    two schedulers)."""
+    from diffusers import ModularPipeline
+
+    with storage.local_copy(path) as local:
+        blocks = ModularPipeline.from_pretrained(str(local), workflow=workflow).blocks  # a copy
+        for name in [n for n in blocks.sub_blocks if n in ENCODING_STEPS]:
+            blocks.sub_blocks.pop(name)
+        pipe = blocks.init_pipeline(str(local))
+        pipe.load_components()
+    return _ready(pipe, path, device)
+
+
+def _ready(pipe, path, device: Optional[str]):
     missing = [n for n in ("transformer", "vae", "audio_vae", "scheduler", "audio_scheduler")
                if getattr(pipe, n, None) is None]
     if missing:
@@ -308,6 +327,30 @@ def run_t2va(path, prompt_embeds: torch.Tensor, num_inference_steps: int, num_fr
     device_ = pipe._execution_device
     out = pipe(
         prompt_embeds=embeds.to(device_, pipe.transformer.dtype), text_token_tags=text_token_tags.to(torch.long),
+        num_inference_steps=num_inference_steps, num_frames=num_frames, height=height, width=width,
+        generator=torch.Generator().manual_seed(seed), output_type="pt", output=_OUTPUTS,
+    )
+    return _result(out)
+
+
+def run_fl2va(path, prompt_embeds: torch.Tensor, text_token_tags: torch.Tensor, keyframe_latents: torch.Tensor,
+              keyframe_anchors, num_inference_steps: int, num_frames: int, height: int, width: int, seed: int,
+              device: Optional[str] = None) -> dict:
+    """fl2va denoise + decode from a prompt set's row instead of images: its presentation's
+    embeddings ([1, T, D] or [T, D]) and modality tags [T], its keyframes' VAE latents
+    [K, 24, 1, h, w] (normalised) and their anchors ('first' / 'last', or the set's codes 0 / 1).
+    ``path`` is a repository (local path or URL) or a pipeline from ``load_denoising(path,
+    "fl2va")``. From ``torch.Generator().manual_seed(seed)`` diffusers draws each keyframe's noise
+    first, then the clip's video noise, then its audio rows. Returns :func:`run_t2va`'s dict."""
+    from dmd2_core.models.minimax_h3 import KEYFRAME_ANCHORS
+
+    pipe = load_denoising(path, "fl2va", device) if isinstance(path, (str, os.PathLike)) else path
+    embeds = prompt_embeds if prompt_embeds.dim() == 3 else prompt_embeds.unsqueeze(0)
+    anchors = tuple(a if isinstance(a, str) else KEYFRAME_ANCHORS[int(a)] for a in keyframe_anchors)
+    device_ = pipe._execution_device
+    out = pipe(
+        prompt_embeds=embeds.to(device_, pipe.transformer.dtype), text_token_tags=text_token_tags.to(torch.long),
+        condition_latents=[k[None].to(device_, torch.float32) for k in keyframe_latents], keyframe_anchors=anchors,
         num_inference_steps=num_inference_steps, num_frames=num_frames, height=height, width=width,
         generator=torch.Generator().manual_seed(seed), output_type="pt", output=_OUTPUTS,
     )
