@@ -67,6 +67,7 @@ class StandIn:
         self.trainer_args = {c.role: compute_trainer_args(args, c) for c in compute_trainer_configs(args)}
         self.args = self.trainer_args["actor"]
         self.resumed_with: list[str] = []  # a fresh start: no optimizer setting changed
+        self.startup_s: dict[str, float] = {}
 
     def start(self) -> int:
         return 0

@@ -234,7 +234,9 @@ class Driver(DriverBase):
             f"dmd2: {self.final - self.start} iterations ({self.start + 1}..{self.final}) on {args.num_devices} "
             f"device(s), K={args.dmd2_student_steps}, batch {args.global_batch_size}, save {args.save}"
             + (f" (resumed after iteration {self.start})" if self.start else "")
-            + f"; groups up in {time.perf_counter() - self.t0:.1f}s; windows of {args.iterations_per_window}")
+            + f"; groups up in {time.perf_counter() - self.t0:.1f}s"
+            + (f" ({', '.join(f'{k} {v:g}s' for k, v in self.run.startup_s.items())})" if self.run.startup_s else "")
+            + f"; windows of {args.iterations_per_window}")
         if self.schedule.evaluating:
             resumed = self.eval(self.start)
             first = next(iter(self.view["evals"]), {})  # iteration 0's, on a rerun too (the metrics log)

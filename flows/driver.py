@@ -77,7 +77,7 @@ class DriverBase:
         self.result: dict[str, Any] = {
             "run_id": run_id, "name": name, "start_iteration": self.start, "final_iteration": self.final,
             "metrics_url": self.log.url, "media_urls": [], "checkpoint": None, "artifact_keys": self.keys,
-            "resumed_with": run.resumed_with,
+            "resumed_with": run.resumed_with, "startup_s": run.startup_s,
         }
         self.view: dict[str, Any] = {
             "name": name, "evaluator": self.evaluator.name, "iteration": self.start, "final": self.final,

@@ -179,6 +179,7 @@ def test_a_rerun_of_a_finished_fine_tune_does_not_save_or_export_its_end_again(t
     class Rerun:  # what the driver reads of a DistillRun that resumed from where the run saved
         trainer_args = {"actor": args}
         resumed_with: list[str] = []  # the rerun changed no optimizer setting
+        startup_s: dict[str, float] = {}
 
         def start(self) -> int:
             self.resumed_from = checkpoint.resume_url(args)

@@ -188,6 +188,9 @@ def test_flow_end_to_end(reference):
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert summary["checkpoint"]["iteration"] == 2
     assert set(summary["checkpoint"]["trainers"]) == {"actor", "critic"}
+    # where the start's seconds went, in order (a slow start names its phase in the log line too)
+    assert list(summary["startup_s"]) == ["ray", "lease", "placement group", "ranks up and models read", "resume"]
+    assert all(s >= 0 for s in summary["startup_s"].values())
     assert set(summary["quality_before"]) == {"fd", "acc", "diversity"}
     assert set(summary["quality_after"]) == {"fd", "acc", "diversity"}
 

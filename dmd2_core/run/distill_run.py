@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import uuid
 from statistics import fmean
 from typing import Any, Callable, Optional
@@ -41,6 +42,7 @@ class DistillRun:
         self.args = self.trainer_args["actor"]
         self.lease: lease.Lease | None = None
         self.groups: dict[str, Any] = {}
+        self.startup_s: dict[str, float] = {}  # the last start's phases (start)
         self.pg = None
         self.broken = False
         self.handoff: dict[str, list] = {}
@@ -61,15 +63,19 @@ class DistillRun:
         the run resumes after (0 for a fresh start)."""
         from dmd2_core.run.groups import TrainerGroup, create_placement_group, init_ray
 
+        clock = _Phases()
         init_ray(self.args, num_groups=len(self.trainer_args))
         preflight_checks.check_cluster_resources(self.args, len(self.trainer_args))  # not a placement-group timeout
+        clock.done("ray")
         if self.lease is not None and self.lease.lost:  # a retry after a takeover: refused while the other lives
             self.lease.release()
             self.lease = None
         if self.lease is None:  # before any actor: a second run on the URL refuses here
             self.lease = lease.Lease.acquire(self.args.save, self.owner, self.args.lease_timeout_s)
         self.lease.ensure()
+        clock.done("lease")
         self.pg = create_placement_group(self.args, num_groups=len(self.trainer_args))
+        clock.done("placement group")
         share = 1.0 / len(self.trainer_args) if self.args.colocate else 1.0
         try:
             for index, (role, targs) in enumerate(self.trainer_args.items()):
@@ -77,6 +83,7 @@ class DistillRun:
                 self.groups[role] = TrainerGroup(targs, role, self.pg, share, bundle_offset=offset)
             joining = [call for group in self.groups.values() for call in group.begin_connect()]
             next(iter(self.groups.values())).get(joining)  # every group reads its shards at once
+            clock.done("ranks up and models read")
             source = checkpoint.resume_url(self.args)
             resumed = checkpoint.read_latest(source)
             if resumed is not None:
@@ -89,6 +96,8 @@ class DistillRun:
         except Exception as exc:
             self._stop_groups()
             raise _as_ray_error(exc) from exc
+        clock.done("resume")
+        self.startup_s = clock.seconds
         self.start_iteration = resumed or 0
         self.resumed_from = source if resumed is not None else None
         self.done = (self.start_iteration, len(PHASES))
@@ -362,3 +371,16 @@ def _reduction(key: str) -> Callable[[list], float]:
     if key.endswith("_min"):
         return min
     return fmean
+
+
+class _Phases:
+    """Seconds of each phase of a start, in order (where a slow start spent its time)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def done(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = round(now - self._last, 1)
+        self._last = now
