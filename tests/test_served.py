@@ -73,6 +73,11 @@ def _artifacts(api: str, run_id: str) -> list[dict]:
     return _api(api, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run_id]}}})
 
 
+# how long a served run may take to end: a night's groups took 189 s to come up in a full run of
+# the suite on 2 cores beside the multi-rank tests (~5 s alone); a wait, not a figure
+RUN_WAIT_S = 600
+
+
 def _wait(predicate, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while not (value := predicate()):
@@ -174,7 +179,7 @@ def test_served_minimax_h3_run_on_the_stand_in(served, receiver, shared_ray, tmp
                      ray_address=shared_ray)
     params = {"recipe": "minimax-h3", "overrides": overrides, "num_iterations": 2, "hf_checkpoint": url,
               "prompts": str(tmp_path / "prompts.safetensors"), "save": str(save)}
-    run = _wait_final(api, _run_deployment(api, env, params, "minimax-h3")["id"], 300, log)
+    run = _wait_final(api, _run_deployment(api, env, params, "minimax-h3")["id"], RUN_WAIT_S, log)
     assert run["state"]["type"] == "COMPLETED", run["state"]
     rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if r["iteration"] >= 1]
@@ -204,7 +209,7 @@ def test_served_minimax_h3_run_on_the_stand_in(served, receiver, shared_ray, tmp
     # reference was sampled once (the nights share eval_reference_url)
     bad = {**overrides, "lr": 0.1, "run_name": "h3-standin-bad"}
     run2 = _wait_final(api, _run_deployment(api, env, {**params, "overrides": bad, "save": str(tmp_path / "run2")},
-                                            "minimax-h3")["id"], 300, log)
+                                            "minimax-h3")["id"], RUN_WAIT_S, log)
     assert run2["state"]["type"] == "COMPLETED", run2["state"]
     assert len(list((tmp_path / "reference").iterdir())) == 1
     from flows.nights import rows_of
@@ -255,7 +260,7 @@ def test_nights_in_a_row(served, receiver, shared_ray, tiny_teacher, tmp_path):
     # sleep), one run summary with the configuration, the plot, the latest grid and the export
     first = tmp_path / "n1"
     one = _wait_final(api, _run_deployment(api, env, {**params, "num_iterations": 4, "save": str(first)})["id"],
-                      240, log, until=lambda r: r["state"]["type"] in FINAL)
+                      RUN_WAIT_S, log, until=lambda r: r["state"]["type"] in FINAL)
     assert one["state"]["type"] == "COMPLETED", one["state"]
     name = f"dmd2-tiny-{today}-{one['id'].replace('-', '')[:8]}"
     assert one["name"] == name
@@ -286,9 +291,9 @@ def test_nights_in_a_row(served, receiver, shared_ray, tiny_teacher, tmp_path):
     save = tmp_path / "n2"
     two = _run_deployment(api, env, {**params, "num_iterations": 4, "save": str(save)})
     tracker = save / "latest_checkpointed_iteration.txt"
-    _wait(lambda: tracker.exists() and tracker.read_text().strip() == "2", 180, log.read_text()[-3000:])
+    _wait(lambda: tracker.exists() and tracker.read_text().strip() == "2", RUN_WAIT_S, log.read_text()[-3000:])
     _kill_flow_process(serve, two["id"])
-    two = _wait_final(api, two["id"], 300, log, until=lambda r: r["state"]["type"] in FINAL and r["run_count"] > 1)
+    two = _wait_final(api, two["id"], RUN_WAIT_S, log, until=lambda r: r["state"]["type"] in FINAL and r["run_count"] > 1)
     assert two["state"]["type"] == "COMPLETED" and two["run_count"] == 2, two["state"]
     rerun_log = log.read_text()[start:]
     assert_same_saved_state(save, first, 4)
@@ -297,7 +302,7 @@ def test_nights_in_a_row(served, receiver, shared_ray, tiny_teacher, tmp_path):
     bad = {**overrides, "train_input_hook_path": "tests.hooks_fixture.nan_dmd2_gradient_always",
            "max_nonfinite_steps": 1}
     three = _run_deployment(api, env, {**params, "overrides": bad, "num_iterations": 2, "save": str(tmp_path / "n3")})
-    three = _wait_final(api, three["id"], 240, log, until=lambda r: r["state"]["type"] in FINAL)
+    three = _wait_final(api, three["id"], RUN_WAIT_S, log, until=lambda r: r["state"]["type"] in FINAL)
     assert three["state"]["type"] == "FAILED", three["state"]
 
     # distinct names and keys; one set of artifacts per run (the rerun updated night 2's)
