@@ -20,11 +20,14 @@ def guided_velocity(
     guidance_scale: float,
 ) -> torch.Tensor:
     """Standard CFG: v_u + w (v_c - v_u); w = 1 (or no uncond) is the conditional branch alone.
-    Both branches run in one batched forward."""
+    Both branches run in one batched forward, each on its side's conditions (``family.sample_cond``:
+    a workflow's keyframes too); an entry the unconditional side has none of (keyframes given with
+    a text-only negative, an eval's keyframe noise: the sample's own draw) is the sample's in both."""
     if uncond is None or guidance_scale == 1.0:
         return family.predict_velocity(model, x_t, sigma, cond)
     n = x_t.shape[0]
-    both = {k: torch.cat([uncond[k], cond[k]]) for k in family.cond_keys}
+    negative = family.sample_cond(uncond)
+    both = {k: torch.cat([negative.get(k, v), v]) for k, v in family.sample_cond(cond).items()}
     sig = torch.as_tensor(sigma, dtype=torch.float32).expand(n)
     v = family.predict_velocity(model, torch.cat([x_t, x_t]), torch.cat([sig, sig]), both)
     v_u, v_c = v[:n], v[n:]

@@ -180,6 +180,66 @@ def test_an_fl2va_export_serves_the_fl2va_workflow_with_the_trainers_latents(fl2
             torch.testing.assert_close(anchors[0], per_step[step, j], atol=1e-6, rtol=0)
 
 
+def _features_by_hand(family, model, x0, cond, keyframes=0, u=0.5, seed=0):
+    """What the teacher's features of ``x0`` must be: each sample noised alone with its feature
+    noise and run (stopped at the middle block) under every entry of its ``cond``, the block's
+    rows read off diffusers' layout [text | keyframes | audio | video] by position."""
+    from dmd2_core.evaluation.teacher_features import sample_noise
+    from dmd2_core.models.feature_tap import FeatureTap
+
+    noise = sample_noise(x0.shape, seed)
+    rows_per_frame = family.video_shape[2] * family.video_shape[3] // 4  # patch 2 x 2
+    audio_rows = family.audio_shape[0] * family.audio_shape[2]
+    out = {"video": [], "audio": []}
+    for i in range(x0.shape[0]):
+        with torch.no_grad(), FeatureTap(family, model, None, stop=True) as tap:
+            family.predict_velocity(model, family.add_noise(x0[i:i + 1], noise[i:i + 1], u), torch.full((1,), u),
+                                    {k: v[i:i + 1] for k, v in cond.items()})
+        audio_start = int(cond["prompt_lengths"][i]) + keyframes * rows_per_frame
+        out["audio"].append(tap.features[0, audio_start:audio_start + audio_rows].mean(0))
+        out["video"].append(tap.features[0, audio_start + audio_rows:].mean(0))
+    return {k: torch.stack(v) for k, v in out.items()}
+
+
+def test_the_teachers_features_of_an_fl2va_clip_see_its_keyframes(fl2va):
+    """An fl2va eval's teacher features judge a clip under the conditions it was made with: its
+    keyframes are in the teacher's forward (other keyframes, other features) and only the
+    generated rows are pooled; a t2va clip's features are the text-only forward's, as before."""
+    from dmd2_core.data import load_prompt_set
+    from dmd2_core.evaluation.teacher_features import teacher_features
+
+    family, model = fl2va["family"], fl2va["model"]
+    x0 = torch.randn(2, family.segments["audio"].stop, generator=torch.Generator().manual_seed(3))
+    cond = fl2va["set"].cond([0, 1])
+    feats = teacher_features(family, model, x0, cond)
+    swapped = teacher_features(family, model, x0, dict(cond, keyframe_latents=cond["keyframe_latents"].flip(0)))
+    assert all(not torch.allclose(swapped[k][i], feats[k][i]) for k in ("video", "audio") for i in range(2))
+    expected = _features_by_hand(family, model, x0, cond, keyframes=2)
+    for k in ("video", "audio"):
+        torch.testing.assert_close(feats[k], expected[k], atol=1e-5, rtol=1e-5)
+    text_only = load_prompt_set(fl2va["t2va"]).cond([0, 1])
+    t2va = teacher_features(family, model, x0, text_only)
+    for k, f in _features_by_hand(family, model, x0, text_only).items():
+        torch.testing.assert_close(t2va[k], f, atol=1e-5, rtol=1e-5)
+
+
+def test_guidance_keeps_the_keyframes_in_both_branches(fl2va):
+    """Classifier-free guidance on an fl2va sample: both branches see its keyframes (a text-only
+    negative has none of its own), v_u + w (v_c - v_u) of the two forwards run apart."""
+    from dmd2_core.sampling import guided_velocity
+
+    family, model = fl2va["family"], fl2va["model"]
+    cond = fl2va["set"].cond([0, 0])
+    uncond = {"prompt_embeds": torch.zeros_like(cond["prompt_embeds"]), "prompt_lengths": cond["prompt_lengths"]}
+    x = torch.randn(2, family.segments["audio"].stop, generator=torch.Generator().manual_seed(4))
+    sigma = torch.tensor(0.5)
+    with torch.no_grad():
+        guided = guided_velocity(family, model, x, sigma, cond, uncond, 3.0)
+        v_c = family.predict_velocity(model, x, sigma, cond)
+        v_u = family.predict_velocity(model, x, sigma, dict(cond, prompt_embeds=uncond["prompt_embeds"]))
+    torch.testing.assert_close(guided, v_u + 3.0 * (v_c - v_u), atol=1e-5, rtol=1e-5)
+
+
 def _bad_set(fl2va, name, **changes):
     from dmd2_core.data import PromptSet
 

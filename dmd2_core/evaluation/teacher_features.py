@@ -32,19 +32,14 @@ def modality_name(family) -> str:
     return "video" if family.is_video else "image"
 
 
-def _forward_groups(cond: dict, n: int, micro_batch: int) -> list[tuple[list[int], int]]:
-    """Rows in micro-batches, as (rows, text tokens). Where the cond carries ``prompt_lengths``
-    (MiniMax-H3: one forward per text length), a micro-batch holds one length only: the tap stops
-    the first forward, so a batch of two lengths would lose the second's rows."""
-    lengths = cond.get("prompt_lengths")
-    if lengths is None:
-        text = cond["prompt_embeds"].shape[1] if "prompt_embeds" in cond else 0
-        keyed = {text: list(range(n))}
-    else:
-        keyed: dict[int, list[int]] = {}
-        for i, length in enumerate(torch.as_tensor(lengths).reshape(-1).long().tolist()):
-            keyed.setdefault(length, []).append(i)
-    return [(rows[s:s + micro_batch], text) for text, rows in keyed.items() for s in range(0, len(rows), micro_batch)]
+def _forward_groups(family, cond: dict, n: int, micro_batch: int) -> list[tuple[list[int], tuple]]:
+    """Rows in micro-batches, as (rows, their layout: ``family.layout_keys``). A micro-batch holds
+    one layout only (MiniMax-H3: one forward per text length, text tags and keyframe anchors): the
+    tap stops the first forward, so a batch of two layouts would lose the second's rows."""
+    keyed: dict[tuple, list[int]] = {}
+    for i, layout in enumerate(family.layout_keys(cond, n)):
+        keyed.setdefault(layout, []).append(i)
+    return [(rows[s:s + micro_batch], layout) for layout, rows in keyed.items() for s in range(0, len(rows), micro_batch)]
 
 
 @torch.no_grad()
@@ -52,8 +47,11 @@ def teacher_features(family, teacher_model: torch.nn.Module, x0: torch.Tensor, c
                      block: Optional[int] = None, u: float = 0.5, seed: int = 0, micro_batch: int = 8,
                      index_offset: int = 0, stop: bool = True) -> dict[str, torch.Tensor]:
     """Teacher features of samples ``x0`` [N, *sample_shape] (the family's latents: SD3 [N, C, H, W],
-    Wan [N, C, F, H, W], MiniMax-H3 flat [N, D] of a bound family) under ``cond`` ({key: [N, ...]}
-    for the family's ``cond_keys``): {modality: float32 [N, width] on the CPU}, width the block's
+    Wan [N, C, F, H, W], MiniMax-H3 flat [N, D] of a bound family) under ``cond`` ({key: [N, ...]};
+    the teacher sees the entries the family's forward reads, ``family.sample_cond``: an fl2va
+    sample's keyframes too, noised with the fixed training draw unless ``cond`` holds the sample's
+    own ``keyframe_noise``, so the student's, the reference's and the real rows' clips are seen
+    alike): {modality: float32 [N, width] on the CPU}, width the block's
     hidden size. Keys: 'video' and 'audio' for MiniMax-H3 (the generated rows only: text and
     keyframe rows are in neither), 'image' for SD3, 'video' for Wan.
 
@@ -69,7 +67,7 @@ def teacher_features(family, teacher_model: torch.nn.Module, x0: torch.Tensor, c
     if n == 0:
         raise ValueError("teacher_features: no samples")
     device = next(teacher_model.parameters()).device
-    cond = {k: torch.as_tensor(v) for k, v in cond.items() if k in family.cond_keys}
+    cond = {k: torch.as_tensor(v) for k, v in family.sample_cond(cond).items()}
     for k, v in cond.items():
         if v.shape[0] != n:
             raise ValueError(f"teacher_features: cond[{k!r}] has {v.shape[0]} rows for {n} samples")
@@ -78,7 +76,7 @@ def teacher_features(family, teacher_model: torch.nn.Module, x0: torch.Tensor, c
     was_training = teacher_model.training
     teacher_model.eval()
     try:
-        for rows, text_tokens in _forward_groups(cond, n, max(1, int(micro_batch))):
+        for rows, (text_tokens, *layout) in _forward_groups(family, cond, n, max(1, int(micro_batch))):
             index = torch.tensor(rows)
             x_t = family.add_noise(x0[index].to(device).float(), noise[index].to(device), u)
             sigma = torch.full((len(rows),), float(u))
@@ -89,7 +87,7 @@ def teacher_features(family, teacher_model: torch.nn.Module, x0: torch.Tensor, c
                 raise RuntimeError(f"teacher_features: the feature block saw {None if tokens is None else tokens.shape[0]} "
                                    f"rows of a forward of {len(rows)} (a family that splits a batch into "
                                    "several forwards needs its rows grouped here)")
-            spans = family.feature_tokens(text_tokens) or {modality_name(family): None}
+            spans = family.feature_tokens(text_tokens, tuple(layout)) or {modality_name(family): None}
             for name, span in spans.items():
                 part = tokens if span is None else tokens.index_select(1, span.to(tokens.device))
                 pooled = part.float().mean(1).cpu()

@@ -54,6 +54,22 @@ class ModelFamily:
         """This family for one sample geometry (families whose forward needs it return a copy)."""
         return self
 
+    # ---- a sample's conditions: what the forward reads of a batch's cond ------------------------
+    def sample_cond(self, cond: dict) -> dict:
+        """The entries of a batch's ``cond`` ({key: [N, ...]}) that condition its samples: what the
+        family's forward reads (``cond_keys``; a family with several workflows adds the keys of the
+        one ``cond`` was prepared for). Whoever picks a sample's conditions out of a larger dict
+        (the teacher's features, guidance's batched branches) asks here, so a condition the forward
+        reads is never dropped on the way."""
+        return {k: cond[k] for k in self.cond_keys}
+
+    def layout_keys(self, cond: dict, n: int) -> list[tuple]:
+        """Each of ``n`` samples' sequence layout under ``cond``, its text tokens first: samples of
+        one key can share a forward (MiniMax-H3 runs one forward per key, so a caller that must see
+        a single forward, the teacher features' stopped tap, groups the rows by it). Default: one
+        layout, the text width."""
+        return [(cond["prompt_embeds"].shape[1] if "prompt_embeds" in cond else 0,)] * n
+
     # ---- sigma, elementwise: one place for the families that map it per element ----------------
     def sigma_field(self, sigma, like: torch.Tensor):
         return sigma
@@ -93,7 +109,7 @@ class ModelFamily:
         """v(x_t, sigma | cond) in fp32; the model computes in its own dtype."""
         dtype = next(model.parameters()).dtype
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x_t.device).expand(x_t.shape[0])
-        cond = {k: cond[k].to(device=x_t.device, dtype=dtype) for k in self.cond_keys}
+        cond = {k: v.to(device=x_t.device, dtype=dtype) for k, v in self.sample_cond(cond).items()}
         return self.forward(model, x_t.to(dtype), fm.timestep(sigma).to(dtype), cond).float()
 
     def sample_shape(self, model: torch.nn.Module, latent_shape: Optional[list[int]] = None) -> tuple[int, ...]:
@@ -157,10 +173,11 @@ class ModelFamily:
     def feature_dim(self, model: torch.nn.Module) -> int:
         return model.config.num_attention_heads * model.config.attention_head_dim
 
-    def feature_tokens(self, text_tokens: int) -> Optional[dict[str, torch.Tensor]]:
+    def feature_tokens(self, text_tokens: int, layout: tuple = ()) -> Optional[dict[str, torch.Tensor]]:
         """Which rows of a block's output (the token axis a ``FeatureTap`` keeps) are which modality
-        of the sample, as index tensors, for a prompt of ``text_tokens`` tokens; None: every row is
-        the sample's one modality (SD3's image stream, Wan's video tokens)."""
+        of the sample, as index tensors, for a prompt of ``text_tokens`` tokens (``layout``: the rest
+        of the sample's ``layout_keys`` key); None: every row is the sample's one modality (SD3's
+        image stream, Wan's video tokens)."""
         return None
 
     def encode_prompts(self, pipe, prompts: list[str], negative_prompt: str, max_sequence_length: Optional[int]):

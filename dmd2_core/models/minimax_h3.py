@@ -68,6 +68,10 @@ PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 WORKFLOWS = ("t2va", "fl2va", "ref2va")  # diffusers' MiniMaxH3Blocks._workflow_map
 KEYFRAME_ANCHORS = ("first", "last")  # keyframe_anchors codes 0 and 1, diffusers' anchor names
 KEYFRAME_KEYS = ("keyframe_latents", "keyframe_anchors", "text_token_tags")  # an fl2va prompt set's own keys
+TEXT_COND_KEYS = ("prompt_embeds", "prompt_lengths")
+# the keys each workflow conditions a sample on (``MiniMaxH3Family.sample_cond``)
+WORKFLOW_COND_KEYS = {"t2va": TEXT_COND_KEYS, "fl2va": (*TEXT_COND_KEYS, *KEYFRAME_KEYS)}
+EVAL_KEYFRAME_NOISE = "keyframe_noise"  # an eval sample's own draw of its keyframes' noise, beside its conditions
 KEYFRAME_NOISE_AUG = 0.999  # the t a keyframe anchor is noised to and held at (pipe.keyframe_noise_aug)
 # diffusers draws the anchors' 0.1 % of noise from the request's generator, before the clip's noise;
 # training draws it once from this seed, so every forward of a sample (rollout, teacher, fake score)
@@ -185,7 +189,7 @@ def shifted(u: torch.Tensor, shift: float) -> torch.Tensor:
 class MiniMaxH3Family(ModelFamily):
     class_name = "MiniMaxH3Transformer3DModel"
     pipeline_class = "MiniMaxH3ModularPipeline"
-    cond_keys = ("prompt_embeds", "prompt_lengths")
+    cond_keys = TEXT_COND_KEYS  # every workflow's; fl2va's own keys come with its prompt set (``sample_cond``)
     is_video = True
     has_audio = True
     guidance_distilled = True
@@ -273,6 +277,26 @@ class MiniMaxH3Family(ModelFamily):
         t = torch.tensor([u], dtype=torch.float32)
         return float(shifted(t, self.shifts[0])), float(shifted(t, self.shifts[1]))
 
+    # ---- a sample's conditions ------------------------------------------------------------------
+    def sample_cond(self, cond: dict) -> dict:
+        """The entries of ``cond`` a sample is conditioned on: its workflow's keys
+        (``WORKFLOW_COND_KEYS``; fl2va where ``cond`` holds keyframes, as only an fl2va prompt set
+        does) and, where ``cond`` holds one, an eval sample's own keyframe noise (``keyframe_noise``:
+        without it the forward noises the keyframes with the fixed training draw)."""
+        keys = WORKFLOW_COND_KEYS["fl2va" if "keyframe_latents" in cond else "t2va"]
+        return {k: cond[k] for k in (*keys, EVAL_KEYFRAME_NOISE) if k in keys or k in cond}
+
+    def layout_keys(self, cond: dict, n: int) -> list[tuple]:
+        """Each sample's packed layout (text length, the text rows' tags or None, the keyframes'
+        anchors): ``_layout``'s key with its text length. Samples of one key (and one u) share a
+        forward."""
+        lengths = cond["prompt_lengths"].reshape(-1).long().tolist()
+        tags = [tuple(row[:length]) for row, length in zip(cond["text_token_tags"].long().tolist(), lengths)] \
+            if "text_token_tags" in cond else [None] * n
+        anchors = [tuple(KEYFRAME_ANCHORS[a] for a in row) for row in cond["keyframe_anchors"].long().tolist()] \
+            if "keyframe_latents" in cond else [()] * n
+        return list(zip(lengths, tags, anchors))
+
     # ---- the forward ------------------------------------------------------------------------------
     def _layout(self, text_tags: tuple[int, ...], anchors: tuple[str, ...] = ()) -> tuple:
         """diffusers' t2va / fl2va layout ``[text | keyframes | audio | video]`` for this geometry,
@@ -287,11 +311,13 @@ class MiniMaxH3Family(ModelFamily):
                 self.audio_shape[2], self.patch_size, AUDIO_CHANNELS, AUDIO_TAG, VIDEO_TAG, anchors)[:6]
         return self._layouts[key]
 
-    def feature_tokens(self, text_tokens: int) -> dict[str, torch.Tensor]:
+    def feature_tokens(self, text_tokens: int, layout: tuple = ()) -> dict[str, torch.Tensor]:
         """The packed sequence's generated video and audio rows ([text | keyframes | audio | video]);
-        text and keyframe rows are in neither."""
-        _, _, video_idx, audio_idx, _, _ = self._layout((TEXT_TAG,) * int(text_tokens))
-        return {"video": video_idx, "audio": audio_idx}
+        text and keyframe rows are in neither. ``layout``: (text tags, keyframe anchors), the rest
+        of a ``layout_keys`` key (none: t2va's layout)."""
+        tags, anchors = layout or (None, ())
+        _, _, video_idx, audio_idx, _, condition_rows = self._layout(tags or (TEXT_TAG,) * int(text_tokens), anchors)
+        return {"video": video_idx[condition_rows:], "audio": audio_idx}
 
     def _rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
@@ -364,21 +390,16 @@ class MiniMaxH3Family(ModelFamily):
         eval's) and with the fixed training draw where not."""
         n = x_t.shape[0]
         u = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1).expand(n).tolist()
-        lengths = cond["prompt_lengths"].reshape(-1).long().tolist()
         text = cond["prompt_embeds"].to(x_t.device)
-        keyframes, keyframe_noise = cond.get("keyframe_latents"), cond.get("keyframe_noise")
-        tags = [tuple(row[:length]) for row, length in zip(cond["text_token_tags"].long().tolist(), lengths)] \
-            if "text_token_tags" in cond else [None] * n
-        anchors = [tuple(KEYFRAME_ANCHORS[a] for a in row) for row in cond["keyframe_anchors"].long().tolist()] \
-            if keyframes is not None else [()] * n
+        keyframes, keyframe_noise = cond.get("keyframe_latents"), cond.get(EVAL_KEYFRAME_NOISE)
         groups: dict[tuple, list[int]] = {}
         # a sharded model's forward is a collective: every rank must run as many as the others,
         # so across ranks each item runs alone (micro-batches are equal on every rank)
         sharded = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-        for i, key in enumerate(zip(u, lengths, tags, anchors)):
+        for i, key in enumerate(zip(u, self.layout_keys(cond, n))):
             groups.setdefault((i, *key) if sharded else key, []).append(i)
         order, parts = [], []
-        for (*_, u_i, length, tags_i, anchors_i), rows in groups.items():
+        for (*_, u_i, (length, tags_i, anchors_i)), rows in groups.items():
             index = torch.tensor(rows, device=x_t.device)
             group_keyframes = keyframes.index_select(0, index.to(keyframes.device)) if anchors_i else None
             group_noise = keyframe_noise.index_select(0, index.to(keyframe_noise.device)) \
