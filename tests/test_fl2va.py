@@ -240,6 +240,23 @@ def test_guidance_keeps_the_keyframes_in_both_branches(fl2va):
     torch.testing.assert_close(guided, v_u + 3.0 * (v_c - v_u), atol=1e-5, rtol=1e-5)
 
 
+def test_an_fl2va_eval_reference_is_its_own_cache_entry(fl2va, tmp_path):
+    """The teacher's cached reference of an fl2va run is keyed by its workflow: an entry made
+    before its features saw the keyframes is not a hit; a t2va run's key has no workflow in it."""
+    from dmd2_core.data import prompt_texts
+    from dmd2_core.evaluation.teacher_evaluator import reference_key, settings_key, teacher_identity
+
+    base = dict(CPU, hf_checkpoint=fl2va["url"], prompts=fl2va["prompts"], save=str(tmp_path / "run"))
+    fl2va_args = load_args("minimax-h3", dict(base, workflow="fl2va"))
+    t2va_args = load_args("minimax-h3", base)
+    identity = teacher_identity(fl2va_args)
+    assert reference_key(fl2va_args, [0, 1], identity) != reference_key(t2va_args, [0, 1], identity)
+    assert reference_key(t2va_args, [0, 1], identity) == settings_key({
+        **identity, "prompts": t2va_args.prompts, "texts": prompt_texts(t2va_args.prompts), "order": [0, 1],
+        "seed": t2va_args.eval_seed, "latent_shape": t2va_args.latent_shape, "steps": t2va_args.eval_reference_steps,
+        "guidance": t2va_args.dmd2_guidance_scale, "shift": t2va_args.dmd2_shift})
+
+
 def _bad_set(fl2va, name, **changes):
     from dmd2_core.data import PromptSet
 

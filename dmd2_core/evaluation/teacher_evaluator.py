@@ -145,12 +145,14 @@ def settings_key(settings: dict[str, Any]) -> str:
 
 def reference_key(args: Args, order: list[int], identity: Optional[dict[str, Any]] = None) -> str:
     """What a cached reference must match to be a hit: the teacher (``teacher_identity``), the
-    prompts (URL and texts), the eval prompts and noise seed, the sample shape and the teacher's
-    sampler (steps, guidance, shift)."""
+    prompts (URL and texts), the eval prompts and noise seed, the sample shape, the teacher's
+    sampler (steps, guidance, shift) and a workflow other than t2va (MiniMax-H3's fl2va: its
+    entries made before the teacher's features saw the keyframes are not hits; t2va's keys stay)."""
     return settings_key({
         **(identity or teacher_identity(args)), "prompts": args.prompts, "texts": prompt_texts(args.prompts), "order": order,
         "seed": args.eval_seed, "latent_shape": args.latent_shape, "steps": args.eval_reference_steps,
-        "guidance": args.dmd2_guidance_scale, "shift": args.dmd2_shift})
+        "guidance": args.dmd2_guidance_scale, "shift": args.dmd2_shift,
+        **({"workflow": args.workflow} if args.workflow != "t2va" else {})})
 
 
 def real_rows(args: Args) -> list[int]:
