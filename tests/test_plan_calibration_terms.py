@@ -106,3 +106,19 @@ def test_an_eval_splits_its_seconds_into_decoder_drift_and_encode():
     assert timings["eval_drift_s"] == 0.5 and timings["eval_encoded_clips"] == 8
     assert timings["eval_decode_s"] == pytest.approx(1.5 + (timings["eval_decode_s"] - 1.5))
     assert timings["eval_encode_s"] == pytest.approx(3.0 - (timings["eval_decode_s"] - 1.5))
+
+
+def test_the_reference_is_priced_at_the_sampling_rate_the_eval_that_made_it_measured(tiny_teacher):
+    trainers, plan = _plan(tiny_teacher)
+    plan = dataclasses.replace(plan, reference_flops=3e12)  # a teacher evaluator's (the digits one has none)
+    decodes_and_drift = 32 * 18.0 / 72 + 32 * 2.0 / 64  # its 32 decodes and drift statistics, as calibrated
+    rows = [{**ROWS[0], "eval_reference_s": 20.0}] + ROWS[1:]
+    calibrated = time_plan.calibrate(plan, trainers, rows, "metrics.jsonl")
+    # the same reference costs what it took; its sampling is not priced at the training step's rate
+    assert calibrated.reference_s == pytest.approx(20.0)
+    rate = calibrated.reference_flops / (20.0 - decodes_and_drift)
+    assert calibrated.reference_flops_per_s == pytest.approx(rate)
+    assert rate != pytest.approx(calibrated.implied_mfu * calibrated.peak_flops)
+    # twice the reference's FLOPs (twice the steps), twice its sampling seconds
+    doubled = dataclasses.replace(calibrated, reference_flops=2 * calibrated.reference_flops)
+    assert doubled.reference_s == pytest.approx(2 * (20.0 - decodes_and_drift) + decodes_and_drift)

@@ -318,6 +318,9 @@ class TimePlan:
     decode_flops_per_s: Optional[float] = None  # measured (calibrate); None: the device's rate
     drift_s_per_mpf: Optional[float] = None  # host seconds a decoded megapixel-frame; None: not priced
     encode_s_per_mpf: Optional[float] = None
+    # the teacher's reference sampling, FLOP/s of one device, where a run measured it (calibrate); None:
+    # the iteration's rate (no-grad guided forwards run at another efficiency than a training step)
+    reference_flops_per_s: Optional[float] = None
     # a save's fixed seconds (its files, hashes, marker) beside its bytes at storage_gbps (calibrate)
     checkpoint_fixed_s: float = 0.0
     export_fixed_s: float = 0.0
@@ -362,8 +365,8 @@ class TimePlan:
 
     @property
     def reference_s(self) -> float:
-        return (self.reference_flops / (self.implied_mfu * self.peak_flops * self.cp_size)
-                + self._decoder_and_host_s("reference"))
+        rate = self.reference_flops_per_s or self.implied_mfu * self.peak_flops
+        return self.reference_flops / (rate * self.cp_size) + self._decoder_and_host_s("reference")
 
     @property
     def checkpoint_s(self) -> float:
@@ -561,7 +564,8 @@ def calibrate(plan: TimePlan, trainers: dict[str, Args], rows: list[dict], url: 
     devices: the plan's MFU becomes what it implies), the checkpoints and exports their fixed
     seconds (``_save_fixed``), the first eval that split its seconds the decoder's FLOP/s and the
     host's pace (``_decoder_and_host``); every other cost follows from the model. The first
-    iteration is taken, not a median: it is what a team has after one short try."""
+    iteration is taken, not a median: it is what a team has after one short try. The eval that made
+    the teacher's reference prices the reference's sampling (``_reference_rate``)."""
     timed = next((r for r in rows if isinstance(r.get("iteration_s"), (int, float)) and r["iteration_s"] > 0), None)
     if timed is None:
         raise ArgsError(f"calibrate_from: no measured iteration (iteration_s) in {url}")
@@ -574,7 +578,8 @@ def calibrate(plan: TimePlan, trainers: dict[str, Args], rows: list[dict], url: 
     saves = _save_fixed(plan, rows, figures)
     figures.update(storage_gbps=plan.storage_gbps, **saves)
     decoder = _decoder_and_host(plan, _first(rows, "eval_decode_s"), figures)
-    return replace(plan, mfu=flops_per_s / plan.peak_flops, measured=None, calibrated=figures, **saves, **decoder)
+    plan = replace(plan, mfu=flops_per_s / plan.peak_flops, measured=None, calibrated=figures, **saves, **decoder)
+    return replace(plan, **_reference_rate(plan, _first(rows, "eval_reference_s"), figures))
 
 
 def _first(rows: list[dict], key: str) -> Optional[dict]:
@@ -601,6 +606,21 @@ def _save_fixed(plan: TimePlan, rows: list[dict], figures: dict) -> dict:
             out[f"{kind}_fixed_s"] = max(0.0, typical - size / (plan.storage_gbps * 1e9))
             figures.update({f"{kind}_iterations": [int(r["iteration"]) for r in warm], seconds: typical})
     return out
+
+
+def _reference_rate(plan: TimePlan, made: Optional[dict], figures: dict) -> dict:
+    """The teacher reference's sampling FLOP/s per device from the eval that made it (its
+    ``eval_reference_s`` less its decodes and drift statistics as ``plan`` prices them): 50 guided
+    no-grad steps in large batches, not a training step's pace (the MiniMax-H3 stand-in: priced at
+    the iteration's rate the reference came out 1.2-1.33x its measured seconds)."""
+    if made is None or not plan.reference_flops:
+        return {}
+    sampling_s = float(made["eval_reference_s"]) - plan._decoder_and_host_s("reference")
+    if sampling_s <= 0:
+        return {}
+    rate = plan.reference_flops / (sampling_s * plan.cp_size)
+    figures.update(reference_iteration=int(made["iteration"]), reference_flops_per_s=rate)
+    return {"reference_flops_per_s": rate}
 
 
 def _decoder_and_host(plan: TimePlan, evaluated: Optional[dict], figures: dict) -> dict:
