@@ -1,6 +1,6 @@
 """Does the time plan predict a run's eval, checkpoint and export from one measured iteration? The
 minimax-h3 recipe on the MiniMax-H3 stand-in (CPU, fp32, one rank per group, through the Prefect
-flow and its Ray groups), twice: a short calibrating run (2 iterations, an eval, checkpoint and
+flow and its Ray groups), twice: a short calibrating run (3 iterations, an eval, checkpoint and
 export each), as a team makes before booking a night, then the run to predict (4 iterations, the
 same each), the times read back from each run's metrics log. The plan (``python -m dmd2_core
 plan``'s, from the configs alone) calibrated from the short run as ``plan --calibrate-from`` does
@@ -15,7 +15,7 @@ measured. Prints one JSON line:
 ``ratio`` is predicted over measured (the median of the second run's measurements of that cost).
 What carries over to a GPU and what does not: docs/scale.md, "Calibrating the time plan".
 
-    python bench/plan_calibration.py [--iterations 4] [--calibrate-iterations 2] [--keep DIR] [--from-save DIR]
+    python bench/plan_calibration.py [--iterations 4] [--calibrate-iterations 3] [--keep DIR] [--from-save DIR]
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def compare(calibrating: str, save: str, overrides: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--iterations", type=int, default=4, help="of the run predicted")
-    parser.add_argument("--calibrate-iterations", type=int, default=2, help="of the short run calibrated from")
+    parser.add_argument("--calibrate-iterations", type=int, default=3, help="of the short run calibrated from")
     parser.add_argument("--keep", default=None, help="run in this directory and keep it (else a temporary one)")
     parser.add_argument("--from-save", default=None, help="read an earlier bench run's directory (--keep) instead of running")
     ns = parser.parse_args()
