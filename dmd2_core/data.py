@@ -18,6 +18,10 @@ from safetensors.torch import load, save
 from dmd2_core import storage
 
 DIGITS = "digits"
+# A MiniMax-H3 fl2va set's keyframes as pictures, uint8 [N, K, 3, H, W]: the eval media show them
+# beside the clip; no forward reads them, so a set's ``cond`` leaves them out.
+KEYFRAME_PIXELS = "keyframe_pixels"
+SHOWN_ONLY_KEYS = (KEYFRAME_PIXELS,)
 # Prompt and real sets built in by name: a toy world's module (``dmd2_core/toys``), imported only
 # when a run names it, that gives ``prompt_set()``, ``real_set()`` and ``quality(sample, n, seed)``.
 BUILTIN_SETS = {DIGITS: "dmd2_core.toys.digits_world"}
@@ -35,7 +39,7 @@ class PromptSet:
 
     def cond(self, indices) -> dict[str, torch.Tensor]:
         idx = torch.as_tensor(indices, dtype=torch.long)
-        return {k: v[idx] for k, v in self.embeds.items()}
+        return {k: v[idx] for k, v in self.embeds.items() if k not in SHOWN_ONLY_KEYS}
 
     def uncond(self, n: int) -> dict[str, torch.Tensor]:
         return {k: v.expand(n, *v.shape[1:]).clone() for k, v in self.negative.items()}
@@ -105,12 +109,13 @@ class StoredRows:
 class StoredPromptSet:
     """A prompt set file as a trainer reads it: the negative entry and the texts at once (small),
     each row of the embeddings only when ``cond`` asks for it (``StoredRows``). Its ``cond`` and
-    ``uncond`` give what a loaded ``PromptSet``'s give."""
+    ``uncond`` give what a loaded ``PromptSet``'s give (neither reads ``SHOWN_ONLY_KEYS``: a
+    training batch never fetches the keyframes' pictures)."""
 
     def __init__(self, url: str):
         self.stored = StoredRows(url)
         shapes, meta = self.stored.shapes, self.stored.metadata
-        self.keys = [k for k in shapes if not k.startswith("negative_")]
+        self.keys = [k for k in shapes if not k.startswith("negative_") and k not in SHOWN_ONLY_KEYS]
         negative_keys = [k for k in shapes if k.startswith("negative_")]
         if "prompt_embeds" not in self.keys or (negative_keys and {k.removeprefix("negative_") for k in negative_keys}
                                                 != set(self.keys)):
@@ -273,6 +278,20 @@ def check_real_set(url: str, sample_shape: tuple, prompts_url: str, cond_keys) -
             what = "per token" if first == 2 else "per sample"
             raise ValueError(f"real_data: {url} '{key}' is {shapes[key][first:]} {what}, the prompt set's is "
                              f"{want[key][first:]}")
+
+
+def keyframe_pictures(prompts_url: Optional[str], indices: Sequence[int]) -> dict[int, tuple[torch.Tensor, list[int]]]:
+    """Prompt index -> its keyframes as pictures (uint8 [K, 3, H, W]) and their anchor codes (0
+    first, 1 last), for the prompts ``indices`` of an fl2va set: those rows only. Empty for a set
+    without pictures (a built-in or t2va set, or an fl2va set prepared before they were kept)."""
+    if not prompts_url or prompts_url in BUILTIN_SETS:
+        return {}
+    stored = StoredRows(prompts_url)
+    if KEYFRAME_PIXELS not in stored.shapes or "keyframe_anchors" not in stored.shapes:
+        return {}
+    unique = sorted(set(int(i) for i in indices))
+    rows = stored.rows([KEYFRAME_PIXELS, "keyframe_anchors"], unique)
+    return {p: (rows[KEYFRAME_PIXELS][i], rows["keyframe_anchors"][i].tolist()) for i, p in enumerate(unique)}
 
 
 def keyframes_per_sample(prompts_url: Optional[str], workflow: str) -> int:

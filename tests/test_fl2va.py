@@ -62,6 +62,97 @@ def test_prepared_set_holds_the_keyframes_as_diffusers_fl2va_blocks_encode_them(
     assert not torch.equal(embeds["keyframe_latents"][0], embeds["keyframe_latents"][1])
 
 
+def _picture(path):
+    """An image file as uint8 [3, H, W]."""
+    from PIL import Image
+
+    return torch.from_numpy(np.array(Image.open(path).convert("RGB"))).permute(2, 0, 1)
+
+
+def test_the_set_keeps_the_keyframes_pictures_for_the_eval_media_and_no_batch_reads_them(fl2va):
+    """``keyframe_pixels`` [N, K, 3, H, W] uint8 are the keyframe files themselves, in the
+    latents' order; a training batch's conditions (the stored set's rows, a loaded set's) never
+    carry them."""
+    from dmd2_core.data import KEYFRAME_PIXELS, StoredPromptSet, load_prompt_set
+
+    pixels = fl2va["set"].embeds[KEYFRAME_PIXELS]
+    assert pixels.dtype == torch.uint8 and pixels.shape == (len(PROMPTS), 2, 3, 32, 32)
+    for i, entry in enumerate(fl2va["entries"]):
+        assert torch.equal(pixels[i, 0], _picture(fl2va["root"] / entry["first"]))
+        assert torch.equal(pixels[i, 1], _picture(fl2va["root"] / entry["last"]))
+    stored = StoredPromptSet(fl2va["prompts"]).cond([1, 0])
+    loaded = load_prompt_set(fl2va["prompts"]).cond([1, 0])
+    assert KEYFRAME_PIXELS not in stored and KEYFRAME_PIXELS not in loaded
+    assert set(stored) == set(loaded) and all(torch.equal(stored[k], loaded[k]) for k in stored)
+
+
+class _DecodedRun:
+    """What the eval media ask of a run: its args, and decoded clips of the prompts asked for
+    (each prompt's own random frames, so a cell is known to be the clip's)."""
+
+    def __init__(self, args, frames=12):
+        self.args, self.frames = args, frames
+
+    def sample(self, order, seed, num_steps=None):
+        video = torch.stack([torch.rand(3, self.frames, 32, 32, generator=torch.Generator().manual_seed(100 + p))
+                             for p in order]) * 2 - 1
+        return {"video": video, "audio": torch.zeros(len(order), 2, 2000), "sample_rate": 16000, "fps": 24.0}
+
+
+def _cells(png: bytes, cell: int) -> tuple[np.ndarray, int]:
+    """A frame strip's pixels [cell, width, 3] and its width."""
+    import io
+
+    from PIL import Image
+
+    strip = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+    assert strip.shape[0] == cell
+    return strip, strip.shape[1]
+
+
+def test_the_eval_frame_strip_shows_the_keyframes_at_the_ends_they_anchor(fl2va, tmp_path):
+    """An fl2va eval's frame strip of prompt p: its first keyframe's cell, a white gap, the
+    generated frames, a white gap, its last keyframe's cell (each the keyframe file itself, shown
+    at the strip's height); a set prepared before the pictures were kept gives the strip of the
+    generated frames alone, and no error."""
+    from dmd2_core.data import KEYFRAME_PIXELS, PromptSet
+    from dmd2_core.media.av_clips import KEYFRAME_GAP_PX, MIN_SIDE_PX, video_uint8
+    from dmd2_core.media.eval_files import write_eval_media
+
+    cell, scale = MIN_SIDE_PX, MIN_SIDE_PX // 32  # 32 px frames shown 128 px high: 4x nearest
+
+    def shown(picture):  # uint8 [3, H, W] -> its cell
+        return picture.permute(1, 2, 0).numpy().repeat(scale, 0).repeat(scale, 1)
+
+    args = load_args("minimax-h3", dict(CPU, hf_checkpoint=fl2va["url"], prompts=fl2va["prompts"], workflow="fl2va",
+                                        save=str(tmp_path / "run")))
+    run = _DecodedRun(args)
+    media = write_eval_media(run, 3, [1, 0], None, 512 * 1024, 256 * 1024)
+    strips = {m["url"]: m for m in media if m["url"].endswith("_frames.png")}
+    for p in (1, 0):
+        strip_url = str(tmp_path / "run" / "media" / f"iter_0000003_p{p}_frames.png")
+        assert "first and last keyframes" in strips[strip_url]["caption"]
+        strip, width = _cells((tmp_path / "run" / "media" / f"iter_0000003_p{p}_frames.png").read_bytes(), cell)
+        assert width == 10 * cell + 2 * KEYFRAME_GAP_PX  # 8 generated frames between the two keyframes
+        entry = fl2va["entries"][p]
+        np.testing.assert_array_equal(strip[:, :cell], shown(_picture(fl2va["root"] / entry["first"])))
+        np.testing.assert_array_equal(strip[:, -cell:], shown(_picture(fl2va["root"] / entry["last"])))
+        assert (strip[:, cell:cell + KEYFRAME_GAP_PX] == 255).all()
+        assert (strip[:, -cell - KEYFRAME_GAP_PX:-cell] == 255).all()
+        first_generated = video_uint8(run.sample([p], 0)["video"][0].permute(1, 0, 2, 3))[0]
+        start = cell + KEYFRAME_GAP_PX
+        np.testing.assert_array_equal(strip[:, start:start + cell], first_generated.repeat(scale, 0).repeat(scale, 1))
+
+    older = str(tmp_path / "older.safetensors")  # the same set, as prepared before the pictures were kept
+    PromptSet(PROMPTS, {k: v for k, v in fl2va["set"].embeds.items() if k != KEYFRAME_PIXELS}, {}).save(older)
+    run.args = load_args("minimax-h3", dict(CPU, hf_checkpoint=fl2va["url"], prompts=older, workflow="fl2va",
+                                            save=str(tmp_path / "older")))
+    media = write_eval_media(run, 3, [1, 0], None, 512 * 1024, 256 * 1024)
+    _, width = _cells((tmp_path / "older" / "media" / "iter_0000003_p1_frames.png").read_bytes(), cell)
+    assert width == 8 * cell
+    assert [m["caption"] for m in media if m["url"].endswith("_frames.png")][0].endswith(": frames")
+
+
 def _capturing(model, seen):
     def forward(**kwargs):
         out = model(**kwargs)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import io
 import math
 from fractions import Fraction
-from typing import Any, BinaryIO, Optional, Union
+from typing import Any, BinaryIO, Optional, Sequence, Union
 
 import av
 import numpy as np
@@ -30,6 +30,8 @@ MIN_SIDE_PX = 128  # tiny frames are upscaled (nearest) so that players show the
 AUDIO_BIT_RATE_PER_CHANNEL = 96_000
 GIF_MAX_FRAMES = 48
 SPECTROGRAM_SEPARATOR_PX = 2
+KEYFRAME_GAP_PX = 4  # white columns between a frame strip's keyframes and its generated frames
+KEYFRAME_PLACES = ("first", "last")  # a keyframe's anchor: its cell before / after the generated frames
 
 PathOrFile = Union[str, BinaryIO]  # a path (str or path-like) or a seekable binary file object
 
@@ -232,20 +234,38 @@ def read_mp4(path_or_file: PathOrFile, sample_rate: Optional[int] = None) -> dic
 
 # ---- pictures ---------------------------------------------------------------------------------
 
-def frame_strip_png(frames: Any, max_frames: int = 8, height: int = MIN_SIDE_PX) -> bytes:
+def frame_strip_png(frames: Any, max_frames: int = 8, height: int = MIN_SIDE_PX, keyframes: Any = None,
+                    anchors: Sequence[str] = ()) -> bytes:
     """A PNG of up to ``max_frames`` evenly spaced frames side by side, each resized to ``height``
-    pixels high (nearest when enlarging), width in proportion: strip width = n * frame width."""
+    pixels high (nearest when enlarging), width in proportion: strip width = n * frame width.
+
+    ``keyframes`` (frames as above, one per entry of ``anchors``: 'first' or 'last') are the
+    conditions the clip was generated from: a 'first' keyframe's cell goes before the generated
+    frames, a 'last' one's after them, each set apart by ``KEYFRAME_GAP_PX`` white columns and
+    resized to the generated frames' cell, so the clip's ends sit next to what anchored them."""
     pixels = video_uint8(frames)
     n_frames, h, w, _ = pixels.shape
     if n_frames == 0:
         raise ValueError("frame_strip_png: no frames")
+    conditions = video_uint8(keyframes) if keyframes is not None else np.zeros((0, h, w, 3), np.uint8)
+    if len(conditions) != len(anchors) or any(a not in KEYFRAME_PLACES for a in anchors):
+        raise ValueError(f"frame_strip_png: {len(conditions)} keyframes for anchors {list(anchors)} (one each, "
+                         f"{' or '.join(KEYFRAME_PLACES)})")
     n = max(1, min(int(max_frames), n_frames))
     picks = np.linspace(0, n_frames - 1, n).round().astype(int)
     cell_w = max(1, round(w * height / h))
-    resample = Image.NEAREST if height >= h else Image.BOX
-    strip = Image.new("RGB", (n * cell_w, height))
-    for slot, index in enumerate(picks):
-        strip.paste(Image.fromarray(pixels[index]).resize((cell_w, height), resample), (slot * cell_w, 0))
+    before = [conditions[k] for k, a in enumerate(anchors) if a == "first"]
+    after = [conditions[k] for k, a in enumerate(anchors) if a == "last"]
+    cells = [*before, *(pixels[i] for i in picks), *after]
+    gaps = [KEYFRAME_GAP_PX if (slot == len(before) and before) or (slot == len(before) + n and after) else 0
+            for slot in range(len(cells))]  # before each cell: a gap where conditions meet generated frames
+    strip = Image.new("RGB", (len(cells) * cell_w + sum(gaps), height), (255, 255, 255))
+    x = 0
+    for cell, gap in zip(cells, gaps):
+        x += gap
+        resample = Image.NEAREST if height >= cell.shape[0] else Image.BOX
+        strip.paste(Image.fromarray(cell).resize((cell_w, height), resample), (x, 0))
+        x += cell_w
     return png_bytes(strip)
 
 

@@ -10,7 +10,7 @@ import torch
 
 from dmd2_core import storage
 from dmd2_core.errors import ArgsError, one_line
-from dmd2_core.data import PromptSet
+from dmd2_core.data import KEYFRAME_PIXELS, PromptSet
 from dmd2_core.models import FAMILIES, describe_model_dir
 
 
@@ -150,7 +150,10 @@ def encode_keyframe_prompts(hf_checkpoint: str, prompts: list[str], keyframes: l
     (``encode_keyframe_prompts_h3``): the presentation's embeddings, zero-padded as
     :func:`encode_conditioner_prompts` pads them, their modality tags ``text_token_tags`` [N, T],
     the keyframes' VAE latents ``keyframe_latents`` [N, K, 24, 1, H, W] and their anchors
-    ``keyframe_anchors`` [N, K] (0 first, 1 last). Training reads them; it loads no VAE encoder."""
+    ``keyframe_anchors`` [N, K] (0 first, 1 last). Training reads them; it loads no VAE encoder.
+    Beside them the keyframes themselves, ``keyframe_pixels`` uint8 [N, K, 3, H, W] in the
+    latents' order, for the eval media to show next to the clip (the video VAE decodes no single
+    latent frame); no forward reads them (``StoredPromptSet.cond`` leaves them out)."""
     from dmd2_core.models.h3_repository import encode_keyframe_prompts_h3
     from dmd2_core.models.minimax_h3 import KEYFRAME_ANCHORS, TEXT_TAG
 
@@ -166,6 +169,15 @@ def encode_keyframe_prompts(hf_checkpoint: str, prompts: list[str], keyframes: l
         embeds[i, :lengths[i]] = e["prompt_embeds"]
         tags[i, :lengths[i]] = e["text_token_tags"]
     anchors = torch.tensor([[KEYFRAME_ANCHORS.index(a) for a in e["keyframe_anchors"]] for e in encoded])
+    pixels = torch.stack([torch.stack([keyframe_pixels(images[KEYFRAME_ROLES[a]]) for a in e["keyframe_anchors"]])
+                          for images, e in zip(keyframes, encoded)])
     return PromptSet(list(prompts), {"prompt_embeds": embeds, "prompt_lengths": lengths, "text_token_tags": tags,
                                      "keyframe_latents": torch.stack([e["keyframe_latents"] for e in encoded]),
-                                     "keyframe_anchors": anchors}, {})
+                                     "keyframe_anchors": anchors, KEYFRAME_PIXELS: pixels}, {})
+
+
+def keyframe_pixels(image) -> torch.Tensor:
+    """A keyframe (PIL RGB) as uint8 [3, H, W]."""
+    import numpy as np
+
+    return torch.from_numpy(np.array(image.convert("RGB"), dtype=np.uint8)).permute(2, 0, 1).contiguous()
