@@ -363,10 +363,14 @@ def _bad_set(fl2va, name, **changes):
     (dict(workflow="fl2va", prompts="t2va"), r"^prompts: .*t2va.safetensors holds no 'keyframe_latents' .*--keyframes"),
     (dict(workflow="t2va"), r"^prompts: .*fl2va.safetensors holds keyframes .*set workflow: fl2va"),
     (dict(workflow="fl2va", prompts="big"), r"^prompts: .* keyframes encode to 4x4 latents, the clip's frames to 2x2"),
+    (dict(workflow="fl2va", prompts="one_picture"),
+     r"^prompts: .*'keyframe_pixels' is U8 \[2, 1, 3, 32, 32\]; it must be uint8 \[2, 2, 3, H, W\]"),
 ])
 def test_a_bad_workflow_or_keyframe_set_fails_before_any_actor_in_one_line(fl2va, tmp_path, override, message):
     sets = {"t2va": fl2va["t2va"], "big": lambda: _bad_set(fl2va, "big.safetensors",
-                                                           keyframe_latents=torch.zeros(2, 2, 24, 1, 4, 4))}
+                                                           keyframe_latents=torch.zeros(2, 2, 24, 1, 4, 4)),
+            "one_picture": lambda: _bad_set(fl2va, "one_picture.safetensors",
+                                            keyframe_pixels=torch.zeros(2, 1, 3, 32, 32, dtype=torch.uint8))}
     prompts = override.pop("prompts", None)
     url = fl2va["prompts"] if prompts is None else sets[prompts]() if callable(sets[prompts]) else sets[prompts]
     args = load_args("minimax-h3", dict(CPU, hf_checkpoint=fl2va["url"], prompts=url, save=str(tmp_path / "run"),

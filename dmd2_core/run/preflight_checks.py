@@ -197,6 +197,7 @@ def check_workflow_prompts(url: str, workflow: str, latent_shape: Optional[list[
     with keyframes (``prepare-prompts --keyframes``), each of the clip's frame size; a t2va run is
     refused a keyframe set (it would train with keyframes it never names). Reads the header and
     the small anchor and length tensors only."""
+    from dmd2_core.data import KEYFRAME_PIXELS
     from dmd2_core.models.minimax_h3 import KEYFRAME_ANCHORS, KEYFRAME_KEYS
 
     entries, _ = storage.read_safetensors_header(url)
@@ -221,6 +222,11 @@ def check_workflow_prompts(url: str, workflow: str, latent_shape: Optional[list[
         raise ArgsError(f"prompts: {url} keyframes encode to {keyframes[4]}x{keyframes[5]} latents, the clip's "
                         f"frames to {latent_shape[2]}x{latent_shape[3]}; prepare the keyframes at the clip's height "
                         "and width")
+    pictures = entries.get(KEYFRAME_PIXELS)  # the eval media's; a set prepared before them has none
+    if pictures and (pictures["dtype"] != "U8" or list(pictures["shape"][:3]) != [n, keyframes[1], 3]
+                     or len(pictures["shape"]) != 5):
+        raise ArgsError(f"prompts: {url} '{KEYFRAME_PIXELS}' is {pictures['dtype']} {pictures['shape']}; it must be "
+                        f"uint8 [{n}, {keyframes[1]}, 3, H, W], a picture per keyframe")
     anchors = _tensor(url, "keyframe_anchors")
     bad = [i for i, row in enumerate(anchors.tolist()) if any(not 0 <= a < len(KEYFRAME_ANCHORS) for a in row)]
     if bad:
