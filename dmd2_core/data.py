@@ -252,9 +252,14 @@ def prompt_set_shapes(url: str) -> dict[str, list[int]]:
     return {k: v for k, v in safetensors_shapes(url).items() if not k.startswith("negative_")}
 
 
+# a condition's token axis (dim 1), padded to each set's longest text where prompt_lengths rides along
+TOKEN_KEYS = ("prompt_embeds", "text_token_tags")
+
+
 def check_real_set(url: str, sample_shape: tuple, prompts_url: str, cond_keys) -> None:
     """Before any actor starts: the real set exists, its latents have the model's sample shape and
-    its conditions the prompt set's keys and per-sample shapes. Raises ValueError naming the path."""
+    it holds each of ``cond_keys`` (the run's workflow's: an fl2va critic's real clips carry their
+    keyframes) in the prompt set's per-sample shape. Raises ValueError naming the path and key."""
     if url not in BUILTIN_SETS and not storage.exists(url):
         raise ValueError(f"real_data: no real set at {url}{storage.nearest_sibling(url)}")
     try:
@@ -267,13 +272,14 @@ def check_real_set(url: str, sample_shape: tuple, prompts_url: str, cond_keys) -
     if got != tuple(sample_shape):
         raise ValueError(f"real_data: {url} latents are {list(got)} per sample, the model samples {list(sample_shape)}")
     want = prompt_set_shapes(prompts_url)
-    padded = "prompt_lengths" in cond_keys  # token sequences padded per set: only the width per token must agree
+    padded = "prompt_lengths" in cond_keys  # token sequences padded per set: only their shape per token must agree
     for key in cond_keys:
         if key not in shapes:
-            raise ValueError(f"real_data: {url} has no condition '{key}' (the model needs {', '.join(cond_keys)})")
+            raise ValueError(f"real_data: {url} has no condition '{key}' (the run conditions each sample on "
+                             f"{', '.join(cond_keys)})")
         if shapes[key][0] != n:
             raise ValueError(f"real_data: {url} '{key}' has {shapes[key][0]} rows for {n} latents")
-        first = 2 if padded and len(shapes[key]) > 2 else 1
+        first = 2 if padded and key in TOKEN_KEYS else 1
         if key in want and shapes[key][first:] != want[key][first:]:
             what = "per token" if first == 2 else "per sample"
             raise ValueError(f"real_data: {url} '{key}' is {shapes[key][first:]} {what}, the prompt set's is "

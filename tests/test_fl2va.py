@@ -411,3 +411,29 @@ def test_the_plan_counts_the_keyframe_rows(fl2va):
     assert family.bind(family.latent_shape, keyframes=2).tokens(config, None) == plain + 2 * 1 * 1
     shape = tuple(family.latent_shape)
     assert model_flops(fl2va["url"], shape, None, 8, 2).forward > model_flops(fl2va["url"], shape, None, 8).forward
+
+
+def test_an_fl2va_critics_real_set_must_carry_the_keyframes(fl2va, tmp_path):
+    """The GAN head's real clips of an fl2va run are conditioned as its samples are: a real set
+    holding the workflow's keys (its text padded to another length than the prompt set's) passes
+    preflight; one with the text conditions alone (what prepare-latents writes) is refused in one
+    line naming the missing key, before any actor, and nothing is written."""
+    from dmd2_core.data import KEYFRAME_PIXELS, REAL_LATENTS, write_safetensors
+
+    cond = {k: v for k, v in fl2va["set"].embeds.items() if k != KEYFRAME_PIXELS}
+    pad = 3  # this set's longest text is 3 tokens longer than the prompt set's
+    cond["prompt_embeds"] = torch.nn.functional.pad(cond["prompt_embeds"], (0, 0, 0, pad))
+    cond["text_token_tags"] = torch.nn.functional.pad(cond["text_token_tags"], (0, pad), value=1)
+    latents = torch.randn(len(PROMPTS), fl2va["family"].segments["audio"].stop)
+    whole, text_only = str(tmp_path / "real.safetensors"), str(tmp_path / "real_text.safetensors")
+    write_safetensors(whole, {REAL_LATENTS: latents, **cond})
+    write_safetensors(text_only, {REAL_LATENTS: latents, "prompt_embeds": cond["prompt_embeds"],
+                                  "prompt_lengths": cond["prompt_lengths"]})
+    base = dict(CPU, hf_checkpoint=fl2va["url"], prompts=fl2va["prompts"], workflow="fl2va", gan_weight=0.05,
+                gan_critic_weight=0.1)
+    preflight(load_args("minimax-h3", dict(base, real_data=whole, save=str(tmp_path / "ok"))))
+    with pytest.raises(ArgsError, match=r"^real_data: .*real_text.safetensors has no condition 'keyframe_latents' "
+                                        r"\(the run conditions each sample on prompt_embeds, prompt_lengths, "
+                                        r"keyframe_latents") as err:
+        preflight(load_args("minimax-h3", dict(base, real_data=text_only, save=str(tmp_path / "run"))))
+    assert "\n" not in str(err.value) and not (tmp_path / "run").exists()

@@ -63,6 +63,11 @@ class ModelFamily:
         reads is never dropped on the way."""
         return {k: cond[k] for k in self.cond_keys}
 
+    def workflow_cond_keys(self, workflow: str) -> tuple[str, ...]:
+        """The keys a ``workflow`` run conditions each sample on, so every set it reads (the
+        prompt set, the GAN head's real set) is checked for them: ``cond_keys`` (text alone)."""
+        return tuple(self.cond_keys)
+
     def layout_keys(self, cond: dict, n: int) -> list[tuple]:
         """Each of ``n`` samples' sequence layout under ``cond``, its text tokens first: samples of
         one key can share a forward (MiniMax-H3 runs one forward per key, so a caller that must see

@@ -286,6 +286,9 @@ class MiniMaxH3Family(ModelFamily):
         keys = WORKFLOW_COND_KEYS["fl2va" if "keyframe_latents" in cond else "t2va"]
         return {k: cond[k] for k in (*keys, EVAL_KEYFRAME_NOISE) if k in keys or k in cond}
 
+    def workflow_cond_keys(self, workflow: str) -> tuple[str, ...]:
+        return WORKFLOW_COND_KEYS[workflow]
+
     def layout_keys(self, cond: dict, n: int) -> list[tuple]:
         """Each sample's packed layout (text length, the text rows' tags or None, the keyframes'
         anchors): ``_layout``'s key with its text length. Samples of one key (and one u) share a

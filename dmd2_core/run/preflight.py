@@ -127,6 +127,6 @@ def _check_gan(critic: Args) -> None:
         raise ArgsError(f"gan_feature_block: {critic.gan_feature_block} out of range for {blocks} blocks of {critic.hf_checkpoint}")
     shape = family.sample_shape(SimpleNamespace(config=SimpleNamespace(**config)), critic.latent_shape)
     try:
-        check_real_set(critic.real_data, shape, critic.prompts, family.cond_keys)
+        check_real_set(critic.real_data, shape, critic.prompts, family.workflow_cond_keys(critic.workflow))
     except ValueError as exc:
         raise ArgsError(str(exc)) from None
