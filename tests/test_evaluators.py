@@ -102,6 +102,39 @@ def test_another_eval_setting_misses_the_cache(tiny_teacher, tmp_path):
     assert run.references == 2
 
 
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_set_rewritten_at_its_url_with_other_tensors_keys_another_reference(where, tiny_teacher, tmp_path, request):
+    """The teacher's cached reference is of the prompt set's tensors, not its texts: the set
+    rewritten at its URL with other embeddings of the same shapes and the same texts (its header
+    and size unchanged) keys another reference, and a real set so rewritten another real
+    reference; the same file keeps both keys, so a rerun hits."""
+    from dmd2_core import storage
+    from dmd2_core.data import PromptSet, REAL_LATENTS, prompt_texts, write_safetensors
+    from dmd2_core.toys.digits import digits_prompt_set
+
+    root = request.getfixturevalue("s3_bucket") if where == "s3" else str(tmp_path)
+    prompts_url, real_url = f"{root}/prompts.safetensors", f"{root}/real.safetensors"
+    prompts = digits_prompt_set()
+
+    def write_sets(shift: float) -> None:
+        PromptSet(prompts.prompts, {k: v + shift for k, v in prompts.embeds.items()}, prompts.negative).save(prompts_url)
+        write_safetensors(real_url, {REAL_LATENTS: torch.full((4, 1, 8, 8), shift), **prompts.cond([0, 1, 2, 3])},
+                          {"prompts": "[]"})
+
+    write_sets(0.0)
+    args = _args(tiny_teacher, str(tmp_path / "run"), prompts=prompts_url).model_copy(update={"real_data": real_url})
+    identity, order, rows = evaluators.teacher_identity(args), [0, 1, 2], [0, 2]
+    keys = (evaluators.reference_key(args, order, identity), evaluators.real_key(args, rows, identity))
+    headers = [storage.read_safetensors_header(url) for url in (prompts_url, real_url)]
+    assert (evaluators.reference_key(args, order, identity), evaluators.real_key(args, rows, identity)) == keys
+
+    write_sets(1.0)
+    assert prompt_texts(prompts_url) == prompts.prompts
+    assert [storage.read_safetensors_header(url) for url in (prompts_url, real_url)] == headers
+    assert evaluators.reference_key(args, order, identity) != keys[0]
+    assert evaluators.real_key(args, rows, identity) != keys[1]
+
+
 def test_a_real_set_is_a_second_reference_and_the_drift_yardstick(tiny_teacher, tmp_path):
     """With real_data, the student is also measured against real rows in the teacher's eyes
     (real_kid, their features made once and cached) and drift is judged against the real samples."""

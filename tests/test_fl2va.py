@@ -335,7 +335,7 @@ def test_an_fl2va_eval_reference_is_its_own_cache_entry(fl2va, tmp_path):
     """The teacher's cached reference of an fl2va run is keyed by its workflow: an entry made
     before its features saw the keyframes is not a hit; a t2va run's key has no workflow in it."""
     from dmd2_core.data import prompt_texts
-    from dmd2_core.evaluation.teacher_evaluator import reference_key, settings_key, teacher_identity
+    from dmd2_core.evaluation.teacher_evaluator import reference_key, set_file_identity, settings_key, teacher_identity
 
     base = dict(CPU, hf_checkpoint=fl2va["url"], prompts=fl2va["prompts"], save=str(tmp_path / "run"))
     fl2va_args = load_args("minimax-h3", dict(base, workflow="fl2va"))
@@ -343,7 +343,8 @@ def test_an_fl2va_eval_reference_is_its_own_cache_entry(fl2va, tmp_path):
     identity = teacher_identity(fl2va_args)
     assert reference_key(fl2va_args, [0, 1], identity) != reference_key(t2va_args, [0, 1], identity)
     assert reference_key(t2va_args, [0, 1], identity) == settings_key({
-        **identity, "prompts": t2va_args.prompts, "texts": prompt_texts(t2va_args.prompts), "order": [0, 1],
+        **identity, "prompts": t2va_args.prompts, "texts": prompt_texts(t2va_args.prompts),
+        "prompt_set": set_file_identity(t2va_args.prompts), "order": [0, 1],
         "seed": t2va_args.eval_seed, "latent_shape": t2va_args.latent_shape, "steps": t2va_args.eval_reference_steps,
         "guidance": t2va_args.dmd2_guidance_scale, "shift": t2va_args.dmd2_shift})
 

@@ -143,13 +143,30 @@ def settings_key(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def set_file_identity(url: Optional[str]) -> dict[str, Any]:
+    """What names a set file's content (a prompt or real set) in a reference's key: its header
+    (tensor names, dtypes, shapes and offsets; the texts in its metadata), the byte span of its
+    tensors and its version in storage (``storage.FileVersion``'s tag: an object's ETag, a local
+    file's device, inode and mtime). A set rewritten at its URL with other tensors of the same
+    shapes and the same texts has the header and span it had, not the version: it keys another
+    reference, and the file as it was keeps its key (a rerun hits). One stat and one small read,
+    both of one version. {} for a built-in set (its content is the code's)."""
+    if url is None or url in BUILTIN_SETS:
+        return {}
+    header, span, _, version = storage.pinned_safetensors_layout(url)
+    return {"header": header, "span": span, "version": version.tag}
+
+
 def reference_key(args: Args, order: list[int], identity: Optional[dict[str, Any]] = None) -> str:
     """What a cached reference must match to be a hit: the teacher (``teacher_identity``), the
-    prompts (URL and texts), the eval prompts and noise seed, the sample shape, the teacher's
-    sampler (steps, guidance, shift) and a workflow other than t2va (MiniMax-H3's fl2va: its
-    entries made before the teacher's features saw the keyframes are not hits; t2va's keys stay)."""
+    prompts (URL, texts and the file's content, ``set_file_identity``: the teacher's samples are
+    of the set's tensors, embeddings and fl2va's keyframes), the eval prompts and noise seed, the
+    sample shape, the teacher's sampler (steps, guidance, shift) and a workflow other than t2va
+    (MiniMax-H3's fl2va: its entries made before the teacher's features saw the keyframes are not
+    hits)."""
     return settings_key({
-        **(identity or teacher_identity(args)), "prompts": args.prompts, "texts": prompt_texts(args.prompts), "order": order,
+        **(identity or teacher_identity(args)), "prompts": args.prompts, "texts": prompt_texts(args.prompts),
+        "prompt_set": set_file_identity(args.prompts), "order": order,
         "seed": args.eval_seed, "latent_shape": args.latent_shape, "steps": args.eval_reference_steps,
         "guidance": args.dmd2_guidance_scale, "shift": args.dmd2_shift,
         **({"workflow": args.workflow} if args.workflow != "t2va" else {})})
@@ -167,10 +184,9 @@ def real_rows(args: Args) -> list[int]:
 
 def real_key(args: Args, rows: list[int], identity: Optional[dict[str, Any]] = None) -> str:
     """What a cached real reference must match: the teacher (``teacher_identity``), the real set
-    (its URL and the names, shapes and byte span of its tensors) and the rows."""
-    header, span = storage.read_safetensors_header(args.real_data) if args.real_data not in BUILTIN_SETS else ({}, 0)
-    return settings_key({**(identity or teacher_identity(args)), "real_data": args.real_data, "real_header": header,
-                         "real_span": span, "rows": rows})
+    (its URL and its file's content, ``set_file_identity``) and the rows."""
+    return settings_key({**(identity or teacher_identity(args)), "real_data": args.real_data,
+                         "real_set": set_file_identity(args.real_data), "rows": rows})
 
 
 def reference_url(args: Args) -> str:
