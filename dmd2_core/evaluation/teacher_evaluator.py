@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import time
 from typing import Any, Optional
 
@@ -147,14 +148,17 @@ def set_file_identity(url: Optional[str]) -> dict[str, Any]:
     """What names a set file's content (a prompt or real set) in a reference's key: its header
     (tensor names, dtypes, shapes and offsets; the texts in its metadata), the byte span of its
     tensors and its version in storage (``storage.FileVersion``'s tag: an object's ETag, a local
-    file's device, inode and mtime). A set rewritten at its URL with other tensors of the same
-    shapes and the same texts has the header and span it had, not the version: it keys another
-    reference, and the file as it was keeps its key (a rerun hits). One stat and one small read,
-    both of one version. {} for a built-in set (its content is the code's)."""
+    file's mtime). A set rewritten at its URL with other tensors of the same shapes and the same
+    texts has the header and span it had, not the version: it keys another reference, and the
+    file as it was keeps its key (a rerun hits). A local file's inode is left out: a copy that
+    keeps its mtime (cp -p, rsync -a: a set synced to each node every night) is the same content,
+    and its reference took hours to make at real size. One stat and one small read. {} for a
+    built-in set (its content is the code's)."""
     if url is None or url in BUILTIN_SETS:
         return {}
     header, span, _, version = storage.pinned_safetensors_layout(url)
-    return {"header": header, "span": span, "version": version.tag}
+    stamp = str(os.stat(storage.filesystem(url)[1]).st_mtime_ns) if storage.is_local(url) else version.tag
+    return {"header": header, "span": span, "version": stamp}
 
 
 def reference_key(args: Args, order: list[int], identity: Optional[dict[str, Any]] = None) -> str:
