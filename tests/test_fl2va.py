@@ -438,3 +438,100 @@ def test_an_fl2va_critics_real_set_must_carry_the_keyframes(fl2va, tmp_path):
                                         r"keyframe_latents") as err:
         preflight(load_args("minimax-h3", dict(base, real_data=text_only, save=str(tmp_path / "run"))))
     assert "\n" not in str(err.value) and not (tmp_path / "run").exists()
+
+
+def _block_outputs(family, model, x_t, sigma, cond):
+    """Every forward's output of the middle block (the GAN head's feature block) at (x_t, sigma | cond)."""
+    from dmd2_core.models.feature_tap import FeatureTap
+
+    with torch.no_grad(), FeatureTap(family, model, None) as tap:
+        family.predict_velocity(model, x_t, sigma, cond)
+    return tap.forwards
+
+
+def test_the_gan_head_judges_an_fl2va_clips_generated_rows_never_its_keyframes(fl2va):
+    """The GAN head's features of an fl2va forward are its block output without the keyframe rows
+    (diffusers' layout [text | keyframes | audio | video], read off by position): changing only the
+    keyframe rows leaves every logit as it was, changing a generated row moves that sample's. Three
+    samples at two u run as two forwards (samples 0 and 2 share one), each logit its own sample's."""
+    from dmd2_core.train import gan
+
+    family, model = fl2va["family"], fl2va["model"]
+    cond = fl2va["set"].cond([0, 1, 0])
+    sigma = torch.tensor([0.3, 0.6, 0.3])
+    x_t = torch.randn(3, family.segments["audio"].stop, generator=torch.Generator().manual_seed(5))
+    forwards = _block_outputs(family, model, x_t, sigma, cond)
+    assert [f.shape[0] for f in forwards] == [2, 1]
+    head = gan.build_head(family.feature_dim(model), seed=3)
+    keyframe_rows = 2 * 1 * 1  # two keyframes of one 2x2 latent frame at patch 2: one row each
+
+    def logits(outputs):
+        with torch.no_grad():
+            return gan.head_logits(head, gan.judged_features(family, outputs, sigma, cond, 3))
+
+    judged = logits(forwards)
+    start = [int(length) for length in cond["prompt_lengths"]]
+    by_hand = []
+    for i, (forward, row) in enumerate([(0, 0), (1, 0), (0, 1)]):
+        block = forwards[forward][row:row + 1]
+        kept = torch.cat([block[:, :start[i]], block[:, start[i] + keyframe_rows:]], dim=1)
+        with torch.no_grad():
+            by_hand.append(head(kept))
+    torch.testing.assert_close(judged, torch.cat(by_hand), atol=1e-6, rtol=1e-6)
+
+    other_keyframes = [f.clone() for f in forwards]
+    for f, first in zip(other_keyframes, (start[0], start[1])):  # forward 0: prompt 0's samples; 1: prompt 1's
+        f[:, first:first + keyframe_rows] = torch.randn(f.shape[0], keyframe_rows, f.shape[2]) * 10
+    assert torch.equal(logits(other_keyframes), judged)
+    other_clip = [f.clone() for f in forwards]
+    other_clip[1][:, -1] = torch.randn(other_clip[1].shape[2]) * 10  # a generated video row of sample 1
+    moved = logits(other_clip) != judged
+    assert moved.tolist() == [False, True, False]
+
+
+def test_the_gan_heads_t2va_logits_are_its_whole_block_output_as_before(fl2va):
+    """A t2va forward has no condition rows: the head judges its block's whole output, bit for bit
+    the logits it gave before fl2va's keyframes were left out (text rows included)."""
+    from dmd2_core.data import load_prompt_set
+    from dmd2_core.train import gan
+
+    family, model = fl2va["family"], fl2va["model"]
+    cond = load_prompt_set(fl2va["t2va"]).cond([0, 1])
+    assert cond["prompt_lengths"][0] != cond["prompt_lengths"][1]  # two layouts: two forwards
+    sigma = torch.tensor([0.5, 0.5])
+    x_t = torch.randn(2, family.segments["audio"].stop, generator=torch.Generator().manual_seed(6))
+    forwards = _block_outputs(family, model, x_t, sigma, cond)
+    head = gan.build_head(family.feature_dim(model), seed=3)
+    with torch.no_grad():
+        judged = gan.head_logits(head, gan.judged_features(family, forwards, sigma, cond, 2))
+        assert torch.equal(judged, torch.cat([head(f) for f in forwards]))
+
+
+def test_the_critics_gan_logits_are_each_fl2va_samples_own_without_its_keyframes(fl2va):
+    """``critic_forward`` on a micro-batch that MiniMax-H3 runs as one forward per sample (each its
+    own u): a fake and a real logit per sample, each the head on that sample's block output
+    without its keyframe rows, and the generator gradient reaches every sample."""
+    from dmd2_core.train import gan
+
+    family, model = fl2va["family"], fl2va["model"]
+    cond = fl2va["set"].cond([0, 1])
+    sigma = torch.tensor([0.3, 0.6])
+    g = torch.Generator().manual_seed(7)
+    x0, noise, x0_real, noise_real = (torch.randn(2, family.segments["audio"].stop, generator=g) for _ in range(4))
+    head = gan.build_head(family.feature_dim(model), seed=3)
+    out = gan.critic_forward(family, model, head, None, x0, noise, sigma, cond, real=(x0_real, noise_real, cond),
+                             critic_weight=0.1, gen_weight=0.05)
+
+    def by_hand(x, eps):
+        logits = []
+        for i in range(2):
+            block = _block_outputs(family, model, family.add_noise(x[i:i + 1], eps[i:i + 1], sigma[i:i + 1]),
+                                   sigma[i:i + 1], {k: v[i:i + 1] for k, v in cond.items()})[0]
+            start = int(cond["prompt_lengths"][i])
+            with torch.no_grad():
+                logits.append(head(torch.cat([block[:, :start], block[:, start + 2:]], dim=1)))
+        return torch.cat(logits)
+
+    torch.testing.assert_close(out["logits_fake"], by_hand(x0, noise), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out["logits_real"], by_hand(x0_real, noise_real), atol=1e-5, rtol=1e-5)
+    assert (out["gan_grad"].abs().flatten(1).amax(1) > 0).all()

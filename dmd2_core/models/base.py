@@ -75,6 +75,12 @@ class ModelFamily:
         layout, the text width."""
         return [(cond["prompt_embeds"].shape[1] if "prompt_embeds" in cond else 0,)] * n
 
+    def forward_groups(self, sigma, cond: dict, n: int) -> list[tuple[list[int], tuple]]:
+        """The forwards ``predict_velocity`` runs for ``n`` samples at ``sigma`` under ``cond``, in
+        its order: (the samples, their ``layout_keys`` key) each, so a tap on a block can tell whose
+        rows each forward's output holds. Default: one forward of every sample."""
+        return [(list(range(n)), self.layout_keys(cond, n)[0])]
+
     # ---- sigma, elementwise: one place for the families that map it per element ----------------
     def sigma_field(self, sigma, like: torch.Tensor):
         return sigma
@@ -183,6 +189,11 @@ class ModelFamily:
         of the sample, as index tensors, for a prompt of ``text_tokens`` tokens (``layout``: the rest
         of the sample's ``layout_keys`` key); None: every row is the sample's one modality (SD3's
         image stream, Wan's video tokens)."""
+        return None
+
+    def judged_rows(self, text_tokens: int, layout: tuple = ()) -> Optional[torch.Tensor]:
+        """Which rows of a block's output the GAN head judges, for a prompt of ``text_tokens`` tokens
+        (``layout`` as in ``feature_tokens``); None: every row (no condition rows in the sequence)."""
         return None
 
     def encode_prompts(self, pipe, prompts: list[str], negative_prompt: str, max_sequence_length: Optional[int]):

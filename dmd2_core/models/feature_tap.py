@@ -16,16 +16,19 @@ class _Stop(Exception):
 
 class FeatureTap:
     """A forward hook on one transformer block that keeps its output tokens (``features``: the
-    whole sequence, also when context parallelism splits it); ``stop=True`` ends the forward right
-    there (the blocks after it are not needed)."""
+    whole sequence, also when context parallelism splits it; ``forwards``: every forward's, in
+    order, for a family that runs a batch as several forwards, MiniMax-H3's one per layout);
+    ``stop=True`` ends the forward right there (the blocks after it are not needed)."""
 
     def __init__(self, family, model: torch.nn.Module, block: Optional[int], stop: bool = False):
         self.model, self.module = model, family.feature_block(model, block)
         self.stop, self.features, self._handle = stop, None, None
+        self.forwards: list[torch.Tensor] = []
 
     def _hook(self, module, inputs, output):
         tokens = output if torch.is_tensor(output) else output[-1]  # SD3 blocks: (context, image)
         self.features = context_parallel.gather_sequence(self.model, tokens)
+        self.forwards.append(self.features)
         if self.stop:
             raise _Stop
 

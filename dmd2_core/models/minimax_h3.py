@@ -322,6 +322,16 @@ class MiniMaxH3Family(ModelFamily):
         _, _, video_idx, audio_idx, _, condition_rows = self._layout(tags or (TEXT_TAG,) * int(text_tokens), anchors)
         return {"video": video_idx[condition_rows:], "audio": audio_idx}
 
+    def judged_rows(self, text_tokens: int, layout: tuple = ()) -> Optional[torch.Tensor]:
+        """The rows the GAN head judges: the text rows and the generated ones (``feature_tokens``),
+        never an fl2va sample's keyframe rows (given, not generated: a head judging them would
+        partly tell real from fake by the keyframes); None where that is every row (t2va: the
+        whole sequence, as the head has always seen it)."""
+        tags, anchors = layout or (None, ())
+        _, all_tags, _, _, text_idx, _ = self._layout(tags or (TEXT_TAG,) * int(text_tokens), anchors)
+        rows = torch.cat([text_idx, *self.feature_tokens(text_tokens, layout).values()]).sort().values
+        return None if rows.numel() == all_tags.numel() else rows
+
     def _rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
 
@@ -386,6 +396,17 @@ class MiniMaxH3Family(ModelFamily):
             audio_indices=audio_idx.to(device), text_indices=text_idx.to(device), return_dict=False)
         return self._unrows(v_video[:, condition_rows:].float(), v_audio.float())
 
+    def forward_groups(self, sigma, cond: dict, n: int) -> list[tuple[list[int], tuple]]:
+        """One forward per (u, ``layout_keys`` key), in the order of their first samples; under a
+        sharded model one per sample (its forward is a collective: every rank must run as many as
+        the others, and micro-batches are equal on every rank)."""
+        u = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1).expand(n).tolist()
+        sharded = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        groups: dict[tuple, list[int]] = {}
+        for i, key in enumerate(zip(u, self.layout_keys(cond, n))):
+            groups.setdefault((i, *key) if sharded else key, []).append(i)
+        return [(rows, key[-1]) for key, rows in groups.items()]
+
     def predict_velocity(self, model, x_t, sigma, cond):
         """The project's velocity ``eps - x0`` (fp32): minus H3's data-ward velocity. An fl2va
         condition (``keyframe_latents``, ``keyframe_anchors``, ``text_token_tags``) conditions each
@@ -395,14 +416,9 @@ class MiniMaxH3Family(ModelFamily):
         u = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1).expand(n).tolist()
         text = cond["prompt_embeds"].to(x_t.device)
         keyframes, keyframe_noise = cond.get("keyframe_latents"), cond.get(EVAL_KEYFRAME_NOISE)
-        groups: dict[tuple, list[int]] = {}
-        # a sharded model's forward is a collective: every rank must run as many as the others,
-        # so across ranks each item runs alone (micro-batches are equal on every rank)
-        sharded = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-        for i, key in enumerate(zip(u, self.layout_keys(cond, n))):
-            groups.setdefault((i, *key) if sharded else key, []).append(i)
         order, parts = [], []
-        for (*_, u_i, (length, tags_i, anchors_i)), rows in groups.items():
+        for rows, (length, tags_i, anchors_i) in self.forward_groups(sigma, cond, n):
+            u_i = u[rows[0]]
             index = torch.tensor(rows, device=x_t.device)
             group_keyframes = keyframes.index_select(0, index.to(keyframes.device)) if anchors_i else None
             group_noise = keyframe_noise.index_select(0, index.to(keyframe_noise.device)) \

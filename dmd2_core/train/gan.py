@@ -74,12 +74,39 @@ def generator_gradient(logits_fake: torch.Tensor, x0: torch.Tensor, weight: floa
     return weight * x0[0].numel() * grad.detach().float()
 
 
-def block_features(family, model, block: Optional[int], x_t, sigma, cond) -> torch.Tensor:
-    """The feature block's output at (x_t, sigma | cond) (the forward runs to its end: under FSDP a
-    forward stopped midway would leave the sharding hooks half done)."""
+def judged_features(family, forwards: list[torch.Tensor], sigma, cond, n: int) -> list[tuple[list[int], torch.Tensor]]:
+    """What the GAN head judges of ``n`` samples, from the feature block's output of each forward
+    ``family.predict_velocity`` ran for them at (``sigma`` | ``cond``) (a ``FeatureTap``'s
+    ``forwards``; MiniMax-H3 runs one per layout and u): (the forward's samples, its block output
+    on the rows ``family.judged_rows`` names for its layout). The layout rule is the family's, the
+    one the teacher's features pool by: an fl2va sample's keyframe rows are given, not generated,
+    and left out; where every row is judged (t2va, SD3, Wan) the block output is kept as it is."""
+    groups = family.forward_groups(sigma, cond, n)
+    if len(forwards) != len(groups):
+        raise RuntimeError(f"GAN head: the feature block saw {len(forwards)} forwards where the family runs "
+                           f"{len(groups)} for {n} samples")
+    judged = []
+    for features, (rows, (text_tokens, *layout)) in zip(forwards, groups):
+        keep = family.judged_rows(text_tokens, tuple(layout))
+        judged.append((rows, features if keep is None else features.index_select(1, keep.to(features.device))))
+    return judged
+
+
+def head_logits(head: DiscriminatorHead, judged: list[tuple[list[int], torch.Tensor]]) -> torch.Tensor:
+    """One logit per sample, in the samples' order, from ``judged_features``' parts."""
+    if len(judged) == 1:
+        return head(judged[0][1])
+    order = torch.tensor([i for rows, _ in judged for i in rows])
+    logits = torch.cat([head(features) for _, features in judged])
+    return logits[torch.argsort(order.to(logits.device))]
+
+
+def block_logits(family, model, head: DiscriminatorHead, block: Optional[int], x_t, sigma, cond) -> torch.Tensor:
+    """The head's logits on the feature block's output at (x_t, sigma | cond) (the forward runs to
+    its end: under FSDP a forward stopped midway would leave the sharding hooks half done)."""
     with FeatureTap(family, model, block) as tap:  # to the end: a sharded forward must not stop midway
         family.predict_velocity(model, x_t, sigma, cond)
-    return tap.features
+    return head_logits(head, judged_features(family, tap.forwards, sigma, cond, x_t.shape[0]))
 
 
 def real_inputs(args, iteration: int, step: int, num_real: int, global_shape: tuple, rows: slice):
@@ -101,9 +128,8 @@ def critic_forward(family, critic, head: Optional[DiscriminatorHead], block: Opt
         # its own forward: a sharded (FSDP) model frees what it gathered after one backward, so
         # the loss's backward cannot run through a graph this gradient already went through
         x0_in = x0.detach().float().requires_grad_(True)
-        with FeatureTap(family, critic, block) as tap:
-            family.predict_velocity(critic, family.add_noise(x0_in, noise, sigma), sigma, cond)
-        gan_grad = generator_gradient(head(tap.features), x0_in, gen_weight, retain_graph=False)
+        logits = block_logits(family, critic, head, block, family.add_noise(x0_in, noise, sigma), sigma, cond)
+        gan_grad = generator_gradient(logits, x0_in, gen_weight, retain_graph=False)
         gan_grad = context_parallel.sum_over_context(critic, gan_grad)  # each rank's part of the sequence
     x_t = family.add_noise(x0, noise, sigma)
     with (FeatureTap(family, critic, block) if head is not None else _nothing()) as tap:
@@ -113,11 +139,12 @@ def critic_forward(family, critic, head: Optional[DiscriminatorHead], block: Opt
         out["modality_loss"] = {k: t.detach() for k, t in modality_mse(v, noise, x0, family.segments).items()}
     if head is None:
         return out
-    logits_fake = head(tap.features)
+    logits_fake = head_logits(head, judged_features(family, tap.forwards, sigma, cond, x0.shape[0]))
     out["logits_fake"] = logits_fake.detach()
     if real is not None:
         x0_real, noise_real, cond_real = real
-        logits_real = head(block_features(family, critic, block, family.add_noise(x0_real, noise_real, sigma), sigma, cond_real))
+        logits_real = block_logits(family, critic, head, block, family.add_noise(x0_real, noise_real, sigma), sigma,
+                                   cond_real)
         d_real, d_fake = discriminator_loss(logits_real, logits_fake)
         out.update(loss=out["loss"] + critic_weight * (d_real + d_fake), d_loss_real=d_real.detach(),
                    d_loss_fake=d_fake.detach(), logits_real=logits_real.detach())
