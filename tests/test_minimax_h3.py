@@ -5,6 +5,7 @@ through the Prefect flow on a tiny stand-in of every H3 component (media with so
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -173,6 +174,41 @@ def test_bad_clip_input_fails_before_any_actor_in_one_line(h3, tmp_path, overrid
     assert not (tmp_path / "run").exists()
 
 
+def _real_set(h3, path, rows: int) -> str:
+    from dmd2_core.data import REAL_LATENTS, write_safetensors
+
+    write_safetensors(str(path), {REAL_LATENTS: torch.zeros(rows, h3["family"].segments["audio"].stop)})
+    return str(path)
+
+
+@pytest.mark.parametrize("overrides, line", [
+    ({"eval_num_samples": 2}, r"eval_num_samples: 2: sound_mel_kid \(the run's sound distance\) would get 2 clips a "
+                              r"side where it needs at least 3 \(its standard error\); set eval_num_samples to 3 or more"),
+    ({"real_data": 8, "eval_real_samples": 2},
+     r"eval_real_samples: 2: sound_mel_kid .* would get 2 reference clips where it needs at least 3 .*; set "
+     r"eval_real_samples to 3 or more, or set eval_real_samples to 0 to measure the sound against the teacher's clips"),
+    ({"real_data": 2}, r"real_data: .*real.safetensors holds 2 rows: sound_mel_kid .* would get 2 reference clips where "
+                       r"it needs at least 3 .*; give a real set of 3 rows or more, or set eval_real_samples to 0"),
+])
+def test_an_eval_too_small_for_the_sound_distance_is_refused_in_one_line_exit_2(h3, tmp_path, capsys, overrides, line):
+    """An eval of fewer than 3 clips a side would leave the sound criterion's sound_mel_kid out of
+    every eval: `check --deep` refuses it in one line naming the key and the minimum (exit 2),
+    before any actor and writing nothing; at 3 clips a side the run passes."""
+    from dmd2_core import cli
+
+    overrides = {k: _real_set(h3, tmp_path / "real.safetensors", v) if k == "real_data" else v for k, v in overrides.items()}
+    base = ["check", "--deep", "--recipe", "minimax-h3", "--hf-checkpoint", h3["url"], "--prompts", h3["prompts"],
+            *(a for k, v in CPU.items() for a in ("--set", f"{k}={json.dumps(v)}"))]
+    argv = base + ["--save", str(tmp_path / "run"), *(a for k, v in overrides.items() for a in ("--set", f"{k}={v}"))]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(f"error: {line}.*\n", err) and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
+    least = ["--set", "eval_num_samples=3", "--set", f"real_data={_real_set(h3, tmp_path / 'least.safetensors', 3)}",
+             "--set", "eval_real_samples=3", "--save", str(tmp_path / "ok")]
+    assert cli.main(base + least) == 0, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("height, width, nearest", [
     (500, 512, "height: 500 is not a positive multiple of 32 (VAE x16 times patch 2); nearest: 512 or 480"),
     (512, 700, "width: 700 is not a positive multiple of 32 (VAE x16 times patch 2); nearest: 704 or 672"),
@@ -328,7 +364,8 @@ def test_prepare_latents_encodes_clips_with_their_soundtrack_for_the_gan_head(h3
     assert video.abs().sum() > 0 and audio.abs().sum() > 0
 
     args = load_args("minimax-h3", dict(CPU, hf_checkpoint=url, prompts=prompts, save=str(tmp_path / "run"),
-                                        real_data=out, gan_weight=0.05, gan_critic_weight=0.1))
+                                        real_data=out, gan_weight=0.05, gan_critic_weight=0.1,
+                                        eval_real_samples=0))  # 2 real clips: too few for the sound's yardstick
     roles = preflight(args)
     actor, critic = Trainer(roles["actor"], "actor"), Trainer(roles["critic"], "critic")
     pairs, _ = actor.rollout(1)

@@ -114,3 +114,32 @@ def test_a_night_with_sound_shows_sound_mel_kid_in_its_summary_table_and_nights_
                   if line.startswith("| date |"))
     assert "sound_mel_kid" in header.split(" | ") and "sound_mel_kid_se" not in header, header
     assert teacher.label("real_kid_audio").startswith("sound alarm")  # the teacher's ears: the alarm, same key
+
+
+def test_an_eval_that_cannot_measure_the_sound_says_why_and_pictures_alone_say_nothing(caplog):
+    """What preflight cannot know (a cached reference made with fewer clips or without their
+    features, clips decoded without sound) leaves sound_mel_kid out of that eval with a warning
+    naming why, never silently; a run of pictures alone has no sound to measure and no warning."""
+    import logging
+
+    from dmd2_core.evaluation.sound_distance import MIN_CLIPS
+    from dmd2_core.evaluation.teacher_evaluator import sound_figures
+
+    student = clip_features(tones(4, 1), RATE)
+    with caplog.at_level(logging.WARNING, logger="dmd2"):
+        assert sound_figures(None, None, "teacher") == {}
+        assert not caplog.records
+        assert set(sound_figures(clip_features(tones(MIN_CLIPS, 0), RATE), student, "teacher")) == {
+            "sound_mel_kid", "sound_mel_kid_se"}
+        assert sound_figures(clip_features(tones(2, 0), RATE), student, "real set") == {}
+        assert sound_figures(None, student, "teacher") == {}
+        assert sound_figures(clip_features(tones(4, 0), RATE), None, "teacher") == {}
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert lines == ["sound_mel_kid left out of this eval (against the real set reference): 4 clips against 2 reference "
+                     "clips; it needs at least 3 on each side (its standard error)",
+                     "sound_mel_kid left out of this eval (against the teacher reference): the reference has no clip "
+                     "features",
+                     "sound_mel_kid left out of this eval (against the teacher reference): the samples have no clip "
+                     "features"], lines
+    with pytest.raises(ValueError, match="sound_mel_kid: 2 clips against 4 reference clips"):
+        sound_mel_kid(student, student[:2])

@@ -168,6 +168,22 @@ def h3_teacher():
     return sounding_digits_teacher.ensure_av_teacher(url, log=None)
 
 
+def test_a_sounding_digits_eval_too_small_for_its_sound_distance_is_refused_in_one_line():
+    """The world's evals measure eval_num_samples clips with sound_mel_kid: fewer than 3 would leave
+    it out of every eval, so the evaluator's preflight check refuses them naming the key."""
+    from dmd2_core.args import load_args
+    from dmd2_core.errors import ArgsError
+    from dmd2_core.toys.sounding_digits_world import SoundingDigitsEvaluator
+
+    evaluator = SoundingDigitsEvaluator()
+    with pytest.raises(ArgsError, match=r"^eval_num_samples: 2: sound_mel_kid .* would get 2 clips where it needs at "
+                                        r"least 3 .*; set eval_num_samples to 3 or more$") as err:
+        evaluator.preflight_check(load_args("minimax-h3", {"eval_num_samples": 2}), {})
+    assert "\n" not in str(err.value)
+    evaluator.preflight_check(load_args("minimax-h3", {"eval_num_samples": 3}), {})
+    evaluator.preflight_check(load_args("minimax-h3", {"eval_num_samples": 2, "eval_interval": 0}), {})  # no evals
+
+
 def test_av_teacher_fixture_is_the_recipes_weights():
     """The fixture is what its recorded sha256 says, and was trained by today's recipe (config, steps,
     seed): a change to the recipe fails here until ``--write-fixture`` writes a new one."""

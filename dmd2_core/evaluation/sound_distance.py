@@ -58,11 +58,12 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
+from dmd2_core.errors import ArgsError
 from dmd2_core.evaluation.kernel import kernel_distance, kernel_distance_sample_se
 
 MAX_FFT = 2048
@@ -71,6 +72,9 @@ FLOOR_PERCENTILE = 0.10
 DB_FLOOR = -100.0
 MIN_SPREAD_DB = 1.0
 STATISTICS = ("mean", "spread", "floor")  # per channel and band, then the channel's loudness
+# the fewest clips per side ``sound_mel_kid`` is defined for: its standard error
+# (``kernel.kernel_distance_sample_se``, a jackknife leaving a clip or a pair out) is NaN below 3
+MIN_CLIPS = 3
 # the key a sample's drift statistics carry its clip's features under (``split_sound_features``)
 SOUND_FEATURES = "sound_mel_features"
 
@@ -160,6 +164,33 @@ def sound_mel_kid(reference: torch.Tensor, samples: torch.Tensor) -> dict[str, f
     """{'sound_mel_kid': the KID of ``samples``' clip features [m, D] against ``reference``'s [n, D]
     (row-paired when n == m, as the teacher's reference clips are: see ``kernel.kernel_distance``),
     'sound_mel_kid_se': its standard error}: ~0 (either sign) for one distribution, growing as the
-    sound moves away from the reference's. n, m >= 3."""
+    sound moves away from the reference's. n, m >= ``MIN_CLIPS``: fewer raise ValueError."""
+    why = why_unmeasured(reference, samples)
+    if why is not None:
+        raise ValueError(f"sound_mel_kid: {why}")
     ref, out = standardised_db(reference, samples)
     return {"sound_mel_kid": kernel_distance(ref, out), "sound_mel_kid_se": kernel_distance_sample_se(ref, out)}
+
+
+def why_unmeasured(reference: Optional[torch.Tensor], samples: Optional[torch.Tensor]) -> Optional[str]:
+    """Why ``sound_mel_kid`` cannot measure ``samples``' clip features against ``reference``'s (a
+    side without clip features, or with fewer than ``MIN_CLIPS``); None when it can."""
+    if reference is None:
+        return "the reference has no clip features"
+    if samples is None:
+        return "the samples have no clip features"
+    if min(len(reference), len(samples)) < MIN_CLIPS:
+        return (f"{len(samples)} clips against {len(reference)} reference clips; it needs at least {MIN_CLIPS} "
+                "on each side (its standard error)")
+    return None
+
+
+def check_eval_clips(key: str, subject: str, clips: int, what: str, remedy: str,
+                     has_sound: Callable[[], bool] = lambda: True) -> None:
+    """Pre-flight: ArgsError, one line naming ``key`` (``subject``: its value as the line names it),
+    when an eval would give ``sound_mel_kid`` ``clips`` ``what``, fewer than ``MIN_CLIPS``, and the
+    run has sound (``has_sound``, asked only then: it may read the checkpoint); ``remedy``: what
+    would be valid. Else the run's sound would go unmeasured at every eval."""
+    if clips < MIN_CLIPS and has_sound():
+        raise ArgsError(f"{key}: {subject}: sound_mel_kid (the run's sound distance) would get {clips} {what} where "
+                        f"it needs at least {MIN_CLIPS} (its standard error); {remedy}")

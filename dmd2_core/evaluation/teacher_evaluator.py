@@ -27,8 +27,10 @@ The trainer groups do the model work (``DistillRun.eval_latents``, ``teacher_ref
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import logging
 import math
 import os
 import time
@@ -44,7 +46,8 @@ from dmd2_core.evaluation.evaluator import Evaluator, Figure, Panel, eval_order
 from dmd2_core.evaluation.drift import pooled, within_prompt_diversity
 from dmd2_core.evaluation.criterion import Criterion
 from dmd2_core.evaluation.kernel import projected_kid, projected_kid_se
-from dmd2_core.evaluation.sound_distance import sound_mel_kid, split_sound_features
+from dmd2_core.evaluation.sound_distance import (MIN_CLIPS, check_eval_clips, sound_mel_kid, split_sound_features,
+                                                 why_unmeasured)
 from dmd2_core.checkpoint.integrity import listing
 from dmd2_core.errors import ArgsError
 from dmd2_core.evaluators import TEACHER
@@ -70,6 +73,8 @@ DRIFT_FLOORS = {
     "floor": ("abs", 3.0),  # dB: the hiss's power doubled
 }
 DIVERSITY_DROP = 0.10  # a within-prompt diversity this fraction below the first eval's: collapsing
+
+log = logging.getLogger("dmd2")
 
 
 def evaluate(run, args: Args, num_steps: Optional[int] = None) -> dict[str, Any]:
@@ -117,11 +122,55 @@ def _student_figures(run, args: Args, order: list[int], reference: dict[str, Any
         metrics[f"{source}_kid"] = sum(metrics[f"{source}_kid_{m}"] for m in features) / len(features)
     metrics.update({f"diversity_{m}": v for m, v in within_prompt_diversity(features, order).items()})
     stats, sound = split_sound_features(run.drift_stats(latents))
-    yardstick = (real or reference)["features"].get(SOUND_MEL)
-    if sound is not None and yardstick is not None and min(len(sound), len(yardstick)) >= 3:  # the SE's least
-        metrics.update(sound_mel_kid(yardstick, sound))
+    metrics.update(sound_figures((real or reference)["features"].get(SOUND_MEL), sound, "real set" if real else "teacher"))
     metrics.update({f"drift_{k}": v for k, v in pooled(stats)["value"].items()})
     return metrics
+
+
+def sound_figures(yardstick: Optional[torch.Tensor], sound: Optional[torch.Tensor], source: str) -> dict[str, float]:
+    """``sound_mel_kid`` of the student's clip features ``sound`` against the ``source`` reference's
+    ``yardstick``; {} for pictures alone (neither has clip features). Where the run has sound but
+    this eval cannot measure it, what preflight (``check_sound_clips``) cannot know (a cached
+    reference made without clip features or with fewer of them, clips decoded without sound), the
+    figure is left out with a warning saying why: the eval's sound criterion lacks its mel figure."""
+    if yardstick is None and sound is None:
+        return {}
+    why = why_unmeasured(yardstick, sound)
+    if why is None:
+        return sound_mel_kid(yardstick, sound)
+    log.warning("sound_mel_kid left out of this eval (against the %s reference): %s", source, why)
+    return {}
+
+
+def check_sound_clips(args: Args) -> None:
+    """Pre-flight of an eval with sound: ``sound_mel_kid`` gets at least ``MIN_CLIPS`` clips a side,
+    the student's ``eval_num_samples`` and its yardstick's: the real set's first ``eval_num_samples``
+    of its ``eval_real_samples`` rows where the run has one (``real_reference``), else the teacher's
+    ``eval_num_samples`` (``teacher_reference``). ArgsError naming the key that falls short. The
+    checkpoint is read only where it decides (a run of pictures alone passes whatever its counts)."""
+    from dmd2_core.models import FAMILIES, describe_model_dir
+
+    @functools.cache
+    def has_sound() -> bool:
+        return FAMILIES[describe_model_dir(args.hf_checkpoint, "hf_checkpoint")["family"]].has_audio
+
+    n = args.eval_num_samples
+    check_eval_clips("eval_num_samples", str(n), n, "clips a side", f"set eval_num_samples to {MIN_CLIPS} or more",
+                     has_sound)
+    if not args.real_data or not args.eval_real_samples:
+        return
+    to_teacher = "or set eval_real_samples to 0 to measure the sound against the teacher's clips"
+    check_eval_clips("eval_real_samples", str(args.eval_real_samples), args.eval_real_samples, "reference clips",
+                     f"set eval_real_samples to {MIN_CLIPS} or more, {to_teacher}", has_sound)
+    if not has_sound():  # a run of pictures alone: its real set is left to the GAN head's checks
+        return
+    try:
+        shapes = real_set_shapes(args.real_data)
+    except (OSError, ValueError) as exc:
+        raise ArgsError(f"real_data: {args.real_data}: cannot read its header ({type(exc).__name__}: {exc})") from None
+    rows = shapes[REAL_LATENTS][0] if REAL_LATENTS in shapes else 0
+    check_eval_clips("real_data", f"{args.real_data} holds {rows} rows", rows, "reference clips",
+                     f"give a real set of {MIN_CLIPS} rows or more, {to_teacher}")
 
 
 # ---- the teacher's side, made once ----------------------------------------------------------------
@@ -333,6 +382,8 @@ class TeacherEvaluator(Evaluator):
         if args.evaluator == TEACHER and "critic" not in trainer_args:
             raise ArgsError("evaluator: 'teacher' compares in the frozen teacher's features, which the critic group "
                             f"holds; loss_type {args.loss_type} has none (leave evaluator unset: no quality figures)")
+        if "critic" in trainer_args:  # the run has quality figures
+            check_sound_clips(args)
 
     def writes(self, args: Args, trainer_args: dict) -> dict[str, str]:
         shared_cache = args.eval_interval and "critic" in trainer_args and args.eval_reference_url

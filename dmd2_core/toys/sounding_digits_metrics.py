@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from dmd2_core.evaluation.sound_distance import clip_features, sound_mel_kid
+from dmd2_core.evaluation.sound_distance import MIN_CLIPS, clip_features, sound_mel_kid
 from dmd2_core.toys import digits_metrics
 from dmd2_core.toys import sounding_digits as sd
 from dmd2_core.toys.digits import digits_tensors
@@ -206,7 +206,8 @@ def evaluate_decoded(frames: torch.Tensor, audio: torch.Tensor, labels) -> dict[
         "class_agreement": float(same_class.mean()),
         "stereo_agreement": float(stereo.mean()),
         "diversity": digits_metrics.feature_diversity(feats, frame_labels),
-        **(sound_mel_kid(_test_clip_features(), clip_features(audio, sd.SAMPLE_RATE)) if n >= 3 else {}),
+        # fewer clips: a bench's direct call; a run's evals are refused them in preflight
+        **(sound_mel_kid(_test_clip_features(), clip_features(audio, sd.SAMPLE_RATE)) if n >= MIN_CLIPS else {}),
     }
 
 

@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from dmd2_core.evaluation.evaluator import Figure, GroundTruthEvaluator
+from dmd2_core.evaluation.sound_distance import MIN_CLIPS, check_eval_clips
 from dmd2_core.toys import sounding_digits_metrics
 
 
@@ -27,3 +28,9 @@ class SoundingDigitsEvaluator(GroundTruthEvaluator):
     table = ("sound_mel_kid",)
     criteria = ("frame_fd",)
     quality = staticmethod(quality)
+
+    def preflight_check(self, args, trainer_args: dict) -> None:
+        """Every eval measures ``eval_num_samples`` clips with ``sound_mel_kid``: at least ``MIN_CLIPS``."""
+        if args.eval_interval:
+            check_eval_clips("eval_num_samples", str(args.eval_num_samples), args.eval_num_samples, "clips",
+                             f"set eval_num_samples to {MIN_CLIPS} or more")
