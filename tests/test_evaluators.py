@@ -224,6 +224,28 @@ def test_an_unwritable_reference_cache_is_refused_before_any_actor(tiny_teacher,
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("overrides, line", [
+    ({"eval_num_samples": 2}, r"eval_num_samples: 2: the teacher-feature KID and its standard error need at least 3 "
+                              r"samples an eval; set eval_num_samples to 3 or more$"),
+    ({"eval_num_samples": 1}, r"eval_num_samples: 1: .* at least 3 samples an eval"),
+    ({"real_data": "digits", "eval_real_samples": 2}, r"eval_real_samples: 2: the KID to the real set needs at least 3 "
+                                                       r"real samples; set eval_real_samples to 3 or more, or 0 for none$"),
+])
+def test_an_eval_too_small_for_a_kid_and_its_standard_error_is_refused_before_any_actor(tiny_teacher, tmp_path,
+                                                                                         overrides, line):
+    """A picture run's eval of fewer than 3 samples a side: its KID's standard error would be NaN
+    (the regression call then weighs nothing), and at 1 the eval fails mid-run; refused in one line
+    naming the key, before any actor; 3 passes."""
+    from dmd2_core.errors import ArgsError
+    from dmd2_core.run.distill_run import DistillRun
+
+    with pytest.raises(ArgsError, match=f"^{line}") as refused:
+        DistillRun(_args(tiny_teacher, str(tmp_path / "run"), **overrides))
+    assert "\n" not in str(refused.value)
+    assert not (tmp_path / "run").exists()
+    DistillRun(_args(tiny_teacher, str(tmp_path / "ok"), **{k: 3 if isinstance(v, int) else v for k, v in overrides.items()}))
+
+
 def test_a_new_evaluator_is_one_file_and_one_registry_line(tiny_teacher, tmp_path, monkeypatch):
     """The seam: an evaluator registered by name is accepted by Args, scores an eval, and its
     figure reaches the run summary, the metrics table and the nights view with its criterion."""

@@ -110,6 +110,10 @@ def projected_kid(reference: torch.Tensor, samples: torch.Tensor, *, dim: int = 
     return kernel_distance(ref, out)
 
 
+# the fewest samples a side whose kernel distance has a standard error (the jackknife leaves one out)
+SE_MIN_SAMPLES = 3
+
+
 def kernel_distance_sample_se(x: torch.Tensor, y: torch.Tensor) -> float:
     """The standard error of ``kernel_distance(x, y)`` over draws of the samples ``y`` alone (the
     delete-one jackknife, in closed form from the kernel's row sums): what the figure would move by
@@ -121,7 +125,7 @@ def kernel_distance_sample_se(x: torch.Tensor, y: torch.Tensor) -> float:
     x = torch.as_tensor(x).detach().to("cpu", torch.float64)
     y = torch.as_tensor(y).detach().to("cpu", torch.float64)
     n, m, d = x.shape[0], y.shape[0], x.shape[1]
-    if min(n, m) < 3:
+    if min(n, m) < SE_MIN_SAMPLES:
         return float("nan")
 
     def k(a, b):

@@ -64,7 +64,7 @@ import numpy as np
 import torch
 
 from dmd2_core.errors import ArgsError
-from dmd2_core.evaluation.kernel import kernel_distance, kernel_distance_sample_se
+from dmd2_core.evaluation.kernel import SE_MIN_SAMPLES, kernel_distance, kernel_distance_sample_se
 
 MAX_FFT = 2048
 MAX_BANDS = 64
@@ -74,7 +74,7 @@ MIN_SPREAD_DB = 1.0
 STATISTICS = ("mean", "spread", "floor")  # per channel and band, then the channel's loudness
 # the fewest clips per side ``sound_mel_kid`` is defined for: its standard error
 # (``kernel.kernel_distance_sample_se``, a jackknife leaving a clip or a pair out) is NaN below 3
-MIN_CLIPS = 3
+MIN_CLIPS = SE_MIN_SAMPLES
 # the key a sample's drift statistics carry its clip's features under (``split_sound_features``)
 SOUND_FEATURES = "sound_mel_features"
 

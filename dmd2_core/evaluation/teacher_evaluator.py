@@ -45,7 +45,7 @@ from dmd2_core.data import (BUILTIN_SETS, REAL_LATENTS, open_real_set, prompt_te
 from dmd2_core.evaluation.evaluator import Evaluator, Figure, Panel, eval_order
 from dmd2_core.evaluation.drift import pooled, within_prompt_diversity
 from dmd2_core.evaluation.criterion import Criterion
-from dmd2_core.evaluation.kernel import projected_kid, projected_kid_se
+from dmd2_core.evaluation.kernel import SE_MIN_SAMPLES, projected_kid, projected_kid_se
 from dmd2_core.evaluation.sound_distance import (MIN_CLIPS, check_eval_clips, sound_mel_kid, split_sound_features,
                                                  why_unmeasured)
 from dmd2_core.checkpoint.integrity import listing
@@ -171,6 +171,20 @@ def check_sound_clips(args: Args) -> None:
     rows = shapes[REAL_LATENTS][0] if REAL_LATENTS in shapes else 0
     check_eval_clips("real_data", f"{args.real_data} holds {rows} rows", rows, "reference clips",
                      f"give a real set of {MIN_CLIPS} rows or more, {to_teacher}")
+
+
+def check_picture_samples(args: Args) -> None:
+    """Pre-flight of any run's eval in the teacher's features: each KID and its standard error
+    (which the regression call weighs) get at least ``SE_MIN_SAMPLES`` samples a side, the
+    student's ``eval_num_samples`` and the real set's ``eval_real_samples`` (when it has one);
+    else an eval's figures would be NaN-weighted or, at 1, fail mid-run. ArgsError naming the key."""
+    least = SE_MIN_SAMPLES
+    if args.eval_num_samples < least:
+        raise ArgsError(f"eval_num_samples: {args.eval_num_samples}: the teacher-feature KID and its standard error "
+                        f"need at least {least} samples an eval; set eval_num_samples to {least} or more")
+    if args.real_data and 0 < args.eval_real_samples < least:
+        raise ArgsError(f"eval_real_samples: {args.eval_real_samples}: the KID to the real set needs at least {least} "
+                        f"real samples; set eval_real_samples to {least} or more, or 0 for none")
 
 
 # ---- the teacher's side, made once ----------------------------------------------------------------
@@ -384,6 +398,7 @@ class TeacherEvaluator(Evaluator):
                             f"holds; loss_type {args.loss_type} has none (leave evaluator unset: no quality figures)")
         if "critic" in trainer_args:  # the run has quality figures
             check_sound_clips(args)
+            check_picture_samples(args)
 
     def writes(self, args: Args, trainer_args: dict) -> dict[str, str]:
         shared_cache = args.eval_interval and "critic" in trainer_args and args.eval_reference_url
