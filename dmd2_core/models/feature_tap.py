@@ -22,13 +22,17 @@ class FeatureTap:
 
     def __init__(self, family, model: torch.nn.Module, block: Optional[int], stop: bool = False):
         self.model, self.module = model, family.feature_block(model, block)
-        self.stop, self.features, self._handle = stop, None, None
+        self.stop, self._handle = stop, None
         self.forwards: list[torch.Tensor] = []
+
+    @property
+    def features(self) -> Optional[torch.Tensor]:
+        """The last forward's output tokens (None before one)."""
+        return self.forwards[-1] if self.forwards else None
 
     def _hook(self, module, inputs, output):
         tokens = output if torch.is_tensor(output) else output[-1]  # SD3 blocks: (context, image)
-        self.features = context_parallel.gather_sequence(self.model, tokens)
-        self.forwards.append(self.features)
+        self.forwards.append(context_parallel.gather_sequence(self.model, tokens))
         if self.stop:
             raise _Stop
 
