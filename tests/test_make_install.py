@@ -1,7 +1,8 @@
 """`make install`, the set-up `make test` and `make demo` begin with on a fresh clone: uv, installed
 by pip, installs the project with the find-links pip is configured with (where a CPU machine keeps
-its build of torch: without them uv would fetch PyPI's CUDA build); where uv cannot install, pip
-does, as before. Run against a stand-in python that records its calls, so nothing is installed."""
+its build of torch: without them uv would fetch PyPI's CUDA build) and compiles every module to
+bytecode, as pip does (where PYTHONDONTWRITEBYTECODE is set, each process would compile its imports
+again); where uv cannot install, pip does, as before. Run against a stand-in python that records its calls, so nothing is installed."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def test_uv_installs_with_pips_find_links(tmp_path):
     assert out.returncode == 0, out.stderr
     assert calls[0] == f"-m venv {tmp_path / '.venv'}"
     assert calls[1:] == ["-m pip config list", "-m pip install -q uv",
-                         f"-m uv pip install -q --python {tmp_path / '.venv' / 'bin' / 'python'} "
+                         f"-m uv pip install -q --compile-bytecode --python {tmp_path / '.venv' / 'bin' / 'python'} "
                          "--find-links /opt/wheels --find-links /srv/more -e .[test]"]
 
 
