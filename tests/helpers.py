@@ -141,10 +141,18 @@ class RankFailure(Exception):
     """A rank of a spawned group failed (its traceback is the message), or the group hung."""
 
 
+# What every rank imports, imported once by the fork server its ranks are forked from: a spawned
+# rank paid ~5 s of CPU importing torch, torch.distributed's checkpoint and diffusers' models
+RANK_PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "diffusers", "diffusers.models",
+                "dmd2_core.parallel", "dmd2_core.train.trainer", "tests.helpers"]
+
+
 def spawn_ranks(world_size: int, fn, *args, timeout_s: float = 900.0) -> list:
-    """``fn(rank, world_size, *args)`` on ``world_size`` ranks, each a fresh process (spawn, not
-    fork: Ray's and moto's threads may live in this one) with one torch thread, all in one gloo
-    process group on a free loopback port; returns what each rank's ``fn`` returned, by rank.
+    """``fn(rank, world_size, *args)`` on ``world_size`` ranks, each a new process with one torch
+    thread, all in one gloo process group on a free loopback port; returns what each rank's ``fn``
+    returned, by rank. The ranks are forked from multiprocessing's fork server (never from this
+    process: Ray's and moto's threads may live in it), which imported RANK_PRELOAD once; each rank
+    takes this process's environment as it is at the call, as a spawned one would.
 
     A rank that raises fails the call at once with its traceback (RankFailure): it leaves without
     waiting for the others, which may be stuck in a collective it will never enter, and they are
@@ -159,10 +167,12 @@ def spawn_ranks(world_size: int, fn, *args, timeout_s: float = 900.0) -> list:
 
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(RANK_PRELOAD)
     port = free_port()
+    env = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="ranks-") as out:
-        procs = [ctx.Process(target=_rank_entry, args=(rank, world_size, port, timeout_s, fn, args, out),
+        procs = [ctx.Process(target=_rank_entry, args=(rank, world_size, port, timeout_s, fn, args, out, env),
                              name=f"rank-{rank}") for rank in range(world_size)]
         for proc in procs:
             proc.start()
@@ -190,9 +200,10 @@ def spawn_ranks(world_size: int, fn, *args, timeout_s: float = 900.0) -> list:
         return [torch.load(Path(out) / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
 
 
-def _rank_entry(rank: int, world_size: int, port: int, timeout_s: float, fn, args: tuple, out: str) -> None:
-    """A spawned rank of ``spawn_ranks``: join the group, ``fn``, its result to ``out``, then leave
-    the group with the others; on any error, its traceback to ``out`` and exit at once."""
+def _rank_entry(rank: int, world_size: int, port: int, timeout_s: float, fn, args: tuple, out: str,
+                env: dict) -> None:
+    """A rank of ``spawn_ranks``: join the group, ``fn``, its result to ``out``, then leave the group
+    with the others; on any error, its traceback to ``out`` and exit at once."""
     import sys
     import traceback
 
@@ -200,6 +211,8 @@ def _rank_entry(rank: int, world_size: int, port: int, timeout_s: float, fn, arg
 
     from dmd2_core import parallel
 
+    os.environ.clear()
+    os.environ.update(env)
     try:
         torch.set_num_threads(1)
         parallel.ensure_process_group(rank, world_size, torch.device("cpu"), "127.0.0.1", port, timeout_s)
