@@ -6,60 +6,11 @@ clips that play in place."""
 from __future__ import annotations
 
 
-from dmd2_core import checkpoint, report
+from dmd2_core import report
 from dmd2_core.report import nights_view
-from tests.helpers import FAST, first_night_starts_late
+from tests.helpers import FAST
 
-# ---- one best student for the campaign ------------------------------------------------------------
-
-SCRIPTED_FD = {0: 1.0, 1: 2.0, 2: 5.0}  # the start scores best; night 2's only eval is worse than night 1's
-
-
-def test_a_night_worse_than_an_earlier_one_keeps_the_campaigns_best_student(harness, tiny_teacher, tmp_path, monkeypatch):
-    """Night 1 stops at iteration 1 (its budget), whose eval is the campaign's best; night 2's eval
-    at 2 is worse: its student stays iteration 1's export, and its summary's header, its student
-    line and its nights row all name iteration 1 (the start's eval is no result of the campaign)."""
-    from dmd2_core.run.checkpoint_commits import read_best_student
-    from flows import driver as driver_module
-    from flows import nights
-    from flows.dmd2 import dmd2
-
-    monkeypatch.setattr(driver_module, "evaluate", lambda run_id, i: {
-        "iteration": i, "metrics": {"fd": SCRIPTED_FD[i]}, "media": [], "reference": {}})
-    first_night_starts_late(monkeypatch)
-    views, rows = [], []
-
-    def record(view, outcome, wall_s):
-        views.append(view)
-        rows.append(nights_view.night_row(view, outcome, wall_s, f"id-{len(rows)}", None, f"2026-12-0{len(rows) + 1}"))
-
-    monkeypatch.setattr(nights, "record_night", record)
-    from dmd2_core.memory import time_plan
-
-    monkeypatch.setattr(time_plan, "cluster_peak_flops", lambda: 1e12)  # CPUs have no peak of their own
-    save = tmp_path / "campaign"
-    for night in (1, 2):
-        state = dmd2(recipe="tiny", overrides=dict(FAST), num_iterations=2, hf_checkpoint=tiny_teacher,
-                     save=str(save), time_budget_s=1000.0, return_state=True)
-        assert state.is_completed(), state.message
-    assert checkpoint.read_latest(str(save)) == 2
-
-    best = read_best_student(str(save))
-    assert (best["iteration"], best["value"]) == (1, 2.0) and best["export_url"].endswith("iter_0000001")
-    view, row = views[-1], rows[-1]
-    assert view["student"].endswith("iter_0000002")  # the latest export, not the campaign's student
-    assert view["best_student"] == best["export_url"] and view["best_iteration"] == 1
-    text = report.summary_markdown(view)
-    assert "Best eval so far (the campaign's): iteration 1 (fd 2)." in text
-    assert "the campaign's best eval, iteration 1;" in text
-    assert (row["student"], row["student_iteration"]) == (best["export_url"], 1)
-    assert (row["campaign_best"], row["campaign_best_iteration"]) == (2.0, 1)
-    assert (row["best"], row["best_iteration"]) == (5.0, 2)  # the night's own best, what a regression is judged by
-    assert row["mfu"] == view["mfu"] > 0 and row["s_per_iteration"] > 0  # the pace and the MFU it implies
-    shown = nights_view.nights_markdown("tiny", rows, None)
-    assert f"2026-12-02: iteration 1 `{best['export_url']}`" in shown
-    assert "iter_0000002`" not in shown.split("Best students")[1]
-
+# ---- one best student for the campaign (through the flow's nights: tests/test_night_budget.py) ----
 
 def test_the_summary_header_the_student_line_and_the_nights_row_name_one_best():
     """A teacher-evaluated night 2 (from 2 to 4) whose evals are all worse than night 1's best (at

@@ -1,7 +1,7 @@
 """A night is a time-boxed leg of one distillation (``time_budget_s``): the budget's decision
 (dmd2_core/run/time_budget.py), legs of the flow that end with the weights of one uninterrupted
-run, a night after the campaign that trains nothing, the nights view's pace columns, and the
-nightly deployment's window."""
+run and keep one best student for the whole campaign, a night after the campaign that trains
+nothing, the nights view's pace columns, and the nightly deployment's window."""
 
 from __future__ import annotations
 
@@ -90,19 +90,38 @@ def run_leg(teacher: str, save: Path, **extra):
                 return_state=True, **extra)
 
 
-def test_legs_of_a_budget_end_with_the_weights_of_one_uninterrupted_run(harness, tiny_teacher, tmp_path, monkeypatch):
+SCRIPTED_FD = {0: 1.0, 1: 2.0, 2: 5.0}  # the start scores best; night 2's only eval is worse than night 1's
+
+
+def test_legs_of_a_budget_end_as_one_uninterrupted_run_with_the_campaigns_best_student(harness, tiny_teacher, tmp_path,
+                                                                                       monkeypatch):
     """Night 1's start-up takes (on the budget's clock) more than its budget: its first iteration
     is its last, checkpointed, evaluated and exported; it completes and says it continues. Night
     2 resumes from there and reaches num_iterations with the uninterrupted run's weights; night 3
-    starts no actor and says the campaign is complete."""
+    starts no actor and says the campaign is complete. One best student for the campaign (the
+    evals' FD scripted): night 1's eval at 1 is the best; night 2's at 2 is worse, so its student
+    stays iteration 1's export, and its summary's header, its student line and its nights row all
+    name iteration 1 (the start's eval is no result of the campaign)."""
+    from dmd2_core import report
+    from dmd2_core.memory import time_plan
+    from dmd2_core.run.checkpoint_commits import read_best_student
+    from flows import driver as driver_module
     from flows import nights
 
     reference = tmp_path / "reference"
     assert run_leg(tiny_teacher, reference).is_completed()
 
-    starts, rows = first_night_starts_late(monkeypatch), []
-    monkeypatch.setattr(nights, "record_night", lambda view, outcome, wall_s: rows.append(
-        nights_view.night_row(view, outcome, wall_s, "id", None, "d")))
+    real_evaluate = driver_module.evaluate
+    monkeypatch.setattr(driver_module, "evaluate", lambda run_id, i: {
+        **real_evaluate(run_id, i), "metrics": {"fd": SCRIPTED_FD[i]}})
+    monkeypatch.setattr(time_plan, "cluster_peak_flops", lambda: 1e12)  # CPUs have no peak of their own
+    starts, views, rows = first_night_starts_late(monkeypatch), [], []
+
+    def record(view, outcome, wall_s):
+        views.append(view)
+        rows.append(nights_view.night_row(view, outcome, wall_s, f"id-{len(rows)}", None, f"2026-12-0{len(rows) + 1}"))
+
+    monkeypatch.setattr(nights, "record_night", record)
     save = tmp_path / "campaign"
 
     night1 = run_leg(tiny_teacher, save, time_budget_s=1000.0)
@@ -123,6 +142,22 @@ def test_legs_of_a_budget_end_with_the_weights_of_one_uninterrupted_run(harness,
     assert (night2.result()["start_iteration"], night2.result()["continues"]) == (1, False)
     assert_same_saved_state(save, reference, 2)
     assert (rows[-1]["from_iteration"], rows[-1]["iteration"], rows[-1]["nights_left"]) == (1, 2, 0)
+
+    best = read_best_student(str(save))
+    assert (best["iteration"], best["value"]) == (1, 2.0) and best["export_url"].endswith("iter_0000001")
+    view, row = views[-1], rows[-1]
+    assert view["student"].endswith("iter_0000002")  # the latest export, not the campaign's student
+    assert view["best_student"] == best["export_url"] and view["best_iteration"] == 1
+    text = report.summary_markdown(view)
+    assert "Best eval so far (the campaign's): iteration 1 (fd 2)." in text
+    assert "the campaign's best eval, iteration 1;" in text
+    assert (row["student"], row["student_iteration"]) == (best["export_url"], 1)
+    assert (row["campaign_best"], row["campaign_best_iteration"]) == (2.0, 1)
+    assert (row["best"], row["best_iteration"]) == (5.0, 2)  # the night's own best, what a regression is judged by
+    assert row["mfu"] == view["mfu"] > 0  # the pace and the MFU it implies
+    shown = nights_view.nights_markdown("tiny", rows, None)
+    assert f"2026-12-02: iteration 1 `{best['export_url']}`" in shown
+    assert "iter_0000002`" not in shown.split("Best students")[1]
 
     metrics = (save / "metrics.jsonl").read_bytes()
     night3 = run_leg(tiny_teacher, save, time_budget_s=1000.0)
