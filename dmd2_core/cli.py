@@ -70,6 +70,8 @@ def build_parser() -> ArgParser:
     lat.add_argument("--width", type=int, default=None, help="video + audio models: clip width in pixels")
     lat.add_argument("--negative-prompt", default="", help="the unconditional prompt for guidance (default empty)")
     lat.add_argument("--max-sequence-length", type=int, default=None, help="default: the pipeline's")
+    lat.add_argument("--keyframe-anchors", default=None, help="MiniMax-H3 fl2va: first, last or first,last: each clip "
+                     "conditioned on its own first / last frame, as an fl2va run's samples are on their keyframes")
     add_set_flag(lat, "set one of the options above, e.g. num_frames=16")
     exp = sub.add_parser("export", help="export any checkpoint of a run, after the fact, in the format its user loads")
     exp.add_argument("--load", help="the run's save URL (path or URL) holding the checkpoint; required")
@@ -366,7 +368,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                 "--height and --width together")
             real = prepare_latents(ns.hf_checkpoint, ns.images, ns.captions, ns.out, ns.latent_shape,
                                    ns.negative_prompt, ns.max_sequence_length,
-                                   clip=None if None in geometry else geometry)
+                                   clip=None if None in geometry else geometry, keyframe_anchors=ns.keyframe_anchors)
             print(json.dumps({"out": ns.out, "samples": len(real), "latents": list(real.latents.shape[1:]),
                               "shapes": {k: list(v.shape) for k, v in real.cond.items()}}))
             return 0

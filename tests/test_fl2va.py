@@ -417,7 +417,8 @@ def test_the_plan_counts_the_keyframe_rows(fl2va):
 def test_an_fl2va_critics_real_set_must_carry_the_keyframes(fl2va, tmp_path):
     """The GAN head's real clips of an fl2va run are conditioned as its samples are: a real set
     holding the workflow's keys (its text padded to another length than the prompt set's) passes
-    preflight; one with the text conditions alone (what prepare-latents writes) is refused in one
+    preflight; one with the text conditions alone (what prepare-latents writes without
+    --keyframe-anchors) is refused in one
     line naming the missing key, before any actor, and nothing is written."""
     from dmd2_core.data import KEYFRAME_PIXELS, REAL_LATENTS, write_safetensors
 
@@ -438,6 +439,61 @@ def test_an_fl2va_critics_real_set_must_carry_the_keyframes(fl2va, tmp_path):
                                         r"keyframe_latents") as err:
         preflight(load_args("minimax-h3", dict(base, real_data=text_only, save=str(tmp_path / "run"))))
     assert "\n" not in str(err.value) and not (tmp_path / "run").exists()
+
+
+def test_prepare_latents_conditions_each_real_clip_on_its_own_first_and_last_frames(fl2va, tmp_path, capsys):
+    """``prepare-latents --keyframe-anchors first,last``: each real clip's keyframes are its own
+    first and last frames, encoded as prepare-prompts encodes a prompt's (the latents and the
+    presentation of a keyframes file holding those frames), no pictures beside them; the set is an
+    fl2va run's GAN real data. An anchor that is none, or one given twice, is named in one line and
+    nothing is written."""
+    from PIL import Image
+
+    from dmd2_core.cli import main
+    from dmd2_core.data import KEYFRAME_PIXELS
+    from dmd2_core.media.av_clips import write_mp4
+    from dmd2_core.prepare.latents import prepare_latents, read_clip_with_sound
+    from dmd2_core.prepare.prompts import prepare_prompts
+
+    clips, rng = tmp_path / "clips", np.random.default_rng(0)
+    clips.mkdir()
+    tone = (0.5 * np.sin(2 * np.pi * 440 * np.arange(round(16000 * 124 / 24)) / 16000)).astype(np.float32)
+    for name in ("a", "b"):
+        write_mp4(str(clips / f"{name}.mp4"), rng.integers(0, 256, (124, 32, 32, 3), dtype=np.uint8),
+                  np.stack([tone, tone]), fps=24, sample_rate=16000, min_side=32)
+    (tmp_path / "captions.tsv").write_text("".join(f"{n}\t{p}\n" for n, p in zip("ab", PROMPTS)))
+    out = str(tmp_path / "real.safetensors")
+    real = prepare_latents(fl2va["url"], str(clips), str(tmp_path / "captions.tsv"), out, clip=(124, 32, 32),
+                           keyframe_anchors="first,last")
+    assert real.cond["keyframe_latents"].shape == (2, 2, 24, 1, 2, 2) and KEYFRAME_PIXELS not in real.cond
+    assert real.cond["keyframe_anchors"].tolist() == [[0, 1]] * 2
+
+    entries = []
+    for name in ("a", "b"):  # the clip's frames as the run reads them, saved losslessly
+        pixels, _ = read_clip_with_sound((clips / f"{name}.mp4").read_bytes(), f"{name}.mp4", 124, 32, 32, 24, 16000)
+        for end, frame in (("first", pixels[:, 0]), ("last", pixels[:, 123])):
+            Image.fromarray(frame.add(1).mul(127.5).round().byte().permute(1, 2, 0).numpy()).save(tmp_path / f"{name}{end}.png")
+        entries.append({"first": f"{name}first.png", "last": f"{name}last.png"})
+    (tmp_path / "keyframes.json").write_text(json.dumps(entries))
+    same = prepare_prompts(fl2va["url"], PROMPTS, None, keyframes=str(tmp_path / "keyframes.json"))
+    for key in ("keyframe_latents", "keyframe_anchors", "prompt_embeds", "prompt_lengths", "text_token_tags"):
+        assert torch.equal(real.cond[key], same.embeds[key]), key
+    assert not torch.equal(real.cond["keyframe_latents"][:, 0], real.cond["keyframe_latents"][:, 1])
+
+    base = dict(CPU, hf_checkpoint=fl2va["url"], prompts=fl2va["prompts"], workflow="fl2va", gan_weight=0.05,
+                gan_critic_weight=0.1, eval_real_samples=0)  # 2 real clips: too few for the sound's yardstick
+    preflight(load_args("minimax-h3", dict(base, real_data=out, save=str(tmp_path / "run"))))
+
+    bad = str(tmp_path / "bad.safetensors")
+    for anchors, line in (("frist", "error: keyframe_anchors: 'frist' is no keyframe anchor (first or last); did you "
+                                    "mean 'first'?"),
+                          ("last,last", "error: keyframe_anchors: last,last; give first, last or first,last")):
+        capsys.readouterr()
+        code = main(["prepare-latents", "--hf-checkpoint", fl2va["url"], "--images", str(clips), "--captions",
+                     str(tmp_path / "captions.tsv"), "--out", bad, "--num-frames", "124", "--height", "32",
+                     "--width", "32", "--keyframe-anchors", anchors])
+        assert code == 2 and capsys.readouterr().err == line + "\n"
+    assert not (tmp_path / "bad.safetensors").exists()
 
 
 def _block_outputs(family, model, x_t, sigma, cond):

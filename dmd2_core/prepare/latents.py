@@ -10,6 +10,11 @@ files. Images are resized (shorter side) and centre-cropped to the pixel size of
 latents; a clip gives its first frames. The output follows the prompt-set conventions
 (``prompt_embeds`` ..., their ``negative_`` entries, the captions in the metadata) plus
 ``latents`` [N, ...], the VAE posterior means scaled as the model sees them.
+
+A MiniMax-H3 fl2va run's real clips are conditioned as its samples are: with
+``--keyframe-anchors first,last`` (or either) each clip's own first / last frame is its keyframe,
+encoded as ``prepare-prompts --keyframes`` encodes a prompt's (``keyframe_latents``,
+``keyframe_anchors``, the presentation's embeddings and tags).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import numpy as np
 import torch
 
 from dmd2_core import storage
-from dmd2_core.errors import ArgsError
+from dmd2_core.errors import ArgsError, nearest
 from dmd2_core.data import REAL_LATENTS, RealSet, write_safetensors
 from dmd2_core.models import FAMILIES, describe_model_dir
 
@@ -140,19 +145,52 @@ def pixel_size(family, vae, sample_shape: tuple) -> tuple[Optional[int], int, in
     return None, sample_shape[-2] * spatial, sample_shape[-1] * spatial
 
 
+def keyframe_anchor_list(anchors) -> list[str]:
+    """``first``, ``last`` or both (a comma list or a sequence), in the order given; a name that is
+    no anchor, or one given twice, is named in one line with the nearest anchor."""
+    from dmd2_core.prepare.prompts import KEYFRAME_ROLES
+
+    names = [a.strip() for a in (anchors.split(",") if isinstance(anchors, str) else anchors)]
+    for name in names:
+        if name not in KEYFRAME_ROLES:
+            raise ArgsError(f"keyframe_anchors: '{name}' is no keyframe anchor ({' or '.join(KEYFRAME_ROLES)})"
+                            f"{nearest(name, KEYFRAME_ROLES)}")
+    if not names or len(set(names)) != len(names):
+        raise ArgsError(f"keyframe_anchors: {','.join(names) or 'nothing'}; give first, last or first,last")
+    return names
+
+
+def clip_keyframes(pixels: torch.Tensor, anchors: list[str]) -> dict:
+    """A clip's own keyframes for fl2va's encoder: {'image' / 'last_image': PIL image} of its first
+    and last frames (pixels [3, F, H, W] in [-1, 1], the uint8 frames it was read from)."""
+    from PIL import Image
+
+    from dmd2_core.prepare.prompts import KEYFRAME_ROLES
+
+    def picture(frame: torch.Tensor):
+        return Image.fromarray(frame.add(1.0).mul(127.5).round().clamp(0, 255).byte().permute(1, 2, 0).numpy())
+
+    return {KEYFRAME_ROLES[a]: picture(pixels[:, 0 if a == "first" else -1]) for a in anchors}
+
+
 def prepare_latents(hf_checkpoint: str, images: str, captions: str, out: str, latent_shape: Optional[list[int]] = None,
                     negative_prompt: str = "", max_sequence_length: Optional[int] = None, batch_size: int = 8,
-                    clip: Optional[tuple[int, int, int]] = None) -> RealSet:
+                    clip: Optional[tuple[int, int, int]] = None, keyframe_anchors=None) -> RealSet:
     """Encode every image/clip of ``images`` with its caption and write the real set to ``out``.
     ``clip``: (num_frames, height, width) of a joint video + audio model's clips (or its
-    ``latent_shape``)."""
+    ``latent_shape``). ``keyframe_anchors`` (MiniMax-H3 fl2va): each clip conditioned on its own
+    first and/or last frame."""
     from types import SimpleNamespace
 
-
-    from dmd2_core.prepare.prompts import prepare_prompts
+    from dmd2_core.data import KEYFRAME_PIXELS
+    from dmd2_core.prepare.prompts import encode_keyframe_prompts, prepare_prompts
 
     info = describe_model_dir(hf_checkpoint, "hf_checkpoint")
     family = FAMILIES[info["family"]]
+    anchors = keyframe_anchor_list(keyframe_anchors) if keyframe_anchors else None
+    if anchors and not family.has_audio:
+        raise ArgsError(f"keyframe_anchors: {hf_checkpoint} ({info['family']}) conditions on text alone; keyframes "
+                        "are MiniMax-H3's fl2va conditions")
     if not info["vae_url"]:
         raise ArgsError(f"{hf_checkpoint}: the checkpoint has no vae/ to encode images with")
     config = json.loads(storage.read_text(storage.join(info["transformer_url"], "config.json")))
@@ -167,7 +205,7 @@ def prepare_latents(hf_checkpoint: str, images: str, captions: str, out: str, la
     names = list_media(images, family.is_video)
     texts = read_captions(captions, names)
     vae = family.load_vae(info["vae_url"], torch.float32).eval()
-    latents = []
+    latents, keyframes = [], []
     if family.has_audio:
         from dmd2_core.models.minimax_h3 import spatial_ratio
 
@@ -178,6 +216,8 @@ def prepare_latents(hf_checkpoint: str, images: str, captions: str, out: str, la
             pixels, sound = read_clip_with_sound(storage.read_bytes(storage.join(images, n)), n, family.num_frames,
                                                  height, width, family.fps, rate)
             latents.append(family.encode_clip(vae, pixels, sound))
+            if anchors:
+                keyframes.append(clip_keyframes(pixels, anchors))
     else:
         frames, height, width = pixel_size(family, vae, shape)
         for start in range(0, len(names), batch_size):
@@ -187,7 +227,11 @@ def prepare_latents(hf_checkpoint: str, images: str, captions: str, out: str, la
     latents = torch.cat(latents)
     if tuple(latents.shape[1:]) != tuple(shape):
         raise ArgsError(f"{hf_checkpoint}: its VAE gives latents {list(latents.shape[1:])}, the model samples {list(shape)}")
-    prompt_set = prepare_prompts(hf_checkpoint, texts, None, negative_prompt, max_sequence_length)
+    if anchors:  # the pictures stay with the prompt set's eval media; no forward reads them
+        prompt_set = encode_keyframe_prompts(hf_checkpoint, texts, keyframes)
+        prompt_set.embeds.pop(KEYFRAME_PIXELS)
+    else:
+        prompt_set = prepare_prompts(hf_checkpoint, texts, None, negative_prompt, max_sequence_length)
     tensors = {REAL_LATENTS: latents, **prompt_set.embeds, **{f"negative_{k}": v for k, v in prompt_set.negative.items()}}
     write_safetensors(out, tensors, {"prompts": json.dumps(texts), "files": json.dumps(names)})
     return RealSet(latents, prompt_set.embeds)
