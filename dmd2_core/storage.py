@@ -265,6 +265,12 @@ def _local_version(stat: os.stat_result) -> FileVersion:
     return FileVersion(stat.st_size, f"{stat.st_dev}:{stat.st_ino}:{stat.st_mtime_ns}")
 
 
+def content_stamp(url: str, version: FileVersion) -> str:
+    """What of ``version``'s tag a copy of the content keeps: an object's tag as it is; of a local
+    file its mtime_ns alone (a copy that keeps it, cp -p or rsync -a, has another device and inode)."""
+    return version.tag.rsplit(":", 1)[-1] if is_local(url) else version.tag
+
+
 def _changed(url: str, why: str) -> InputChangedError:
     return InputChangedError(f"{url}: changed in storage since this run opened it ({why}); stopping rather than "
                              "reading rows at the old offsets: rerun to resume from the latest checkpoint with the "

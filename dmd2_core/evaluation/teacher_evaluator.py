@@ -32,7 +32,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import time
 from typing import Any, Optional
 
@@ -220,8 +219,7 @@ def set_file_identity(url: Optional[str]) -> dict[str, Any]:
     if url is None or url in BUILTIN_SETS:
         return {}
     header, span, _, version = storage.pinned_safetensors_layout(url)
-    stamp = str(os.stat(storage.filesystem(url)[1]).st_mtime_ns) if storage.is_local(url) else version.tag
-    return {"header": header, "span": span, "version": stamp}
+    return {"header": header, "span": span, "version": storage.content_stamp(url, version)}
 
 
 def reference_key(args: Args, order: list[int], identity: Optional[dict[str, Any]] = None) -> str:
