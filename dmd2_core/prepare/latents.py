@@ -165,12 +165,11 @@ def clip_keyframes(pixels: torch.Tensor, anchors: list[str]) -> dict:
     and last frames (pixels [3, F, H, W] in [-1, 1], the uint8 frames it was read from)."""
     from PIL import Image
 
+    from dmd2_core.media.av_clips import video_uint8
     from dmd2_core.prepare.prompts import KEYFRAME_ROLES
 
-    def picture(frame: torch.Tensor):
-        return Image.fromarray(frame.add(1.0).mul(127.5).round().clamp(0, 255).byte().permute(1, 2, 0).numpy())
-
-    return {KEYFRAME_ROLES[a]: picture(pixels[:, 0 if a == "first" else -1]) for a in anchors}
+    frames = video_uint8(pixels.transpose(0, 1)[[0 if a == "first" else -1 for a in anchors]])
+    return {KEYFRAME_ROLES[a]: Image.fromarray(frame) for a, frame in zip(anchors, frames)}
 
 
 def prepare_latents(hf_checkpoint: str, images: str, captions: str, out: str, latent_shape: Optional[list[int]] = None,
