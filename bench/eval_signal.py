@@ -211,9 +211,15 @@ def decoded(world: str, x0: torch.Tensor):
 def eval_metrics(world: str, x0: torch.Tensor, feats: dict[str, torch.Tensor], labels) -> dict[str, float]:
     """The product's drift metrics of an eval (``drift.media_stats``, keyed ``drift_<statistic>_<modality>``)
     and the within-prompt diversity of its features (``diversity_<modality>``)."""
-    out = {f"drift_{k}": v for k, v in drift.pooled(drift.per_sample_stats(decoded(world, x0)))["value"].items()}
+    out = {f"drift_{k}": v for k, v in drift.pooled(clip_stats(world, x0))["value"].items()}
     out.update({f"diversity_{m}": v for m, v in drift.within_prompt_diversity(feats, labels).items()})
     return out
+
+
+def clip_stats(world: str, x0: torch.Tensor) -> list[dict[str, float]]:
+    """Each clip's drift statistics (``drift.per_sample_stats``): the clip-by-clip start of a run's
+    drift (``evaluators.paired_figures``)."""
+    return drift.per_sample_stats(decoded(world, x0))
 
 
 def ground_truth(world: str, x0: torch.Tensor, labels) -> dict[str, float]:
@@ -509,8 +515,13 @@ def drift_runs(results: list[dict], refs: dict, reals: dict, ns, worlds) -> dict
                     out.setdefault(f"{name}_sound_fd_worsens_eval", []).append(
                         first_fd_worsening([e["gt"]["sound_fd"] for e in ev]))
                 for yard, yardstick in (("", reals[world]["drift"]), ("_teacher_yardstick", refs[(world, seed)]["drift"])):
-                    flags = [evaluators.drift_flags(e["metrics"], ev[0]["metrics"], yardstick) for e in ev]
+                    start = clip_stats(world, ev[0]["x"])  # the product keeps its first eval's clips (drift_start)
+                    flags = [evaluators.drift_flags({**e["metrics"], **evaluators.paired_figures(clip_stats(world, e["x"]), start)},
+                                                    ev[0]["metrics"], yardstick) for e in ev]
                     out.setdefault(f"{name}_flag_eval{yard}", []).append(next((i for i, f in enumerate(flags) if f), None))
+                    if world == "av" and not yard:  # the sound's floor row, against the eval where the sound FD worsens
+                        out.setdefault(f"{name}_floor_flag_eval", []).append(
+                            next((i for i, f in enumerate(flags) if any(k.startswith("drift_floor_") for k in f)), None))
                     if not yard:
                         out.setdefault("drift_histories", {}).setdefault(name, []).append(
                             [{"iteration": e["iteration"], **{t: r4(e["gt"][t]) for t in ("fd", "frame_fd", "sound_fd")
@@ -520,10 +531,15 @@ def drift_runs(results: list[dict], refs: dict, reals: dict, ns, worlds) -> dict
             "real": {k: {"value": r4(v), "se": r4(reals[world]["drift"]["se"].get(k))}
                      for k, v in reals[world]["drift"]["value"].items()},
             **{f"teacher_seed{s}": {k: r4(v) for k, v in refs[(world, s)]["drift"]["value"].items()} for s in ns.seeds}}
-    for failure in [k.removesuffix("_flag_eval") for k in out if k.endswith("_flag_eval") and "healthy" not in k]:
+    for failure in [k.removesuffix("_flag_eval") for k in out
+                    if k.endswith("_flag_eval") and "healthy" not in k and not k.endswith("_floor_flag_eval")]:
         out[f"{failure}_flagged_at_or_before_fd_worsens"] = [
             None if worse is None else flag is not None and flag <= worse
             for flag, worse in zip(out[f"{failure}_flag_eval"], out[f"{failure}_fd_worsens_eval"])]
+    for floor in [k.removesuffix("_floor_flag_eval") for k in out if k.endswith("_floor_flag_eval")]:
+        out[f"{floor}_floor_flagged_at_or_before_sound_fd_worsens"] = [
+            None if worse is None else flag is not None and flag <= worse
+            for flag, worse in zip(out[f"{floor}_floor_flag_eval"], out[f"{floor}_sound_fd_worsens_eval"])]
     for healthy in [k for k in out if k.endswith("healthy_flag_eval")]:
         out[healthy.replace("_flag_eval", "_never_flagged")] = [f is None for f in out[healthy]]
     return out
@@ -539,7 +555,7 @@ def summarise(results: list[dict], refs: dict, reals: dict, ns, teachers: dict) 
     out["targets"] = {
         **{f"{k}_ge_0.8": out.get(k) is not None and out[k] >= 0.8 for k in headline},
         **{f"{k}": all(v is not False for v in out[k]) and any(v for v in out[k])
-           for k in out if k.endswith("_flagged_at_or_before_fd_worsens")},
+           for k in out if k.endswith(("_flagged_at_or_before_fd_worsens", "_flagged_at_or_before_sound_fd_worsens"))},
         **{k: all(out[k]) for k in out if k.endswith("healthy_never_flagged")}}
     if "av" in teachers:
         out["sync"] = sync_figures(results, refs, ns)

@@ -76,6 +76,12 @@ def eval_reference_root(save_url: str) -> str:
     return storage.join(save_url, "eval_reference")
 
 
+def drift_start_url(save_url: str, num_steps: int) -> str:
+    """The run's first eval's per-clip drift statistics of ``num_steps`` steps (the clip-by-clip start
+    of ``teacher_evaluator.drift_start``): the run's own, never a shared reference cache's."""
+    return storage.join(save_url, "drift_start", f"{num_steps}_steps.json")
+
+
 BEST_STUDENT_NAME = "best_student.json"
 
 

@@ -143,3 +143,35 @@ def test_an_eval_that_cannot_measure_the_sound_says_why_and_pictures_alone_say_n
                      "features"], lines
     with pytest.raises(ValueError, match="sound_mel_kid: 2 clips against 4 reference clips"):
         sound_mel_kid(student, student[:2])
+
+
+def test_a_floor_that_rises_a_little_on_every_clip_is_judged_against_the_same_clips_at_the_start(tiny_teacher, tmp_path):
+    """The run's first eval keeps its clips' statistics in its save; a later eval of the same clips
+    (eval seed and prompts) judges the floor's rise clip by clip, so +1.2 dB on every clip is a
+    drift, where the yardstick's spread between tones (a band of 3 dB or more) hides it. The same
+    clips again are no drift; an eval of other clips is not paired with a start that is not theirs.
+    The summary's drift table shows the band the rule judged."""
+    from dmd2_core.evaluation.teacher_evaluator import PAIRED_SE, drift_band, drift_flags, evaluate
+    from dmd2_core.report.summary import drift_table
+    from tests.helpers import tiny_args
+
+    args = tiny_args(tiny_teacher, str(tmp_path / "run"), evaluator="teacher", eval_interval=1, eval_num_samples=12,
+                     eval_reference_steps=2, eval_prompts=[0, 1, 2])
+    first = evaluate(SoundRun(args, 0.01), args)
+    assert not [k for k in first["metrics"] if k.startswith(PAIRED_SE)]  # the start: nothing to pair with
+    again = evaluate(SoundRun(args, 0.01), args)["metrics"]
+    rising = evaluate(SoundRun(args, 0.0115), args)
+    reference, start = rising["reference"], first["metrics"]
+    assert rising["metrics"]["drift_floor_audio"] - start["drift_floor_audio"] == pytest.approx(1.2, abs=0.1)
+    assert drift_band("floor_audio", reference) >= 3.0
+    def drifts(metrics):  # the drift rows (the teacher's features here are noise: their diversity is not tested)
+        return [k for k in drift_flags(metrics, start, reference) if k.startswith("drift_")]
+
+    assert drifts(again) == []
+    assert drifts(rising["metrics"]) == ["drift_floor_audio"]
+    assert drifts({k: v for k, v in rising["metrics"].items() if not k.startswith(PAIRED_SE)}) == []
+    row = next(line for line in drift_table(reference, rising["metrics"], ["drift_floor_audio"], start)
+               if line.startswith("| floor_audio"))
+    assert row.endswith("| no |"), row
+    other = evaluate(SoundRun(args, 0.0115), args.model_copy(update={"eval_seed": 7}))["metrics"]
+    assert not [k for k in other if k.startswith(PAIRED_SE)]

@@ -330,6 +330,22 @@ class TimedStats(list):
         self.decode_s, self.stats_s, self.clips = decode_s, stats_s, clips
 
 
+def paired_se(now: list[dict[str, float]], start: list[dict[str, float]]) -> dict[str, float]:
+    """Per key, the standard error of the mean change of each sample from its own value at the
+    start (``per_sample_stats`` of the same eval noise and prompts, row i against row i): what a
+    change of the set's mean is judged in when both evals are of the same samples. A clip's level
+    that follows its prompt (a tone's leakage floor) cancels in the difference. Rows where either
+    side is NaN are left out; NaN below 2 rows or for a different row count."""
+    if len(now) != len(start):
+        return {key: math.nan for key in (now[0] if now else {})}
+    out = {}
+    for key in now[0] if now else []:
+        d = torch.tensor([a.get(key, math.nan) - b.get(key, math.nan) for a, b in zip(now, start)], dtype=torch.float64)
+        d = d[torch.isfinite(d)]
+        out[key] = float(d.std() / math.sqrt(len(d))) if len(d) >= 2 else math.nan
+    return out
+
+
 def pooled(per_sample: list[dict[str, float]]) -> dict[str, dict[str, float]]:
     """{"value": the mean over samples, "se": its standard error (NaN below 2 samples)} per key;
     a sample's NaN (a silent clip's centroid, a clip without onsets' AV-Align) is left out."""

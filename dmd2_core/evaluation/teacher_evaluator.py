@@ -42,7 +42,7 @@ from dmd2_core.args import Args
 from dmd2_core.data import (BUILTIN_SETS, REAL_LATENTS, open_real_set, prompt_texts, read_safetensors, real_set_shapes,
                             write_safetensors)
 from dmd2_core.evaluation.evaluator import Evaluator, Figure, Panel, eval_order
-from dmd2_core.evaluation.drift import pooled, within_prompt_diversity
+from dmd2_core.evaluation.drift import paired_se, pooled, within_prompt_diversity
 from dmd2_core.evaluation.criterion import Criterion
 from dmd2_core.evaluation.kernel import SE_MIN_SAMPLES, projected_kid, projected_kid_se
 from dmd2_core.evaluation.sound_distance import (MIN_CLIPS, check_eval_clips, sound_mel_kid, split_sound_features,
@@ -50,8 +50,8 @@ from dmd2_core.evaluation.sound_distance import (MIN_CLIPS, check_eval_clips, so
 from dmd2_core.checkpoint.integrity import listing
 from dmd2_core.errors import ArgsError
 from dmd2_core.evaluators import TEACHER
-from dmd2_core.step_counts import split_steps
-from dmd2_core.save_layout import eval_reference_root
+from dmd2_core.step_counts import at_steps, split_steps
+from dmd2_core.save_layout import drift_start_url, eval_reference_root
 
 REFERENCE_FORMAT = 3  # bump when what a reference holds or how it is made changes: old entries are not hits
 FEATURE_U = 0.5  # the schedule position the teacher sees the samples at (evaluation.teacher_features)
@@ -71,6 +71,13 @@ DRIFT_FLOORS = {
     "silence": ("abs", 0.02), "av_align": ("abs", 0.05),
     "floor": ("abs", 3.0),  # dB: the hiss's power doubled
 }
+# Statistics judged against their own start clip by clip where the run kept its first eval's clips
+# (``drift_start``): the band is then max(BAND_K * the standard error of the clips' mean change,
+# this width). A clip's floor follows its tone (a leakage floor 5-6 dB apart between prompts), a
+# spread that swamps a rise every clip shows together; 0.5 dB (12% more hiss power) is the
+# smallest rise judged, on the recipe's students the rise that came with a sound FD 22-45% worse.
+PAIRED_FLOORS = {"floor": 0.5}
+PAIRED_SE = "paired_se_"  # metrics key prefix: "paired_se_floor_audio", the paired standard error of drift_floor_audio
 DIVERSITY_DROP = 0.10  # a within-prompt diversity this fraction below the first eval's: collapsing
 
 log = logging.getLogger("dmd2")
@@ -123,7 +130,36 @@ def _student_figures(run, args: Args, order: list[int], reference: dict[str, Any
     stats, sound = split_sound_features(run.drift_stats(latents))
     metrics.update(sound_figures((real or reference)["features"].get(SOUND_MEL), sound, "real set" if real else "teacher"))
     metrics.update({f"drift_{k}": v for k, v in pooled(stats)["value"].items()})
+    start = drift_start(args, num_steps, order, stats)
+    if start is not None:
+        metrics.update(paired_figures(stats, start))
     return metrics
+
+
+def paired_figures(stats: list[dict[str, float]], start: list[dict[str, float]]) -> dict[str, float]:
+    """``paired_se_<statistic>_<modality>`` of each ``PAIRED_FLOORS`` statistic: the standard error
+    of the clips' mean change from ``start``, the same clips' statistics at the run's first eval."""
+    return {f"{PAIRED_SE}{k}": v for k, v in paired_se(stats, start).items() if _statistic(k) in PAIRED_FLOORS}
+
+
+def drift_start(args: Args, num_steps: int, order: list[int], stats: list[dict[str, float]]) -> Optional[list[dict]]:
+    """The per-clip drift statistics of the run's first eval of ``num_steps`` steps, kept in its save
+    (``save_layout.drift_start_url``) so that every later eval, a resumed or next night's too, judges
+    its change clip by clip against the same clips: None when this eval is the first (its clips are
+    written) or when the start was of other clips (another eval seed, prompts or count: the band
+    falls back to the yardstick's spread, ``drift_band``)."""
+    if not stats:
+        return None
+    url = drift_start_url(args.save, num_steps)
+    identity = {"eval_seed": args.eval_seed, "order": list(order)}
+    if not storage.exists(url):
+        storage.write_text(url, json.dumps({**identity, "clips": stats}))
+        return None
+    kept = json.loads(storage.read_text(url))
+    if {k: kept.get(k) for k in identity} != identity:
+        log.info("drift from the start judged by the yardstick's spread: %s holds another eval's clips", url)
+        return None
+    return kept["clips"]
 
 
 def sound_figures(yardstick: Optional[torch.Tensor], sound: Optional[torch.Tensor], source: str) -> dict[str, float]:
@@ -307,16 +343,33 @@ def real_reference(run, args: Args, identity: Optional[dict[str, Any]] = None) -
 
 # ---- drift ----------------------------------------------------------------------------------------
 
-def drift_band(name: str, reference: dict[str, Any]) -> Optional[float]:
+def _statistic(name: str) -> str:
+    """``floor_audio`` -> ``floor``: a drift key's statistic without its modality."""
+    return name if name == "av_align" else name.rsplit("_", 1)[0]
+
+
+def paired_key(drift_key: str) -> str:
+    """``drift_floor_audio@4`` -> ``paired_se_floor_audio@4``: where an eval keeps the paired
+    standard error of a drift figure (``drift_start``)."""
+    name, k = split_steps(drift_key)
+    key = PAIRED_SE + name.removeprefix("drift_")
+    return key if k is None else at_steps(key, k)
+
+
+def drift_band(name: str, reference: dict[str, Any], paired: Optional[float] = None) -> Optional[float]:
     """The half-width of drift statistic ``name``'s band (``brightness_video``, ``av_align``; in its
     own units, ``drift.DRIFT_UNITS``): max(BAND_K * sqrt(2) * the reference's standard error, its
-    ``DRIFT_FLOORS`` floor), sqrt(2) for a difference of two draws of that size. None for a
-    statistic without a floor or without a finite reference value (not judged)."""
-    floor = DRIFT_FLOORS.get(name if name == "av_align" else name.rsplit("_", 1)[0])
+    ``DRIFT_FLOORS`` floor), sqrt(2) for a difference of two draws of that size; for a statistic of
+    ``PAIRED_FLOORS`` with its ``paired`` standard error (the eval's clips against the same clips at
+    the start), max(BAND_K * paired, its paired floor). None for a statistic without a floor or
+    without a finite reference value (not judged)."""
+    floor = DRIFT_FLOORS.get(_statistic(name))
     ref = (reference.get("value") or {}).get(name)
     se = (reference.get("se") or {}).get(name)
     if floor is None or not isinstance(ref, (int, float)) or not math.isfinite(ref):
         return None
+    if _statistic(name) in PAIRED_FLOORS and isinstance(paired, (int, float)) and math.isfinite(paired):
+        return max(BAND_K * paired, PAIRED_FLOORS[_statistic(name)])
     kind, width = floor
     return max(BAND_K * math.sqrt(2) * se if isinstance(se, (int, float)) and math.isfinite(se) else 0.0,
                width * abs(ref) if kind == "rel" else width)
@@ -352,7 +405,7 @@ def drift_flags(latest: dict[str, float], start: dict[str, float], reference: di
                 flagged.append(key)
             continue
         name = split_steps(key)[0].removeprefix("drift_")  # each step count's, against the one yardstick
-        half_width = drift_band(name, reference)
+        half_width = drift_band(name, reference, latest.get(paired_key(key)))
         if key.startswith("drift_") and half_width is not None and drifted(value, first, values[name], half_width):
             flagged.append(key)
     return flagged

@@ -164,7 +164,7 @@ def drift_table(reference: dict, latest: dict, flags: list[str], start: Optional
     ``drift_flags`` flags); out of it towards the yardstick: an improving student, no drift. A
     student of several step counts has a column per K."""
     from dmd2_core.evaluation.drift import drift_unit
-    from dmd2_core.evaluation.teacher_evaluator import drift_band, drifted
+    from dmd2_core.evaluation.teacher_evaluator import drift_band, drifted, paired_key
 
     source = "real set" if reference.get("source") == "real" else "teacher"
     start = start or {}
@@ -178,16 +178,17 @@ def drift_table(reference: dict, latest: dict, flags: list[str], start: Optional
     for key, value in sorted((reference.get("value") or {}).items()):
         cells = [latest.get(name.format(key)) for name in names]
         firsts = [start.get(name.format(key)) for name in names]  # each step count from its own start
-        half = drift_band(key, reference)
-        judged = [half is not None and _number(value) and _number(f) and _number(c) for c, f in zip(cells, firsts)]
+        halves = [drift_band(key, reference, latest.get(paired_key(name.format(key)))) for name in names]
+        judged = [half is not None and _number(value) and _number(f) and _number(c)
+                  for c, f, half in zip(cells, firsts, halves)]
         verdicts = [("yes" if abs(c - f) <= half else "no" if drifted(c, f, value, half)
                      else f"out, towards the {source}: no drift") if ok else ""
-                    for c, f, ok in zip(cells, firsts, judged)]
+                    for c, f, half, ok in zip(cells, firsts, halves, judged)]
         verdict = next((v for v in ("no", f"out, towards the {source}: no drift", "yes") if v in verdicts), "not judged")
         unit = drift_unit(key)
         starts = "; ".join("" if f is None else cell(round_sig(f)) for f in firsts)
         bands = "; ".join(f"{cell(round_sig(f - half))} to {cell(round_sig(f + half))}" if _number(f) and half is not None
-                          else "" for f in firsts)
+                          else "" for f, half in zip(firsts, halves))
         out.append(f"| {key}" + (f" ({unit})" if unit else "") + f" | {cell(round_sig(value))} ± "
                    f"{cell(round_sig((reference.get('se') or {}).get(key)))} | {starts} | {bands} | "
                    + " | ".join("" if c is None else cell(round_sig(c)) for c in cells) + f" | {verdict} |")
