@@ -234,6 +234,9 @@ class Args(TrackerFlags):
     gan_weight: float = _f(0.0, "dmd2", "GAN generator loss weight (softplus(-D(fake_t)), added to the DMD gradient; 0: off).", ge=0)
     gan_critic_weight: float = _f(0.0, "dmd2", "GAN discriminator loss weight in each critic step (0: no GAN head).", ge=0)
     gan_feature_block: Optional[int] = _f(None, "dmd2", "Fake-score block whose output feeds the GAN head; default the middle one.")
+    gan_modality_weights: Optional[dict[str, float]] = _f(
+        None, "dmd2", "Weight of each modality of a joint model (MiniMax-H3: video, audio) in the GAN head's generator "
+        "gradient; the head still judges the whole clip. Default 1 each.")
     critic_lora_rank: Optional[int] = _f(
         None, "dmd2", "The fake score's LoRA rank; defaults to lora_rank. With a rank and the teacher as its "
         "checkpoint, the critic group holds one frozen base: the real score is it with the adapter off.", ge=0

@@ -28,6 +28,15 @@ def dmd2_gradient(x0: torch.Tensor, x0_real: torch.Tensor, x0_fake: torch.Tensor
     return torch.cat(parts, dim=1)
 
 
+def weighted_modalities(grad: torch.Tensor, segments: Optional[dict[str, slice]],
+                        weights: Optional[dict[str, float]]) -> torch.Tensor:
+    """A gradient of flat joint samples with each modality's part scaled by its weight (default 1);
+    ``grad`` itself without segments or weights."""
+    if segments is None or not weights:
+        return grad
+    return torch.cat([weights.get(name, 1.0) * grad[:, seg] for name, seg in segments.items()], dim=1)
+
+
 def dmd2_loss(x0: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """0.5 * mse(x0, sg(x0 - g)): its gradient w.r.t. x0 is exactly g / numel."""
     x0 = x0.float()

@@ -163,6 +163,8 @@ def test_one_iteration_trains_both_modalities(h3, tmp_path):
      r"dmd2_student_steps_guidance: .* is guidance-distilled .* remove dmd2_student_steps_guidance"),
     (dict(dmd2_shift=3.0), r"dmd2_shift: MiniMaxH3Transformer3DModel shifts each modality by its own scheduler"),
     (dict(dmd2_modality_weights={"vidoe": 1.0}), r"unknown modality 'vidoe' .* did you mean 'video'"),
+    (dict(gan_modality_weights={"audo": 0.0}), r"^gan_modality_weights: unknown modality 'audo' .* did you mean 'audio'"),
+    (dict(gan_modality_weights={"audio": -1.0}), r"^gan_modality_weights: audio weight must be >= 0 \(got -1.0\)"),
     (dict(latent_shape=[24, 7, 2, 4]), r"latent_shape: \[24, 7, 2, 4\] disagrees with num_frames/height/width \(\[.*\]\); set one"),
 ])
 def test_bad_clip_input_fails_before_any_actor_in_one_line(h3, tmp_path, override, message):
@@ -441,3 +443,44 @@ def test_real_size_plan_from_the_shipped_config(tmp_path):
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith("error: memory plan:") and "whatever the number of devices" in line
     assert "num_devices" not in line and "fsdp_cpu_offload" not in line
+
+
+def test_a_gan_head_kept_off_the_sound_leaves_the_sounds_gradient_to_dmd_alone(h3, tmp_path):
+    """``gan_modality_weights: {audio: 0}``: the head judges whole clips, but the gradient handed to
+    the student's sound is the DMD gradient's to the bit (a run without the generator term hands
+    over the same) while its picture gets the head's push; the reference loop (the bench's) takes
+    the same step as the trainers."""
+    from dmd2_core.data import REAL_LATENTS, write_safetensors
+    from dmd2_core.train.reference import ReferenceLoop
+    from tests.helpers import in_process_trainers, iterate_in_process
+
+    family = h3["family"]
+    real = str(tmp_path / "real.safetensors")
+    g = torch.Generator().manual_seed(0)
+    write_safetensors(real, {REAL_LATENTS: torch.randn(4, family.segments["audio"].stop, generator=g),
+                             **h3_prompt_set().cond(torch.tensor([0, 1, 2, 3]))})
+
+    def args(name, **extra):
+        return load_args("minimax-h3", dict(CPU, hf_checkpoint=h3["url"], prompts=h3["prompts"], save=str(tmp_path / name),
+                                            real_data=real, gan_critic_weight=0.1, eval_real_samples=0, lr=1e-4,
+                                            critic_lr=1e-4, dmd2_update_ratio=1, num_frames=None, height=None, width=None,
+                                            latent_shape=[24, 37, 2, 2], **extra))  # the clip, as the reference loop takes it
+
+    handed, metrics = {}, {}
+    for name, extra in (("off_the_sound", {"gan_weight": 2.0, "gan_modality_weights": {"video": 1.0, "audio": 0.0}}),
+                        ("no_generator_term", {"gan_weight": 0.0})):
+        trainers = in_process_trainers(args(name, **extra))
+        pairs, _ = trainers["actor"].rollout(1)
+        out, metrics[name] = trainers["critic"].train(1, pairs)
+        handed[name] = out["dmd2_grad"]
+    audio, video = family.segments["audio"], family.segments["video"]
+    assert torch.equal(handed["off_the_sound"][:, audio], handed["no_generator_term"][:, audio])
+    assert not torch.equal(handed["off_the_sound"][:, video], handed["no_generator_term"][:, video])
+    assert metrics["off_the_sound"]["gan_grad_norm_audio"] == 0 < metrics["off_the_sound"]["gan_grad_norm_video"]
+
+    oracle = args("oracle", gan_weight=2.0, gan_modality_weights={"audio": 0.0})
+    trainers, loop = in_process_trainers(oracle), ReferenceLoop(oracle)
+    iterate_in_process(trainers, 1)
+    loop.iterate(1)
+    a, b = trainers["actor"].weights(), loop.student.state_dict()
+    assert max((a[k] - b[k].detach()).abs().max().item() for k in b) < 1e-5

@@ -165,17 +165,22 @@ def check_family_args(args: Args, teacher: dict[str, Any]) -> Args:
                             "set num_frames, height and width instead")
     if args.size_schedule:
         args = args.model_copy(update={"size_schedule": resolve_stages(args, family, name, teacher)})
-    if args.dmd2_modality_weights:
-        known = ("video", "audio") if family.has_audio else ()
-        for key, value in args.dmd2_modality_weights.items():
-            if key not in known:
-                from dmd2_core.errors import nearest
-
-                raise ArgsError(f"dmd2_modality_weights: unknown modality '{key}' for {name}{nearest(key, known)} "
-                                f"(modalities: {', '.join(known) or 'none: one modality'})")
-            if not value >= 0:
-                raise ArgsError(f"dmd2_modality_weights: {key} weight must be >= 0 (got {value})")
+    for flag in ("dmd2_modality_weights", "gan_modality_weights"):
+        check_modality_weights(flag, getattr(args, flag), family, name)
     return args
+
+
+def check_modality_weights(flag: str, weights: Optional[dict], family, name: str) -> None:
+    """A weight per modality of a joint model: known modality names, each >= 0."""
+    known = ("video", "audio") if family.has_audio else ()
+    for key, value in (weights or {}).items():
+        if key not in known:
+            from dmd2_core.errors import nearest
+
+            raise ArgsError(f"{flag}: unknown modality '{key}' for {name}{nearest(key, known)} "
+                            f"(modalities: {', '.join(known) or 'none: one modality'})")
+        if not value >= 0:
+            raise ArgsError(f"{flag}: {key} weight must be >= 0 (got {value})")
 
 
 def check_workflow_name(workflow: str, family, name: str) -> None:

@@ -15,6 +15,7 @@ from dmd2_core.args import Args
 from dmd2_core.data import RealSet
 from dmd2_core.train.dmd2_iteration import micro_batches
 from dmd2_core.finite import NonFiniteCounter, is_finite, nonfinite_rows
+from dmd2_core.losses import weighted_modalities
 from dmd2_core.train.model_update import ModelUpdate
 from dmd2_core.models import step_conditioning
 
@@ -114,8 +115,11 @@ class Critic:
             metrics[f"dmd2_grad_norm_{name}"] = grad[:, seg].norm(dim=1).mean().item()
             metrics[f"dmd2_real_fake_gap_{name}"] = real_fake.mean().item()
         if "gan_grad" in scores[0]:  # handed over summed: the actor's x0 gradient is (g_dmd + g_gan) / numel
-            gan_grad = torch.cat([s["gan_grad"] for s in scores])
+            gan_grad = weighted_modalities(torch.cat([s["gan_grad"] for s in scores]), self.family.segments,
+                                           args.gan_modality_weights)
             metrics["gan_grad_norm"] = gan_grad.flatten(1).norm(dim=1).mean().item()
+            for name, seg in (self.family.segments or {}).items():
+                metrics[f"gan_grad_norm_{name}"] = gan_grad[:, seg].norm(dim=1).mean().item()
             metrics["gan_dmd_grad_ratio"] = metrics["gan_grad_norm"] / max(metrics["dmd2_grad_norm"], 1e-12)
             grad = grad + gan_grad
         if args.dmd2_regression_weight:  # handed over summed too: (g_dmd [+ g_gan] + g_reg) / numel

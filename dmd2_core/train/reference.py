@@ -19,7 +19,7 @@ from dmd2_core.train import gan
 from dmd2_core.models import lora, step_conditioning
 from dmd2_core.args import Args
 from dmd2_core.data import load_prompt_set, load_real_set
-from dmd2_core.losses import dmd2_loss
+from dmd2_core.losses import dmd2_loss, weighted_modalities
 from dmd2_core.models import load_model_dir
 
 
@@ -142,6 +142,8 @@ class ReferenceLoop:
 
         v = family.predict_velocity(self.student, pairs["x_t"], pairs["sigma"], cond)
         x0_graded = family.velocity_to_x0(pairs["x_t"], v, pairs["sigma"])  # as the actor
+        if gan_grad is not None:
+            gan_grad = weighted_modalities(gan_grad, family.segments, args.gan_modality_weights)
         grad = scores["grad"] if gan_grad is None else scores["grad"] + gan_grad
         if args.dmd2_regression_weight:
             target = dmd2_iteration.regression_target(family, self.teacher, pairs["x_t"], pairs["sigma"], cond, uncond,
