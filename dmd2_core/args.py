@@ -237,6 +237,9 @@ class Args(TrackerFlags):
     gan_modality_weights: Optional[dict[str, float]] = _f(
         None, "dmd2", "Weight of each modality of a joint model (MiniMax-H3: video, audio) in the GAN head's generator "
         "gradient; the head still judges the whole clip. Default 1 each.")
+    gan_judged_modalities: Optional[list[str]] = _f(
+        None, "dmd2", "The modalities of a joint model (MiniMax-H3: video, audio) whose rows the GAN head judges (with the "
+        "text rows); default all.")
     critic_lora_rank: Optional[int] = _f(
         None, "dmd2", "The fake score's LoRA rank; defaults to lora_rank. With a rank and the teacher as its "
         "checkpoint, the critic group holds one frozen base: the real score is it with the adapter off.", ge=0

@@ -165,6 +165,8 @@ def test_one_iteration_trains_both_modalities(h3, tmp_path):
     (dict(dmd2_modality_weights={"vidoe": 1.0}), r"unknown modality 'vidoe' .* did you mean 'video'"),
     (dict(gan_modality_weights={"audo": 0.0}), r"^gan_modality_weights: unknown modality 'audo' .* did you mean 'audio'"),
     (dict(gan_modality_weights={"audio": -1.0}), r"^gan_modality_weights: audio weight must be >= 0 \(got -1.0\)"),
+    (dict(gan_judged_modalities=["vide"]), r"^gan_judged_modalities: unknown modality 'vide' .* did you mean 'video'"),
+    (dict(gan_judged_modalities=[]), r"^gan_judged_modalities: empty; name the modalities"),
     (dict(latent_shape=[24, 7, 2, 4]), r"latent_shape: \[24, 7, 2, 4\] disagrees with num_frames/height/width \(\[.*\]\); set one"),
 ])
 def test_bad_clip_input_fails_before_any_actor_in_one_line(h3, tmp_path, override, message):
@@ -445,26 +447,33 @@ def test_real_size_plan_from_the_shipped_config(tmp_path):
     assert "num_devices" not in line and "fsdp_cpu_offload" not in line
 
 
+def _gan_args(h3, tmp_path, name, **extra):
+    """A CPU run of the stand-in with the GAN head on 4 random real clips."""
+    from dmd2_core.data import REAL_LATENTS, write_safetensors
+
+    real = tmp_path / "real.safetensors"
+    if not real.exists():
+        g = torch.Generator().manual_seed(0)
+        write_safetensors(str(real), {REAL_LATENTS: torch.randn(4, h3["family"].segments["audio"].stop, generator=g),
+                                      **h3_prompt_set().cond(torch.tensor([0, 1, 2, 3]))})
+    return load_args("minimax-h3", dict(CPU, hf_checkpoint=h3["url"], prompts=h3["prompts"], save=str(tmp_path / name),
+                                        real_data=str(real), gan_critic_weight=0.1, eval_real_samples=0, lr=1e-4,
+                                        critic_lr=1e-4, dmd2_update_ratio=1, num_frames=None, height=None, width=None,
+                                        latent_shape=[24, 37, 2, 2], **extra))  # the clip, as the reference loop takes it
+
+
 def test_a_gan_head_kept_off_the_sound_leaves_the_sounds_gradient_to_dmd_alone(h3, tmp_path):
     """``gan_modality_weights: {audio: 0}``: the head judges whole clips, but the gradient handed to
     the student's sound is the DMD gradient's to the bit (a run without the generator term hands
     over the same) while its picture gets the head's push; the reference loop (the bench's) takes
     the same step as the trainers."""
-    from dmd2_core.data import REAL_LATENTS, write_safetensors
     from dmd2_core.train.reference import ReferenceLoop
     from tests.helpers import in_process_trainers, iterate_in_process
 
     family = h3["family"]
-    real = str(tmp_path / "real.safetensors")
-    g = torch.Generator().manual_seed(0)
-    write_safetensors(real, {REAL_LATENTS: torch.randn(4, family.segments["audio"].stop, generator=g),
-                             **h3_prompt_set().cond(torch.tensor([0, 1, 2, 3]))})
 
     def args(name, **extra):
-        return load_args("minimax-h3", dict(CPU, hf_checkpoint=h3["url"], prompts=h3["prompts"], save=str(tmp_path / name),
-                                            real_data=real, gan_critic_weight=0.1, eval_real_samples=0, lr=1e-4,
-                                            critic_lr=1e-4, dmd2_update_ratio=1, num_frames=None, height=None, width=None,
-                                            latent_shape=[24, 37, 2, 2], **extra))  # the clip, as the reference loop takes it
+        return _gan_args(h3, tmp_path, name, **extra)
 
     handed, metrics = {}, {}
     for name, extra in (("off_the_sound", {"gan_weight": 2.0, "gan_modality_weights": {"video": 1.0, "audio": 0.0}}),
@@ -484,3 +493,30 @@ def test_a_gan_head_kept_off_the_sound_leaves_the_sounds_gradient_to_dmd_alone(h
     loop.iterate(1)
     a, b = trainers["actor"].weights(), loop.student.state_dict()
     assert max((a[k] - b[k].detach()).abs().max().item() for k in b) < 1e-5
+
+
+def test_a_gan_head_told_to_judge_the_picture_reads_the_text_and_video_rows_alone(h3, tmp_path, monkeypatch):
+    """``gan_judged_modalities: [video]``: every feature row the head reads, on real and student
+    clips, is a text or generated video row of the packed sequence, all of them; none is audio."""
+    from dmd2_core.models.gan_head import DiscriminatorHead
+    from tests.helpers import in_process_trainers
+
+    seen = []
+    forward = DiscriminatorHead.forward
+
+    def recording(self, features):
+        seen.append(features.shape[1])
+        return forward(self, features)
+
+    monkeypatch.setattr(DiscriminatorHead, "forward", recording)
+    trainers = in_process_trainers(_gan_args(h3, tmp_path, "video", gan_weight=2.0, gan_judged_modalities=["video"]))
+    pairs, _ = trainers["actor"].rollout(1)
+    trainers["critic"].train(1, pairs)
+    family = trainers["critic"].family
+    text = int(h3_prompt_set().embeds["prompt_lengths"].max())
+    rows = family.judged_rows(text, (), ("video",))
+    generated = family.feature_tokens(text)
+    assert set(rows.tolist()) >= set(generated["video"].tolist())
+    assert not set(rows.tolist()) & set(generated["audio"].tolist())
+    assert seen and set(seen) <= {int(family.judged_rows(n, (), ("video",)).numel())
+                                  for n in h3_prompt_set().embeds["prompt_lengths"].tolist()}, seen

@@ -191,9 +191,10 @@ class ModelFamily:
         image stream, Wan's video tokens)."""
         return None
 
-    def judged_rows(self, text_tokens: int, layout: tuple = ()) -> Optional[torch.Tensor]:
+    def judged_rows(self, text_tokens: int, layout: tuple = (), modalities: Optional[tuple] = None) -> Optional[torch.Tensor]:
         """Which rows of a block's output the GAN head judges, for a prompt of ``text_tokens`` tokens
-        (``layout`` as in ``feature_tokens``); None: every row (no condition rows in the sequence)."""
+        (``layout`` as in ``feature_tokens``; ``modalities``: a joint model's to judge, default all);
+        None: every row (no condition rows in the sequence)."""
         return None
 
     def encode_prompts(self, pipe, prompts: list[str], negative_prompt: str, max_sequence_length: Optional[int]):

@@ -322,14 +322,15 @@ class MiniMaxH3Family(ModelFamily):
         _, _, video_idx, audio_idx, _, condition_rows = self._layout(tags or (TEXT_TAG,) * int(text_tokens), anchors)
         return {"video": video_idx[condition_rows:], "audio": audio_idx}
 
-    def judged_rows(self, text_tokens: int, layout: tuple = ()) -> Optional[torch.Tensor]:
-        """The rows the GAN head judges: the text rows and the generated ones (``feature_tokens``),
-        never an fl2va sample's keyframe rows (given, not generated: a head judging them would
-        partly tell real from fake by the keyframes); None where that is every row (t2va: the
-        whole sequence, as the head has always seen it)."""
+    def judged_rows(self, text_tokens: int, layout: tuple = (), modalities: Optional[tuple] = None) -> Optional[torch.Tensor]:
+        """The rows the GAN head judges: the text rows and the generated ones (``feature_tokens``) of
+        ``modalities`` (default both), never an fl2va sample's keyframe rows (given, not generated: a
+        head judging them would partly tell real from fake by the keyframes); None where that is
+        every row (t2va: the whole sequence, as the head has always seen it)."""
         tags, anchors = layout or (None, ())
         _, all_tags, _, _, text_idx, _ = self._layout(tags or (TEXT_TAG,) * int(text_tokens), anchors)
-        rows = torch.cat([text_idx, *self.feature_tokens(text_tokens, layout).values()]).sort().values
+        generated = self.feature_tokens(text_tokens, layout)
+        rows = torch.cat([text_idx, *(generated[m] for m in modalities or generated)]).sort().values
         return None if rows.numel() == all_tags.numel() else rows
 
     def _rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

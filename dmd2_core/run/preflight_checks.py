@@ -167,6 +167,10 @@ def check_family_args(args: Args, teacher: dict[str, Any]) -> Args:
         args = args.model_copy(update={"size_schedule": resolve_stages(args, family, name, teacher)})
     for flag in ("dmd2_modality_weights", "gan_modality_weights"):
         check_modality_weights(flag, getattr(args, flag), family, name)
+    if args.gan_judged_modalities is not None:
+        if not args.gan_judged_modalities:
+            raise ArgsError("gan_judged_modalities: empty; name the modalities the GAN head judges, or leave it unset for all")
+        check_modality_weights("gan_judged_modalities", dict.fromkeys(args.gan_judged_modalities, 1.0), family, name)
     return args
 
 

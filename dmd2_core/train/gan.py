@@ -60,6 +60,11 @@ def head_for(disc: Optional[torch.nn.Module], num_steps: int) -> Optional[torch.
     return disc[disc.counts.index(num_steps)]
 
 
+def judged_modalities(args) -> Optional[tuple]:
+    """The modalities whose rows the head judges (``gan_judged_modalities``); None: all."""
+    return tuple(args.gan_judged_modalities) if args.gan_judged_modalities else None
+
+
 def discriminator_loss(logits_real: torch.Tensor, logits_fake: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean softplus(-D(real)), mean softplus(D(fake))): the head's loss on each side."""
     return F.softplus(-logits_real.float()).mean(), F.softplus(logits_fake.float()).mean()
@@ -74,20 +79,22 @@ def generator_gradient(logits_fake: torch.Tensor, x0: torch.Tensor, weight: floa
     return weight * x0[0].numel() * grad.detach().float()
 
 
-def judged_features(family, forwards: list[torch.Tensor], sigma, cond, n: int) -> list[tuple[list[int], torch.Tensor]]:
+def judged_features(family, forwards: list[torch.Tensor], sigma, cond, n: int,
+                    modalities: Optional[tuple] = None) -> list[tuple[list[int], torch.Tensor]]:
     """What the GAN head judges of ``n`` samples, from the feature block's output of each forward
     ``family.predict_velocity`` ran for them at (``sigma`` | ``cond``) (a ``FeatureTap``'s
     ``forwards``; MiniMax-H3 runs one per layout and u): (the forward's samples, its block output
     on the rows ``family.judged_rows`` names for its layout). The layout rule is the family's, the
     one the teacher's features pool by: an fl2va sample's keyframe rows are given, not generated,
-    and left out; where every row is judged (t2va, SD3, Wan) the block output is kept as it is."""
+    and left out; where every row is judged (t2va, SD3, Wan) the block output is kept as it is.
+    ``modalities`` (``gan_judged_modalities``): a joint model's rows of those alone."""
     groups = family.forward_groups(sigma, cond, n)
     if len(forwards) != len(groups):
         raise RuntimeError(f"GAN head: the feature block saw {len(forwards)} forwards where the family runs "
                            f"{len(groups)} for {n} samples")
     judged = []
     for features, (rows, (text_tokens, *layout)) in zip(forwards, groups):
-        keep = family.judged_rows(text_tokens, tuple(layout))
+        keep = family.judged_rows(text_tokens, tuple(layout), modalities)
         judged.append((rows, features if keep is None else features.index_select(1, keep.to(features.device))))
     return judged
 
@@ -101,12 +108,13 @@ def head_logits(head: DiscriminatorHead, judged: list[tuple[list[int], torch.Ten
     return logits[torch.argsort(order.to(logits.device))]
 
 
-def block_logits(family, model, head: DiscriminatorHead, block: Optional[int], x_t, sigma, cond) -> torch.Tensor:
+def block_logits(family, model, head: DiscriminatorHead, block: Optional[int], x_t, sigma, cond,
+                 modalities: Optional[tuple] = None) -> torch.Tensor:
     """The head's logits on the feature block's output at (x_t, sigma | cond) (the forward runs to
     its end: under FSDP a forward stopped midway would leave the sharding hooks half done)."""
     with FeatureTap(family, model, block) as tap:  # to the end: a sharded forward must not stop midway
         family.predict_velocity(model, x_t, sigma, cond)
-    return head_logits(head, judged_features(family, tap.forwards, sigma, cond, x_t.shape[0]))
+    return head_logits(head, judged_features(family, tap.forwards, sigma, cond, x_t.shape[0], modalities))
 
 
 def real_inputs(args, iteration: int, step: int, num_real: int, global_shape: tuple, rows: slice):
@@ -118,17 +126,18 @@ def real_inputs(args, iteration: int, step: int, num_real: int, global_shape: tu
 
 def critic_forward(family, critic, head: Optional[DiscriminatorHead], block: Optional[int], x0, noise, sigma, cond,
                    real: Optional[tuple] = None, critic_weight: float = 0.0, gen_weight: Optional[float] = None,
-                   modality_weights: Optional[dict] = None) -> dict:
+                   modality_weights: Optional[dict] = None, judged: Optional[tuple] = None) -> dict:
     """One forward of the fake score on the noised student samples, shared by its losses:
     the flow-matching loss, plus (``real`` = (x0_real, noise_real, cond_real)) the discriminator
     loss on real and fake at the same sigma, plus (``gen_weight`` not None) the generator gradient
-    w.r.t. x0. Returns {loss (to backward), v, x_t, and the GAN terms}."""
+    w.r.t. x0; the head judges the rows of the ``judged`` modalities (default all). Returns {loss (to
+    backward), v, x_t, and the GAN terms}."""
     gan_grad = None
     if gen_weight is not None:
         # its own forward: a sharded (FSDP) model frees what it gathered after one backward, so
         # the loss's backward cannot run through a graph this gradient already went through
         x0_in = x0.detach().float().requires_grad_(True)
-        logits = block_logits(family, critic, head, block, family.add_noise(x0_in, noise, sigma), sigma, cond)
+        logits = block_logits(family, critic, head, block, family.add_noise(x0_in, noise, sigma), sigma, cond, judged)
         gan_grad = generator_gradient(logits, x0_in, gen_weight, retain_graph=False)
         gan_grad = context_parallel.sum_over_context(critic, gan_grad)  # each rank's part of the sequence
     x_t = family.add_noise(x0, noise, sigma)
@@ -139,12 +148,12 @@ def critic_forward(family, critic, head: Optional[DiscriminatorHead], block: Opt
         out["modality_loss"] = {k: t.detach() for k, t in modality_mse(v, noise, x0, family.segments).items()}
     if head is None:
         return out
-    logits_fake = head_logits(head, judged_features(family, tap.forwards, sigma, cond, x0.shape[0]))
+    logits_fake = head_logits(head, judged_features(family, tap.forwards, sigma, cond, x0.shape[0], judged))
     out["logits_fake"] = logits_fake.detach()
     if real is not None:
         x0_real, noise_real, cond_real = real
         logits_real = block_logits(family, critic, head, block, family.add_noise(x0_real, noise_real, sigma), sigma,
-                                   cond_real)
+                                   cond_real, judged)
         d_real, d_fake = discriminator_loss(logits_real, logits_fake)
         out.update(loss=out["loss"] + critic_weight * (d_real + d_fake), d_loss_real=d_real.detach(),
                    d_loss_fake=d_fake.detach(), logits_real=logits_real.detach())
