@@ -145,6 +145,7 @@ def targets(teacher: dict, student: dict) -> dict:
             "s4_frame_fd_within_1.25x_teacher_50": s4["frame_fd"] <= 1.25 * t50["frame_fd"],
             "s4_sound_acc_within_3pt_teacher_50": s4["sound_acc"] >= t50["sound_acc"] - 0.03,
             "s4_agreement_within_3pt_teacher_50": s4["agreement"] >= t50["agreement"] - 0.03,
+            "s4_sound_fd_at_or_below_teacher_50": s4["sound_fd"] <= t50["sound_fd"],
             "s4_final_within_15pct_of_best": s4["frame_fd"] <= 1.15 * student["4"]["best"]["frame_fd"]})
     if "1" in student:
         s1 = student["1"]["final"]
