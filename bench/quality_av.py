@@ -51,7 +51,7 @@ from dmd2_core.models import load_model_dir  # noqa: E402
 from dmd2_core.train.reference import ReferenceLoop  # noqa: E402
 
 TEACHER_STEPS = (50, 8, 4, 1)
-METRICS = sounding_digits_metrics.METRICS
+METRICS = (*sounding_digits_metrics.METRICS, "sound_fd", "sound_mel_kid")  # each student's, as each teacher sampler's
 
 
 def frame_features(samples: torch.Tensor):
@@ -125,7 +125,8 @@ def _pick(evals: list[dict]) -> dict:
     final = max(evals, key=lambda e: e["iteration"])
     keep = (*METRICS, "iteration", "selection_fd")
     return {"best": {k: best[k] for k in keep}, "final": {k: final[k] for k in keep},
-            "history": [(e["iteration"], round(e["frame_fd"], 3), round(e["sound_acc"], 3), round(e["agreement"], 3))
+            "history": [(e["iteration"], round(e["frame_fd"], 3), round(e["sound_fd"], 1), round(e["sound_acc"], 3),
+                         round(e["agreement"], 3))
                         for e in sorted(evals, key=lambda e: e["iteration"])]}
 
 
