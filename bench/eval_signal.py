@@ -208,18 +208,12 @@ def decoded(world: str, x0: torch.Tensor):
     return {"video": frames[:, None], "audio": audio, "sample_rate": SAMPLE_RATE, "fps": FPS}
 
 
-def eval_metrics(world: str, x0: torch.Tensor, feats: dict[str, torch.Tensor], labels) -> dict[str, float]:
-    """The product's drift metrics of an eval (``drift.media_stats``, keyed ``drift_<statistic>_<modality>``)
-    and the within-prompt diversity of its features (``diversity_<modality>``)."""
-    out = {f"drift_{k}": v for k, v in drift.pooled(clip_stats(world, x0))["value"].items()}
+def eval_metrics(clip_stats: list[dict[str, float]], feats: dict[str, torch.Tensor], labels) -> dict[str, float]:
+    """The product's drift metrics of an eval (its clips' ``drift.per_sample_stats`` pooled, keyed
+    ``drift_<statistic>_<modality>``) and the within-prompt diversity of its features (``diversity_<modality>``)."""
+    out = {f"drift_{k}": v for k, v in drift.pooled(clip_stats)["value"].items()}
     out.update({f"diversity_{m}": v for m, v in drift.within_prompt_diversity(feats, labels).items()})
     return out
-
-
-def clip_stats(world: str, x0: torch.Tensor) -> list[dict[str, float]]:
-    """Each clip's drift statistics (``drift.per_sample_stats``): the clip-by-clip start of a run's
-    drift (``evaluators.paired_figures``)."""
-    return drift.per_sample_stats(decoded(world, x0))
 
 
 def ground_truth(world: str, x0: torch.Tensor, labels) -> dict[str, float]:
@@ -416,7 +410,7 @@ FAILURES = {"digits": ("oversaturation", "collapse"), "av": ("collapse",)}
 
 def derive(results: list[dict], teachers: dict, ns) -> None:
     """Per evaluation, in place: its samples' teacher features at every variant and the product's
-    eval metrics (drift, diversity)."""
+    eval metrics (drift, diversity) and its clips' drift statistics (a run's clip-by-clip start)."""
     for world, url in teachers.items():
         family, model, _ = load_teacher(world, url)
         labels = labels_for(world, ns.num_samples)
@@ -424,7 +418,8 @@ def derive(results: list[dict], teachers: dict, ns) -> None:
         for r in (r for r in results if r["world"] == world):
             for e in r["evals"]:
                 e["features"] = all_features(world, family, model, e["x"], cond)
-                e["metrics"] = eval_metrics(world, e["x"], e["features"][PRODUCT], labels)
+                e["clip_stats"] = drift.per_sample_stats(decoded(world, e["x"]))
+                e["metrics"] = eval_metrics(e["clip_stats"], e["features"][PRODUCT], labels)
                 if world == "av":
                     e["sound_features"] = clip_features(decoded(world, e["x"])["audio"], SAMPLE_RATE)
 
@@ -515,8 +510,8 @@ def drift_runs(results: list[dict], refs: dict, reals: dict, ns, worlds) -> dict
                     out.setdefault(f"{name}_sound_fd_worsens_eval", []).append(
                         first_fd_worsening([e["gt"]["sound_fd"] for e in ev]))
                 for yard, yardstick in (("", reals[world]["drift"]), ("_teacher_yardstick", refs[(world, seed)]["drift"])):
-                    start = clip_stats(world, ev[0]["x"])  # the product keeps its first eval's clips (drift_start)
-                    flags = [evaluators.drift_flags({**e["metrics"], **evaluators.paired_figures(clip_stats(world, e["x"]), start)},
+                    start = ev[0]["clip_stats"]  # the product keeps its first eval's clips (drift_start)
+                    flags = [evaluators.drift_flags({**e["metrics"], **evaluators.paired_figures(e["clip_stats"], start)},
                                                     ev[0]["metrics"], yardstick) for e in ev]
                     out.setdefault(f"{name}_flag_eval{yard}", []).append(next((i for i, f in enumerate(flags) if f), None))
                     if world == "av" and not yard:  # the sound's floor row, against the eval where the sound FD worsens

@@ -363,13 +363,14 @@ def drift_band(name: str, reference: dict[str, Any], paired: Optional[float] = N
     ``PAIRED_FLOORS`` with its ``paired`` standard error (the eval's clips against the same clips at
     the start), max(BAND_K * paired, its paired floor). None for a statistic without a floor or
     without a finite reference value (not judged)."""
-    floor = DRIFT_FLOORS.get(_statistic(name))
+    statistic = _statistic(name)
+    floor = DRIFT_FLOORS.get(statistic)
     ref = (reference.get("value") or {}).get(name)
     se = (reference.get("se") or {}).get(name)
     if floor is None or not isinstance(ref, (int, float)) or not math.isfinite(ref):
         return None
-    if _statistic(name) in PAIRED_FLOORS and isinstance(paired, (int, float)) and math.isfinite(paired):
-        return max(BAND_K * paired, PAIRED_FLOORS[_statistic(name)])
+    if statistic in PAIRED_FLOORS and isinstance(paired, (int, float)) and math.isfinite(paired):
+        return max(BAND_K * paired, PAIRED_FLOORS[statistic])
     kind, width = floor
     return max(BAND_K * math.sqrt(2) * se if isinstance(se, (int, float)) and math.isfinite(se) else 0.0,
                width * abs(ref) if kind == "rel" else width)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -191,7 +191,7 @@ class ModelFamily:
         image stream, Wan's video tokens)."""
         return None
 
-    def judged_rows(self, text_tokens: int, layout: tuple = (), modalities: Optional[tuple] = None) -> Optional[torch.Tensor]:
+    def judged_rows(self, text_tokens: int, layout: tuple = (), modalities: Optional[Sequence[str]] = None) -> Optional[torch.Tensor]:
         """Which rows of a block's output the GAN head judges, for a prompt of ``text_tokens`` tokens
         (``layout`` as in ``feature_tokens``; ``modalities``: a joint model's to judge, default all);
         None: every row (no condition rows in the sequence)."""

@@ -45,7 +45,7 @@ from __future__ import annotations
 import json
 import math
 from functools import cached_property
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -322,7 +322,7 @@ class MiniMaxH3Family(ModelFamily):
         _, _, video_idx, audio_idx, _, condition_rows = self._layout(tags or (TEXT_TAG,) * int(text_tokens), anchors)
         return {"video": video_idx[condition_rows:], "audio": audio_idx}
 
-    def judged_rows(self, text_tokens: int, layout: tuple = (), modalities: Optional[tuple] = None) -> Optional[torch.Tensor]:
+    def judged_rows(self, text_tokens: int, layout: tuple = (), modalities: Optional[Sequence[str]] = None) -> Optional[torch.Tensor]:
         """The rows the GAN head judges: the text rows and the generated ones (``feature_tokens``) of
         ``modalities`` (default both), never an fl2va sample's keyframe rows (given, not generated: a
         head judging them would partly tell real from fake by the keyframes); None where that is

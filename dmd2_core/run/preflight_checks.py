@@ -170,19 +170,25 @@ def check_family_args(args: Args, teacher: dict[str, Any]) -> Args:
     if args.gan_judged_modalities is not None:
         if not args.gan_judged_modalities:
             raise ArgsError("gan_judged_modalities: empty; name the modalities the GAN head judges, or leave it unset for all")
-        check_modality_weights("gan_judged_modalities", dict.fromkeys(args.gan_judged_modalities, 1.0), family, name)
+        check_modality_names("gan_judged_modalities", args.gan_judged_modalities, family, name)
     return args
 
 
-def check_modality_weights(flag: str, weights: Optional[dict], family, name: str) -> None:
-    """A weight per modality of a joint model: known modality names, each >= 0."""
+def check_modality_names(flag: str, names, family, name: str) -> None:
+    """Each of ``names`` a modality of the joint model (video, audio); a model of one modality has none."""
     known = ("video", "audio") if family.has_audio else ()
-    for key, value in (weights or {}).items():
+    for key in names:
         if key not in known:
             from dmd2_core.errors import nearest
 
             raise ArgsError(f"{flag}: unknown modality '{key}' for {name}{nearest(key, known)} "
                             f"(modalities: {', '.join(known) or 'none: one modality'})")
+
+
+def check_modality_weights(flag: str, weights: Optional[dict], family, name: str) -> None:
+    """A weight per modality of a joint model: known modality names, each >= 0."""
+    check_modality_names(flag, weights or {}, family, name)
+    for key, value in (weights or {}).items():
         if not value >= 0:
             raise ArgsError(f"{flag}: {key} weight must be >= 0 (got {value})")
 

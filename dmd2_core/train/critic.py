@@ -81,7 +81,7 @@ class Critic:
                 out = gan.critic_forward(self.family, self.model, self.disc, args.gan_feature_block, x0[mb], noise[mb],
                                          sigma[mb], mb_cond, real and _rows(real, mb), args.gan_critic_weight,
                                          args.gan_weight if fuse and self.disc is not None and args.gan_weight else None,
-                                         self.modality_weights, gan.judged_modalities(args))
+                                         self.modality_weights, args.gan_judged_modalities)
                 loss = out["loss"] * ((mb.stop - mb.start) / B)
                 loss.backward()
                 total += loss.item()
@@ -158,7 +158,7 @@ class Critic:
             if self.disc is not None and self.args.gan_weight:  # one critic forward for the score and g_gan
                 out = gan.critic_forward(self.family, self.model, self.disc, self.args.gan_feature_block, x0[mb],
                                          noise[mb], sigma[mb], mb_cond, gen_weight=self.args.gan_weight,
-                                         modality_weights=self.modality_weights, judged=gan.judged_modalities(self.args))
+                                         modality_weights=self.modality_weights, judged=self.args.gan_judged_modalities)
                 scores.append(self.score(x0[mb], out["x_t"], sigma[mb], mb_cond, v_fake=out["v"], gan_grad=out["gan_grad"]))
             else:
                 scores.append(self.score(x0[mb], self.family.add_noise(x0[mb], noise[mb], sigma[mb]), sigma[mb], mb_cond))

@@ -18,7 +18,7 @@ replicated module's (see ``Critic._disc_step``).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -60,11 +60,6 @@ def head_for(disc: Optional[torch.nn.Module], num_steps: int) -> Optional[torch.
     return disc[disc.counts.index(num_steps)]
 
 
-def judged_modalities(args) -> Optional[tuple]:
-    """The modalities whose rows the head judges (``gan_judged_modalities``); None: all."""
-    return tuple(args.gan_judged_modalities) if args.gan_judged_modalities else None
-
-
 def discriminator_loss(logits_real: torch.Tensor, logits_fake: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean softplus(-D(real)), mean softplus(D(fake))): the head's loss on each side."""
     return F.softplus(-logits_real.float()).mean(), F.softplus(logits_fake.float()).mean()
@@ -80,7 +75,7 @@ def generator_gradient(logits_fake: torch.Tensor, x0: torch.Tensor, weight: floa
 
 
 def judged_features(family, forwards: list[torch.Tensor], sigma, cond, n: int,
-                    modalities: Optional[tuple] = None) -> list[tuple[list[int], torch.Tensor]]:
+                    modalities: Optional[Sequence[str]] = None) -> list[tuple[list[int], torch.Tensor]]:
     """What the GAN head judges of ``n`` samples, from the feature block's output of each forward
     ``family.predict_velocity`` ran for them at (``sigma`` | ``cond``) (a ``FeatureTap``'s
     ``forwards``; MiniMax-H3 runs one per layout and u): (the forward's samples, its block output
@@ -109,7 +104,7 @@ def head_logits(head: DiscriminatorHead, judged: list[tuple[list[int], torch.Ten
 
 
 def block_logits(family, model, head: DiscriminatorHead, block: Optional[int], x_t, sigma, cond,
-                 modalities: Optional[tuple] = None) -> torch.Tensor:
+                 modalities: Optional[Sequence[str]] = None) -> torch.Tensor:
     """The head's logits on the feature block's output at (x_t, sigma | cond) (the forward runs to
     its end: under FSDP a forward stopped midway would leave the sharding hooks half done)."""
     with FeatureTap(family, model, block) as tap:  # to the end: a sharded forward must not stop midway
@@ -126,7 +121,7 @@ def real_inputs(args, iteration: int, step: int, num_real: int, global_shape: tu
 
 def critic_forward(family, critic, head: Optional[DiscriminatorHead], block: Optional[int], x0, noise, sigma, cond,
                    real: Optional[tuple] = None, critic_weight: float = 0.0, gen_weight: Optional[float] = None,
-                   modality_weights: Optional[dict] = None, judged: Optional[tuple] = None) -> dict:
+                   modality_weights: Optional[dict] = None, judged: Optional[Sequence[str]] = None) -> dict:
     """One forward of the fake score on the noised student samples, shared by its losses:
     the flow-matching loss, plus (``real`` = (x0_real, noise_real, cond_real)) the discriminator
     loss on real and fake at the same sigma, plus (``gen_weight`` not None) the generator gradient

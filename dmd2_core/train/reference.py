@@ -118,7 +118,7 @@ class ReferenceLoop:
                     out = gan.critic_forward(family, self.critic, self.disc, args.gan_feature_block, x0, noisy[1],
                                              noisy[0], cond, gen_weight=gen_weight,
                                              modality_weights=args.dmd2_modality_weights,
-                                             judged=gan.judged_modalities(args))
+                                             judged=args.gan_judged_modalities)
                     scores, gan_grad = scores_at(None, v_fake=out["v"], noisy=noisy), out["gan_grad"]
                 else:
                     scores = scores_at(None, noisy=noisy)
@@ -131,7 +131,7 @@ class ReferenceLoop:
             fuse = step == last and args.dmd2_critic_scoring == "fused"
             out = gan.critic_forward(family, self.critic, self.disc, args.gan_feature_block, x0, noise, sigma, cond,
                                      real, args.gan_critic_weight, gen_weight if fuse else None,
-                                     args.dmd2_modality_weights, gan.judged_modalities(args))
+                                     args.dmd2_modality_weights, args.gan_judged_modalities)
             critic_loss = out["loss"]
             critic_loss.backward()
             if fuse:
