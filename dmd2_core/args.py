@@ -223,6 +223,10 @@ class Args(TrackerFlags):
         None, "dmd2", "Weight of each modality of a joint model (MiniMax-H3: video, audio) in the DMD gradient and the "
         "critic's loss; each modality has its own normaliser either way. Default 1 each.")
     dmd2_min_sigma: float = _f(0.02, "dmd2", "Lower clamp of DMD/critic sigmas.", ge=0, lt=1)
+    dmd2_modality_min_sigma: Optional[dict[str, float]] = _f(
+        None, "dmd2", "Per modality of a joint model (MiniMax-H3: video, audio), the lowest noise level its part of the "
+        "DMD gradient comes from, on dmd2_min_sigma's scale (MiniMax-H3: the schedule position both modalities share): "
+        "a sample drawn below it leaves that modality's part out, the other's kept. Default dmd2_min_sigma for each.")
     dmd2_max_sigma: float = _f(0.98, "dmd2", "Upper clamp of DMD/critic sigmas.", gt=0, le=1)
     dmd2_regression_weight: float = _f(
         0.0, "dmd2", "Weight of DMD's regression loss (0: off): the student's x0 pulled towards the frozen teacher's own "

@@ -37,6 +37,18 @@ def weighted_modalities(grad: torch.Tensor, segments: Optional[dict[str, slice]]
     return torch.cat([weights.get(name, 1.0) * grad[:, seg] for name, seg in segments.items()], dim=1)
 
 
+def floored_modalities(grad: torch.Tensor, sigma, segments: Optional[dict[str, slice]],
+                       floors: Optional[dict[str, float]]) -> torch.Tensor:
+    """A gradient of flat joint samples drawn at ``sigma`` (per sample) with each modality's part
+    zeroed for the samples below its floor (``floors``: modality -> the lowest sigma its part comes
+    from); ``grad`` itself without segments or floors."""
+    if segments is None or not floors:
+        return grad
+    sigma = torch.as_tensor(sigma, dtype=torch.float32, device=grad.device).reshape(-1, 1).expand(grad.shape[0], 1)
+    return torch.cat([grad[:, seg] * (sigma >= floors[name]).to(grad.dtype) if name in floors else grad[:, seg]
+                      for name, seg in segments.items()], dim=1)
+
+
 def dmd2_loss(x0: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """0.5 * mse(x0, sg(x0 - g)): its gradient w.r.t. x0 is exactly g / numel."""
     x0 = x0.float()

@@ -167,6 +167,9 @@ def test_one_iteration_trains_both_modalities(h3, tmp_path):
     (dict(gan_modality_weights={"audio": -1.0}), r"^gan_modality_weights: audio weight must be >= 0 \(got -1.0\)"),
     (dict(gan_judged_modalities=["vide"]), r"^gan_judged_modalities: unknown modality 'vide' .* did you mean 'video'"),
     (dict(gan_judged_modalities=[]), r"^gan_judged_modalities: empty; name the modalities"),
+    (dict(dmd2_modality_min_sigma={"vido": 0.2}), r"^dmd2_modality_min_sigma: unknown modality 'vido' .* did you mean 'video'"),
+    (dict(dmd2_modality_min_sigma={"video": 0.99}),
+     r"^dmd2_modality_min_sigma: video floor 0.99 is outside the draws' range \[dmd2_min_sigma 0.02, dmd2_max_sigma 0.98\)$"),
     (dict(latent_shape=[24, 7, 2, 4]), r"latent_shape: \[24, 7, 2, 4\] disagrees with num_frames/height/width \(\[.*\]\); set one"),
 ])
 def test_bad_clip_input_fails_before_any_actor_in_one_line(h3, tmp_path, override, message):
@@ -488,6 +491,46 @@ def test_a_gan_head_kept_off_the_sound_leaves_the_sounds_gradient_to_dmd_alone(h
     assert metrics["off_the_sound"]["gan_grad_norm_audio"] == 0 < metrics["off_the_sound"]["gan_grad_norm_video"]
 
     oracle = args("oracle", gan_weight=2.0, gan_modality_weights={"audio": 0.0})
+    trainers, loop = in_process_trainers(oracle), ReferenceLoop(oracle)
+    iterate_in_process(trainers, 1)
+    loop.iterate(1)
+    a, b = trainers["actor"].weights(), loop.student.state_dict()
+    assert max((a[k] - b[k].detach()).abs().max().item() for k in b) < 1e-5
+
+
+def test_a_modality_drawn_below_its_floor_leaves_the_dmd_gradient_and_the_other_keeps_its_part(h3, tmp_path):
+    """``dmd2_modality_min_sigma: {video: 0.6}``: a sample scored below 0.6 hands the student no
+    picture gradient, one above it the whole; the sound's part is the same to the bit as without
+    a floor. The reference loop (the bench's) takes the same step as the trainers."""
+    from dmd2_core.train import dmd2_iteration
+    from dmd2_core.train.reference import ReferenceLoop
+    from tests.helpers import in_process_trainers, iterate_in_process
+
+    family = h3["family"]
+
+    def floor_args(name, **extra):
+        return load_args("minimax-h3", dict(CPU, hf_checkpoint=h3["url"], prompts=h3["prompts"], save=str(tmp_path / name),
+                                            lr=1e-4, critic_lr=1e-4, dmd2_update_ratio=2, num_frames=None, height=None,
+                                            width=None, latent_shape=[24, 37, 2, 2], **extra))
+
+    handed = {}  # scored after one critic step (before it, the fake score is the teacher: no gradient at all)
+    for name, extra in (("floored", {"dmd2_modality_min_sigma": {"video": 0.6}}), ("no_floor", {})):
+        run = floor_args(name, **extra)
+        trainers = in_process_trainers(run)
+        pairs, _ = trainers["actor"].rollout(1)
+        handed[name] = trainers["critic"].train(1, pairs)[0]["dmd2_grad"]
+    run = trainers["critic"].args  # its shift resolved from the teacher
+    sigma, _ = dmd2_iteration.noisy_inputs(run, 1, dmd2_iteration.critic_stream(run.dmd2_update_ratio - 1),
+                                           tuple(handed["floored"].shape), slice(None))  # the fused scoring pass's
+    audio, video = family.segments["audio"], family.segments["video"]
+    assert torch.equal(handed["floored"][:, audio], handed["no_floor"][:, audio])
+    below = sigma < 0.6
+    assert 0 < int(below.sum()) < len(below), sigma  # both kinds of sample in the batch
+    assert torch.equal(handed["floored"][below][:, video], torch.zeros_like(handed["floored"][below][:, video]))
+    assert torch.equal(handed["floored"][~below][:, video], handed["no_floor"][~below][:, video])
+    assert handed["no_floor"][below][:, video].norm(dim=1).min() > 0 < handed["no_floor"][:, audio].norm(dim=1).min()
+
+    oracle = floor_args("oracle", dmd2_modality_min_sigma={"video": 0.6})
     trainers, loop = in_process_trainers(oracle), ReferenceLoop(oracle)
     iterate_in_process(trainers, 1)
     loop.iterate(1)

@@ -167,6 +167,7 @@ def check_family_args(args: Args, teacher: dict[str, Any]) -> Args:
         args = args.model_copy(update={"size_schedule": resolve_stages(args, family, name, teacher)})
     for flag in ("dmd2_modality_weights", "gan_modality_weights"):
         check_modality_weights(flag, getattr(args, flag), family, name)
+    check_modality_floors(args, family, name)
     if args.gan_judged_modalities is not None:
         if not args.gan_judged_modalities:
             raise ArgsError("gan_judged_modalities: empty; name the modalities the GAN head judges, or leave it unset for all")
@@ -191,6 +192,16 @@ def check_modality_weights(flag: str, weights: Optional[dict], family, name: str
     for key, value in (weights or {}).items():
         if not value >= 0:
             raise ArgsError(f"{flag}: {key} weight must be >= 0 (got {value})")
+
+
+def check_modality_floors(args, family, name: str) -> None:
+    """``dmd2_modality_min_sigma``: known modalities, each floor inside the range the draws span."""
+    floors = args.dmd2_modality_min_sigma or {}
+    check_modality_names("dmd2_modality_min_sigma", floors, family, name)
+    for key, value in floors.items():
+        if not args.dmd2_min_sigma <= value < args.dmd2_max_sigma:
+            raise ArgsError(f"dmd2_modality_min_sigma: {key} floor {value} is outside the draws' range "
+                            f"[dmd2_min_sigma {args.dmd2_min_sigma}, dmd2_max_sigma {args.dmd2_max_sigma})")
 
 
 def check_workflow_name(workflow: str, family, name: str) -> None:

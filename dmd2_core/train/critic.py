@@ -134,7 +134,7 @@ class Critic:
         with the GAN head's generator gradient ``gan_grad`` alongside when there is one."""
         out = dmd2_iteration.score(self.family, self.teacher, self.model, x0, x_t, sigma, cond,
                          self.uncond(x0.shape[0]), self.guidance, v_fake=v_fake,
-                         weights=self.modality_weights)
+                         weights=self.modality_weights, floors=self.args.dmd2_modality_min_sigma)
         return out if gan_grad is None else {**out, "gan_grad": gan_grad}
 
     def _regression_gradient(self, pairs: dict, x0: torch.Tensor, cond: dict) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 from dmd2_core import flow_matching as fm
 from dmd2_core import rng
 from dmd2_core.args import Args
-from dmd2_core.losses import dmd2_gradient
+from dmd2_core.losses import dmd2_gradient, floored_modalities
 from dmd2_core.models.base import ModelFamily
 from dmd2_core.sampling import guided_velocity, student_sample
 
@@ -139,15 +139,17 @@ def score(
     guidance_scale: float,
     v_fake: Optional[torch.Tensor] = None,
     weights: Optional[dict[str, float]] = None,
+    floors: Optional[dict[str, float]] = None,
 ) -> dict:
     """Teacher (real score, CFG) and critic (fake score, conditional) x0 predictions at x_t, and
-    the DMD gradient for the student's x0. ``v_fake`` reuses a critic forward already made."""
+    the DMD gradient for the student's x0 (each modality's part weighted by ``weights`` and left
+    out below its floor in ``floors``). ``v_fake`` reuses a critic forward already made."""
     if v_fake is None:
         v_fake = family.predict_velocity(critic, x_t, sigma, cond)
     v_real = guided_velocity(family, teacher, x_t, sigma, cond, uncond, guidance_scale)
     x0_fake = family.velocity_to_x0(x_t, v_fake.detach(), sigma)
     x0_real = family.velocity_to_x0(x_t, v_real, sigma)
-    grad = dmd2_gradient(x0, x0_real, x0_fake, family.segments, weights)
+    grad = floored_modalities(dmd2_gradient(x0, x0_real, x0_fake, family.segments, weights), sigma, family.segments, floors)
     return {"grad": grad, "x0_real": x0_real, "x0_fake": x0_fake}
 
 

@@ -107,7 +107,8 @@ class ReferenceLoop:
             sigma, noise = noisy or dmd2_iteration.noisy_inputs(args, iteration, stream, shape, everything)
             x_t = family.add_noise(x0, noise, sigma)  # each modality at its own sigma, as the critic
             return dmd2_iteration.score(family, self.teacher, self.critic, x0, x_t, sigma, cond, uncond,
-                              guidance, v_fake=v_fake, weights=args.dmd2_modality_weights)
+                              guidance, v_fake=v_fake, weights=args.dmd2_modality_weights,
+                              floors=args.dmd2_modality_min_sigma)
 
         scores = None
         last = args.dmd2_update_ratio - 1
