@@ -8,7 +8,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test install teacher av-teacher bench bench-av serve clean
+.PHONY: demo test install teacher av-teacher av-kf-teacher bench bench-av serve clean
 
 # uv (a PyPI package, installed by pip) installs the same pins as pip in well under half its time
 # (bench/README.md). It does not read pip's configuration, so the wheel folders pip is told of
@@ -39,6 +39,12 @@ AV_FIXTURE := tests/fixtures/av_teacher
 av-teacher: $(STAMP)
 	$(PY) -m dmd2_core.toys.sounding_digits_teacher --save runs/av-teacher --reuse --table
 	-$(PY) -m dmd2_core.toys.sounding_digits_teacher --save runs/av-teacher --reuse --check-fixture $(AV_FIXTURE)
+
+# the same with keyframes (MiniMax-H3's fl2va: each clip conditioned on its own first and last frames)
+AV_KF_FIXTURE := tests/fixtures/av_kf_teacher
+av-kf-teacher: $(STAMP)
+	$(PY) -m dmd2_core.toys.sounding_digits_teacher --workflow fl2va --save runs/av-kf-teacher --reuse --table
+	-$(PY) -m dmd2_core.toys.sounding_digits_teacher --workflow fl2va --save runs/av-kf-teacher --reuse --check-fixture $(AV_KF_FIXTURE)
 
 # the project's own modules compiled too (a stat per file when nothing changed): every trainer
 # process imports them, and with PYTHONDONTWRITEBYTECODE nothing else keeps their bytecode

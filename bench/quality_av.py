@@ -24,7 +24,14 @@ a 4-step student would not move with.
 
 ``--set KEY=VALUE`` changes one recipe flag of every student.
 
+``--workflow fl2va`` runs the keyframe world (issue 56): the teacher at ``runs/av-kf-teacher``
+(``make av-kf-teacher``) was trained with every clip conditioned on its own first and last
+frames, the students train on the train clips' keyframes, and every sampler is evaluated on the
+held-out clips' keyframes, with ``keyframe_agreement`` (the clip's first and last frames show the
+digit where its keyframes do) and ``keyframe_l1`` beside the figures above.
+
     python bench/quality_av.py [--iterations 240] [--eval-every 40] [--num-samples 600] [--seeds 0 1] [--workers 2] [--teacher runs/av-teacher]
+    python bench/quality_av.py --workflow fl2va --steps 4   # the keyframe world
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ from dmd2_core.train.reference import ReferenceLoop  # noqa: E402
 
 TEACHER_STEPS = (50, 8, 4, 1)
 METRICS = (*sounding_digits_metrics.METRICS, "sound_fd", "sound_mel_kid")  # each student's, as each teacher sampler's
+KEYFRAME_METRICS = ("keyframe_agreement", "keyframe_l1")  # an fl2va student's too
+KEYFRAME_TEACHER = "runs/av-kf-teacher"  # make av-kf-teacher
 
 
 def frame_features(samples: torch.Tensor):
@@ -83,7 +92,7 @@ def cpu_overrides(teacher: str, steps: int, seed: int, ns, sets: dict) -> dict:
             "latent_shape": sd.VIDEO_LATENT_SHAPE, "global_batch_size": ns.batch_size,
             "micro_batch_size": ns.batch_size, "lr": ns.lr, "critic_lr": ns.lr, "ema_decay": ns.ema or None,
             "dmd2_update_ratio": ns.update_ratio, "dmd2_min_sigma": ns.min_sigma, "dmd2_student_steps": steps,
-            "seed": seed, "torch_threads": 1,
+            "seed": seed, "torch_threads": 1, "workflow": getattr(ns, "workflow", "t2va"),
             **({"dmd2_modality_weights": {"video": ns.video_weight, "audio": ns.audio_weight}}
                if (ns.video_weight, ns.audio_weight) != (1.0, 1.0) else {}), **regression(ns, steps), **sets, **heads}
 
@@ -93,16 +102,15 @@ def distill(job: dict) -> dict:
     start = time.perf_counter()
     args = load_args("minimax-h3", job["overrides"])
     loop = ReferenceLoop(args)
-    labels = sounding_digits_metrics.balanced_labels(job["num_samples"])
+    clips = sounding_digits_teacher.EvalClips(job["workflow"], job["num_samples"])
     evals = []
 
     def evaluate(iteration):
         for k in args.student_step_counts:  # a student of several step counts: a line per K
-            samples = loop.sample(labels.tolist(), job["eval_seed"], num_steps=k)
+            samples = loop.sample(clips.labels.tolist(), job["eval_seed"], num_steps=k, cond=clips.cond)
             selection = digits_metrics.frechet_distance(frame_features(samples), job["target"])
             line = {"steps": job["steps"], "seed": job["seed"], "iteration": iteration, "selection_fd": selection,
-                    **({"at_steps": k} if isinstance(job["steps"], list) else {}),
-                    **sounding_digits_metrics.evaluate_clips(samples, labels)}
+                    **({"at_steps": k} if isinstance(job["steps"], list) else {}), **clips.figures(samples)}
             evals.append(line)
             _log(job, line)
 
@@ -120,10 +128,15 @@ def _log(job: dict, line: dict) -> None:
             f.write(json.dumps(line) + "\n")
 
 
+def metrics_in(line: dict) -> tuple[str, ...]:
+    """The figures an evaluation holds: ``METRICS``, and an fl2va student's keyframe figures."""
+    return (*METRICS, *(m for m in KEYFRAME_METRICS if m in line))
+
+
 def _pick(evals: list[dict]) -> dict:
     best = min(evals, key=lambda e: e["selection_fd"])
     final = max(evals, key=lambda e: e["iteration"])
-    keep = (*METRICS, "iteration", "selection_fd")
+    keep = (*metrics_in(final), "iteration", "selection_fd")
     return {"best": {k: best[k] for k in keep}, "final": {k: final[k] for k in keep},
             "history": [(e["iteration"], round(e["frame_fd"], 3), round(e["sound_fd"], 1), round(e["sound_acc"], 3),
                          round(e["agreement"], 3))
@@ -131,7 +144,7 @@ def _pick(evals: list[dict]) -> dict:
 
 
 def _mean(rows: list[dict], key: str) -> dict:
-    out = {m: round(sum(r[key][m] for r in rows) / len(rows), 4) for m in METRICS}
+    out = {m: round(sum(r[key][m] for r in rows) / len(rows), 4) for m in metrics_in(rows[0][key])}
     out["iteration"] = [r[key]["iteration"] for r in rows]
     return out
 
@@ -148,6 +161,10 @@ def targets(teacher: dict, student: dict) -> dict:
             "s4_agreement_within_3pt_teacher_50": s4["agreement"] >= t50["agreement"] - 0.03,
             "s4_sound_fd_at_or_below_teacher_50": s4["sound_fd"] <= t50["sound_fd"],
             "s4_final_within_15pct_of_best": s4["frame_fd"] <= 1.15 * student["4"]["best"]["frame_fd"]})
+        if "keyframe_agreement" in s4:  # issue 56: an fl2va student keeps its keyframes as its teacher does
+            out.update({"s4_frame_fd_at_or_below_teacher_50": s4["frame_fd"] <= t50["frame_fd"],
+                        "s4_keyframe_agreement_at_or_above_teacher_50":
+                            s4["keyframe_agreement"] >= t50["keyframe_agreement"]})
     if "1" in student:
         s1 = student["1"]["final"]
         out.update({
@@ -159,7 +176,10 @@ def targets(teacher: dict, student: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--teacher", default="runs/av-teacher")
+    parser.add_argument("--workflow", choices=("t2va", "fl2va"), default="t2va",
+                        help="fl2va: the keyframe world (each clip conditioned on its own first and last frames), "
+                             "its teacher at runs/av-kf-teacher, evaluated on held-out clips' keyframes")
+    parser.add_argument("--teacher", default=None, help="default runs/av-teacher (fl2va: runs/av-kf-teacher)")
     parser.add_argument("--iterations", type=int, default=240)
     parser.add_argument("--eval-every", type=int, default=40)
     parser.add_argument("--num-samples", type=int, default=600, help="eval clips (at 200 one seed's agreement has a "
@@ -191,6 +211,7 @@ def main() -> None:
     parser.add_argument("--progress", default=None, help="append every evaluation to this JSONL file")
     parser.add_argument("--summarise", default=None, help="print the JSON line from a progress file (a run cut short)")
     ns = parser.parse_args()
+    ns.teacher = ns.teacher or KEYFRAME_TEACHER if ns.workflow == "fl2va" else ns.teacher or "runs/av-teacher"
     if ns.summarise:
         return summarise(ns.summarise)
     try:
@@ -201,22 +222,21 @@ def main() -> None:
         parser.exit(2, f"error: {err}\n")
     torch.set_num_threads(1)
     start = time.perf_counter()
-    teacher = sounding_digits_teacher.ensure_av_teacher(ns.teacher, log=lambda m: print(m, file=sys.stderr))
-    if cpu_overrides(teacher, ns.steps[0], ns.seeds[0], ns, sets).get("real_data") == sounding_digits_teacher.real_set_url(teacher):
-        sounding_digits_teacher.ensure_real_set(teacher)  # a teacher saved before it carried one
+    teacher = sounding_digits_teacher.ensure_av_teacher(ns.teacher, log=lambda m: print(m, file=sys.stderr),
+                                                        workflow=ns.workflow)
     loaded = load_model_dir(teacher)
     family = sounding_digits_teacher.bound_family(loaded.model)
-    labels = sounding_digits_metrics.balanced_labels(ns.num_samples)
+    clips = sounding_digits_teacher.EvalClips(ns.workflow, ns.num_samples)
     table, target = {}, None
     for k in TEACHER_STEPS:
-        samples = sounding_digits_teacher.sample_clips(family, loaded.model.eval(), labels, k, ns.eval_seed)
-        table[str(k)] = {m: round(v, 4) for m, v in sounding_digits_metrics.evaluate_clips(samples, labels).items()}
+        samples = clips.sample(family, loaded.model.eval(), k, ns.eval_seed)
+        table[str(k)] = {m: round(v, 4) for m, v in clips.figures(samples).items()}
         if k == 50:
             target = frame_features(samples)
     print(f"teacher table: {json.dumps(table)} ({time.perf_counter() - start:.0f}s)", file=sys.stderr)
     if ns.progress:
         _log({"progress": ns.progress}, {"teacher": table, "ns": vars(ns)})
-    jobs = [{"steps": k, "seed": s, "iterations": ns.iterations, "eval_every": ns.eval_every,
+    jobs = [{"steps": k, "seed": s, "workflow": ns.workflow, "iterations": ns.iterations, "eval_every": ns.eval_every,
              "num_samples": ns.num_samples, "eval_seed": ns.eval_seed, "target": target, "progress": ns.progress,
              "overrides": cpu_overrides(teacher, k, s, ns, sets)} for k in ns.steps for s in ns.seeds]
     # a TERM (kill, timeout) leaves through the pool's exit, which stops the jobs, instead of

@@ -10,6 +10,10 @@ clip's index: the start column and the direction (left-to-right or right-to-left
 clip, panned with a constant-power law by the digit's column (left at column 0, right at
 ``WIDTH - 8``), linearly between frame centres.
 
+With keyframes (MiniMax-H3's ``fl2va``): each clip is conditioned on its digit's prompt and on its
+own first and/or last frame (``keyframe_prompt_set``), as a keyframe request gives where the digit
+starts and ends; the video "VAE" is the identity, so a keyframe's latents are the frame itself.
+
 Latents are patches of pixels and samples (a lossless "VAE", so decoding gives real frames and
 waveforms): the video latents [1, FRAMES, HEIGHT, WIDTH] are the frames; the audio latents
 [2, 32, 8] hold, per channel, 8 rows of 32 consecutive samples scaled by ``1 / AUDIO_SCALE``
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dmd2_core.data import PromptSet
+from dmd2_core.data import KEYFRAME_PIXELS, PromptSet
 from dmd2_core.toys.digits import DIGITS_EMBED_DIM, DIGITS_TOKENS, digits_prompt_set, digits_tensors
 
 FRAMES, HEIGHT, WIDTH = 4, 8, 16
@@ -126,3 +130,42 @@ def prompt_set() -> PromptSet:
     return PromptSet(prompts=[f"a sounding handwritten digit {d}" for d in range(10)],
                      embeds={"prompt_embeds": embeds, "prompt_lengths": torch.full((10,), DIGITS_TOKENS)}, negative={},
                      evaluator="sounding-digits")
+
+
+KEYFRAME_ANCHORS = ("first", "last")  # the keyframe world's: where the digit starts and ends
+
+
+def heldout_clips(n: int, seed: int = 0) -> Clips:
+    """``n`` held-out clips (the test split's in order, repeated past its size): an fl2va eval's
+    keyframes and labels."""
+    clips = make_clips("test", seed)
+    idx = torch.arange(n) % len(clips)
+    return Clips(clips.frames[idx], clips.audio[idx], clips.labels[idx], clips.columns[idx])
+
+
+def keyframe_frames(anchors: tuple[str, ...]) -> list[int]:
+    """The clip's frame each keyframe anchor names: ``first`` 0, ``last`` ``FRAMES - 1``."""
+    return [0 if a == "first" else FRAMES - 1 for a in anchors]
+
+
+def keyframe_prompt_set(clips: Clips, anchors: tuple[str, ...] = KEYFRAME_ANCHORS) -> PromptSet:
+    """MiniMax-H3 fl2va conditions, one row per clip: its digit's prompt (``prompt_set``'s
+    embeddings, tagged text) and its own frames at ``anchors`` as keyframes (``keyframe_latents``
+    [N, K, 1, 1, H, W], ``keyframe_anchors`` [N, K], the pictures ``keyframe_pixels`` uint8
+    [N, K, 3, H, W] for the eval media), the keys ``prepare-prompts --keyframes`` writes. The
+    digits' prompts carry no vision block: the keyframes reach the model as condition rows only."""
+    from dmd2_core.models.minimax_h3 import KEYFRAME_ANCHORS, TEXT_TAG
+
+    digits = prompt_set()
+    n, tokens = len(clips), DIGITS_TOKENS
+    frames = clips.frames[:, keyframe_frames(anchors)]  # [N, K, H, W]
+    pixels = ((frames + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+    return PromptSet(
+        prompts=[f"a sounding handwritten digit {y} from its {' and '.join(anchors)} frame"
+                 for y in clips.labels.tolist()],
+        embeds={"prompt_embeds": digits.embeds["prompt_embeds"][clips.labels],
+                "prompt_lengths": torch.full((n,), tokens), "text_token_tags": torch.full((n, tokens), TEXT_TAG),
+                "keyframe_latents": frames[:, :, None, None].contiguous(),
+                "keyframe_anchors": torch.tensor([KEYFRAME_ANCHORS.index(a) for a in anchors]).repeat(n, 1),
+                KEYFRAME_PIXELS: pixels[:, :, None].expand(-1, -1, 3, -1, -1).contiguous()},
+        negative={})

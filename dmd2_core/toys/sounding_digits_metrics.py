@@ -211,6 +211,31 @@ def evaluate_decoded(frames: torch.Tensor, audio: torch.Tensor, labels) -> dict[
     }
 
 
+KEYFRAME_TOLERANCE = 1.0  # columns: the digit moves SPEED = 2 a frame, so a clip that starts a frame off misses
+
+
+def ink_centres(frames: torch.Tensor) -> torch.Tensor:
+    """Frames [..., H, W] -> the mean column of their lit pixels (above 0 of [-1, 1]: the digit's
+    strokes, not a faint background), NaN where none is lit."""
+    lit = (frames.float() > 0).float().sum(dim=-2)  # [..., W]
+    columns = torch.arange(frames.shape[-1], dtype=lit.dtype)
+    return (lit * columns).sum(-1) / lit.sum(-1).where(lit.sum(-1) > 0, torch.tensor(float("nan")))
+
+
+@torch.no_grad()
+def keyframe_figures(samples: torch.Tensor, keyframes: torch.Tensor, anchors: tuple[str, ...]) -> dict[str, float]:
+    """How well flat H3 samples [N, D] keep the keyframes [N, K, H, W] they were given at ``anchors``:
+    ``keyframe_agreement``, the share of keyframes whose digit the clip's frame at that end shows
+    where the keyframe does (the centres of their strokes within ``KEYFRAME_TOLERANCE`` columns; an
+    end with no stroke disagrees), and ``keyframe_l1``, the mean absolute pixel difference of those
+    frames from their keyframes (pixels in [-1, 1])."""
+    frames, _ = sd.decode(samples)
+    ends = frames[:, sd.keyframe_frames(anchors)]  # [N, K, H, W]
+    near = (ink_centres(ends) - ink_centres(keyframes)).abs() <= KEYFRAME_TOLERANCE  # NaN compares False
+    return {"keyframe_agreement": float(near.float().mean()),
+            "keyframe_l1": float((ends - keyframes.float()).abs().mean())}
+
+
 def real_clip_stats(num_samples: int = 500, split: str = "train", seed: int = 0) -> dict[str, float]:
     """The metrics of real clips (by default train clips, scored against the held-out test
     digits as generated ones are): what a perfect generator would reach."""

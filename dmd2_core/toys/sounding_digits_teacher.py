@@ -107,13 +107,15 @@ def draw_u(n: int, generator: torch.Generator) -> torch.Tensor:
 def train_av_teacher(save_url: Optional[str], seed: int = 0, num_steps: int = DEFAULT_STEPS,
                      batch_size: int = DEFAULT_BATCH_SIZE, lr: float = DEFAULT_LR,
                      ema_decay: float = DEFAULT_EMA_DECAY, data_seed: int = 0, config: Optional[dict] = None,
-                     log: Optional[Callable[[str], None]] = print, log_every: int = 250) -> dict:
+                     log: Optional[Callable[[str], None]] = print, log_every: int = 250,
+                     workflow: str = "t2va") -> dict:
     """Train (deterministic for a seed at a fixed thread count) and save the EMA weights at
-    ``save_url`` (None: not saved). Returns {url, seed, steps, batch_size, lr, train_time_s,
-    final_loss, num_params, model}."""
+    ``save_url`` (None: not saved). ``workflow`` ``fl2va``: every clip conditioned on its own first
+    and last frames too (``sd.keyframe_prompt_set``). Returns {url, seed, steps, batch_size, lr,
+    workflow, train_time_s, final_loss, num_params, model}."""
     clips = sd.make_clips("train", data_seed)
-    x_train, y_train = sd.encode(clips.frames, clips.audio), clips.labels
-    prompts = sd.prompt_set()
+    x_train = sd.encode(clips.frames, clips.audio)
+    conditions = train_conditions(workflow, clips)
     model = new_av_teacher_model(seed, config)
     family = bound_family(model)
     ema = copy.deepcopy(model).requires_grad_(False)
@@ -129,7 +131,7 @@ def train_av_teacher(save_url: Optional[str], seed: int = 0, num_steps: int = DE
         # the copies of a clip land in different groups, hence at different noise levels
         idx = torch.cat([clips_idx[torch.randperm(len(clips_idx), generator=g)] if r else clips_idx
                          for r in range(SIGMAS_PER_CLIP)])
-        x0, cond = x_train[idx], prompts.cond(y_train[idx])
+        x0, cond = x_train[idx], conditions(idx)
         noise = torch.randn(x0.shape, generator=g)
         u = draw_u(U_GROUPS, g).repeat_interleave(per_group)
         v = family.predict_velocity(model, family.add_noise(x0, noise, u), u, cond)
@@ -149,17 +151,26 @@ def train_av_teacher(save_url: Optional[str], seed: int = 0, num_steps: int = DE
     ema.eval()
     tail = losses[-100:]
     record = {"seed": seed, "steps": num_steps, "batch_size": batch_size, "lr": lr, "data_seed": data_seed,
+              **({} if workflow == "t2va" else {"workflow": workflow}),
               "train_time_s": round(train_time, 2), "final_loss": sum(tail) / len(tail),
               "num_params": sum(p.numel() for p in ema.parameters())}
     if save_url is not None:
-        save_av_teacher(ema, save_url)
+        save_av_teacher(ema, save_url, workflow)
         storage.write_bytes(storage.join(save_url, TRAINING_FILE), json.dumps(record, indent=1).encode())
         if log:
             log(f"av teacher saved to {save_url}")
     return {"url": save_url, **record, "model": ema}
 
 
-def save_av_teacher(model: torch.nn.Module, url: str) -> None:
+def train_conditions(workflow: str, clips: sd.Clips) -> Callable[[torch.Tensor], dict]:
+    """Clip indices -> their conditions: the digit's prompt (t2va), and its own keyframes (fl2va)."""
+    if workflow == "fl2va":
+        return sd.keyframe_prompt_set(clips).cond
+    prompts = sd.prompt_set()
+    return lambda idx: prompts.cond(clips.labels[idx])
+
+
+def save_av_teacher(model: torch.nn.Module, url: str, workflow: str = "t2va") -> None:
     from diffusers import MiniMaxH3Scheduler
 
     save_model_dir(model, url, shift=VIDEO_SHIFT)
@@ -167,8 +178,22 @@ def save_av_teacher(model: torch.nn.Module, url: str) -> None:
         MiniMaxH3Scheduler(shift=AUDIO_SHIFT).save_pretrained(tmp)
         storage.write_bytes(storage.join(url, "audio_scheduler", "scheduler_config.json"),
                             (Path(tmp) / "scheduler_config.json").read_bytes())
-    sd.prompt_set().save(prompts_url(url))
-    save_real_set(real_set_url(url))
+    save_conditions(url, workflow)
+
+
+def save_conditions(url: str, workflow: str, data_seed: int = 0) -> None:
+    """The teacher's prompt set (a student's training conditions: for fl2va the train clips'
+    keyframes, one row each; a bench evaluates on the held-out clips', ``sd.heldout_clips``) and
+    its real set."""
+    prompts = sd.keyframe_prompt_set(sd.make_clips("train", data_seed)) if workflow == "fl2va" else sd.prompt_set()
+    prompts.save(prompts_url(url))
+    save_real_set(real_set_url(url), data_seed, workflow)
+
+
+def teacher_workflow(teacher_url: str) -> str:
+    """The workflow the teacher at ``teacher_url`` was trained for (its ``training.json``)."""
+    record_url = storage.join(teacher_url, TRAINING_FILE)
+    return json.loads(storage.read_bytes(record_url)).get("workflow", "t2va") if storage.exists(record_url) else "t2va"
 
 
 def prompts_url(teacher_url: str) -> str:
@@ -179,57 +204,69 @@ def real_set_url(teacher_url: str) -> str:
     return storage.join(teacher_url, REAL_FILE)
 
 
-def save_real_set(url: str, data_seed: int = 0) -> None:
+def save_real_set(url: str, data_seed: int = 0, workflow: str = "t2va") -> None:
     """The train clips (the teacher's own data) as a real set for the GAN head: their latents and,
-    per clip, its digit's condition. Deterministic from ``data_seed``."""
+    per clip, its conditions (``train_conditions``). Deterministic from ``data_seed``."""
     clips = sd.make_clips("train", data_seed)
-    write_safetensors(url, {REAL_LATENTS: sd.encode(clips.frames, clips.audio), **sd.prompt_set().cond(clips.labels)})
+    write_safetensors(url, {REAL_LATENTS: sd.encode(clips.frames, clips.audio),
+                            **train_conditions(workflow, clips)(torch.arange(len(clips)))})
 
 
 def ensure_real_set(teacher_url: str) -> str:
     """The teacher's real set, written beside it if an older teacher directory lacks one."""
     url = real_set_url(teacher_url)
     if not storage.exists(url):
-        save_real_set(url)
+        save_real_set(url, workflow=teacher_workflow(teacher_url))
     return url
 
 
+def ensure_conditions(teacher_url: str) -> str:
+    """A teacher's prompt and real sets written beside its weights where they are missing (an
+    fl2va fixture keeps its weights only: its sets are 3 MB that this rebuilds to the bit)."""
+    if not storage.exists(prompts_url(teacher_url)):
+        save_conditions(teacher_url, teacher_workflow(teacher_url))
+    return ensure_real_set(teacher_url)
+
+
 def present(url: str) -> bool:
-    """``url`` holds a readable teacher with its prompt set."""
+    """``url`` holds a readable teacher (its prompt and real sets are rebuilt when missing)."""
     try:
         describe_model_dir(url)
     except ModelDirError:
         return False
-    return storage.exists(prompts_url(url))
+    return True
 
 
-def differs(url: str, seed: int = 0, num_steps: int = DEFAULT_STEPS) -> Optional[str]:
-    """How the teacher at ``url`` was trained otherwise than ``num_steps`` from ``seed`` (None: as
-    asked). A teacher from before ``training.json`` was written recorded nothing."""
+def differs(url: str, seed: int = 0, num_steps: int = DEFAULT_STEPS, workflow: str = "t2va") -> Optional[str]:
+    """How the teacher at ``url`` was trained otherwise than ``num_steps`` from ``seed`` for
+    ``workflow`` (None: as asked). A teacher from before ``training.json`` was written recorded nothing."""
     record_url = storage.join(url, TRAINING_FILE)
     if not storage.exists(record_url):
         return f"no {TRAINING_FILE}: trained before its steps were recorded"
     record = json.loads(storage.read_bytes(record_url))
+    if record.get("workflow", "t2va") != workflow:
+        return f"trained for {record.get('workflow', 't2va')}, not {workflow}"
     if (record.get("steps"), record.get("seed")) != (num_steps, seed):
         return f"trained for {record.get('steps')} steps from seed {record.get('seed')}, not {num_steps} from {seed}"
     return None
 
 
-def reuse_message(url: str, seed: int = 0, num_steps: int = DEFAULT_STEPS) -> str:
-    why = differs(url, seed, num_steps)
+def reuse_message(url: str, seed: int = 0, num_steps: int = DEFAULT_STEPS, workflow: str = "t2va") -> str:
+    why = differs(url, seed, num_steps, workflow)
     return f"reusing av teacher at {url}" + (
         "" if why is None else f" ({why}; its figures are not the bench's: remove it to train this one)")
 
 
 def ensure_av_teacher(url: str, seed: int = 0, log: Optional[Callable[[str], None]] = print,
-                      num_steps: int = DEFAULT_STEPS, **train_kwargs) -> str:
-    """``url`` when it already holds a teacher (reused as it is, never overwritten; the log says
-    when it was trained otherwise than asked), else one trained there."""
+                      num_steps: int = DEFAULT_STEPS, workflow: str = "t2va", **train_kwargs) -> str:
+    """``url`` when it already holds a teacher (reused as it is, never overwritten, its missing
+    sets rebuilt; the log says when it was trained otherwise than asked), else one trained there."""
     if present(url):
         if log:
-            log(reuse_message(url, seed, num_steps))
+            log(reuse_message(url, seed, num_steps, workflow))
+        ensure_conditions(url)
         return url
-    train_av_teacher(url, seed=seed, num_steps=num_steps, log=log, **train_kwargs)
+    train_av_teacher(url, seed=seed, num_steps=num_steps, log=log, workflow=workflow, **train_kwargs)
     return url
 
 
@@ -243,9 +280,10 @@ def recorded_sha256(fixture_dir: str) -> str:
 
 
 def write_fixture(teacher_url: str, fixture_dir: str) -> str:
-    """Copy the teacher's ``FIXTURE_FILES`` to ``fixture_dir`` and record its weights' sha256 there."""
+    """Copy the teacher's ``FIXTURE_FILES`` (an fl2va teacher's less its prompt set) to ``fixture_dir`` and record its weights' sha256 there."""
     out = Path(fixture_dir)
-    for name in FIXTURE_FILES:
+    # an fl2va teacher's prompt set is 3 MB that ``ensure_conditions`` rebuilds: not committed
+    for name in (n for n in FIXTURE_FILES if n != PROMPTS_FILE or teacher_workflow(teacher_url) == "t2va"):
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_bytes(storage.read_bytes(storage.join(teacher_url, name)))
     digest = weights_sha256(str(out))
@@ -259,7 +297,7 @@ def check_fixture(teacher_url: str, fixture_dir: str) -> Optional[str]:
     if weights_sha256(fixture_dir) != recorded:
         return f"the fixture's own weights at {fixture_dir} are not the sha256 recorded beside them ({recorded})"
     trained = json.loads(storage.read_bytes(storage.join(fixture_dir, TRAINING_FILE)))
-    why = differs(teacher_url, trained["seed"], trained["steps"])
+    why = differs(teacher_url, trained["seed"], trained["steps"], trained.get("workflow", "t2va"))
     if why is not None:
         return f"the teacher at {teacher_url} is not the fixture's recipe ({why}): nothing to compare"
     got = weights_sha256(teacher_url)
@@ -279,21 +317,49 @@ def check_fixture(teacher_url: str, fixture_dir: str) -> Optional[str]:
 
 
 @torch.no_grad()
-def sample_clips(family, model, labels: torch.Tensor, num_steps: int, seed: int) -> torch.Tensor:
+def sample_clips(family, model, labels: torch.Tensor, num_steps: int, seed: int,
+                 cond: Optional[dict] = None) -> torch.Tensor:
     """K Euler steps on MiniMax-H3's grid u = 1, (K-1)/K, .., 1/K, 0 from the pipeline's noise of
-    ``seed`` (sample j from seed + j): for a teacher, its K-step samples; for a student, its own."""
-    cond = sd.prompt_set().cond(labels)
+    ``seed`` (sample j from seed + j): for a teacher, its K-step samples; for a student, its own.
+    ``cond``: the samples' conditions (default the digits' prompts of ``labels``)."""
+    cond = sd.prompt_set().cond(labels) if cond is None else cond
     return dmd2_iteration.eval_samples(family, model, cond, (len(labels), sd.SAMPLE_SIZE), seed, num_steps, 1.0)
 
 
-def av_teacher_table(url: str, steps=TABLE_STEPS, num_samples: int = 500, seed: int = 0) -> dict:
-    from dmd2_core.toys import sounding_digits_metrics
+class EvalClips:
+    """What a sampler of the teacher's workflow is evaluated on: ``n`` digits balanced over the
+    ten (t2va), or ``n`` held-out clips' keyframes (fl2va: ``sd.heldout_clips``, never trained on),
+    and their figures (``sounding_digits_metrics``; with keyframes, ``keyframe_figures`` too)."""
 
+    def __init__(self, workflow: str, n: int, data_seed: int = 0):
+        from dmd2_core.toys import sounding_digits_metrics
+
+        self.workflow = workflow
+        if workflow == "fl2va":
+            clips = sd.heldout_clips(n, data_seed)
+            self.labels, self.anchors = clips.labels, sd.KEYFRAME_ANCHORS
+            self.cond = sd.keyframe_prompt_set(clips, self.anchors).cond(torch.arange(n))
+            self.keyframes = clips.frames[:, sd.keyframe_frames(self.anchors)]
+        else:
+            self.labels, self.cond = sounding_digits_metrics.balanced_labels(n), None
+
+    def sample(self, family, model, num_steps: int, seed: int) -> torch.Tensor:
+        return sample_clips(family, model, self.labels, num_steps, seed, self.cond)
+
+    def figures(self, samples: torch.Tensor) -> dict[str, float]:
+        from dmd2_core.toys import sounding_digits_metrics
+
+        out = sounding_digits_metrics.evaluate_clips(samples, self.labels)
+        if self.workflow == "fl2va":
+            out.update(sounding_digits_metrics.keyframe_figures(samples, self.keyframes, self.anchors))
+        return out
+
+
+def av_teacher_table(url: str, steps=TABLE_STEPS, num_samples: int = 500, seed: int = 0) -> dict:
     loaded = load_model_dir(url)
     family = bound_family(loaded.model)
-    labels = sounding_digits_metrics.balanced_labels(num_samples)
-    return {str(k): sounding_digits_metrics.evaluate_clips(sample_clips(family, loaded.model.eval(), labels, k, seed), labels)
-            for k in steps}
+    clips = EvalClips(teacher_workflow(url), num_samples)
+    return {str(k): clips.figures(clips.sample(family, loaded.model.eval(), k, seed)) for k in steps}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -303,6 +369,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
     parser.add_argument("--lr", type=float, default=DEFAULT_LR)
+    parser.add_argument("--workflow", choices=("t2va", "fl2va"), default="t2va",
+                        help="fl2va: every clip conditioned on its own first and last frames too.")
     parser.add_argument("--reuse", action="store_true", help="Reuse a teacher already at --save.")
     parser.add_argument("--table", action="store_true", help="Print the quality table at 50/8/4/1 steps.")
     parser.add_argument("--num-samples", type=int, default=500)
@@ -315,9 +383,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.set_num_threads(ns.threads)
     result: dict = {"url": ns.save, "reused": ns.reuse and present(ns.save)}
     if result["reused"]:
-        print(reuse_message(ns.save, ns.seed, ns.steps), file=sys.stderr)
+        print(reuse_message(ns.save, ns.seed, ns.steps, ns.workflow), file=sys.stderr)
+        ensure_conditions(ns.save)
     else:
-        info = train_av_teacher(ns.save, seed=ns.seed, num_steps=ns.steps, batch_size=ns.batch_size, lr=ns.lr)
+        info = train_av_teacher(ns.save, seed=ns.seed, num_steps=ns.steps, batch_size=ns.batch_size, lr=ns.lr,
+                                workflow=ns.workflow)
         info.pop("model")
         result.update(info)
     if ns.table:

@@ -170,10 +170,13 @@ class ReferenceLoop:
     def run(self, num_iterations: int, first: int = 1) -> list[dict]:
         return [self.iterate(i) for i in range(first, first + num_iterations)]
 
-    def sample(self, prompt_index, seed: int, num_steps: Optional[int] = None) -> torch.Tensor:
+    def sample(self, prompt_index, seed: int, num_steps: Optional[int] = None,
+               cond: Optional[dict] = None) -> torch.Tensor:
         """K-step samples (EMA weights when kept), the same noise as Trainer.sample; ``num_steps``
-        one of the student's step counts (default its largest)."""
+        one of the student's step counts (default its largest); ``cond`` conditions of the samples'
+        own instead of the prompt set's rows (held-out keyframes)."""
         model = self.ema if self.ema is not None else self.student
-        return dmd2_iteration.eval_samples(self.family, model, self.cond(torch.as_tensor(prompt_index)),
+        cond = self.cond(torch.as_tensor(prompt_index)) if cond is None else cond
+        return dmd2_iteration.eval_samples(self.family, model, cond,
                                  (len(prompt_index), *self.shape), seed, num_steps or self.args.max_student_steps,
                                  self.args.dmd2_shift)
