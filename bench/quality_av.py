@@ -211,7 +211,7 @@ def main() -> None:
     parser.add_argument("--progress", default=None, help="append every evaluation to this JSONL file")
     parser.add_argument("--summarise", default=None, help="print the JSON line from a progress file (a run cut short)")
     ns = parser.parse_args()
-    ns.teacher = ns.teacher or KEYFRAME_TEACHER if ns.workflow == "fl2va" else ns.teacher or "runs/av-teacher"
+    ns.teacher = ns.teacher or (KEYFRAME_TEACHER if ns.workflow == "fl2va" else "runs/av-teacher")
     if ns.summarise:
         return summarise(ns.summarise)
     try:

@@ -45,6 +45,11 @@ def test_keyframe_agreement_is_whether_the_clips_ends_show_the_digit_where_its_k
     assert reversed_figures["keyframe_agreement"] == 0.0 and reversed_figures["keyframe_l1"] > 0.1
     first_only = sounding_digits_metrics.keyframe_figures(backwards, clips.frames[:, -1:], ("first",))
     assert first_only["keyframe_agreement"] == 1.0  # the reversed clip's first frame is the clip's last
+    blank = sd.encode(torch.full_like(clips.frames, -1.0), clips.audio)
+    assert sounding_digits_metrics.keyframe_figures(blank, keyframes, sd.KEYFRAME_ANCHORS)["keyframe_agreement"] == 0.0
+    shifted = torch.cat([torch.full_like(clips.frames[..., :1], -1.0), clips.frames[..., :-1]], dim=-1)
+    one_column_off = sd.encode(shifted, clips.audio)  # one column to the right: within the tolerance
+    assert sounding_digits_metrics.keyframe_figures(one_column_off, keyframes, sd.KEYFRAME_ANCHORS)["keyframe_agreement"] == 1.0
 
 
 @pytest.fixture(scope="module")

@@ -154,7 +154,7 @@ def keyframe_prompt_set(clips: Clips, anchors: tuple[str, ...] = KEYFRAME_ANCHOR
     [N, K, 1, 1, H, W], ``keyframe_anchors`` [N, K], the pictures ``keyframe_pixels`` uint8
     [N, K, 3, H, W] for the eval media), the keys ``prepare-prompts --keyframes`` writes. The
     digits' prompts carry no vision block: the keyframes reach the model as condition rows only."""
-    from dmd2_core.models.minimax_h3 import KEYFRAME_ANCHORS, TEXT_TAG
+    from dmd2_core.models import minimax_h3
 
     digits = prompt_set()
     n, tokens = len(clips), DIGITS_TOKENS
@@ -164,8 +164,8 @@ def keyframe_prompt_set(clips: Clips, anchors: tuple[str, ...] = KEYFRAME_ANCHOR
         prompts=[f"a sounding handwritten digit {y} from its {' and '.join(anchors)} frame"
                  for y in clips.labels.tolist()],
         embeds={"prompt_embeds": digits.embeds["prompt_embeds"][clips.labels],
-                "prompt_lengths": torch.full((n,), tokens), "text_token_tags": torch.full((n, tokens), TEXT_TAG),
+                "prompt_lengths": torch.full((n,), tokens), "text_token_tags": torch.full((n, tokens), minimax_h3.TEXT_TAG),
                 "keyframe_latents": frames[:, :, None, None].contiguous(),
-                "keyframe_anchors": torch.tensor([KEYFRAME_ANCHORS.index(a) for a in anchors]).repeat(n, 1),
+                "keyframe_anchors": torch.tensor([minimax_h3.KEYFRAME_ANCHORS.index(a) for a in anchors]).repeat(n, 1),
                 KEYFRAME_PIXELS: pixels[:, :, None].expand(-1, -1, 3, -1, -1).contiguous()},
         negative={})

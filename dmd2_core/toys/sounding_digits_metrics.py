@@ -211,7 +211,7 @@ def evaluate_decoded(frames: torch.Tensor, audio: torch.Tensor, labels) -> dict[
     }
 
 
-KEYFRAME_TOLERANCE = 1.0  # columns: the digit moves SPEED = 2 a frame, so a clip that starts a frame off misses
+KEYFRAME_TOLERANCE = sd.SPEED  # columns, exclusive: a clip that starts or ends one frame off misses
 
 
 def ink_centres(frames: torch.Tensor) -> torch.Tensor:
@@ -226,12 +226,12 @@ def ink_centres(frames: torch.Tensor) -> torch.Tensor:
 def keyframe_figures(samples: torch.Tensor, keyframes: torch.Tensor, anchors: tuple[str, ...]) -> dict[str, float]:
     """How well flat H3 samples [N, D] keep the keyframes [N, K, H, W] they were given at ``anchors``:
     ``keyframe_agreement``, the share of keyframes whose digit the clip's frame at that end shows
-    where the keyframe does (the centres of their strokes within ``KEYFRAME_TOLERANCE`` columns; an
-    end with no stroke disagrees), and ``keyframe_l1``, the mean absolute pixel difference of those
+    where the keyframe does (the centres of their strokes less than ``KEYFRAME_TOLERANCE`` columns,
+    one frame's motion, apart; an end with no stroke disagrees), and ``keyframe_l1``, the mean absolute pixel difference of those
     frames from their keyframes (pixels in [-1, 1])."""
     frames, _ = sd.decode(samples)
     ends = frames[:, sd.keyframe_frames(anchors)]  # [N, K, H, W]
-    near = (ink_centres(ends) - ink_centres(keyframes)).abs() <= KEYFRAME_TOLERANCE  # NaN compares False
+    near = (ink_centres(ends) - ink_centres(keyframes)).abs() < KEYFRAME_TOLERANCE  # NaN compares False
     return {"keyframe_agreement": float(near.float().mean()),
             "keyframe_l1": float((ends - keyframes.float()).abs().mean())}
 
