@@ -191,11 +191,6 @@ def _real_set(h3, path, rows: int) -> str:
 @pytest.mark.parametrize("overrides, line", [
     ({"eval_num_samples": 2}, r"eval_num_samples: 2: sound_mel_kid \(the run's sound distance\) would get 2 clips a "
                               r"side where it needs at least 3 \(its standard error\); set eval_num_samples to 3 or more"),
-    ({"real_data": 8, "eval_real_samples": 2},
-     r"eval_real_samples: 2: sound_mel_kid .* would get 2 reference clips where it needs at least 3 .*; set "
-     r"eval_real_samples to 3 or more, or set eval_real_samples to 0 to measure the sound against the teacher's clips"),
-    ({"real_data": 2}, r"real_data: .*real.safetensors holds 2 rows: sound_mel_kid .* would get 2 reference clips where "
-                       r"it needs at least 3 .*; give a real set of 3 rows or more, or set eval_real_samples to 0"),
 ])
 def test_an_eval_too_small_for_the_sound_distance_is_refused_in_one_line_exit_2(h3, tmp_path, capsys, overrides, line):
     """An eval of fewer than 3 clips a side would leave the sound criterion's sound_mel_kid out of

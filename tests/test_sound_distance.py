@@ -116,6 +116,31 @@ def test_a_night_with_sound_shows_sound_mel_kid_in_its_summary_table_and_nights_
     assert teacher.label("real_kid_audio").startswith("sound alarm")  # the teacher's ears: the alarm, same key
 
 
+def test_the_sound_is_measured_against_the_teachers_clips_even_beside_a_real_set(tiny_teacher, tmp_path):
+    """With a real set whose clips hiss (the real floor far from the teacher's), a student that
+    sounds as the teacher does reads 0 within its noise and a hissing one far above: against the
+    real set every student would sit far from its floor alike, and the ranking among them be lost
+    (bench/README.md, 2026-12-06: Spearman 0.60 against the real set, 0.90 against the teacher)."""
+    from dmd2_core.data import REAL_LATENTS, write_safetensors
+    from dmd2_core.evaluation import teacher_evaluator
+    from tests.helpers import tiny_args
+
+    class WithRealSet(SoundRun):
+        def real_features(self, rows, u, seed, offset):
+            g = torch.Generator().manual_seed(seed)
+            return {m: torch.randn(len(rows), 16, generator=g) for m in ("video", "audio")}
+
+    real = str(tmp_path / "real.safetensors")
+    write_safetensors(real, {REAL_LATENTS: torch.full((12, 1), 0.05)})  # every real clip hisses
+    args = tiny_args(tiny_teacher, str(tmp_path / "run"), evaluator="teacher", eval_interval=1, eval_num_samples=12,
+                     eval_reference_steps=2, eval_prompts=[0, 1, 2], real_data=real, eval_real_samples=12)
+    like_teacher = teacher_evaluator.evaluate(WithRealSet(args, 0.0), args)["metrics"]
+    hissing = teacher_evaluator.evaluate(WithRealSet(args, 0.02), args)["metrics"]
+    assert "real_kid" in like_teacher  # the real set is there, and measured in the teacher's features
+    assert abs(like_teacher["sound_mel_kid"]) <= 3 * like_teacher["sound_mel_kid_se"], like_teacher
+    assert hissing["sound_mel_kid"] > like_teacher["sound_mel_kid"] + 3 * hissing["sound_mel_kid_se"], hissing
+
+
 def test_an_eval_that_cannot_measure_the_sound_says_why_and_pictures_alone_say_nothing(caplog):
     """What preflight cannot know (a cached reference made with fewer clips or without their
     features, clips decoded without sound) leaves sound_mel_kid out of that eval with a warning
