@@ -428,9 +428,9 @@ def derive(results: list[dict], teachers: dict, ns) -> None:
 
 
 def sound_references(refs: dict, url: str, ns) -> dict:
-    """``sound_mel_kid``'s yardsticks, as the teacher evaluator takes them: the clip features of
-    the real set's first ``--num-samples`` rows (the clips its drift yardstick decodes; 'real')
-    and of each seed's teacher reference clips (row-paired with the students'; 'teacher', seed)."""
+    """``sound_mel_kid``'s yardsticks: the clip features of each seed's teacher reference clips
+    (row-paired with the students'; 'teacher', seed: the teacher evaluator's) and, beside them, of
+    the real set's first ``--num-samples`` rows (the clips its drift yardstick decodes; 'real')."""
     real_x0, _ = real_rows("av", url, ns.real_samples)
     out = {"real": clip_features(decoded("av", real_x0[:ns.num_samples])["audio"], SAMPLE_RATE)}
     out.update({("teacher", seed): clip_features(decoded("av", refs[("av", seed)]["x0"][:ns.num_samples])["audio"],
@@ -453,8 +453,8 @@ def distinct_students(results: list[dict], world: str, seed: int) -> list[tuple[
 def ranking(results: list[dict], refs: dict, reals: dict, ns, worlds, sounds: dict | None = None) -> dict:
     """Per world, seed and student: the ground truth and the KIDs (against the teacher's samples
     and against the real set, every variant); on sounding digits ``sound_mel_kid`` against the
-    real set's clips (the product's yardstick) and, beside it, against the teacher's reference
-    clips (``sound_mel_kid_teacher``); Spearman per modality, the mean over seeds."""
+    teacher's reference clips (the product's yardstick) and, beside it, against the real set's
+    clips (``sound_mel_kid_real``); Spearman per modality, the mean over seeds."""
     out: dict = {}
     students: dict = {}
     for world in worlds:
@@ -471,9 +471,9 @@ def ranking(results: list[dict], refs: dict, reals: dict, ns, worlds, sounds: di
                     row[f"teacher_kid_{mod}{suffix}"] = r4(projected_kid(ref["features"][variant][mod], ours))
                     row[f"real_kid_{mod}{suffix}"] = r4(projected_kid(real["features"][variant][mod], ours))
                 if world == "av" and sounds:
-                    row["sound_mel_kid"] = r4(sound_mel_kid(sounds["real"], e["sound_features"])["sound_mel_kid"])
-                    row["sound_mel_kid_teacher"] = r4(sound_mel_kid(sounds[("teacher", seed)],
-                                                                    e["sound_features"])["sound_mel_kid"])
+                    row["sound_mel_kid"] = r4(sound_mel_kid(sounds[("teacher", seed)],
+                                                            e["sound_features"])["sound_mel_kid"])
+                    row["sound_mel_kid_real"] = r4(sound_mel_kid(sounds["real"], e["sound_features"])["sound_mel_kid"])
                 rows.append(row)
             students[world][str(seed)] = rows
             out.setdefault(f"{world}_num_students", []).append(len(rows))
@@ -485,7 +485,7 @@ def ranking(results: list[dict], refs: dict, reals: dict, ns, worlds, sounds: di
                     out.setdefault(f"{world}_{mod}_{kind}_spearman{suffix}_per_seed", []).append(
                         r4(spearman([r[col] for r in rows], gt)))
                 if mod == "audio" and sounds:
-                    for col in ("sound_mel_kid", "sound_mel_kid_teacher"):
+                    for col in ("sound_mel_kid", "sound_mel_kid_real"):
                         out.setdefault(f"{world}_{mod}_{col}_spearman" + (f"_vs_{truth}" if also else "") + "_per_seed",
                                        []).append(r4(spearman([r[col] for r in rows], gt)))
     for key in [k for k in out if k.endswith("_spearman_per_seed") or "_spearman_" in k and k.endswith("_per_seed")]:
