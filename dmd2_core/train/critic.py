@@ -117,9 +117,7 @@ class Critic:
         if "gan_grad" in scores[0]:  # handed over summed: the actor's x0 gradient is (g_dmd + g_gan) / numel
             gan_grad = weighted_modalities(torch.cat([s["gan_grad"] for s in scores]), self.family.segments,
                                            args.gan_modality_weights)
-            metrics["gan_grad_norm"] = gan_grad.flatten(1).norm(dim=1).mean().item()
-            for name, seg in (self.family.segments or {}).items():
-                metrics[f"gan_grad_norm_{name}"] = gan_grad[:, seg].norm(dim=1).mean().item()
+            metrics.update(gan.gan_grad_norms(gan_grad, self.family.segments))
             metrics["gan_dmd_grad_ratio"] = metrics["gan_grad_norm"] / max(metrics["dmd2_grad_norm"], 1e-12)
             grad = grad + gan_grad
         if args.dmd2_regression_weight:  # handed over summed too: (g_dmd [+ g_gan] + g_reg) / numel

@@ -167,6 +167,13 @@ class _nothing:
         return False
 
 
+def gan_grad_norms(gan_grad: torch.Tensor, segments: Optional[dict[str, slice]]) -> dict[str, float]:
+    """The generator gradient's mean per-sample norm, whole (``gan_grad_norm``) and per modality of
+    a joint model (``gan_grad_norm_<modality>``)."""
+    return {"gan_grad_norm": gan_grad.flatten(1).norm(dim=1).mean().item(),
+            **{f"gan_grad_norm_{name}": gan_grad[:, seg].norm(dim=1).mean().item() for name, seg in (segments or {}).items()}}
+
+
 def gan_metrics(parts: list[dict]) -> dict:
     """Discriminator loss and accuracy on real and fake over the outputs of ``critic_forward``."""
     if not parts or "logits_real" not in parts[0]:

@@ -162,9 +162,7 @@ class ReferenceLoop:
                 **({"student_steps": len(plan.sigmas)} if len(args.student_step_counts) > 1 else {}),
                 "critic_grad_norm": critic_norm, "dmd2_loss": loss.item(), "actor_grad_norm": student_norm,
                 "dmd2_grad_norm": scores["grad"].flatten(1).norm(dim=1).mean().item(),
-                **({} if gan_grad is None else {"gan_grad_norm": gan_grad.flatten(1).norm(dim=1).mean().item(),
-                                                 **{f"gan_grad_norm_{name}": gan_grad[:, seg].norm(dim=1).mean().item()
-                                                    for name, seg in (family.segments or {}).items()}}),
+                **({} if gan_grad is None else gan.gan_grad_norms(gan_grad, family.segments)),
                 "iteration_s": time.perf_counter() - start}
 
     def run(self, num_iterations: int, first: int = 1) -> list[dict]:
