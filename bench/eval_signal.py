@@ -421,10 +421,11 @@ def derive(results: list[dict], teachers: dict, ns) -> None:
         for r in (r for r in results if r["world"] == world):
             for e in r["evals"]:
                 e["features"] = all_features(world, family, model, e["x"], cond)
-                e["clip_stats"] = drift.per_sample_stats(decoded(world, e["x"]))
+                media = decoded(world, e["x"])
+                e["clip_stats"] = drift.per_sample_stats(media)
                 e["metrics"] = eval_metrics(e["clip_stats"], e["features"][PRODUCT], labels)
                 if world == "av":
-                    e["sound_features"] = clip_features(decoded(world, e["x"])["audio"], SAMPLE_RATE)
+                    e["sound_features"] = clip_features(media["audio"], SAMPLE_RATE)
 
 
 def sound_references(refs: dict, url: str, ns) -> dict:

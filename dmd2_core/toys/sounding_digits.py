@@ -154,12 +154,13 @@ def keyframe_prompt_set(clips: Clips, anchors: tuple[str, ...] = KEYFRAME_ANCHOR
     [N, K, 1, 1, H, W], ``keyframe_anchors`` [N, K], the pictures ``keyframe_pixels`` uint8
     [N, K, 3, H, W] for the eval media), the keys ``prepare-prompts --keyframes`` writes. The
     digits' prompts carry no vision block: the keyframes reach the model as condition rows only."""
+    from dmd2_core.media.av_clips import video_uint8
     from dmd2_core.models import minimax_h3
 
     digits = prompt_set()
     n, tokens = len(clips), DIGITS_TOKENS
     frames = clips.frames[:, keyframe_frames(anchors)]  # [N, K, H, W]
-    pixels = ((frames + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+    pixels = torch.from_numpy(video_uint8(frames.reshape(-1, 1, HEIGHT, WIDTH)))  # [N K, H, W, 3]
     return PromptSet(
         prompts=[f"a sounding handwritten digit {y} from its {' and '.join(anchors)} frame"
                  for y in clips.labels.tolist()],
@@ -167,5 +168,5 @@ def keyframe_prompt_set(clips: Clips, anchors: tuple[str, ...] = KEYFRAME_ANCHOR
                 "prompt_lengths": torch.full((n,), tokens), "text_token_tags": torch.full((n, tokens), minimax_h3.TEXT_TAG),
                 "keyframe_latents": frames[:, :, None, None].contiguous(),
                 "keyframe_anchors": torch.tensor([minimax_h3.KEYFRAME_ANCHORS.index(a) for a in anchors]).repeat(n, 1),
-                KEYFRAME_PIXELS: pixels[:, :, None].expand(-1, -1, 3, -1, -1).contiguous()},
+                KEYFRAME_PIXELS: pixels.reshape(n, len(anchors), HEIGHT, WIDTH, 3).permute(0, 1, 4, 2, 3).contiguous()},
         negative={})

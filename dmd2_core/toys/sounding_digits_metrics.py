@@ -218,8 +218,9 @@ def ink_centres(frames: torch.Tensor) -> torch.Tensor:
     """Frames [..., H, W] -> the mean column of their lit pixels (above 0 of [-1, 1]: the digit's
     strokes, not a faint background), NaN where none is lit."""
     lit = (frames.float() > 0).float().sum(dim=-2)  # [..., W]
+    count = lit.sum(-1)
     columns = torch.arange(frames.shape[-1], dtype=lit.dtype)
-    return (lit * columns).sum(-1) / lit.sum(-1).where(lit.sum(-1) > 0, torch.tensor(float("nan")))
+    return (lit * columns).sum(-1) / count.where(count > 0, torch.tensor(float("nan")))
 
 
 @torch.no_grad()
@@ -227,8 +228,8 @@ def keyframe_figures(samples: torch.Tensor, keyframes: torch.Tensor, anchors: tu
     """How well flat H3 samples [N, D] keep the keyframes [N, K, H, W] they were given at ``anchors``:
     ``keyframe_agreement``, the share of keyframes whose digit the clip's frame at that end shows
     where the keyframe does (the centres of their strokes less than ``KEYFRAME_TOLERANCE`` columns,
-    one frame's motion, apart; an end with no stroke disagrees), and ``keyframe_l1``, the mean absolute pixel difference of those
-    frames from their keyframes (pixels in [-1, 1])."""
+    one frame's motion, apart; an end with no stroke disagrees), and ``keyframe_l1``, the mean
+    absolute pixel difference of those frames from their keyframes (pixels in [-1, 1])."""
     frames, _ = sd.decode(samples)
     ends = frames[:, sd.keyframe_frames(anchors)]  # [N, K, H, W]
     near = (ink_centres(ends) - ink_centres(keyframes)).abs() < KEYFRAME_TOLERANCE  # NaN compares False

@@ -280,7 +280,8 @@ def recorded_sha256(fixture_dir: str) -> str:
 
 
 def write_fixture(teacher_url: str, fixture_dir: str) -> str:
-    """Copy the teacher's ``FIXTURE_FILES`` (an fl2va teacher's less its prompt set) to ``fixture_dir`` and record its weights' sha256 there."""
+    """Copy the teacher's ``FIXTURE_FILES`` (an fl2va teacher's less its prompt set) to
+    ``fixture_dir`` and record its weights' sha256 there."""
     out = Path(fixture_dir)
     # an fl2va teacher's prompt set is 3 MB that ``ensure_conditions`` rebuilds: not committed
     for name in (n for n in FIXTURE_FILES if n != PROMPTS_FILE or teacher_workflow(teacher_url) == "t2va"):
@@ -383,8 +384,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.set_num_threads(ns.threads)
     result: dict = {"url": ns.save, "reused": ns.reuse and present(ns.save)}
     if result["reused"]:
-        print(reuse_message(ns.save, ns.seed, ns.steps, ns.workflow), file=sys.stderr)
-        ensure_conditions(ns.save)
+        ensure_av_teacher(ns.save, ns.seed, lambda m: print(m, file=sys.stderr), ns.steps, ns.workflow)
     else:
         info = train_av_teacher(ns.save, seed=ns.seed, num_steps=ns.steps, batch_size=ns.batch_size, lr=ns.lr,
                                 workflow=ns.workflow)
