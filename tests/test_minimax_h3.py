@@ -191,11 +191,14 @@ def _real_set(h3, path, rows: int) -> str:
 @pytest.mark.parametrize("overrides, line", [
     ({"eval_num_samples": 2}, r"eval_num_samples: 2: sound_mel_kid \(the run's sound distance\) would get 2 clips a "
                               r"side where it needs at least 3 \(its standard error\); set eval_num_samples to 3 or more"),
+    ({"real_data": 2}, r"real_data: .*real.safetensors holds 2 rows: the KID to the real set needs at least 3 real "
+                       r"samples; give a real set of 3 rows or more, or set eval_real_samples to 0 for none"),
 ])
 def test_an_eval_too_small_for_the_sound_distance_is_refused_in_one_line_exit_2(h3, tmp_path, capsys, overrides, line):
     """An eval of fewer than 3 clips a side would leave the sound criterion's sound_mel_kid out of
-    every eval: `check --deep` refuses it in one line naming the key and the minimum (exit 2),
-    before any actor and writing nothing; at 3 clips a side the run passes."""
+    every eval, and a real set of fewer than 3 rows the KID to it: `check --deep` refuses either in
+    one line naming the key and the minimum (exit 2), before any actor and writing nothing; at 3
+    the run passes."""
     from dmd2_core import cli
 
     overrides = {k: _real_set(h3, tmp_path / "real.safetensors", v) if k == "real_data" else v for k, v in overrides.items()}

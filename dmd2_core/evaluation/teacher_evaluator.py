@@ -195,15 +195,25 @@ def check_sound_clips(args: Args) -> None:
 def check_picture_samples(args: Args) -> None:
     """Pre-flight of any run's eval in the teacher's features: each KID and its standard error
     (which the regression call weighs) get at least ``SE_MIN_SAMPLES`` samples a side, the
-    student's ``eval_num_samples`` and the real set's ``eval_real_samples`` (when it has one);
-    else an eval's figures would be NaN-weighted or, at 1, fail mid-run. ArgsError naming the key."""
+    student's ``eval_num_samples`` and the real set's ``eval_real_samples`` (when it has one), of
+    rows the set holds; else an eval's figures would be NaN-weighted or, at 1, fail mid-run.
+    ArgsError naming the key (the set's header read, not its rows)."""
     least = SE_MIN_SAMPLES
     if args.eval_num_samples < least:
         raise ArgsError(f"eval_num_samples: {args.eval_num_samples}: the teacher-feature KID and its standard error "
                         f"need at least {least} samples an eval; set eval_num_samples to {least} or more")
-    if args.real_data and 0 < args.eval_real_samples < least:
+    if not args.real_data or not args.eval_real_samples:
+        return
+    if args.eval_real_samples < least:
         raise ArgsError(f"eval_real_samples: {args.eval_real_samples}: the KID to the real set needs at least {least} "
                         f"real samples; set eval_real_samples to {least} or more, or 0 for none")
+    try:
+        rows = real_set_shapes(args.real_data).get(REAL_LATENTS, [0])[0]
+    except (OSError, ValueError) as exc:
+        raise ArgsError(f"real_data: {args.real_data}: cannot read its header ({type(exc).__name__}: {exc})") from None
+    if rows < least:
+        raise ArgsError(f"real_data: {args.real_data} holds {rows} rows: the KID to the real set needs at least {least} "
+                        f"real samples; give a real set of {least} rows or more, or set eval_real_samples to 0 for none")
 
 
 # ---- the teacher's side, made once ----------------------------------------------------------------
