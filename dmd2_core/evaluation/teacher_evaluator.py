@@ -28,6 +28,7 @@ The trainer groups do the model work (``DistillRun.eval_latents``, ``teacher_ref
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -179,41 +180,43 @@ def sound_figures(yardstick: Optional[torch.Tensor], sound: Optional[torch.Tenso
 
 def check_sound_clips(args: Args) -> None:
     """Pre-flight of an eval with sound: ``sound_mel_kid`` gets at least ``MIN_CLIPS`` clips a side,
-    the student's ``eval_num_samples`` against as many of the teacher's (``teacher_reference``).
+    the student's ``eval_num_samples`` against as many of the teacher's (``teacher_reference``),
+    and a real set (which the eval's KID and drift yardstick read) of at least as many rows.
     ArgsError naming the key that falls short. The checkpoint is read only where it decides (a run
     of pictures alone passes whatever its counts)."""
     from dmd2_core.models import FAMILIES, describe_model_dir
 
+    @functools.cache
     def has_sound() -> bool:
         return FAMILIES[describe_model_dir(args.hf_checkpoint, "hf_checkpoint")["family"]].has_audio
 
     n = args.eval_num_samples
     check_eval_clips("eval_num_samples", str(n), n, "clips a side", f"set eval_num_samples to {MIN_CLIPS} or more",
                      has_sound)
+    if not args.real_data or not args.eval_real_samples or not has_sound():
+        return  # a run of pictures alone: its real set is left to the GAN head's checks, as before
+    try:
+        rows = real_set_shapes(args.real_data).get(REAL_LATENTS, [0])[0]
+    except (OSError, ValueError) as exc:
+        raise ArgsError(f"real_data: {args.real_data}: cannot read its header ({type(exc).__name__}: {exc})") from None
+    if rows < MIN_CLIPS:  # the KID to the real set and the drift yardstick it decodes
+        raise ArgsError(f"real_data: {args.real_data} holds {rows} rows: the KID to the real set needs at least "
+                        f"{MIN_CLIPS} real samples; give a real set of {MIN_CLIPS} rows or more, or set "
+                        "eval_real_samples to 0 for none")
 
 
 def check_picture_samples(args: Args) -> None:
     """Pre-flight of any run's eval in the teacher's features: each KID and its standard error
     (which the regression call weighs) get at least ``SE_MIN_SAMPLES`` samples a side, the
-    student's ``eval_num_samples`` and the real set's ``eval_real_samples`` (when it has one), of
-    rows the set holds; else an eval's figures would be NaN-weighted or, at 1, fail mid-run.
-    ArgsError naming the key (the set's header read, not its rows)."""
+    student's ``eval_num_samples`` and the real set's ``eval_real_samples`` (when it has one);
+    else an eval's figures would be NaN-weighted or, at 1, fail mid-run. ArgsError naming the key."""
     least = SE_MIN_SAMPLES
     if args.eval_num_samples < least:
         raise ArgsError(f"eval_num_samples: {args.eval_num_samples}: the teacher-feature KID and its standard error "
                         f"need at least {least} samples an eval; set eval_num_samples to {least} or more")
-    if not args.real_data or not args.eval_real_samples:
-        return
-    if args.eval_real_samples < least:
+    if args.real_data and 0 < args.eval_real_samples < least:
         raise ArgsError(f"eval_real_samples: {args.eval_real_samples}: the KID to the real set needs at least {least} "
                         f"real samples; set eval_real_samples to {least} or more, or 0 for none")
-    try:
-        rows = real_set_shapes(args.real_data).get(REAL_LATENTS, [0])[0]
-    except (OSError, ValueError) as exc:
-        raise ArgsError(f"real_data: {args.real_data}: cannot read its header ({type(exc).__name__}: {exc})") from None
-    if rows < least:
-        raise ArgsError(f"real_data: {args.real_data} holds {rows} rows: the KID to the real set needs at least {least} "
-                        f"real samples; give a real set of {least} rows or more, or set eval_real_samples to 0 for none")
 
 
 # ---- the teacher's side, made once ----------------------------------------------------------------
