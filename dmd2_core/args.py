@@ -127,7 +127,8 @@ class Args(TrackerFlags):
         "with height and width it sets latent_shape.", ge=1)
     workflow: str = _f(
         "t2va", "model", "What a MiniMax-H3 student conditions on: 't2va' (text), 'fl2va' (text and the first "
-        "and/or last keyframe: a prompt set prepared with --keyframes) or 'ref2va' (references; not built yet).")
+        "and/or last keyframe: a prompt set prepared with --keyframes) or 'ref2va' (image and sound references: a "
+        "prompt set prepared with --references; distills the repository's transformer_ref/).")
     height: Optional[int] = _f(None, "model", "Clip height in pixels (MiniMax-H3: a multiple of 32).", ge=1)
     width: Optional[int] = _f(None, "model", "Clip width in pixels (MiniMax-H3: a multiple of 32, aspect 1:4 to 4:1).", ge=1)
     size_schedule: Optional[list[dict[str, Any]]] = _f(

@@ -57,6 +57,12 @@ def build_parser() -> ArgParser:
     prep.add_argument("--keyframes", default=None, help="MiniMax-H3 fl2va: a JSON list, one entry per prompt, "
                       "{\"first\": image, \"last\": image} (either or both, the clip's frame size), encoded with "
                       "the checkpoint's VAE into the set")
+    prep.add_argument("--references", default=None, help="MiniMax-H3 ref2va: a JSON list, one entry per prompt, a "
+                      "list of {\"image\": path} / {\"audio\": path} in the order the model reads them, encoded "
+                      "with the checkpoint's VAEs into the set (needs --num-frames, --height, --width)")
+    prep.add_argument("--num-frames", type=int, default=None, help="ref2va: the clip's frames (a sound is cut to them)")
+    prep.add_argument("--height", type=int, default=None, help="ref2va: the clip's height in pixels")
+    prep.add_argument("--width", type=int, default=None, help="ref2va: the clip's width in pixels")
     add_set_flag(prep, "set one of the options above, e.g. out=prompts.safetensors")
     lat = sub.add_parser("prepare-latents", help="encode images or clips with the checkpoint's own VAE, and their "
                          "captions with its text encoder, into a real set (the GAN head's real_data)")
@@ -355,7 +361,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             from dmd2_core.prepare.prompts import prepare_prompts, read_prompt_list
 
             prompt_set = prepare_prompts(ns.hf_checkpoint, read_prompt_list(ns.prompts_file), ns.out,
-                                         ns.negative_prompt, ns.max_sequence_length, ns.keyframes)
+                                         ns.negative_prompt, ns.max_sequence_length, ns.keyframes, ns.references,
+                                         (ns.num_frames, ns.height, ns.width))
             shapes = {k: list(v.shape) for k, v in prompt_set.embeds.items()}
             print(json.dumps({"out": ns.out, "prompts": len(prompt_set), "shapes": shapes}))
             return 0

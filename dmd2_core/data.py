@@ -21,7 +21,8 @@ DIGITS = "digits"
 # A MiniMax-H3 fl2va set's keyframes as pictures, uint8 [N, K, 3, H, W]: the eval media show them
 # beside the clip; no forward reads them, so a set's ``cond`` leaves them out.
 KEYFRAME_PIXELS = "keyframe_pixels"
-SHOWN_ONLY_KEYS = (KEYFRAME_PIXELS,)
+REFERENCE_PIXELS = "reference_pixels"  # and a ref2va set's image references, uint8 [N, I, 3, H, W], as encoded
+SHOWN_ONLY_KEYS = (KEYFRAME_PIXELS, REFERENCE_PIXELS)
 # Prompt and real sets built in by name: a toy world's module (``dmd2_core/toys``), imported only
 # when a run names it, that gives ``prompt_set()``, ``real_set()`` and ``quality(sample, n, seed)``.
 BUILTIN_SETS = {DIGITS: "dmd2_core.toys.digits_world"}
@@ -298,6 +299,34 @@ def keyframe_pictures(prompts_url: Optional[str], indices: Sequence[int]) -> dic
     unique = sorted(set(int(i) for i in indices))
     rows = stored.rows([KEYFRAME_PIXELS, "keyframe_anchors"], unique)
     return {p: (rows[KEYFRAME_PIXELS][i], rows["keyframe_anchors"][i].tolist()) for i, p in enumerate(unique)}
+
+
+def reference_pictures(prompts_url: Optional[str], indices: Sequence[int]) -> dict[int, torch.Tensor]:
+    """Prompt index -> its image references as pictures (uint8 [I, 3, H, W], as encoded), for the
+    prompts ``indices`` of a ref2va set: those rows only. Empty for a set without them."""
+    if not prompts_url or prompts_url in BUILTIN_SETS:
+        return {}
+    stored = StoredRows(prompts_url)
+    if REFERENCE_PIXELS not in stored.shapes:
+        return {}
+    unique = sorted(set(int(i) for i in indices))
+    rows = stored.rows([REFERENCE_PIXELS], unique)[REFERENCE_PIXELS]
+    return {p: rows[i] for i, p in enumerate(unique)}
+
+
+def references_per_sample(prompts_url: Optional[str], workflow: str) -> tuple:
+    """The references each sample of a MiniMax-H3 ref2va run carries (``reference_layout``'s tuple
+    of its first row; () otherwise), from its prompt set: the rows they add to every sequence,
+    for the memory and time plans."""
+    if workflow != "ref2va" or not prompts_url or prompts_url in BUILTIN_SETS:
+        return ()
+    from dmd2_core.models.minimax_h3 import REFERENCE_AUDIO, reference_layout
+
+    shapes = safetensors_shapes(prompts_url)
+    if "reference_latents" not in shapes:
+        return ()
+    kinds = StoredRows(prompts_url).rows(["reference_kinds"], [0])["reference_kinds"][0].tolist()
+    return reference_layout(kinds, shapes["reference_latents"][2:], (shapes.get(REFERENCE_AUDIO) or [0, 0, 0])[2])
 
 
 def keyframes_per_sample(prompts_url: Optional[str], workflow: str) -> int:

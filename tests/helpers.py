@@ -91,6 +91,19 @@ def resume_in_process(args, trainers: dict, iteration: int) -> dict:
     return resumed
 
 
+class DecodedRun:
+    """What the eval media ask of a run: its args, and decoded clips of the prompts asked for
+    (each prompt's own random frames, so a cell is known to be the clip's)."""
+
+    def __init__(self, args, frames=12):
+        self.args, self.frames = args, frames
+
+    def sample(self, order, seed, num_steps=None):
+        video = torch.stack([torch.rand(3, self.frames, 32, 32, generator=torch.Generator().manual_seed(100 + p))
+                             for p in order]) * 2 - 1
+        return {"video": video, "audio": torch.zeros(len(order), 2, 2000), "sample_rate": 16000, "fps": 24.0}
+
+
 def h3_prompts(lengths: list[int]) -> PromptSet:
     """The MiniMax-H3 stand-in's prompt set with the given text lengths (its packed sequence is 451
     video and audio rows plus the text: odd lengths make it split over 2 ranks)."""

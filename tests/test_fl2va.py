@@ -16,6 +16,7 @@ from dmd2_core.errors import ArgsError
 from dmd2_core.models import load_model_dir
 from dmd2_core.run.distill_run import preflight
 from dmd2_core.toys.standins import H3_GEOMETRY, build_h3_standin, h3_prompt_set
+from tests.helpers import DecodedRun
 
 CPU = dict(device="cpu", num_devices=1, dtype="float32", global_batch_size=2, micro_batch_size=2, torch_threads=1,
            lora_rank=0, cp_size=1, eval_prompts=[0, 1], **H3_GEOMETRY)
@@ -86,19 +87,6 @@ def test_the_set_keeps_the_keyframes_pictures_for_the_eval_media_and_no_batch_re
     assert set(stored) == set(loaded) and all(torch.equal(stored[k], loaded[k]) for k in stored)
 
 
-class _DecodedRun:
-    """What the eval media ask of a run: its args, and decoded clips of the prompts asked for
-    (each prompt's own random frames, so a cell is known to be the clip's)."""
-
-    def __init__(self, args, frames=12):
-        self.args, self.frames = args, frames
-
-    def sample(self, order, seed, num_steps=None):
-        video = torch.stack([torch.rand(3, self.frames, 32, 32, generator=torch.Generator().manual_seed(100 + p))
-                             for p in order]) * 2 - 1
-        return {"video": video, "audio": torch.zeros(len(order), 2, 2000), "sample_rate": 16000, "fps": 24.0}
-
-
 def _cells(png: bytes, cell: int) -> tuple[np.ndarray, int]:
     """A frame strip's pixels [cell, width, 3] and its width."""
     import io
@@ -126,7 +114,7 @@ def test_the_eval_frame_strip_shows_the_keyframes_at_the_ends_they_anchor(fl2va,
 
     args = load_args("minimax-h3", dict(CPU, hf_checkpoint=fl2va["url"], prompts=fl2va["prompts"], workflow="fl2va",
                                         save=str(tmp_path / "run")))
-    run = _DecodedRun(args)
+    run = DecodedRun(args)
     media = write_eval_media(run, 3, [1, 0], None, 512 * 1024, 256 * 1024)
     strips = {m["url"]: m for m in media if m["url"].endswith("_frames.png")}
     for p in (1, 0):
@@ -178,7 +166,7 @@ def test_keyframe_rows_are_conditions_never_reached_by_the_loss(fl2va):
     row_t = seen["timestep"][seen["timestep_indices"]]
     torch.testing.assert_close(row_t[seen["video_indices"][:rows]], torch.full((rows,), 0.999))
     torch.testing.assert_close(row_t[seen["video_indices"][rows:]], torch.full((37,), t_video))
-    torch.testing.assert_close(seen["hidden_states"][:, :rows], family.keyframe_rows(cond["keyframe_latents"]))
+    torch.testing.assert_close(seen["hidden_states"][:, :rows], family.condition_rows(cond["keyframe_latents"]))
     v.square().sum().backward()
     grad = seen["video_out"].grad
     assert grad[:, :rows].abs().max() == 0 and grad[:, rows:].abs().max() > 0
@@ -360,7 +348,7 @@ def _bad_set(fl2va, name, **changes):
 
 @pytest.mark.parametrize("override, message", [
     (dict(workflow="fl2v"), r"^workflow: 'fl2v' is not a MiniMax-H3 workflow; did you mean 'fl2va'\?"),
-    (dict(workflow="ref2va"), r"^workflow: ref2va .* is not built yet"),
+    (dict(workflow="ref2va"), r"^prompts: .*fl2va.safetensors holds keyframes .*set workflow: fl2va"),
     (dict(workflow="fl2va", prompts="t2va"), r"^prompts: .*t2va.safetensors holds no 'keyframe_latents' .*--keyframes"),
     (dict(workflow="t2va"), r"^prompts: .*fl2va.safetensors holds keyframes .*set workflow: fl2va"),
     (dict(workflow="fl2va", prompts="big"), r"^prompts: .* keyframes encode to 4x4 latents, the clip's frames to 2x2"),

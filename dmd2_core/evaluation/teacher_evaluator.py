@@ -223,12 +223,13 @@ def check_picture_samples(args: Args) -> None:
 
 def teacher_identity(args: Args) -> dict[str, Any]:
     """What names the teacher whose eyes (and samples) a reference holds: its URL, the bytes of
-    its transformer config and its weight files' names and sizes (a retrained teacher at the same
-    URL changes them), and the features' settings."""
-    from dmd2_core.models import describe_model_dir
+    its transformer config and its weight files' names and sizes (of the partition the run
+    distills: ref2va's ``transformer_ref/``; a retrained teacher at the same URL changes them), and
+    the features' settings."""
+    from dmd2_core.models import describe_model_dir, transformer_folder
 
     teacher_url = args.teacher_checkpoint or args.hf_checkpoint
-    transformer = describe_model_dir(teacher_url)["transformer_url"]
+    transformer = describe_model_dir(teacher_url, transformer=transformer_folder(args.workflow))["transformer_url"]
     files = {name: size for name, size in listing(transformer).items() if name.endswith((".safetensors", ".json"))}
     return {"format": REFERENCE_FORMAT, "teacher": teacher_url,
             "config": storage.read_text(storage.join(transformer, "config.json")), "files": files,

@@ -29,7 +29,7 @@ import torch
 from dmd2_core import parallel, storage
 from dmd2_core.models import lora
 from dmd2_core.save_layout import EXPORT_MARKER_NAME
-from dmd2_core.models import describe_model_dir
+from dmd2_core.models import describe_model_dir, transformer_folder
 from dmd2_core.errors import ModelDirError
 from dmd2_core.export.files import (EXPORT_FORMAT, cast, persistent, staged_export, total_bytes, workflow_entry,
                                     writable_dir)
@@ -86,13 +86,15 @@ def write(url: str, family, gathered: dict, *, teacher_url: str, shift: float, n
              **({ONLINE_WEIGHT_NAME: online} if averaged is not None else {})}
     with staged_export(url) as staging:
         size, scheduler, export_s, verify_s = _write_files(staging, family, files, metadata, shift=shift,
-                                                           num_steps=num_steps, verify=verify, started=started)
+                                                           num_steps=num_steps, verify=verify, started=started,
+                                                           folder=transformer_folder(workflow))
         marker = {
             "format": EXPORT_FORMAT, "iteration": None if iteration is None else int(iteration),
             **StudentSteps.of(num_steps).marker(shift), "shift": float(shift),
             "dtype": str(export_dtype).removeprefix("torch."), **workflow_entry(family, workflow),
             "lora": {**metadata, "weight_name": lora.LORA_WEIGHT_NAME, "loader": loader.__name__,
-                     "note": "load onto the teacher's pipeline: pipe.load_lora_weights(export)"},
+                     "note": "load onto the teacher's pipeline: pipe.load_lora_weights(export)",
+                     **({"partition": transformer_folder(workflow)} if workflow != "t2va" else {})},
             "transformer": "ema" if averaged is not None else "online",
             "transformer_online": ONLINE_WEIGHT_NAME if averaged is not None else None,
             "scheduler": None if scheduler is None else {
@@ -105,14 +107,16 @@ def write(url: str, family, gathered: dict, *, teacher_url: str, shift: float, n
 
 
 def _write_files(staging: str, family, files: dict, metadata: dict, *, shift: float, num_steps: int,
-                 verify: bool, started: float) -> tuple[int, Optional[tuple[str, dict]], float, float]:
+                 verify: bool, started: float, folder: str = "transformer") -> tuple[int, Optional[tuple[str, dict]], float, float]:
     """Every file of a LoRA export but its marker, into ``staging``, verified: (bytes, the
-    scheduler's (class, config) or None, export_s, verify_s)."""
+    scheduler's (class, config) or None, export_s, verify_s). ``folder``: the partition the
+    adapters are for; MiniMax-H3's loader routes a ``transformer_ref.``-keyed file (a ref2va
+    student's) into ``transformer_ref``, as two partitions share module names."""
     loader = lora.lora_loader(family)
     with writable_dir(staging) as directory:
         for weight_name, state in files.items():
-            loader.save_lora_weights(str(directory), transformer_lora_layers=state, weight_name=weight_name,
-                                     transformer_lora_adapter_metadata=dict(metadata))
+            loader.save_lora_weights(str(directory), weight_name=weight_name,
+                                     **{f"{folder}_lora_layers": state, f"{folder}_lora_adapter_metadata": dict(metadata)})
     scheduler = None
     if not family.modular_pipeline:  # a modular pipeline (MiniMax-H3) steps the student with its own
         with writable_dir(storage.join(staging, "scheduler")) as directory:
@@ -122,19 +126,19 @@ def _write_files(staging: str, family, files: dict, metadata: dict, *, shift: fl
     if verify:
         t0 = time.perf_counter()
         for weight_name, state in files.items():
-            _verify(storage.join(staging, weight_name), state)
+            _verify(storage.join(staging, weight_name), state, folder)
         if scheduler is not None:
             verify_written_scheduler(staging, num_steps, shift)
         verify_s = time.perf_counter() - t0
     return total_bytes(staging), scheduler, export_s, verify_s
 
 
-def _verify(url: str, expected: dict[str, torch.Tensor]) -> None:
-    """The written LoRA file holds every adapter exactly, under diffusers' ``transformer.`` keys."""
+def _verify(url: str, expected: dict[str, torch.Tensor], folder: str = "transformer") -> None:
+    """The written LoRA file holds every adapter exactly, under diffusers' ``{folder}.`` keys."""
     from safetensors.torch import load
 
     written = load(storage.read_bytes(url))
-    want = {f"transformer.{k}": v for k, v in expected.items()}
+    want = {f"{folder}.{k}": v for k, v in expected.items()}
     if set(written) != set(want):
         odd = sorted(set(written) ^ set(want))
         raise ModelDirError(f"{url}: the LoRA file's keys differ from the adapters' (e.g. '{odd[0]}')")

@@ -41,7 +41,7 @@ from dmd2_core.export import adapters, lora_layouts, pipeline, stream
 from dmd2_core.export.files import (EXPORT_FORMAT, is_marked, resolved, staged_export, swap_record_url, total_bytes,
                                     writable_dir)
 from dmd2_core.export.scheduler import StudentSteps, student_scheduler
-from dmd2_core.models import FAMILIES, base_identity, describe_model_dir, lora
+from dmd2_core.models import FAMILIES, base_identity, describe_model_dir, lora, transformer_folder
 from dmd2_core.models.weight_files import WeightFiles
 from dmd2_core.save_layout import EXPORT_MARKER_NAME, STATE_FILES, exports_root, trainer_dir
 
@@ -91,7 +91,8 @@ def plan_export(load: str, out: str, export_format: str, iteration: Optional[int
     teacher = hf_checkpoint or record.get("hf_checkpoint")
     if not teacher:
         raise ArgsError(f"hf_checkpoint: {where} does not record its model directory; set --hf-checkpoint")
-    info = describe_model_dir(teacher, "hf_checkpoint")
+    folder = transformer_folder((record.get("student") or {}).get("workflow") or "t2va")  # the partition trained
+    info = describe_model_dir(teacher, "hf_checkpoint", folder)
     family = FAMILIES[info["family"]]
     config = json.loads(storage.read_text(storage.join(info["transformer_url"], "config.json")))
     metadata = None
@@ -99,7 +100,7 @@ def plan_export(load: str, out: str, export_format: str, iteration: Optional[int
         if not record.get("lora"):
             raise CheckpointError(f"{d}: holds LoRA adapters but records no LoRA settings (rank, alpha, targets)")
         metadata = lora.metadata_of_record(record["lora"])
-        if record.get("base") and base_identity(teacher) != record["base"]:
+        if record.get("base") and base_identity(teacher, folder) != record["base"]:
             raise ArgsError(f"hf_checkpoint: {teacher} is not the base the adapters of {where} were trained on "
                             f"({record.get('hf_checkpoint')}); point --hf-checkpoint at that base")
     if export_format == "original":
@@ -200,12 +201,14 @@ def export_checkpoint(plan: ExportPlan) -> dict:
     else:
         model = _meta_model(plan)
         if plan.lora is not None:  # merged into the base, tensor by tensor
-            files = WeightFiles(describe_model_dir(plan.teacher)["transformer_url"])
+            files = WeightFiles(describe_model_dir(plan.teacher, transformer=transformer_folder(plan.workflow))
+                                ["transformer_url"])
             names = list(model.state_dict())
             online = lora_layouts.MergedTensors(files, names, online, plan.lora)
             ema = lora_layouts.MergedTensors(files, names, ema, plan.lora) if ema is not None else None
         if plan.format == "pipeline":
-            staged = pipeline.stream_student(plan.out, model, plan.dtype, values={"online": online, "ema": ema})
+            staged = pipeline.stream_student(plan.out, model, plan.dtype, values={"online": online, "ema": ema},
+                                             folder=transformer_folder(plan.workflow))
             pipeline.write_export(plan.out, model, staged, teacher_url=plan.teacher, shift=plan.shift,
                                   num_steps=plan.num_steps, export_dtype=plan.dtype, iteration=plan.iteration,
                                   started=started, workflow=plan.workflow)

@@ -50,7 +50,7 @@ from dmd2_core.export import adapters, stream
 from dmd2_core.export.files import (EXPORT_FORMAT, LocalStaging, new_staging_url, resolved, staged_export, total_bytes,
                                     workflow_entry, writable_dir)
 from dmd2_core.save_layout import EXPORT_MARKER_NAME
-from dmd2_core.models import describe_model_dir, family_of
+from dmd2_core.models import describe_model_dir, family_of, transformer_folder
 from dmd2_core.errors import ModelDirError, StorageUnavailableError, one_line
 from dmd2_core.export.scheduler import StudentSteps, student_scheduler, verify_written_scheduler, write_scheduler
 
@@ -108,7 +108,7 @@ def export_student(
     if lora_metadata is not None:
         staged = adapters.gather(model, export_dtype, lora_metadata, ema=ema, writer=writer, merged=merged)
     else:
-        staged = stream_student(url, model, export_dtype, ema=ema, writer=writer)
+        staged = stream_student(url, model, export_dtype, ema=ema, writer=writer, folder=transformer_folder(workflow))
     if staged is None:
         return None
     write = functools.partial(write_export, url, model, staged, teacher_url=teacher_url, shift=shift,
@@ -118,9 +118,11 @@ def export_student(
 
 
 def stream_student(url: str, model: torch.nn.Module, export_dtype: torch.dtype, ema=None,
-                   writer: bool = True, values: Optional[dict] = None) -> Optional[dict]:
+                   writer: bool = True, values: Optional[dict] = None, folder: str = "transformer") -> Optional[dict]:
     """The collective half of a full export: the transformer (the EMA when there is one, then the
-    trained weights as transformer_online) streamed, tensor by tensor, into the writer's staging
+    trained weights as transformer_online; ``folder``: the repository partition the student is,
+    ``transformer_ref`` for MiniMax-H3's ref2va, its online weights then ``transformer_ref_online``)
+    streamed, tensor by tensor, into the writer's staging
     beside ``url`` (a local directory; for an object store a ``files.LocalStaging``, uploaded by
     ``write_export``). ``values``: whole states instead ({'online', 'ema'}: a merged LoRA's; no
     collective). Returns, on the writer, what ``write_export`` finishes ({'staging' (None for an
@@ -128,11 +130,11 @@ def stream_student(url: str, model: torch.nn.Module, export_dtype: torch.dtype, 
     'streamed': {directory: StreamedTransformer}}); None elsewhere."""
     skip = frozenset(stream.non_persistent(model))
     if values is not None:
-        parts = {"transformer": values.get("ema") or values["online"],
-                 **({ONLINE_DIR: values["online"]} if values.get("ema") else {})}
+        parts = {folder: values.get("ema") or values["online"],
+                 **({online_dir(folder): values["online"]} if values.get("ema") else {})}
     else:
-        parts = {"transformer": stream.model_tensors(model, ema),
-                 **({ONLINE_DIR: stream.model_tensors(model)} if ema is not None else {})}
+        parts = {folder: stream.model_tensors(model, ema),
+                 **({online_dir(folder): stream.model_tensors(model)} if ema is not None else {})}
     staging = local = held = None
     if writer and storage.is_local(url):
         staging = new_staging_url(resolved(url))
@@ -195,7 +197,7 @@ def _finish(staging: str, model, family, teacher: dict, streamed: dict, *, teach
     modular = family.modular_pipeline  # the teacher's own (modular) pipeline steps the student
     steps = StudentSteps.of(num_steps)
     if modular:
-        index, components = _modular_index(teacher_url)
+        index, components = _modular_index(teacher_url, transformer_folder(workflow))
         storage.write_text(storage.join(staging, MODULAR_INDEX), json.dumps(index, indent=2) + "\n")
     else:
         with writable_dir(storage.join(staging, "scheduler")) as directory:
@@ -213,12 +215,13 @@ def _finish(staging: str, model, family, teacher: dict, streamed: dict, *, teach
         if not modular:
             verify_written_scheduler(staging, num_steps, shift)
         verify_s = time.perf_counter() - t0
-    averaged = ONLINE_DIR in streamed
+    online = online_dir(transformer_folder(workflow))
+    averaged = online in streamed
     marker = {
         "format": EXPORT_FORMAT, "iteration": None if iteration is None else int(iteration),
         **steps.marker(shift), "shift": float(shift),
         "dtype": str(export_dtype).removeprefix("torch."),
-        "transformer": "ema" if averaged else "online", "transformer_online": ONLINE_DIR if averaged else None,
+        "transformer": "ema" if averaged else "online", "transformer_online": online if averaged else None,
     }
     if modular:  # its schedulers stay the teacher's: num_inference_steps = K + 1 steps the student's K sigmas
         counts = steps.counts
@@ -240,9 +243,16 @@ def _finish(staging: str, model, family, teacher: dict, streamed: dict, *, teach
     return marker
 
 
-def _modular_index(teacher_url: str) -> tuple[dict, list[str]]:
+def online_dir(folder: str) -> str:
+    """Where an export keeps the trained weights beside its EMA ``folder``."""
+    return ONLINE_DIR if folder == "transformer" else f"{folder}_online"
+
+
+def _modular_index(teacher_url: str, folder: str = "transformer") -> tuple[dict, list[str]]:
     """A student of a model whose sampler is its modular pipeline's (MiniMax-H3): the teacher's
-    repository with the student's transformer. Its schedulers stay the teacher's: the pipeline run
+    repository with the student's transformer in ``folder``, the partition it distilled (the
+    other is not exported: a ref2va student serves ref2va; a t2va or fl2va one, those). Its
+    schedulers stay the teacher's: the pipeline run
     with ``num_inference_steps = K + 1`` steps exactly the student's K sigmas of both modalities
     (the grid ``linspace(1, 0, K + 1)`` through each scheduler's shift), with the student's
     deterministic steps; ``ModularPipeline.from_pretrained(url)`` loads it. Returns the export's
@@ -258,11 +268,11 @@ def _modular_index(teacher_url: str) -> tuple[dict, list[str]]:
     for key, value in index.items():
         spec = value[2] if isinstance(value, list) and len(value) == 3 and isinstance(value[2], dict) else None
         if key.startswith("_") or spec is None or key in ("transformer", "transformer_ref"):
-            continue  # the student replaces the t2va transformer; the ref2va partition is not distilled
-        folder = spec.get("subfolder") or key
-        if value[0] is not None and storage.exists(storage.join(teacher_url, folder)):
-            components.append(folder)
-    index.pop("transformer_ref", None)
+            continue  # the student is one partition; the other is not distilled
+        component = spec.get("subfolder") or key
+        if value[0] is not None and storage.exists(storage.join(teacher_url, component)):
+            components.append(component)
+    index.pop("transformer_ref" if folder == "transformer" else "transformer", None)
     return index, components
 
 

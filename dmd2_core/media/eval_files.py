@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 from dmd2_core import storage
-from dmd2_core.data import keyframe_pictures, prompt_texts
+from dmd2_core.data import keyframe_pictures, prompt_texts, reference_pictures
 from dmd2_core.media.images import data_uri, embed, image_grid, mime_type, png_bytes, video_media
 from dmd2_core.save_layout import media_stem
 
@@ -69,10 +69,11 @@ def write_eval_media(run, iteration: int, indices: list[int], num_steps: Optiona
     media = []
     if isinstance(samples, dict):  # video + sound: per prompt an MP4, a frame strip and a spectrogram
         keyframes = keyframe_pictures(args.prompts, indices)
+        references = reference_pictures(args.prompts, indices)
         for p in indices:
             j = order.index(p)
             media += av_media_of(samples, j, f"{stem}_p{p}", steps + texts[p], embed_limit, inline_limit // len(indices),
-                                 keyframes.get(p))
+                                 keyframes.get(p), references.get(p))
     elif samples.dim() == 5:  # video [N, C, F, H, W]: one GIF per prompt
         for p in indices:
             rows = [j for j, q in enumerate(order) if q == p]
@@ -95,12 +96,15 @@ INLINE_VIDEO_BYTES = 256 * 1024  # an eval's clips played in place share this (t
 
 def av_media_of(samples: dict, j: int, stem: str, caption: str, embed_limit: int,
                 inline_limit: int = INLINE_VIDEO_BYTES,
-                keyframes: Optional[tuple[torch.Tensor, list[int]]] = None) -> list[dict[str, Any]]:
+                keyframes: Optional[tuple[torch.Tensor, list[int]]] = None,
+                references: Optional[torch.Tensor] = None) -> list[dict[str, Any]]:
     """Sample ``j`` of decoded video + sound ({'video' [N, 3, F, H, W], 'audio' [N, C, S],
     'sample_rate', 'fps': the family's facts}): the MP4 with its soundtrack (linked, or played in place within
     ``inline_limit`` bytes for local saves), a frame strip and the spectrogram (shown). ``keyframes``:
     the sample's conditions as ``data.keyframe_pictures`` gives them (uint8 [K, 3, H, W], anchor
-    codes), shown in the strip before / after the generated frames as they anchor them."""
+    codes), shown in the strip before / after the generated frames as they anchor them;
+    ``references``: its image references (uint8 [I, 3, H, W]: ``data.reference_pictures``), shown
+    before them."""
     from dmd2_core.media import av_clips
 
     frames = samples["video"][j].permute(1, 0, 2, 3)  # [F, 3, H, W]
@@ -118,6 +122,9 @@ def av_media_of(samples: dict, j: int, stem: str, caption: str, embed_limit: int
         shown = dict(keyframes=pictures.permute(0, 2, 3, 1).numpy(), anchors=anchors)  # uint8 [K, H, W, 3]
         strip_caption += f", set apart at the ends they anchor: its {' and '.join(anchors)} keyframe" + \
             ("s" if len(anchors) > 1 else "")
+    elif references is not None:
+        shown = dict(keyframes=references.permute(0, 2, 3, 1).numpy(), anchors=["first"] * len(references))
+        strip_caption += f", set apart after its picture reference{'s' if len(references) > 1 else ''}"
     strip = publish(f"{stem}_frames.png", av_clips.frame_strip_png(frames, **shown), strip_caption, embed_limit)
     spectrum = publish(f"{stem}_spectrogram.png", av_clips.spectrogram_png(audio, rate),
                         f"{caption}: soundtrack (left above right, balance {av_clips.stereo_balance(audio):+.2f})",

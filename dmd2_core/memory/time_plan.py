@@ -88,6 +88,17 @@ def meta_cond(family, config: dict, text_tokens: int) -> dict:
             channels, _, height, width = family.video_shape
             made["keyframe_latents"] = torch.randn(1, keyframes, channels, 1, height, width)
             made["keyframe_anchors"] = torch.zeros(1, keyframes, dtype=torch.long, device="cpu")
+        references = getattr(family, "references", ())
+        if references:  # ref2va: each reference a block of condition rows (images and sounds in one shape each)
+            from dmd2_core.models.minimax_h3 import AUDIO_LATENT_CHANNELS, REFERENCE_AUDIO, REFERENCE_KINDS
+
+            images = [r for r in references if r[0] == "image"]
+            sounds = [r for r in references if r[0] == "audio"]
+            made["reference_latents"] = torch.randn(1, len(images), family.video_shape[0], *images[0][1:])
+            made["reference_kinds"] = torch.tensor([[REFERENCE_KINDS.index(r[0]) for r in references]], device="cpu")
+            made["text_token_tags"] = torch.ones(1, text_tokens, dtype=torch.long, device="cpu")
+            if sounds:
+                made[REFERENCE_AUDIO] = torch.randn(1, len(sounds), sounds[0][1], AUDIO_LATENT_CHANNELS)
     return made
 
 
@@ -101,9 +112,10 @@ def _count(fn) -> int:
 
 @lru_cache(maxsize=16)
 def model_flops(url: str, latent_shape: Optional[tuple[int, ...]], feature_block: Optional[int],
-                text_tokens: Optional[int] = None, keyframes: int = 0) -> ModelFlops:
+                text_tokens: Optional[int] = None, keyframes: int = 0, references: tuple = ()) -> ModelFlops:
     """One forward of checkpoint ``url``'s transformer at ``latent_shape`` and ``text_tokens``
-    (default the family's) with ``keyframes`` condition frames (fl2va), whole and stopped at
+    (default the family's) with ``keyframes`` condition frames (fl2va) or ``references`` (ref2va:
+    ``reference_layout``'s tuple), whole and stopped at
     ``feature_block`` (default the middle one), and
     the GAN head on that block's tokens, counted on the meta device (cached per process: the
     configs do not change under a plan)."""
@@ -114,7 +126,8 @@ def model_flops(url: str, latent_shape: Optional[tuple[int, ...]], feature_block
     model = lora_terms.meta_model(url)
     family = FAMILIES[describe_model_dir(url)["family"]]
     shape = family_shape(family, dict(model.config), list(latent_shape) if latent_shape else None)
-    family = family.bind(list(shape), model, keyframes=keyframes) if keyframes else family.bind(list(shape), model)
+    conditions = {k: v for k, v in (("keyframes", keyframes), ("references", references)) if v}
+    family = family.bind(list(shape), model, **conditions)
     with torch.device("meta"):
         x = torch.randn(1, *family.sample_shape(model, list(shape)))
     cond = meta_cond(family, dict(model.config), family.default_text_tokens if text_tokens is None else text_tokens)
@@ -207,11 +220,12 @@ def _rollout_forwards(args: Args, stop_step: Optional[int] = None) -> float:
     return sum(w * f for w, f in zip(weights, per)) / sum(weights)
 
 
-def _keyframes(args: Args) -> int:
-    """The keyframe condition frames an fl2va run's every forward carries (0 otherwise)."""
-    from dmd2_core.data import keyframes_per_sample
+def _conditions(args: Args) -> tuple[int, tuple]:
+    """The keyframe condition frames (fl2va) and the references (ref2va) a run's every forward
+    carries: ``model_flops``' last two arguments."""
+    from dmd2_core.data import keyframes_per_sample, references_per_sample
 
-    return keyframes_per_sample(args.prompts, args.workflow)
+    return keyframes_per_sample(args.prompts, args.workflow), references_per_sample(args.prompts, args.workflow)
 
 
 def iteration_flops(trainers: dict[str, Args], stop_step: Optional[int] = None) -> dict[str, float]:
@@ -219,13 +233,13 @@ def iteration_flops(trainers: dict[str, Args], stop_step: Optional[int] = None) 
     the expected iteration, or the one whose rollout stopped at ``stop_step``."""
     actor = trainers["actor"]
     key = lambda a: tuple(a.latent_shape) if a.latent_shape else None  # noqa: E731
-    student = model_flops(actor.hf_checkpoint, key(actor), actor.gan_feature_block, None, _keyframes(actor))
+    student = model_flops(actor.hf_checkpoint, key(actor), actor.gan_feature_block, None, *_conditions(actor))
     batch = actor.global_batch_size
     parts = {"rollout": batch * _rollout_forwards(actor, stop_step) * student.forward,
              "actor": batch * _trained(actor) * student.forward}
     critic = trainers.get("critic")
     if critic is not None:
-        fake = model_flops(critic.hf_checkpoint, key(critic), critic.gan_feature_block, None, _keyframes(critic))
+        fake = model_flops(critic.hf_checkpoint, key(critic), critic.gan_feature_block, None, *_conditions(critic))
         trained = _trained(critic) * fake.forward
         steps = critic.num_steps_per_rollout
         scoring = critic.loss_type == "dmd2_critic"
@@ -235,7 +249,7 @@ def iteration_flops(trainers: dict[str, Args], stop_step: Optional[int] = None) 
         parts["critic"] = batch * (steps * per_step + generator)
         if scoring:
             teacher_url = critic.teacher_checkpoint or critic.hf_checkpoint
-            teacher = model_flops(teacher_url, key(critic), critic.gan_feature_block, None, _keyframes(critic))
+            teacher = model_flops(teacher_url, key(critic), critic.gan_feature_block, None, *_conditions(critic))
             family = FAMILIES[describe_model_dir(teacher_url)["family"]]
             guided = _guided(critic, family) * teacher.forward
             original = fake.forward if critic.dmd2_critic_scoring == "original" and not generator else 0
@@ -255,7 +269,7 @@ def eval_flops(trainers: dict[str, Args], evaluator: str) -> dict[str, float]:
         return {"eval": 0.0, "reference": 0.0}
     key = lambda a: tuple(a.latent_shape) if a.latent_shape else None  # noqa: E731
     share = lambda n, a: math.ceil(n / (a.num_devices // a.cp_size))  # noqa: E731 - one rank's rows (EvalShare)
-    student = model_flops(actor.hf_checkpoint, key(actor), actor.gan_feature_block, None, _keyframes(actor))
+    student = model_flops(actor.hf_checkpoint, key(actor), actor.gan_feature_block, None, *_conditions(actor))
     steps = sum(actor.student_step_counts)  # an eval of a set samples at each of its K
     samples, clips = actor.eval_num_samples, eval_clips(actor)
     flops = (share(samples, actor) + (share(clips, actor) if clips > samples else 0)) * steps * student.forward
@@ -263,7 +277,7 @@ def eval_flops(trainers: dict[str, Args], evaluator: str) -> dict[str, float]:
     if evaluator == "teacher":
         critic = trainers.get("critic") or actor
         teacher_url = critic.teacher_checkpoint or critic.hf_checkpoint
-        teacher = model_flops(teacher_url, key(critic), critic.gan_feature_block, None, _keyframes(critic))
+        teacher = model_flops(teacher_url, key(critic), critic.gan_feature_block, None, *_conditions(critic))
         family = FAMILIES[describe_model_dir(teacher_url)["family"]]
         features = share(samples, critic) * teacher.feature_forward
         flops += features

@@ -60,21 +60,32 @@ def named_by(key: Optional[str]):
         raise type(exc)(f"{key}: {exc}") from None
 
 
-def describe_model_dir(url: str, key: Optional[str] = None) -> dict[str, Any]:
+def describe_model_dir(url: str, key: Optional[str] = None, transformer: str = "transformer") -> dict[str, Any]:
     """What a checkpoint holds, read from its JSON files alone (cheap, before any actor starts):
-    {'family', 'transformer_url', 'shift', 'vae_url'}. Raises ModelDirError naming the path (and
-    ``key``, the argument that named it, when given)."""
+    {'family', 'transformer_url', 'shift', 'vae_url'}. ``transformer``: a repository's folder the
+    run distills (MiniMax-H3's ref2va: ``transformer_ref``; ``transformer_folder``). Raises
+    ModelDirError naming the path (and ``key``, the argument that named it, when given)."""
     with named_by(key):
-        return _describe_model_dir(url)
+        return _describe_model_dir(url, transformer)
 
 
-def _describe_model_dir(url: str) -> dict[str, Any]:
+def transformer_folder(workflow: str) -> str:
+    """The repository folder a run of ``workflow`` distills (``transformer`` but for MiniMax-H3's ref2va)."""
+    from dmd2_core.models.minimax_h3 import WORKFLOW_TRANSFORMER
+
+    return WORKFLOW_TRANSFORMER.get(workflow, "transformer")
+
+
+def _describe_model_dir(url: str, transformer: str = "transformer") -> dict[str, Any]:
     if not url:
         raise ModelDirError("hf_checkpoint is not set: point it at a diffusers model directory")
     try:
         root_has_index = any(storage.exists(storage.join(url, name)) for name in PIPELINE_INDEXES)
         if root_has_index:
-            transformer_url = storage.join(url, "transformer")
+            transformer_url = storage.join(url, transformer)
+            if transformer != "transformer" and not storage.exists(storage.join(transformer_url, "config.json")):
+                raise ModelDirError(f"{transformer_url}: missing: the repository has no {transformer}/ partition, "
+                                    "which this workflow distills")
         elif storage.exists(storage.join(url, "config.json")):
             transformer_url = url
         elif not storage.exists(url):
@@ -123,7 +134,7 @@ def _describe_model_dir(url: str) -> dict[str, Any]:
             "modality_shifts": modality_shifts}
 
 
-def check_weight_files(url: str, key: Optional[str] = None) -> None:
+def check_weight_files(url: str, key: Optional[str] = None, transformer: str = "transformer") -> None:
     """Every weights file training reads from checkpoint ``url`` (its transformer, its VAE and, for
     a model with sound, its audio VAE) is whole: each safetensors file (each shard of a sharded
     one) has a readable header whose tensors end within the file. Reads the headers alone, never
@@ -131,11 +142,11 @@ def check_weight_files(url: str, key: Optional[str] = None) -> None:
     Only safetensors count: a folder of ``.bin`` files alone is refused, as every loader of dmd2
     reads safetensors only (``use_safetensors=True``). ``key``: the argument that named ``url``."""
     with named_by(key):
-        _check_weight_files(url)
+        _check_weight_files(url, transformer)
 
 
-def _check_weight_files(url: str) -> None:
-    info = describe_model_dir(url)
+def _check_weight_files(url: str, transformer: str) -> None:
+    info = describe_model_dir(url, transformer=transformer)
     folders = [info["transformer_url"]]
     if info["vae_url"]:
         folders.append(info["vae_url"])
@@ -184,8 +195,9 @@ def _scheduler_shift(url: str, folder: str, default: float) -> float:
         raise ModelDirError(f"{sched_url}: unreadable scheduler config ({type(exc).__name__}: {first})") from None
 
 
-def load_model_dir(url: str, device: str = "cpu", dtype: torch.dtype = torch.float32, with_vae: bool = False) -> LoadedModel:
-    info = describe_model_dir(url)
+def load_model_dir(url: str, device: str = "cpu", dtype: torch.dtype = torch.float32, with_vae: bool = False,
+                   transformer: str = "transformer") -> LoadedModel:
+    info = describe_model_dir(url, transformer=transformer)
     family = FAMILIES[info["family"]]
     with storage.local_copy(info["transformer_url"]) as local:
         model = family.model_class.from_pretrained(str(local), torch_dtype=dtype, use_safetensors=True)
@@ -263,11 +275,11 @@ def write_transformer(family: ModelFamily, config, state: dict[str, torch.Tensor
 IDENTITY_SAMPLE_BYTES = 1 << 20
 
 
-def base_identity(url: str) -> str:
+def base_identity(url: str, transformer: str = "transformer") -> str:
     """An identity of a model directory's transformer weights, cheap enough for every resume: the
     sha256 of its config and, per safetensors file, its name, size, header and the first and last
     MiB of its tensor bytes (a fine-tune of the same architecture differs there, a copy does not)."""
-    transformer = describe_model_dir(url)["transformer_url"]
+    transformer = describe_model_dir(url, transformer=transformer)["transformer_url"]
     digest = hashlib.sha256(storage.read_bytes(storage.join(transformer, "config.json")))
     for name in sorted(n for n in storage.list_names(transformer) if n.endswith(".safetensors")):
         file_url = storage.join(transformer, name)

@@ -98,10 +98,11 @@ class ModelFamily:
         ratio = s_next / s
         return ratio * x_t.float() + (1 - ratio) * x0.float()
 
-    def eval_noise(self, n: int, seed: int, keyframes: int = 0) -> Optional[torch.Tensor]:
-        """Initial eval noise drawn as the family's own pipeline draws it (after ``keyframes``
-        condition frames' draws per sample, where its pipeline draws those first: MiniMax-H3's
-        fl2va); None: the project's default (one generator for the batch, see dmd2.eval_samples)."""
+    def eval_noise(self, n: int, seed: int, conditions: Sequence[tuple] = ()) -> Optional[torch.Tensor]:
+        """Initial eval noise drawn as the family's own pipeline draws it (after the draws of the
+        noised ``conditions``, each one's latent shape, where its pipeline draws those first:
+        MiniMax-H3's fl2va and ref2va); None: the project's default (one generator for the batch,
+        see dmd2.eval_samples)."""
         return None
 
     @property

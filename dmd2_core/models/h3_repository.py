@@ -3,8 +3,9 @@
 MiniMax-H3 (joint video + audio) ships in diffusers only as a *modular* pipeline
 (``MiniMaxH3ModularPipeline`` over ``MiniMaxH3Blocks``), so its repository is indexed by a
 ``modular_model_index.json``. ``build_tiny_h3_repository`` writes one with the released layout
-(``transformer/``, ``vae/``, ``audio_vae/``, ``scheduler/``, ``audio_scheduler/``, ``text_encoder/``,
-``tokenizer/``) and tiny seeded random components, produced by the pipeline's own ``save_pretrained``.
+(``transformer/``, ``transformer_ref/`` (ref2va's partition), ``vae/``, ``audio_vae/``, ``scheduler/``,
+``audio_scheduler/``, ``text_encoder/``, ``tokenizer/``) and tiny seeded random components, produced
+by the pipeline's own ``save_pretrained``.
 
 Pitfalls this module works around:
 
@@ -193,10 +194,12 @@ class TokenTypeProcessor:
 # --------------------------------------------------------------------------------------------
 
 
-def _portable_index(directory: Path) -> None:
-    """Point every component entry of ``modular_model_index.json`` at "this repository" (null)."""
+def _portable_index(directory: Path, **config) -> None:
+    """Point every component entry of ``modular_model_index.json`` at "this repository" (null), and
+    set the pipeline ``config`` values given."""
     index_path = directory / "modular_model_index.json"
     index = json.loads(index_path.read_text())
+    index.update(config)
     for name, value in index.items():
         if isinstance(value, list) and len(value) == 3 and isinstance(value[2], dict):
             spec = value[2]
@@ -207,13 +210,19 @@ def _portable_index(directory: Path) -> None:
     index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
+REFERENCE_IMAGE_SHORT_EDGE = 32  # the tiny clips' canvas: an image reference encodes to one 2x2 latent frame
+
+
 def build_tiny_h3_repository(url_or_path: str, seed: int = 0, with_conditioner: bool = True) -> str:
     """Write a tiny MiniMax-H3 repository to ``url_or_path`` (a local path or a storage URL) that
     ``diffusers.ModularPipeline.from_pretrained`` loads as ``MiniMaxH3ModularPipeline``; returns it.
 
     Components are seeded random (``seed``); ``with_conditioner`` adds the Qwen3-VL text encoder
-    (51 layers of width 32) and its word-level tokenizer. ``processor`` is never written (see the
-    module docstring)."""
+    (51 layers of width 32) and its word-level tokenizer. ``transformer_ref/`` is a second
+    transformer of the same config and its own weights, as the released ref2va partition is; the
+    index configures image references at the tiny canvas's short edge
+    (``reference_image_short_edge``, 2048 for the released checkpoint), as a fine-tune trained at
+    another resolution is configured. ``processor`` is never written (see the module docstring)."""
     from diffusers import MiniMaxH3Blocks, MiniMaxH3Scheduler
 
     with torch.random.fork_rng(devices=[]):  # seeded weights without touching the caller's RNG
@@ -226,12 +235,13 @@ def build_tiny_h3_repository(url_or_path: str, seed: int = 0, with_conditioner: 
         if with_conditioner:  # built last, so the other components do not depend on it
             tokenizer = _tokenizer()
             components.update(tokenizer=tokenizer, text_encoder=_text_encoder(tokenizer))
+        components.update(transformer_ref=_transformer())  # last: the other components' weights stay as they were
 
     pipe = MiniMaxH3Blocks().init_pipeline()
     pipe.update_components(**components)
     with storage.staged_dir(url_or_path) as tmp:
         pipe.save_pretrained(str(tmp), overwrite_modular_index=True)
-        _portable_index(tmp)
+        _portable_index(tmp, reference_image_short_edge=REFERENCE_IMAGE_SHORT_EDGE)
     return url_or_path
 
 
@@ -281,11 +291,14 @@ def load_denoising(path: str, workflow: str = "t2va", device: Optional[str] = No
             blocks.sub_blocks.pop(name)
         pipe = blocks.init_pipeline(str(local))
         pipe.load_components()
-    return _ready(pipe, path, device)
+    return _ready(pipe, path, device, workflow)
 
 
-def _ready(pipe, path, device: Optional[str]):
-    missing = [n for n in ("transformer", "vae", "audio_vae", "scheduler", "audio_scheduler")
+def _ready(pipe, path, device: Optional[str], workflow: str = "t2va"):
+    from dmd2_core.models import transformer_folder
+
+    transformer = transformer_folder(workflow)
+    missing = [n for n in (transformer, "vae", "audio_vae", "scheduler", "audio_scheduler")
                if getattr(pipe, n, None) is None]
     if missing:
         raise ValueError(f"{path}: could not load {missing} from the repository")
@@ -357,6 +370,39 @@ def run_fl2va(path, prompt_embeds: torch.Tensor, text_token_tags: torch.Tensor, 
     return _result(out)
 
 
+def run_ref2va(path, prompt_embeds: torch.Tensor, text_token_tags: torch.Tensor, reference_latents: torch.Tensor,
+               reference_kinds, reference_audio_latents: Optional[torch.Tensor], num_inference_steps: int,
+               num_frames: int, height: int, width: int, seed: int, device: Optional[str] = None) -> dict:
+    """ref2va denoise + decode from a prompt set's row instead of media: its presentation's
+    embeddings and tags, its image references' VAE latents [I, 24, 1, h, w], their order
+    (``reference_kinds``: 'image' / 'audio', or the set's codes 0 / 1) and its sounds' rows
+    [A, 2 L, 32] (or None). ``path`` is a repository (local path or URL: its ``transformer_ref/``
+    runs) or a pipeline from ``load_denoising(path, "ref2va")``. From
+    ``torch.Generator().manual_seed(seed)`` diffusers draws each image reference's noise first,
+    then the clip's. Returns :func:`run_t2va`'s dict."""
+    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference
+
+    from dmd2_core.models.minimax_h3 import REFERENCE_KINDS
+
+    pipe = load_denoising(path, "ref2va", device) if isinstance(path, (str, os.PathLike)) else path
+    embeds = prompt_embeds if prompt_embeds.dim() == 3 else prompt_embeds.unsqueeze(0)
+    kinds = [k if isinstance(k, str) else REFERENCE_KINDS[int(k)] for k in reference_kinds]
+    # the layout reads a reference's kind alone; its media were encoded into the latents already
+    references = [MiniMaxH3ImageReference(image=None) if k == "image" else MiniMaxH3AudioReference(audio=None)
+                  for k in kinds]
+    device_ = pipe._execution_device
+    out = pipe(
+        prompt_embeds=embeds.to(device_, pipe.transformer_ref.dtype), text_token_tags=text_token_tags.to(torch.long),
+        normalized_references=references,
+        condition_latents=[k[None].to(device_, torch.float32) for k in reference_latents],
+        audio_condition_latents=[] if reference_audio_latents is None else
+        [rows.to(device_, torch.float32) for rows in reference_audio_latents],
+        num_inference_steps=num_inference_steps, num_frames=num_frames, height=height, width=width,
+        generator=torch.Generator().manual_seed(seed), output_type="pt", output=_OUTPUTS,
+    )
+    return _result(out)
+
+
 def run_t2va_with_prompt(path, prompt: str, num_inference_steps: int, num_frames: int, height: int, width: int,
                          seed: int, device: Optional[str] = None) -> dict:
     """The whole t2va pipeline, prompt string in: diffusers' ``MiniMaxH3TextEncoderStep`` runs the
@@ -415,6 +461,27 @@ def keyframe_processor(tokenizer, text_encoder) -> TokenTypeProcessor:
     return processor
 
 
+def load_encoding(path, workflow: str, needed: tuple[str, ...]):
+    """The repository's ``workflow`` pipeline cut before its denoise (the media setup, the
+    conditioner and the VAE encoders load, no transformer), with :func:`keyframe_processor` where
+    the repository has no processor; ValueError naming what of ``needed`` it lacks."""
+    from diffusers import ModularPipeline
+
+    with storage.local_copy(path) as local:
+        blocks = ModularPipeline.from_pretrained(str(local), workflow=workflow).blocks
+        for name in [n for n in blocks.sub_blocks if n.startswith(("denoise.", "decode."))]:
+            blocks.sub_blocks.pop(name)
+        pipe = blocks.init_pipeline(str(local))
+        pipe.load_components()
+    missing = [n for n in needed if getattr(pipe, n, None) is None]
+    if missing:
+        raise ValueError(f"{path}: the repository has no {'/'.join(missing)} to encode {workflow} conditions with")
+    if getattr(pipe, "processor", None) is None:
+        pipe.update_components(processor=keyframe_processor(pipe.tokenizer, pipe.text_encoder))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def encode_keyframe_prompts_h3(path, prompts: list[str], keyframes: list[dict]) -> list[dict]:
     """Per prompt, what diffusers' fl2va blocks compute before denoising: the presentation
     (``"<Picture i>: "`` and a vision block per keyframe, then the prompt) through the Qwen3-VL
@@ -423,20 +490,7 @@ def encode_keyframe_prompts_h3(path, prompts: list[str], keyframes: list[dict]) 
     anchors (``keyframe_anchors``: 'first' / 'last'). ``keyframes[i]``: {'image' and/or
     'last_image': PIL image} at the clip's canvas. The pipeline is MiniMaxH3Blocks' fl2va workflow
     cut before its denoise: the conditioner and the VAE encoder load, no transformer."""
-    from diffusers import ModularPipeline
-
-    with storage.local_copy(path) as local:
-        pipe = ModularPipeline.from_pretrained(str(local), workflow="fl2va")
-        blocks = pipe.blocks
-        for name in [n for n in blocks.sub_blocks if n.startswith(("denoise.", "decode."))]:
-            blocks.sub_blocks.pop(name)
-        pipe = blocks.init_pipeline(str(local))
-        pipe.load_components()
-    if pipe.text_encoder is None or pipe.tokenizer is None or pipe.vae is None:
-        raise ValueError(f"{path}: the repository has no text_encoder/tokenizer/vae to encode keyframes with")
-    if getattr(pipe, "processor", None) is None:
-        pipe.update_components(processor=keyframe_processor(pipe.tokenizer, pipe.text_encoder))
-    pipe.set_progress_bar_config(disable=True)
+    pipe = load_encoding(path, "fl2va", ("text_encoder", "tokenizer", "vae"))
     encoded = []
     with torch.no_grad():
         for prompt, images in zip(prompts, keyframes):
@@ -447,4 +501,33 @@ def encode_keyframe_prompts_h3(path, prompts: list[str], keyframes: list[dict]) 
                                 text_token_tags=out["text_token_tags"].long().cpu(),
                                 keyframe_latents=torch.cat(out["condition_latents"]).float(),
                                 keyframe_anchors=tuple(out["keyframe_anchors"])))
+    return encoded
+
+
+def encode_reference_prompts_h3(path, prompts: list[str], references: list[list], num_frames: int, height: int,
+                                width: int) -> list[dict]:
+    """Per prompt, what diffusers' ref2va blocks compute before denoising: the presentation (a
+    label per reference, ``"<Picture i>: "`` with a vision block for an image, ``"<Audio j>: "``
+    for a sound, then the prompt) through the Qwen3-VL conditioner (``prompt_embeds`` [T, D],
+    ``text_token_tags`` [T]), each image reference at its own short edge through the video VAE
+    (``reference_latents`` [I, 24, 1, h, w], normalised, with the resized pictures
+    ``reference_images``) and each sound, cut to the clip's duration, through the audio VAE
+    (``reference_audio_latents`` [A, 2 L, 32], normalised channel-major rows), with the kinds in
+    packed order. ``references[i]``: prompt i's ``MiniMaxH3ImageReference`` /
+    ``MiniMaxH3AudioReference`` list. The pipeline is MiniMaxH3Blocks' ref2va workflow cut before
+    its denoise: the conditioner and the VAEs load, no transformer."""
+    pipe = load_encoding(path, "ref2va", ("text_encoder", "tokenizer", "vae", "audio_vae"))
+    encoded = []
+    with torch.no_grad():
+        for prompt, refs in zip(prompts, references):
+            out = pipe(prompt=prompt, references=refs, num_frames=num_frames, height=height, width=width,
+                       output=["prompt_embeds", "text_token_tags", "condition_latents", "audio_condition_latents",
+                               "normalized_references"])
+            normalized = out["normalized_references"]
+            encoded.append(dict(
+                prompt_embeds=out["prompt_embeds"][0].float().cpu(), text_token_tags=out["text_token_tags"].long().cpu(),
+                reference_latents=torch.cat(out["condition_latents"]).float().cpu(),
+                reference_audio_latents=[rows.float().cpu() for rows in out["audio_condition_latents"]],
+                reference_images=[r.image for r in normalized if r.kind == "image"],
+                kinds=tuple(r.kind for r in normalized)))
     return encoded

@@ -39,14 +39,14 @@ def load_dtype(model_class, dtype: torch.dtype) -> LoadDtype:
     return rule
 
 
-def build_empty(url: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def build_empty(url: str, dtype: torch.dtype = torch.float32, transformer: str = "transformer") -> LoadedModel:
     """The model of checkpoint ``url`` as ``from_pretrained(torch_dtype=dtype)`` builds it before
     reading weights: parameters on the meta device in their loaded dtypes, buffers on the host
     (persistent ones are overwritten by ``fill`` or a resume). Reads the JSON files alone."""
     from accelerate import init_empty_weights
     from diffusers.models.modeling_utils import no_init_weights
 
-    info = describe_model_dir(url)
+    info = describe_model_dir(url, transformer=transformer)
     family = FAMILIES[info["family"]]
     config_url = storage.join(info["transformer_url"], "config.json")
     config = json.loads(storage.read_text(config_url))
@@ -115,6 +115,7 @@ def fill(targets: list[tuple[torch.nn.Module, LoadDtype]], files: WeightFiles) -
     return read
 
 
-def weight_files(url: str) -> WeightFiles:
-    """The transformer weights of checkpoint ``url`` (headers read; no weight bytes)."""
-    return WeightFiles(describe_model_dir(url)["transformer_url"])
+def weight_files(url: str, transformer: str = "transformer") -> WeightFiles:
+    """The transformer weights of checkpoint ``url`` (its ``transformer`` folder, where it is a
+    repository: headers read; no weight bytes)."""
+    return WeightFiles(describe_model_dir(url, transformer=transformer)["transformer_url"])

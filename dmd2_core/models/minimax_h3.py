@@ -32,8 +32,18 @@ What differs from the project's flow-matching math, mapped here and nowhere else
   so no loss and no DMD gradient reaches them. An eval sample j draws as a request of seed
   ``s + j`` does, each keyframe's noise first and then the clip's (``eval_keyframe_noise``,
   ``eval_noise``), so the export loaded with ``workflow="fl2va"`` samples the eval's latents
-  from the same inputs. ``ref2va`` (its own ``transformer_ref/``) is not built: a run naming it
-  is refused.
+  from the same inputs.
+- ``ref2va`` conditions on references and distills the repository's other partition,
+  ``transformer_ref/``. A prompt set prepared with references carries, per prompt, the image
+  references' clean VAE latents (``reference_latents`` [N, I, 24, 1, h, w], at their own size),
+  the audio references' normalised rows (``reference_audio_latents`` [N, A, 2 L, 32], channel-major,
+  where there are any), their order (``reference_kinds`` [N, R]: 0 image, 1 audio) and the
+  presentation's tags. As diffusers' ref2va blocks do, each reference is a block of condition rows
+  in front of the generated ones (``build_ref2va_packed_sequence``): an image's video rows noised to
+  0.999 and held at ``max(t, 0.999)``, an audio reference's rows clean and held at t = 1; the
+  outputs on both are dropped. An eval sample j draws each image reference's noise from seed
+  ``s + j`` before its clip's (``eval_condition_noise``). Video references are not encoded here:
+  Qwen3-VL's video processor needs torchvision.
 
 The packed layout and the per-row timesteps are built by diffusers' own blocks
 (``MiniMaxH3PrepareLayoutStep.build_packed_sequence``, ``MiniMaxH3SetTimestepsStep
@@ -70,8 +80,14 @@ KEYFRAME_ANCHORS = ("first", "last")  # keyframe_anchors codes 0 and 1, diffuser
 KEYFRAME_KEYS = ("keyframe_latents", "keyframe_anchors", "text_token_tags")  # an fl2va prompt set's own keys
 TEXT_COND_KEYS = ("prompt_embeds", "prompt_lengths")
 # the keys each workflow conditions a sample on (``MiniMaxH3Family.sample_cond``)
-WORKFLOW_COND_KEYS = {"t2va": TEXT_COND_KEYS, "fl2va": (*TEXT_COND_KEYS, *KEYFRAME_KEYS)}
+REFERENCE_KINDS = ("image", "audio")  # reference_kinds codes 0 and 1 (a video reference: not encoded here)
+REFERENCE_KEYS = ("reference_latents", "reference_kinds", "text_token_tags")  # a ref2va prompt set's own keys
+REFERENCE_AUDIO = "reference_audio_latents"  # beside them where a set's references include sound
+WORKFLOW_COND_KEYS = {"t2va": TEXT_COND_KEYS, "fl2va": (*TEXT_COND_KEYS, *KEYFRAME_KEYS),
+                      "ref2va": (*TEXT_COND_KEYS, *REFERENCE_KEYS)}
+WORKFLOW_TRANSFORMER = {"ref2va": "transformer_ref"}  # the repository partition a workflow distills (else transformer/)
 EVAL_KEYFRAME_NOISE = "keyframe_noise"  # an eval sample's own draw of its keyframes' noise, beside its conditions
+EVAL_REFERENCE_NOISE = "reference_noise"  # and of its image references' noise
 KEYFRAME_NOISE_AUG = 0.999  # the t a keyframe anchor is noised to and held at (pipe.keyframe_noise_aug)
 # diffusers draws the anchors' 0.1 % of noise from the request's generator, before the clip's noise;
 # training draws it once from this seed, so every forward of a sample (rollout, teacher, fake score)
@@ -85,10 +101,20 @@ def workflow_problem(workflow: str) -> Optional[str]:
         from dmd2_core.args import nearest
 
         return f"workflow: '{workflow}' is not a MiniMax-H3 workflow{nearest(workflow, WORKFLOWS)} ({', '.join(WORKFLOWS)})"
-    if workflow == "ref2va":
-        return ("workflow: ref2va (references, distilled on transformer_ref/) is not built yet; "
-                "distill t2va or fl2va")
     return None
+
+
+def cond_workflow(cond: dict) -> str:
+    """The workflow a batch's conditions were prepared for: the one whose own keys they hold."""
+    return "fl2va" if "keyframe_latents" in cond else "ref2va" if "reference_latents" in cond else "t2va"
+
+
+def reference_layout(kinds: Sequence[int], image_shape: Sequence[int], audio_rows: int) -> tuple:
+    """One sample's references as its layout key holds them, in packed order: ('image', F, h, w)
+    per image reference (its latents' frames and size) and ('audio', rows) per audio reference."""
+    _, frames, height, width = (int(d) for d in image_shape)
+    return tuple(("image", frames, height, width) if REFERENCE_KINDS[k] == "image" else ("audio", int(audio_rows))
+                 for k in kinds)
 
 
 def latent_frames(num_frames: int) -> int:
@@ -206,23 +232,30 @@ class MiniMaxH3Family(ModelFamily):
     context_parallel = True  # diffusers' plan splits the packed sequence (video, audio and text rows)
 
     def __init__(self, latent_shape: Optional[list[int]] = None, patch_size=(1, 2, 2),
-                 shifts: tuple[float, float] = (VIDEO_SHIFT, AUDIO_SHIFT), keyframes: int = 0):
+                 shifts: tuple[float, float] = (VIDEO_SHIFT, AUDIO_SHIFT), keyframes: int = 0,
+                 references: tuple = ()):
         self.latent_shape = tuple(int(d) for d in latent_shape) if latent_shape else None
         self.patch_size = tuple(int(p) for p in patch_size)
         self.shifts = tuple(float(s) for s in shifts)
-        self.keyframes = int(keyframes)  # keyframes per sample, for the plan (the forward reads the cond's)
+        # per sample, for the plan (the forward reads the cond's): keyframes (fl2va), references (ref2va:
+        # ``reference_layout``'s tuple)
+        self.keyframes = int(keyframes)
+        self.references = tuple(references)
         self._layouts: dict[tuple, tuple] = {}
 
     # ---- geometry -------------------------------------------------------------------------------
-    def bind(self, latent_shape, model=None, shifts=None, keyframes: Optional[int] = None) -> "MiniMaxH3Family":
+    def bind(self, latent_shape, model=None, shifts=None, keyframes: Optional[int] = None,
+             references: Optional[tuple] = None) -> "MiniMaxH3Family":
         """This family for one clip geometry (video latents [24, F, H, W]; the audio follows) and,
-        for the plan, ``keyframes`` condition frames per sample (fl2va; kept when None)."""
+        for the plan, ``keyframes`` condition frames (fl2va) or ``references`` (ref2va:
+        ``reference_layout``'s tuple) per sample (each kept when None)."""
         if not latent_shape:
             raise ValueError("latent_shape: MiniMax-H3 needs the clip geometry (num_frames, height, width or "
                              "latent_shape [24, F, H, W])")
         patch = tuple(model.config.patch_size) if model is not None else self.patch_size
         return MiniMaxH3Family(latent_shape, patch, shifts or self.shifts,
-                               self.keyframes if keyframes is None else keyframes)
+                               self.keyframes if keyframes is None else keyframes,
+                               self.references if references is None else references)
 
     def pixel_frames(self, latent_frames: int) -> int:
         return pixel_frames(latent_frames)
@@ -280,55 +313,81 @@ class MiniMaxH3Family(ModelFamily):
     # ---- a sample's conditions ------------------------------------------------------------------
     def sample_cond(self, cond: dict) -> dict:
         """The entries of ``cond`` a sample is conditioned on: its workflow's keys
-        (``WORKFLOW_COND_KEYS``; fl2va where ``cond`` holds keyframes, as only an fl2va prompt set
-        does) and, where ``cond`` holds one, an eval sample's own keyframe noise (``keyframe_noise``:
-        without it the forward noises the keyframes with the fixed training draw)."""
-        keys = WORKFLOW_COND_KEYS["fl2va" if "keyframe_latents" in cond else "t2va"]
-        return {k: cond[k] for k in (*keys, EVAL_KEYFRAME_NOISE) if k in keys or k in cond}
+        (``WORKFLOW_COND_KEYS``, of ``cond_workflow``: fl2va where ``cond`` holds keyframes, ref2va
+        where it holds references), the audio references' rows where it holds them, and an eval
+        sample's own condition noise where it holds one (``keyframe_noise`` / ``reference_noise``:
+        without it the forward noises the conditions with the fixed training draw)."""
+        keys = WORKFLOW_COND_KEYS[cond_workflow(cond)]
+        extra = (REFERENCE_AUDIO, EVAL_KEYFRAME_NOISE, EVAL_REFERENCE_NOISE)
+        return {k: cond[k] for k in (*keys, *extra) if k in keys or k in cond}
 
     def workflow_cond_keys(self, workflow: str) -> tuple[str, ...]:
         return WORKFLOW_COND_KEYS[workflow]
 
     def layout_keys(self, cond: dict, n: int) -> list[tuple]:
-        """Each sample's packed layout (text length, the text rows' tags or None, the keyframes'
-        anchors): ``_layout``'s key with its text length. Samples of one key (and one u) share a
-        forward."""
+        """Each sample's packed layout (text length, the text rows' tags or None, its conditions:
+        the keyframes' anchors, or its references as ``reference_layout`` gives them):
+        ``_layout``'s key with its text length. Samples of one key (and one u) share a forward."""
         lengths = cond["prompt_lengths"].reshape(-1).long().tolist()
         tags = [tuple(row[:length]) for row, length in zip(cond["text_token_tags"].long().tolist(), lengths)] \
             if "text_token_tags" in cond else [None] * n
-        anchors = [tuple(KEYFRAME_ANCHORS[a] for a in row) for row in cond["keyframe_anchors"].long().tolist()] \
-            if "keyframe_latents" in cond else [()] * n
-        return list(zip(lengths, tags, anchors))
+        if "keyframe_latents" in cond:
+            conditions = [tuple(KEYFRAME_ANCHORS[a] for a in row) for row in cond["keyframe_anchors"].long().tolist()]
+        elif "reference_latents" in cond:
+            audio_rows = cond[REFERENCE_AUDIO].shape[2] if REFERENCE_AUDIO in cond else 0
+            image_shape = cond["reference_latents"].shape[2:]
+            conditions = [reference_layout(row, image_shape, audio_rows) for row in cond["reference_kinds"].long().tolist()]
+        else:
+            conditions = [()] * n
+        return list(zip(lengths, tags, conditions))
 
     # ---- the forward ------------------------------------------------------------------------------
-    def _layout(self, text_tags: tuple[int, ...], anchors: tuple[str, ...] = ()) -> tuple:
-        """diffusers' t2va / fl2va layout ``[text | keyframes | audio | video]`` for this geometry,
-        the text rows' modality tags and the keyframes' anchors (cached)."""
-        key = (text_tags, anchors)
+    def _layout(self, text_tags: tuple[int, ...], conditions: tuple = ()) -> tuple:
+        """diffusers' layout for this geometry, the text rows' modality tags and the sample's
+        conditions (cached): t2va / fl2va's ``[text | keyframes | audio | video]`` (``conditions``:
+        the keyframes' anchors) or ref2va's ``[text | references | audio | video]`` (``conditions``:
+        ``reference_layout``'s tuple). (position ids, tags, video rows, audio rows, text rows, the
+        leading video rows that are conditions, the leading audio rows that are.)"""
+        key = (text_tags, conditions)
         if key not in self._layouts:
-            from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep
+            from diffusers.modular_pipelines.minimax_h3.before_denoise import (
+                MiniMaxH3PrepareLayoutStep,
+                MiniMaxH3Ref2VAPrepareLayoutStep,
+            )
 
             _, frames, height, width = self.video_shape
-            self._layouts[key] = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-                torch.tensor(text_tags, dtype=torch.long), frames, height, width,
-                self.audio_shape[2], self.patch_size, AUDIO_CHANNELS, AUDIO_TAG, VIDEO_TAG, anchors)[:6]
+            tags = torch.tensor(text_tags, dtype=torch.long)
+            if conditions and isinstance(conditions[0], tuple):
+                from types import SimpleNamespace
+
+                references = [SimpleNamespace(kind=c[0], has_audio=c[0] == "audio") for c in conditions]
+                images = [torch.empty((1, 0, *c[1:]), device="meta") for c in conditions if c[0] == "image"]
+                sounds = [torch.empty((c[1], 0), device="meta") for c in conditions if c[0] == "audio"]
+                self._layouts[key] = MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence(
+                    tags, references, images, sounds, frames, height, width, self.audio_shape[2], self.patch_size,
+                    AUDIO_CHANNELS, AUDIO_TAG, VIDEO_TAG)
+            else:
+                self._layouts[key] = (*MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+                    tags, frames, height, width, self.audio_shape[2], self.patch_size, AUDIO_CHANNELS, AUDIO_TAG,
+                    VIDEO_TAG, conditions)[:6], 0)
         return self._layouts[key]
 
     def feature_tokens(self, text_tokens: int, layout: tuple = ()) -> dict[str, torch.Tensor]:
-        """The packed sequence's generated video and audio rows ([text | keyframes | audio | video]);
-        text and keyframe rows are in neither. ``layout``: (text tags, keyframe anchors), the rest
-        of a ``layout_keys`` key (none: t2va's layout)."""
-        tags, anchors = layout or (None, ())
-        _, _, video_idx, audio_idx, _, condition_rows = self._layout(tags or (TEXT_TAG,) * int(text_tokens), anchors)
-        return {"video": video_idx[condition_rows:], "audio": audio_idx}
+        """The packed sequence's generated video and audio rows; text and condition rows (keyframes,
+        references) are in neither. ``layout``: (text tags, conditions), the rest of a
+        ``layout_keys`` key (none: t2va's layout)."""
+        tags, conditions = layout or (None, ())
+        _, _, video_idx, audio_idx, _, video_conditions, audio_conditions = self._layout(
+            tags or (TEXT_TAG,) * int(text_tokens), conditions)
+        return {"video": video_idx[video_conditions:], "audio": audio_idx[audio_conditions:]}
 
     def judged_rows(self, text_tokens: int, layout: tuple = (), modalities: Optional[Sequence[str]] = None) -> Optional[torch.Tensor]:
         """The rows the GAN head judges: the text rows and the generated ones (``feature_tokens``) of
-        ``modalities`` (default both), never an fl2va sample's keyframe rows (given, not generated: a
-        head judging them would partly tell real from fake by the keyframes); None where that is
+        ``modalities`` (default both), never a sample's condition rows, keyframes or references (given,
+        not generated: a head judging them would partly tell real from fake by the conditions); None where that is
         every row (t2va: the whole sequence, as the head has always seen it)."""
-        tags, anchors = layout or (None, ())
-        _, all_tags, _, _, text_idx, _ = self._layout(tags or (TEXT_TAG,) * int(text_tokens), anchors)
+        tags, conditions = layout or (None, ())
+        _, all_tags, _, _, text_idx, _, _ = self._layout(tags or (TEXT_TAG,) * int(text_tokens), conditions)
         generated = self.feature_tokens(text_tokens, layout)
         rows = torch.cat([text_idx, *(generated[m] for m in modalities or generated)]).sort().values
         return None if rows.numel() == all_tags.numel() else rows
@@ -352,50 +411,56 @@ class MiniMaxH3Family(ModelFamily):
         audio = audio_rows.reshape(n, AUDIO_CHANNELS, -1, AUDIO_LATENT_CHANNELS).permute(0, 1, 3, 2)
         return self.join(video, audio)
 
-    def keyframe_rows(self, keyframe_latents: torch.Tensor, noise: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Clean keyframe latents [n, K, 24, 1, H, W] -> the condition rows [n, K * H W / patch, 24 * patch]
-        that lead the video rows: each keyframe noised to t = 0.999 as diffusers' ``scale_noise``
-        mixes it (``keyframe_noise_aug``, in float32). ``noise`` [n, K, 24, 1, H, W]: each sample's
-        own draws (an eval sample's, as its request draws them: ``eval_keyframe_noise``); None: one
-        fixed draw per keyframe (``KEYFRAME_NOISE_SEED``), the same for every sample."""
+    def condition_rows(self, latents: torch.Tensor, noise: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Clean condition latents [n, K, 24, 1, H, W] (fl2va's keyframes, ref2va's image references)
+        -> the condition rows [n, K * H W / patch, 24 * patch] that lead the video rows: each noised
+        to t = 0.999 as diffusers' ``scale_noise`` mixes it (``keyframe_noise_aug``, in float32).
+        ``noise`` [n, K, 24, 1, H, W]: each sample's own draws (an eval sample's, as its request draws
+        them: ``eval_condition_noise``); None: one fixed draw per condition (``KEYFRAME_NOISE_SEED``),
+        the same for every sample."""
         from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
 
-        n, k = keyframe_latents.shape[:2]
+        n, k = latents.shape[:2]
         if noise is None:
             g = torch.Generator().manual_seed(KEYFRAME_NOISE_SEED)
-            noise = torch.stack([torch.randn(keyframe_latents.shape[2:], generator=g) for _ in range(k)])
+            noise = torch.stack([torch.randn(latents.shape[2:], generator=g) for _ in range(k)])
         t = torch.tensor(KEYFRAME_NOISE_AUG, dtype=torch.float32)
-        noised = t * keyframe_latents.float() + (1.0 - t) * noise.float().to(keyframe_latents.device)
+        noised = t * latents.float() + (1.0 - t) * noise.float().to(latents.device)
         rows = patchify_video_latents(noised.flatten(0, 1), self.patch_size)
         return rows.reshape(n, -1, rows.shape[-1])
 
     def _forward_group(self, model, x_t: torch.Tensor, u: float, text: torch.Tensor,
-                       text_tags: Optional[tuple[int, ...]] = None, keyframes: Optional[torch.Tensor] = None,
-                       anchors: tuple[str, ...] = (), keyframe_noise: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """One forward of rows sharing (u, text length, text tags, anchors): the model's data-ward
-        velocity on the generated rows, flat; with ``keyframes`` [n, K, 24, 1, H, W] (fl2va) their
-        condition rows (noised with ``keyframe_noise``: ``keyframe_rows``) lead the video rows and
-        their outputs are dropped."""
+                       text_tags: Optional[tuple[int, ...]] = None, conditions: tuple = (),
+                       video_conditions: Optional[torch.Tensor] = None,
+                       audio_conditions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One forward of rows sharing (u, text length, text tags, conditions): the model's data-ward
+        velocity on the generated rows, flat. ``video_conditions`` [n, rows, 24 * patch] (keyframes'
+        or image references' noised rows: ``condition_rows``) lead the video rows and
+        ``audio_conditions`` [n, rows, 32] (audio references' clean rows) the audio rows, where the
+        layout of ``conditions`` has them; the outputs on both are dropped."""
         from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
 
         device = x_t.device
         text_tags = text_tags or (TEXT_TAG,) * text.shape[1]
-        position_ids, tags, video_idx, audio_idx, text_idx, condition_rows = self._layout(text_tags, anchors)
+        position_ids, tags, video_idx, audio_idx, text_idx, video_rows_given, audio_rows_given = \
+            self._layout(text_tags, conditions)
         s_video, s_audio = self.modality_sigmas(u)
         t_video = float(1.0 - torch.tensor(s_video, dtype=torch.float32))
         t_audio = float(1.0 - torch.tensor(s_audio, dtype=torch.float32))
         timestep, timestep_idx = MiniMaxH3SetTimestepsStep.build_row_timesteps(
-            video_idx, audio_idx, condition_rows, 0, text.shape[1], t_video, t_audio,
+            video_idx, audio_idx, video_rows_given, audio_rows_given, text.shape[1], t_video, t_audio,
             max(t_video, KEYFRAME_NOISE_AUG), 1.0)
         video_rows, audio_rows = self._rows(x_t.float())
-        if condition_rows:
-            video_rows = torch.cat([self.keyframe_rows(keyframes, keyframe_noise).to(device), video_rows], dim=1)
+        if video_rows_given:
+            video_rows = torch.cat([video_conditions.float().to(device), video_rows], dim=1)
+        if audio_rows_given:
+            audio_rows = torch.cat([audio_conditions.float().to(device), audio_rows], dim=1)
         v_video, v_audio = model(
             hidden_states=video_rows, audio_hidden_states=audio_rows, encoder_hidden_states=text,
             timestep=timestep.to(device), timestep_indices=timestep_idx.to(device), token_tags=tags.to(device),
             position_ids=position_ids.to(device), video_indices=video_idx.to(device),
             audio_indices=audio_idx.to(device), text_indices=text_idx.to(device), return_dict=False)
-        return self._unrows(v_video[:, condition_rows:].float(), v_audio.float())
+        return self._unrows(v_video[:, video_rows_given:].float(), v_audio[:, audio_rows_given:].float())
 
     def forward_groups(self, sigma, cond: dict, n: int) -> list[tuple[list[int], tuple]]:
         """One forward per (u, ``layout_keys`` key), in the order of their first samples; under a
@@ -411,22 +476,28 @@ class MiniMaxH3Family(ModelFamily):
     def predict_velocity(self, model, x_t, sigma, cond):
         """The project's velocity ``eps - x0`` (fp32): minus H3's data-ward velocity. An fl2va
         condition (``keyframe_latents``, ``keyframe_anchors``, ``text_token_tags``) conditions each
-        sample on its own keyframes, noised with its ``keyframe_noise`` where the cond holds one (an
+        sample on its own keyframes, a ref2va one (``reference_latents``, ``reference_kinds``, the
+        audio references' rows, ``text_token_tags``) on its own references; the noised conditions
+        with the sample's ``keyframe_noise`` / ``reference_noise`` where the cond holds one (an
         eval's) and with the fixed training draw where not."""
         n = x_t.shape[0]
         u = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1).expand(n).tolist()
         text = cond["prompt_embeds"].to(x_t.device)
-        keyframes, keyframe_noise = cond.get("keyframe_latents"), cond.get(EVAL_KEYFRAME_NOISE)
+        workflow = cond_workflow(cond)
+        noised, noise = {"fl2va": ("keyframe_latents", EVAL_KEYFRAME_NOISE),
+                         "ref2va": ("reference_latents", EVAL_REFERENCE_NOISE)}.get(workflow, (None, None))
+
+        def pick(key, index):
+            return cond[key].index_select(0, index.to(cond[key].device)) if key in cond else None
+
         order, parts = [], []
-        for rows, (length, tags_i, anchors_i) in self.forward_groups(sigma, cond, n):
-            u_i = u[rows[0]]
+        for rows, (length, tags_i, conditions) in self.forward_groups(sigma, cond, n):
             index = torch.tensor(rows, device=x_t.device)
-            group_keyframes = keyframes.index_select(0, index.to(keyframes.device)) if anchors_i else None
-            group_noise = keyframe_noise.index_select(0, index.to(keyframe_noise.device)) \
-                if anchors_i and keyframe_noise is not None else None
-            parts.append(self._forward_group(model, x_t.index_select(0, index), u_i,
-                                             text.index_select(0, index)[:, :length], tags_i, group_keyframes,
-                                             anchors_i, group_noise))
+            video_conditions = self.condition_rows(pick(noised, index), pick(noise, index)) if conditions else None
+            audio = pick(REFERENCE_AUDIO, index) if conditions else None
+            parts.append(self._forward_group(model, x_t.index_select(0, index), u[rows[0]],
+                                             text.index_select(0, index)[:, :length], tags_i, conditions,
+                                             video_conditions, None if audio is None else audio.flatten(1, 2)))
             order += rows
         v = parts[0] if len(parts) == 1 else torch.cat(parts)
         if order != sorted(order):
@@ -521,26 +592,26 @@ class MiniMaxH3Family(ModelFamily):
         return self.join(z, a[None])
 
     # ---- eval noise, as the modular pipeline draws it --------------------------------------------
-    def eval_noise(self, n: int, seed: int, keyframes: int = 0) -> torch.Tensor:
+    def eval_noise(self, n: int, seed: int, conditions: Sequence[tuple] = ()) -> torch.Tensor:
         """Sample j's initial noise is what ``MiniMaxH3PrepareLatentsStep`` draws from
-        ``torch.Generator().manual_seed(seed + j)``: the video latents, then the audio rows; an
-        fl2va request (``keyframes`` per sample) draws its keyframes' noise first, one draw each
+        ``torch.Generator().manual_seed(seed + j)``: the video latents, then the audio rows; a
+        request with noised conditions (``conditions``: each one's latent shape, fl2va's keyframes
+        or ref2va's image references) draws their noise first, one draw each
         (``MiniMaxH3PrepareConditionLatentsStep``), so its clip's noise comes after those."""
-        return torch.cat([self._request_draws(seed + j, keyframes)[1] for j in range(n)])
+        return torch.cat([self._request_draws(seed + j, conditions)[1] for j in range(n)])
 
-    def eval_keyframe_noise(self, n: int, seed: int, keyframes: int) -> torch.Tensor:
-        """Sample j's keyframe noise [n, K, 24, 1, H, W], the draws a request of seed + j makes
-        before its clip's (``eval_noise``): the cond's ``keyframe_noise`` of an fl2va eval."""
-        return torch.stack([self._request_draws(seed + j, keyframes)[0] for j in range(n)])
+    def eval_condition_noise(self, n: int, seed: int, conditions: Sequence[tuple]) -> torch.Tensor:
+        """Sample j's condition noise [n, K, *shape], the draws a request of seed + j makes before
+        its clip's (``eval_noise``): the cond's ``keyframe_noise`` / ``reference_noise`` of an eval."""
+        return torch.stack([self._request_draws(seed + j, conditions)[0] for j in range(n)])
 
-    def _request_draws(self, seed: int, keyframes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _request_draws(self, seed: int, conditions: Sequence[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
         """One request's draws from ``torch.Generator().manual_seed(seed)``, in diffusers' order:
-        each keyframe's noise [K, 24, 1, H, W] (one latent frame at the clip's size), then the
-        clip's video latents and audio rows (flat [1, D])."""
+        each noised condition's noise at its latent shape ([K, 24, 1, h, w]: one latent frame each),
+        then the clip's video latents and audio rows (flat [1, D])."""
         g = torch.Generator().manual_seed(seed)
-        channels, _, height, width = self.video_shape
-        anchors = torch.stack([torch.randn((channels, 1, height, width), generator=g) for _ in range(keyframes)]) \
-            if keyframes else torch.zeros(0)
+        anchors = torch.stack([torch.randn(tuple(shape), generator=g) for shape in conditions]) \
+            if conditions else torch.zeros(0)
         video = torch.randn((1, *self.video_shape), generator=g)
         audio_rows = torch.randn((self.audio_shape[2] * AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS), generator=g)
         audio = audio_rows.reshape(AUDIO_CHANNELS, -1, AUDIO_LATENT_CHANNELS).permute(0, 2, 1)
@@ -554,7 +625,10 @@ class MiniMaxH3Family(ModelFamily):
         _, frames, height, width = self.video_shape
         pt, ph, pw = config.get("patch_size", self.patch_size)
         keyframe_rows = self.keyframes * (height // ph) * (width // pw)  # fl2va: one frame of rows each
-        return (frames // pt) * (height // ph) * (width // pw) + keyframe_rows + AUDIO_CHANNELS * self.audio_shape[2]
+        reference_rows = sum(c[1] // pt * (c[2] // ph) * (c[3] // pw) if c[0] == "image" else c[1]
+                             for c in self.references)  # ref2va: each reference's block
+        return ((frames // pt) * (height // ph) * (width // pw) + keyframe_rows + reference_rows
+                + AUDIO_CHANNELS * self.audio_shape[2])
 
     def split_tokens(self, config, sample_shape, text_tokens):
         return self.tokens(config, sample_shape) + text_tokens

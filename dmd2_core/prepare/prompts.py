@@ -10,7 +10,7 @@ import torch
 
 from dmd2_core import storage
 from dmd2_core.errors import ArgsError, one_line
-from dmd2_core.data import KEYFRAME_PIXELS, PromptSet
+from dmd2_core.data import KEYFRAME_PIXELS, REFERENCE_PIXELS, PromptSet
 from dmd2_core.models import FAMILIES, describe_model_dir
 
 
@@ -30,17 +30,30 @@ def prepare_prompts(
     negative_prompt: str = "",
     max_sequence_length: Optional[int] = None,
     keyframes: Optional[str] = None,
+    references: Optional[str] = None,
+    clip: Optional[tuple[int, int, int]] = None,
 ) -> PromptSet:
     """Encode ``prompts`` (and the empty/negative prompt) and save the prompt set at ``out`` (when set);
-    with ``keyframes`` (a MiniMax-H3 fl2va set: :func:`read_keyframes`), each prompt's keyframes too."""
+    with ``keyframes`` (a MiniMax-H3 fl2va set: :func:`read_keyframes`), each prompt's keyframes too;
+    with ``references`` (a ref2va set: :func:`read_references`), each prompt's references, a sound
+    cut to the duration of ``clip`` (num_frames, height, width), as diffusers cuts it."""
     import diffusers
 
     info = describe_model_dir(hf_checkpoint, "hf_checkpoint")
-    if keyframes and not FAMILIES[info["family"]].has_audio:
-        raise ArgsError(f"keyframes: {hf_checkpoint} ({info['family']}) conditions on text alone; keyframes are "
-                        "MiniMax-H3's fl2va conditions")
+    for flag, given in (("keyframes", keyframes), ("references", references)):
+        if given and not FAMILIES[info["family"]].has_audio:
+            raise ArgsError(f"{flag}: {hf_checkpoint} ({info['family']}) conditions on text alone; {flag} are "
+                            f"MiniMax-H3's {'fl2va' if flag == 'keyframes' else 'ref2va'} conditions")
+    if keyframes and references:
+        raise ArgsError("references: a prompt set is one workflow's: keyframes (fl2va) or references (ref2va), not both")
     if FAMILIES[info["family"]].has_audio:  # MiniMax-H3: its modular pipeline's Qwen3-VL conditioner
-        if keyframes:
+        if references:
+            if clip is None or None in clip:
+                raise ArgsError("num_frames: references are prepared for a clip: set num_frames, height and width "
+                                "(a sound reference is cut to the clip's duration)")
+            prompt_set = encode_reference_prompts(hf_checkpoint, prompts, read_references(
+                references, prompts, _audio_rate(hf_checkpoint)), clip)
+        elif keyframes:
             prompt_set = encode_keyframe_prompts(hf_checkpoint, prompts, read_keyframes(keyframes, prompts))
         else:
             prompt_set = encode_conditioner_prompts(hf_checkpoint, prompts)
@@ -85,6 +98,22 @@ KEYFRAME_ROLES = {"first": "image", "last": "last_image"}  # a keyframes entry's
 CANVAS_MULTIPLE = 32  # MiniMax-H3's: the VAE's x16 times the patch's 2
 
 
+def read_condition_list(url: str, flag: str, prompts: list[str]) -> tuple[list, str]:
+    """A conditions file (``flag``: keyframes or references): its JSON list, one entry per prompt,
+    and the folder its relative paths start from; a missing, unparsable or miscounted file is
+    named in one line."""
+    if not storage.exists(url):
+        raise ArgsError(f"{flag}: no {flag} file at {url}{storage.nearest_sibling(url)}")
+    try:
+        entries = json.loads(storage.read_text(url))
+    except ValueError as exc:
+        raise ArgsError(f"{flag}: {url} is not JSON ({one_line(exc)})") from None
+    if not isinstance(entries, list) or len(entries) != len(prompts):
+        count = f"{len(entries)} entries" if isinstance(entries, list) else "no list"
+        raise ArgsError(f"{flag}: {url} holds {count} for {len(prompts)} prompts (one entry per prompt)")
+    return entries, url.rsplit("/", 1)[0] if "/" in url else "."
+
+
 def read_keyframes(url: str, prompts: list[str]) -> list[dict]:
     """The keyframes file: a JSON list, entry i for prompt i, ``{"first": image, "last": image}``
     (either or both; image paths or URLs, relative ones beside the file). Every entry anchors the
@@ -98,16 +127,7 @@ def read_keyframes(url: str, prompts: list[str]) -> list[dict]:
 
     from dmd2_core.args import nearest
 
-    if not storage.exists(url):
-        raise ArgsError(f"keyframes: no keyframes file at {url}{storage.nearest_sibling(url)}")
-    try:
-        entries = json.loads(storage.read_text(url))
-    except ValueError as exc:
-        raise ArgsError(f"keyframes: {url} is not JSON ({one_line(exc)})") from None
-    if not isinstance(entries, list) or len(entries) != len(prompts):
-        count = f"{len(entries)} entries" if isinstance(entries, list) else "no list"
-        raise ArgsError(f"keyframes: {url} holds {count} for {len(prompts)} prompts (one entry per prompt)")
-    base = url.rsplit("/", 1)[0] if "/" in url else "."
+    entries, base = read_condition_list(url, "keyframes", prompts)
     frames, anchors, size = [], None, None
     for row, (entry, prompt) in enumerate(zip(entries, prompts)):
         where = f"keyframes: row {row} ({prompt!r})"
@@ -155,12 +175,26 @@ def encode_keyframe_prompts(hf_checkpoint: str, prompts: list[str], keyframes: l
     latents' order, for the eval media to show next to the clip (the video VAE decodes no single
     latent frame); no forward reads them (``StoredPromptSet.cond`` leaves them out)."""
     from dmd2_core.models.h3_repository import encode_keyframe_prompts_h3
-    from dmd2_core.models.minimax_h3 import KEYFRAME_ANCHORS, TEXT_TAG
+    from dmd2_core.models.minimax_h3 import KEYFRAME_ANCHORS
 
     try:
         encoded = encode_keyframe_prompts_h3(hf_checkpoint, prompts, keyframes)
     except ValueError as exc:
         raise ArgsError(f"hf_checkpoint: {one_line(exc)}") from None
+    text = padded_presentations(encoded)
+    anchors = torch.tensor([[KEYFRAME_ANCHORS.index(a) for a in e["keyframe_anchors"]] for e in encoded])
+    pixels = torch.stack([torch.stack([keyframe_pixels(images[KEYFRAME_ROLES[a]]) for a in e["keyframe_anchors"]])
+                          for images, e in zip(keyframes, encoded)])
+    return PromptSet(list(prompts), {**text, "keyframe_latents": torch.stack([e["keyframe_latents"] for e in encoded]),
+                                     "keyframe_anchors": anchors, KEYFRAME_PIXELS: pixels}, {})
+
+
+def padded_presentations(encoded: list[dict]) -> dict[str, torch.Tensor]:
+    """Each prompt's presentation (``prompt_embeds`` [T_i, D], ``text_token_tags`` [T_i]) zero-padded
+    to the longest, as :func:`encode_conditioner_prompts` pads them (tags padded as text), with the
+    true ``prompt_lengths``."""
+    from dmd2_core.models.minimax_h3 import TEXT_TAG
+
     lengths = torch.tensor([e["prompt_embeds"].shape[0] for e in encoded])
     longest = int(lengths.max())
     embeds = torch.zeros(len(encoded), longest, encoded[0]["prompt_embeds"].shape[-1])
@@ -168,12 +202,7 @@ def encode_keyframe_prompts(hf_checkpoint: str, prompts: list[str], keyframes: l
     for i, e in enumerate(encoded):
         embeds[i, :lengths[i]] = e["prompt_embeds"]
         tags[i, :lengths[i]] = e["text_token_tags"]
-    anchors = torch.tensor([[KEYFRAME_ANCHORS.index(a) for a in e["keyframe_anchors"]] for e in encoded])
-    pixels = torch.stack([torch.stack([keyframe_pixels(images[KEYFRAME_ROLES[a]]) for a in e["keyframe_anchors"]])
-                          for images, e in zip(keyframes, encoded)])
-    return PromptSet(list(prompts), {"prompt_embeds": embeds, "prompt_lengths": lengths, "text_token_tags": tags,
-                                     "keyframe_latents": torch.stack([e["keyframe_latents"] for e in encoded]),
-                                     "keyframe_anchors": anchors, KEYFRAME_PIXELS: pixels}, {})
+    return {"prompt_embeds": embeds, "prompt_lengths": lengths, "text_token_tags": tags}
 
 
 def keyframe_pixels(image) -> torch.Tensor:
@@ -181,3 +210,114 @@ def keyframe_pixels(image) -> torch.Tensor:
     import numpy as np
 
     return torch.from_numpy(np.array(image.convert("RGB"), dtype=np.uint8)).permute(2, 0, 1).contiguous()
+
+
+REFERENCE_FILES = ("image", "audio")  # a references entry's keys (diffusers' MiniMaxH3ImageReference / AudioReference)
+
+
+def _audio_rate(hf_checkpoint: str) -> int:
+    """The audio VAE's sample rate (a reference sound must come at it: resampling needs torchaudio)."""
+    config = json.loads(storage.read_text(storage.join(hf_checkpoint, "audio_vae", "config.json")))
+    return int(config.get("sampling_rate") or config.get("sample_rate"))
+
+
+def read_references(url: str, prompts: list[str], sample_rate: int) -> list[list]:
+    """The references file: a JSON list, entry i for prompt i, a list of references in the order
+    the model reads them, each ``{"image": path}`` or ``{"audio": path}`` (paths or URLs, relative
+    ones beside the file). Every row names the same kinds in the same order (one layout per set),
+    an image first among them (a sound never stands alone); a sound comes at the audio VAE's
+    ``sample_rate``. A video reference is refused: Qwen3-VL's video processor needs torchvision,
+    which this install lacks. Returns diffusers' reference objects per prompt; a bad entry is
+    named in one line."""
+    import io
+
+    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference
+    from PIL import Image
+
+    from dmd2_core.args import nearest
+
+    entries, base = read_condition_list(url, "references", prompts)
+    out, layout = [], None
+    for row, (entry, prompt) in enumerate(zip(entries, prompts)):
+        where = f"references: row {row} ({prompt!r})"
+        if not isinstance(entry, list) or not entry:
+            raise ArgsError(f"{where} has no reference; give a list of {{\"image\": path}} / {{\"audio\": path}}")
+        kinds, refs = [], []
+        for j, ref in enumerate(entry):
+            key = next(iter(ref)) if isinstance(ref, dict) and len(ref) == 1 else None
+            if key == "video":
+                raise ArgsError(f"{where} reference {j}: a video reference needs Qwen3-VL's video processor, which "
+                                "needs torchvision (not installed); give image and audio references")
+            if key not in REFERENCE_FILES:
+                raise ArgsError(f"{where} reference {j}: {json.dumps(ref)} is no reference"
+                                f"{nearest(str(key), REFERENCE_FILES)} (one key: image or audio)")
+            media = ref[key] if "://" in ref[key] or ref[key].startswith("/") else storage.join(base, ref[key])
+            if not storage.exists(media):
+                raise ArgsError(f"{where} reference {j}: no {key} at {media}{storage.nearest_sibling(media)}")
+            try:
+                if key == "image":
+                    refs.append(MiniMaxH3ImageReference(
+                        image=Image.open(io.BytesIO(storage.read_bytes(media))).convert("RGB")))
+                else:
+                    with storage.local_copy(media) as local:
+                        refs.append(MiniMaxH3AudioReference.from_file(str(local)))
+            except Exception as exc:  # noqa: BLE001 - any undecodable file: one line naming it
+                raise ArgsError(f"{where} reference {j}: {media} is not an {key} ({one_line(exc)})") from None
+            if key == "image":
+                width, height = refs[-1].image.size
+                if width > 4 * height or height > 4 * width:
+                    raise ArgsError(f"{where} reference {j}: {width}x{height} pixels; an image reference is within "
+                                    "1:4 and 4:1")
+            elif refs[-1].sample_rate != sample_rate:
+                raise ArgsError(f"{where} reference {j}: {media} is at {refs[-1].sample_rate} Hz, the audio VAE takes "
+                                f"{sample_rate} Hz (resampling needs torchaudio, not installed); resample it first")
+            kinds.append(key)
+        if kinds[0] != "image":
+            raise ArgsError(f"{where}: its first reference is a sound; an image comes first (a sound never stands "
+                            "alone, and the set's layout starts with its images' rows)")
+        if layout is None:
+            layout = kinds
+        elif kinds != layout:
+            raise ArgsError(f"{where} names {', '.join(kinds)}; row 0 names {', '.join(layout)} (every row names "
+                            "the same kinds in the same order)")
+        out.append(refs)
+    return out
+
+
+def encode_reference_prompts(hf_checkpoint: str, prompts: list[str], references: list[list],
+                             clip: tuple[int, int, int]) -> PromptSet:
+    """MiniMax-H3's ref2va conditions, as diffusers' ref2va blocks compute them once per prompt
+    (``encode_reference_prompts_h3``): the presentation's embeddings and tags (padded as
+    :func:`encode_conditioner_prompts` pads them), the image references' VAE latents
+    ``reference_latents`` [N, I, 24, 1, h, w], the sounds' rows ``reference_audio_latents``
+    [N, A, 2 L, 32] where there are any, the order ``reference_kinds`` [N, R] (0 image, 1 audio),
+    and beside them the resized pictures ``reference_pixels`` uint8 [N, I, 3, H, W] for the eval
+    media (no forward reads them). Every row's latents share one shape: an image of another aspect,
+    or a sound of another length, is named in one line."""
+    from dmd2_core.models.h3_repository import encode_reference_prompts_h3
+    from dmd2_core.models.minimax_h3 import REFERENCE_AUDIO, REFERENCE_KINDS
+
+    try:
+        encoded = encode_reference_prompts_h3(hf_checkpoint, prompts, references, *clip)
+    except ValueError as exc:
+        raise ArgsError(f"references: {one_line(exc)}") from None
+    for row, e in enumerate(encoded):
+        first = encoded[0]["reference_latents"]
+        if e["reference_latents"].shape != first.shape:
+            raise ArgsError(f"references: row {row} ({prompts[row]!r}) images encode to "
+                            f"{list(e['reference_latents'].shape)} latents, row 0's to {list(first.shape)}; give "
+                            "every row's images one aspect ratio")
+        sounds = [tuple(r.shape) for r in e[REFERENCE_AUDIO]]
+        if sounds != [tuple(r.shape) for r in encoded[0][REFERENCE_AUDIO]]:
+            raise ArgsError(f"references: row {row} ({prompts[row]!r}) sounds encode to {sounds} rows, row 0's to "
+                            f"{[tuple(r.shape) for r in encoded[0][REFERENCE_AUDIO]]}; give every row sounds as long "
+                            "(at least the clip's duration)")
+    text = padded_presentations(encoded)
+    conditions = {
+        **text, "reference_latents": torch.stack([e["reference_latents"] for e in encoded]),
+        "reference_kinds": torch.tensor([[REFERENCE_KINDS.index(k) for k in e["kinds"]] for e in encoded]),
+        REFERENCE_PIXELS: torch.stack([torch.stack([keyframe_pixels(image) for image in e["reference_images"]])
+                                       for e in encoded])}
+    if encoded[0][REFERENCE_AUDIO]:
+        conditions[REFERENCE_AUDIO] = torch.stack([torch.stack(e[REFERENCE_AUDIO]) for e in encoded])
+    return PromptSet(list(prompts), conditions, {})

@@ -18,7 +18,7 @@ from dmd2_core.args import Args
 from dmd2_core.errors import ArgsError, CheckpointError
 from dmd2_core.data import check_real_set, prompt_texts
 from dmd2_core.train.input_hook import load_hook
-from dmd2_core.models import FAMILIES, check_weight_files, describe_model_dir
+from dmd2_core.models import FAMILIES, check_weight_files, describe_model_dir, transformer_folder
 from dmd2_core.train.trainer_config import compute_trainer_args, compute_trainer_configs
 from dmd2_core.trackers.sinks import check_trackers
 
@@ -35,7 +35,8 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
     preflight_checks.check_reachable({"save": args.save, "load": args.load, "hf_checkpoint": args.hf_checkpoint,
                                       "prompts": args.prompts})
     preflight_checks.check_ray_address(args.ray_address)
-    teacher = describe_model_dir(args.hf_checkpoint, "hf_checkpoint")
+    folder = transformer_folder(args.workflow)  # the repository partition the run distills
+    teacher = describe_model_dir(args.hf_checkpoint, "hf_checkpoint", folder)
     args = preflight_checks.check_family_args(args, teacher)
     if FAMILIES[teacher["family"]].is_video and not args.latent_shape:
         raise ArgsError(f"latent_shape: {args.hf_checkpoint} is a video model ({teacher['family']}); "
@@ -50,11 +51,11 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
         targs = compute_trainer_args(args, cfg)
         key = "critic_hf_checkpoint" if cfg.role == "critic" and args.critic_hf_checkpoint else "hf_checkpoint"
         checkpoint_keys.setdefault(targs.hf_checkpoint, key)
-        describe_model_dir(targs.hf_checkpoint, key)
+        describe_model_dir(targs.hf_checkpoint, key, folder)
         if targs.loss_type == "dmd2_critic":
             teacher_key = "teacher_checkpoint" if args.teacher_checkpoint else key
             checkpoint_keys.setdefault(targs.teacher_checkpoint or targs.hf_checkpoint, teacher_key)
-            describe_model_dir(targs.teacher_checkpoint or targs.hf_checkpoint, teacher_key)
+            describe_model_dir(targs.teacher_checkpoint or targs.hf_checkpoint, teacher_key, folder)
         if targs.train_input_hook_path:
             flag = "critic_train_input_hook_path" if cfg.role == "critic" else "train_input_hook_path"
             load_hook(targs.train_input_hook_path, flag=flag)
@@ -77,7 +78,7 @@ def preflight(args: Args, owner: str | None = None) -> dict[str, Args]:
     if planner.device_limit(args) is not None or args.host_memory_gib:
         planner.check_fits(planner.plan(trainer_args))
     for url in sorted(checkpoint_keys):  # headers only: a cut-off download is named before any actor
-        check_weight_files(url, checkpoint_keys[url])
+        check_weight_files(url, checkpoint_keys[url], folder)
     source = checkpoint.resume_url(args)
     resumed = checkpoint.validate_resume(source, list(trainer_args))
     if resumed is not None:  # the start it recorded (load, model, LoRA and its base) is the one asked for

@@ -220,18 +220,24 @@ def check_workflow_name(workflow: str, family, name: str) -> None:
 
 def check_workflow_prompts(url: str, workflow: str, latent_shape: Optional[list[int]]) -> None:
     """A MiniMax-H3 prompt set agrees with the run's workflow: an fl2va run needs a set prepared
-    with keyframes (``prepare-prompts --keyframes``), each of the clip's frame size; a t2va run is
-    refused a keyframe set (it would train with keyframes it never names). Reads the header and
-    the small anchor and length tensors only."""
+    with keyframes (``prepare-prompts --keyframes``), each of the clip's frame size; a ref2va run
+    one prepared with references (``--references``); a run is refused another workflow's set (it
+    would train with conditions it never names). Reads the header and the small code and length
+    tensors only."""
     from dmd2_core.data import KEYFRAME_PIXELS
     from dmd2_core.models.minimax_h3 import KEYFRAME_ANCHORS, KEYFRAME_KEYS
 
     entries, _ = storage.read_safetensors_header(url)
-    has = [key for key in KEYFRAME_KEYS if key in entries]
+    held = {"fl2va": ("keyframe_latents", "keyframes", "--keyframes"),
+            "ref2va": ("reference_latents", "references", "--references")}
+    for other, (key, what, flag) in held.items():
+        if other != workflow and key in entries:
+            raise ArgsError(f"prompts: {url} holds {what} ('{key}': an {other} set); set workflow: {other} "
+                            f"or prepare the prompts without {flag}")
     if workflow == "t2va":
-        if has:
-            raise ArgsError(f"prompts: {url} holds keyframes ({', '.join(has)}: an fl2va set); set workflow: fl2va "
-                            "or prepare the prompts without --keyframes")
+        return
+    if workflow == "ref2va":
+        check_reference_prompts(url, entries, latent_shape)
         return
     missing = [key for key in KEYFRAME_KEYS if key not in entries]
     if missing:
@@ -258,6 +264,49 @@ def check_workflow_prompts(url: str, workflow: str, latent_shape: Optional[list[
     if bad:
         raise ArgsError(f"prompts: {url} row {bad[0]} anchors a keyframe at {anchors[bad[0]].tolist()}; anchors are "
                         "0 (first) and 1 (last)")
+
+
+def check_reference_prompts(url: str, entries: dict, latent_shape: Optional[list[int]]) -> None:
+    """A ref2va set: its references' keys, one row per prompt, image latents [N, I, C, 1, h, w],
+    audio rows [N, A, 2 L, 32] no longer than the clip's soundtrack (diffusers truncates a
+    reference to the generated duration), and each row's kinds (0 image, 1 audio) naming its
+    images and sounds in number, at least one image (an audio reference never stands alone)."""
+    from dmd2_core.models.minimax_h3 import (
+        AUDIO_CHANNELS,
+        AUDIO_LATENT_CHANNELS,
+        REFERENCE_AUDIO,
+        REFERENCE_KEYS,
+        REFERENCE_KINDS,
+        audio_latents,
+        pixel_frames,
+    )
+
+    missing = [key for key in REFERENCE_KEYS if key not in entries]
+    if missing:
+        raise ArgsError(f"prompts: {url} holds no '{missing[0]}' (ref2va conditions on references); prepare it "
+                        "with prepare-prompts --references")
+    n = entries["prompt_embeds"]["shape"][0]
+    for key in (*REFERENCE_KEYS, *([REFERENCE_AUDIO] if REFERENCE_AUDIO in entries else [])):
+        if entries[key]["shape"][0] != n:
+            raise ArgsError(f"prompts: {url} '{key}' has {entries[key]['shape'][0]} rows for {n} prompts")
+    images = entries["reference_latents"]["shape"]
+    if len(images) != 6 or images[3] != 1:
+        raise ArgsError(f"prompts: {url} 'reference_latents' is {images}; it must be [N, I, C, 1, h, w]")
+    sounds = entries[REFERENCE_AUDIO]["shape"] if REFERENCE_AUDIO in entries else [n, 0, 0, AUDIO_LATENT_CHANNELS]
+    if len(sounds) != 4 or sounds[3] != AUDIO_LATENT_CHANNELS or sounds[2] % AUDIO_CHANNELS:
+        raise ArgsError(f"prompts: {url} '{REFERENCE_AUDIO}' is {sounds}; it must be [N, A, 2 L, "
+                        f"{AUDIO_LATENT_CHANNELS}] (each reference's stereo rows)")
+    if latent_shape and sounds[1]:
+        longest = audio_latents(pixel_frames(latent_shape[1]))
+        if sounds[2] // AUDIO_CHANNELS > longest:
+            raise ArgsError(f"prompts: {url} audio references span {sounds[2] // AUDIO_CHANNELS} latents, the clip's "
+                            f"soundtrack {longest}; prepare the references with the run's num_frames")
+    kinds = _tensor(url, "reference_kinds")
+    for row, codes in enumerate(kinds.tolist()):
+        named = [REFERENCE_KINDS[c] if 0 <= c < len(REFERENCE_KINDS) else None for c in codes]
+        if None in named or named.count("image") != images[1] or named.count("audio") != sounds[1]:
+            raise ArgsError(f"prompts: {url} row {row} names references {codes} (0 image, 1 audio) for "
+                            f"{images[1]} image and {sounds[1]} audio references")
 
 
 def resolve_stages(args: Args, family, name: str, teacher: dict[str, Any]) -> list[dict]:

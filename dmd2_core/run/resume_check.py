@@ -21,7 +21,7 @@ from typing import Optional
 from dmd2_core.args import Args
 from dmd2_core.checkpoint.state import changed_optimizer_settings, read_trainer_state
 from dmd2_core.errors import ArgsError
-from dmd2_core.models import base_identity, lora, step_conditioning
+from dmd2_core.models import base_identity, lora, step_conditioning, transformer_folder
 from dmd2_core.train.trainer_config import optimizer_settings
 
 ADAPTER_KEYS = {"rank": "lora_rank", "alpha": "lora_alpha", "targets": "lora_target_modules"}
@@ -61,7 +61,7 @@ def _check_adapters(role: str, targs: Args, record: dict, where: str) -> None:
         raise ArgsError(f"{prefix}{key}: {where} holds {_adapters(saved)}, this run asks for {_adapters(now)}; "
                         "set the LoRA settings to the checkpoint's, or pick a new save URL")
     if now is not None and record.get("base"):
-        identity = base_identity(targs.hf_checkpoint)
+        identity = base_identity(targs.hf_checkpoint, transformer_folder(targs.workflow))
         if identity != record["base"]:
             raise ArgsError(f"hf_checkpoint: {targs.hf_checkpoint} (weights {identity}) is not the base the adapters of "
                             f"{where} were trained on ({record.get('hf_checkpoint')}, weights {record['base']}); "

@@ -206,30 +206,38 @@ def eval_samples(family: ModelFamily, model, cond: dict, shape: tuple[int, ...],
 
 def eval_start_noise(family: ModelFamily, shape: tuple[int, ...], seed: int, cond: Optional[dict] = None):
     """The noise an eval's samples start from, and the generator that drew it (None where the
-    family's pipeline draws it per sample, sample j from seed + j, after the draws of its
-    keyframes where ``cond`` holds them): the student's eval samples and the teacher's reference
-    samples of the same prompts start from the same noise."""
-    noise = family.eval_noise(shape[0], seed, _keyframes(cond))
+    family's pipeline draws it per sample, sample j from seed + j, after the draws of its noised
+    conditions, keyframes or image references, where ``cond`` holds them): the student's eval
+    samples and the teacher's reference samples of the same prompts start from the same noise."""
+    noise = family.eval_noise(shape[0], seed, _condition_shapes(cond)[1])
     if noise is not None:
         return noise, None
     g = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=g), g
 
 
+# a cond's noised conditions -> the key of an eval sample's own draw of their noise (MiniMax-H3's fl2va, ref2va)
+CONDITION_NOISE = {"keyframe_latents": "keyframe_noise", "reference_latents": "reference_noise"}
+
+
 def eval_cond(family: ModelFamily, cond: dict, n: int, seed: int, rows: Optional[list[int]] = None) -> dict:
     """``cond`` of an eval batch of ``n`` samples (``rows`` of it: this rank's share), with each
-    sample's keyframe noise as its request draws it where it holds keyframes (MiniMax-H3's fl2va:
-    ``keyframe_noise``, sample j's from seed + j, before its clip's noise), so the sample is the one
-    the exported student's pipeline gives from the same inputs; as it is otherwise."""
-    keyframes = _keyframes(cond)
-    if not keyframes:
+    sample's condition noise as its request draws it where it holds noised conditions (MiniMax-H3's
+    fl2va keyframes, ref2va image references: ``keyframe_noise`` / ``reference_noise``, sample j's
+    from seed + j, before its clip's noise), so the sample is the one the exported student's
+    pipeline gives from the same inputs; as it is otherwise."""
+    key, shapes = _condition_shapes(cond)
+    if not shapes:
         return cond
-    noise = family.eval_keyframe_noise(n, seed, keyframes)
+    noise = family.eval_condition_noise(n, seed, shapes)
     if rows is not None:
         noise = noise.index_select(0, torch.tensor(rows, dtype=torch.long))
-    return dict(cond, keyframe_noise=noise.to(cond["keyframe_latents"].device))
+    return dict(cond, **{CONDITION_NOISE[key]: noise.to(cond[key].device)})
 
 
-def _keyframes(cond: Optional[dict]) -> int:
-    """Keyframes per sample in ``cond`` (0: none)."""
-    return int(cond["keyframe_latents"].shape[1]) if cond and "keyframe_latents" in cond else 0
+def _condition_shapes(cond: Optional[dict]) -> tuple[Optional[str], tuple]:
+    """The key of ``cond``'s noised conditions and each one's latent shape per sample (none: ())."""
+    for key in CONDITION_NOISE:
+        if cond and key in cond:
+            return key, (tuple(cond[key].shape[2:]),) * int(cond[key].shape[1])
+    return None, ()

@@ -20,7 +20,7 @@ from dmd2_core.models import lora, step_conditioning
 from dmd2_core.args import Args
 from dmd2_core.data import load_prompt_set, load_real_set
 from dmd2_core.losses import dmd2_loss, weighted_modalities
-from dmd2_core.models import load_model_dir
+from dmd2_core.models import load_model_dir, transformer_folder
 
 
 def adamw(model, args: Args, lr: float):
@@ -41,18 +41,19 @@ def _step(model, optimizer, clip: float) -> float:
 class ReferenceLoop:
     def __init__(self, args: Args):
         torch.set_num_threads(args.torch_threads)
-        teacher = load_model_dir(args.hf_checkpoint)
+        folder = transformer_folder(args.workflow)  # the repository partition the run distills
+        teacher = load_model_dir(args.hf_checkpoint, transformer=folder)
         self.args = args.model_copy(update={"dmd2_shift": args.dmd2_shift or teacher.shift})
         # a joint model (MiniMax-H3) needs its clip geometry and its two schedules bound
         self.family = dmd2_iteration.with_student_sampler(
             teacher.family.bind(args.latent_shape, teacher.model, teacher.modality_shifts), args)
         self.teacher_family, self.modality_shifts = teacher.family, teacher.modality_shifts
-        self.student = lora.attach(load_model_dir(args.hf_checkpoint).model, args)
+        self.student = lora.attach(load_model_dir(args.hf_checkpoint, transformer=folder).model, args)
         from dmd2_core.train.trainer_config import TrainerConfig, compute_trainer_args, critic_overrides
 
         critic_args = compute_trainer_args(args, TrainerConfig("critic", critic_overrides(args)))
-        self.critic = step_conditioning.attach_for(lora.attach(load_model_dir(critic_args.hf_checkpoint).model,
-                                                               critic_args), self.family, critic_args)
+        critic = load_model_dir(critic_args.hf_checkpoint, transformer=folder).model
+        self.critic = step_conditioning.attach_for(lora.attach(critic, critic_args), self.family, critic_args)
         step_conditioning.init(self.critic)
         # a LoRA fake score of the teacher shares its base, as in the critic group
         self.teacher = lora.RealScore(self.critic) if lora.shares_base(critic_args) else \

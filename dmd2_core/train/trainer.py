@@ -371,14 +371,14 @@ class Trainer(EvalSampling):
         """What each checkpoint records of the run that wrote it: where it started (``load``, the
         model directory), for a LoRA its adapters and an identity of the base weights, and the
         student's sampler, export dtype and workflow (what ``python -m dmd2_core export`` writes it with)."""
-        from dmd2_core.models import base_identity
+        from dmd2_core.models import base_identity, transformer_folder
 
         adapters = lora.adapter_record(self.args)
         student = {"num_steps": self.args.dmd2_student_steps, "shift": float(self.shift),
                    "euler": self.family.deterministic_student, "export_dtype": self.args.export_dtype or self.args.dtype,
                    "workflow": self.args.workflow}
         return {**run_origin(self.args), "lora": adapters, "student": student,
-                "base": base_identity(self.args.hf_checkpoint) if adapters else None}
+                "base": base_identity(self.args.hf_checkpoint, transformer_folder(self.args.workflow)) if adapters else None}
 
     def _disc_state(self) -> dict:
         if self.disc is None:

@@ -19,7 +19,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from dmd2_core import parallel
-from dmd2_core.models import lora, step_conditioning
+from dmd2_core.models import lora, step_conditioning, transformer_folder
 from dmd2_core.args import Args
 from dmd2_core.models.loading import build_empty, fill, load_dtype, weight_files
 
@@ -28,13 +28,15 @@ class TrainerModels:
     def __init__(self, args: Args, compute_dtype: torch.dtype, teacher_url: Optional[str] = None,
                  resume: Optional[bool] = None):
         self.args, self.dtype = args, compute_dtype
+        self.folder = transformer_folder(args.workflow)  # the repository partition the run distills
         # a LoRA (dmd2_core.models.lora): its frozen base built in the compute dtype, as the teacher is
-        loaded = build_empty(args.hf_checkpoint, compute_dtype if args.lora_rank else parallel.MASTER_DTYPE)
+        loaded = build_empty(args.hf_checkpoint, compute_dtype if args.lora_rank else parallel.MASTER_DTYPE,
+                             self.folder)
         loaded.model = step_conditioning.attach_for(lora.attach(loaded.model, args), loaded.family, args)
         self.model, self.family, self.shift, self.modality_shifts = (loaded.model, loaded.family, loaded.shift,
                                                                      loaded.modality_shifts)
         self.teacher_url = teacher_url
-        self.teacher = build_empty(teacher_url, compute_dtype).model if teacher_url else None
+        self.teacher = build_empty(teacher_url, compute_dtype, self.folder).model if teacher_url else None
         self.resume = _resuming(args) if resume is None else resume
         self.unfilled: Optional[str] = None
         self.bytes_read = 0
@@ -56,9 +58,9 @@ class TrainerModels:
         if self.teacher_url == args.hf_checkpoint:  # one read of each slice for both models
             model_targets, teacher_targets = model_targets + teacher_targets, []
         if model_targets:
-            self.bytes_read += fill(model_targets, weight_files(args.hf_checkpoint))
+            self.bytes_read += fill(model_targets, weight_files(args.hf_checkpoint, self.folder))
         if teacher_targets:
-            self.bytes_read += fill(teacher_targets, weight_files(self.teacher_url))
+            self.bytes_read += fill(teacher_targets, weight_files(self.teacher_url, self.folder))
         if self.resume:
             self.unfilled = (f"{args.hf_checkpoint}: the trained model was left for the resume checkpoint to fill, "
                              "and no checkpoint was loaded")
