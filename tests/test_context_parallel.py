@@ -170,3 +170,25 @@ def test_bad_cp_size_fails_at_preflight_in_one_line(request, tmp_path, model, ov
         _trainer_args(model, tmp_path / "run", **overrides)
     assert str(info.value).startswith(needle) and "\n" not in str(info.value), str(info.value)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.multi_rank
+def test_h3_ref2va_context_parallel_2_equals_1_rank(h3, tmp_path):
+    """ref2va on transformer_ref/: a picture's and a sound's reference blocks lengthen the packed
+    sequence that Ulysses splits; 2 ranks at cp 2 train to the weights, scores and eval samples of 1."""
+    from dmd2_core.data import load_prompt_set
+    from dmd2_core.models.minimax_h3 import REFERENCE_AUDIO
+
+    prompts, even = str(tmp_path / "ref2va.safetensors"), str(tmp_path / "even.safetensors")
+    h3_prompts([4, 6, 4, 6]).save(even)  # with the references' 1 + 202 rows, every sequence splits over 2
+    base = load_prompt_set(even)
+    g = torch.Generator().manual_seed(9)
+    n, tokens = len(base), base.embeds["prompt_embeds"].shape[1]
+    tags = torch.ones(n, tokens, dtype=torch.long)
+    tags[:, :2] = 0  # a vision block's rows, tagged video
+    type(base)(base.prompts, {**base.embeds, "text_token_tags": tags,
+                              "reference_latents": torch.randn(n, 1, 24, 1, 2, 2, generator=g),
+                              "reference_kinds": torch.tensor([[0, 1]] * n),
+                              REFERENCE_AUDIO: torch.randn(n, 1, 2 * 101, 32, generator=g)}, {}).save(prompts)
+    model = dict(h3, prompts=prompts, workflow="ref2va")
+    _same_as_one_rank(model, _one_rank(model, tmp_path / "one"), tmp_path, 2, cp_size=2)

@@ -204,6 +204,8 @@ def _no_ref_partition(ref2va):
     (dict(prompts="kinds"), r"^prompts: .* row 0 names references \[0, 0\] .* for 1 image and 1 audio references"),
     (dict(prompts="long_sound"), r"^prompts: .* audio references span 300 latents, the clip's soundtrack 207"),
     (dict(hf_checkpoint="no_ref"), r"^hf_checkpoint: .*no_ref/transformer_ref: missing"),
+    (dict(num_devices=2, cp_size=2), r"^cp_size: 2 ranks do not split the \d+-token sequence of latent_shape "
+                                     r"\[24, 37, 2, 2\] and its references with a \d+-token prompt"),
 ])
 def test_a_bad_reference_set_fails_before_any_actor_in_one_line(ref2va, tmp_path, override, message):
     from dmd2_core.toys.standins import h3_prompt_set

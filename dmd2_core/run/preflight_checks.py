@@ -442,7 +442,8 @@ def check_context_parallel(args: Args, trainer_args: dict[str, Args]) -> None:
     context-parallel plan, the heads split over cp, and every sequence the trainer runs (the latent
     shape's tokens, plus each prompt's text for a joint model) splits evenly. The critic scores the
     actor's rows rank by rank, so both split a batch alike."""
-    from dmd2_core.models import FAMILIES, describe_model_dir
+    from dmd2_core.data import keyframes_per_sample, references_per_sample
+    from dmd2_core.models import FAMILIES, describe_model_dir, transformer_folder
 
     keys = {"actor": "cp_size", "critic": "cp_size" if args.critic_cp_size is None else "critic_cp_size"}
     sizes = {role: targs.cp_size for role, targs in trainer_args.items()}
@@ -459,8 +460,12 @@ def check_context_parallel(args: Args, trainer_args: dict[str, Args]) -> None:
             continue
         urls = [targs.hf_checkpoint] + ([targs.teacher_checkpoint or targs.hf_checkpoint]
                                         if targs.loss_type == "dmd2_critic" else [])
+        # a MiniMax-H3 workflow's condition rows (keyframes, references) lengthen every sequence
+        conditions = {} if targs.workflow == "t2va" else dict(
+            keyframes=keyframes_per_sample(targs.prompts, targs.workflow),
+            references=references_per_sample(targs.prompts, targs.workflow))
         for url in dict.fromkeys(urls):
-            info = describe_model_dir(url)
+            info = describe_model_dir(url, transformer=transformer_folder(targs.workflow))
             config = json.loads(storage.read_text(storage.join(info["transformer_url"], "config.json")))
             family = FAMILIES[info["family"]]
             problem = family.context_parallel_problem(config, cp)
@@ -472,7 +477,7 @@ def check_context_parallel(args: Args, trainer_args: dict[str, Args]) -> None:
             for latent_shape in (targs.latent_shape, *smaller):
                 sized = targs if latent_shape == targs.latent_shape else targs.model_copy(
                     update={"latent_shape": latent_shape})
-                bound = family.bind(latent_shape, model)
+                bound = family.bind(latent_shape, model, **conditions)
                 shape = bound.sample_shape(model, latent_shape)
                 for tokens, source in _split_lengths(bound, config, shape, sized):
                     if tokens % cp:
@@ -483,6 +488,8 @@ def check_context_parallel(args: Args, trainer_args: dict[str, Args]) -> None:
 def _split_lengths(family, config, shape, targs: Args):
     """(tokens context parallelism splits, what they come from) for the trainer's sequences."""
     where = f"latent_shape {list(targs.latent_shape or shape)}"
+    if getattr(family, "keyframes", 0) or getattr(family, "references", ()):
+        where += f" and its {'keyframes' if family.keyframes else 'references'}"
     if "prompt_lengths" not in family.cond_keys:
         yield family.split_tokens(config, shape, 0), where
         return
