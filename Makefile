@@ -8,7 +8,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test install teacher av-teacher av-kf-teacher bench bench-av serve clean
+.PHONY: demo test install teacher av-teacher av-kf-teacher av-ref-teacher bench bench-av serve clean
 
 # uv (a PyPI package, installed by pip) installs the same pins as pip in well under half its time
 # (bench/README.md). It does not read pip's configuration, so the wheel folders pip is told of
@@ -45,6 +45,13 @@ AV_KF_FIXTURE := tests/fixtures/av_kf_teacher
 av-kf-teacher: $(STAMP)
 	$(PY) -m dmd2_core.toys.sounding_digits_teacher --workflow fl2va --save runs/av-kf-teacher --reuse --table
 	-$(PY) -m dmd2_core.toys.sounding_digits_teacher --workflow fl2va --save runs/av-kf-teacher --reuse --check-fixture $(AV_KF_FIXTURE)
+
+# the same with references (MiniMax-H3's ref2va: a prompt naming no digit, a picture of the digit as the
+# reference; the weights in transformer_ref/, as H3's own ref2va partition)
+AV_REF_FIXTURE := tests/fixtures/av_ref_teacher
+av-ref-teacher: $(STAMP)
+	$(PY) -m dmd2_core.toys.sounding_digits_teacher --workflow ref2va --save runs/av-ref-teacher --reuse --table
+	-$(PY) -m dmd2_core.toys.sounding_digits_teacher --workflow ref2va --save runs/av-ref-teacher --reuse --check-fixture $(AV_REF_FIXTURE)
 
 # the project's own modules compiled too (a stat per file when nothing changed): every trainer
 # process imports them, and with PYTHONDONTWRITEBYTECODE nothing else keeps their bytecode

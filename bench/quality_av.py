@@ -30,8 +30,15 @@ frames, the students train on the train clips' keyframes, and every sampler is e
 held-out clips' keyframes, with ``keyframe_agreement`` (the clip's first and last frames show the
 digit where its keyframes do) and ``keyframe_l1`` beside the figures above.
 
+``--workflow ref2va`` runs the reference world: the teacher at ``runs/av-ref-teacher`` (``make
+av-ref-teacher``, in ``transformer_ref/``) was trained with a prompt that names no digit and, as
+each clip's picture reference, the glyph of another clip of its digit; students train on the
+train clips' references and are evaluated on held-out ones, so the digit and sound accuracies
+say whether a sampler follows its reference.
+
     python bench/quality_av.py [--iterations 240] [--eval-every 40] [--num-samples 600] [--seeds 0 1] [--workers 2] [--teacher runs/av-teacher]
     python bench/quality_av.py --workflow fl2va --steps 4   # the keyframe world
+    python bench/quality_av.py --workflow ref2va --steps 4  # the reference world
 """
 
 from __future__ import annotations
@@ -54,13 +61,12 @@ from dmd2_core.toys import digits_metrics  # noqa: E402
 from dmd2_core.toys import sounding_digits as sd  # noqa: E402
 from dmd2_core.args import load_args, parse_set  # noqa: E402
 from dmd2_core.errors import ArgsError
-from dmd2_core.models import load_model_dir  # noqa: E402
 from dmd2_core.train.reference import ReferenceLoop  # noqa: E402
 
 TEACHER_STEPS = (50, 8, 4, 1)
 METRICS = (*sounding_digits_metrics.METRICS, "sound_fd", "sound_mel_kid")  # each student's, as each teacher sampler's
 KEYFRAME_METRICS = ("keyframe_agreement", "keyframe_l1")  # an fl2va student's too
-KEYFRAME_TEACHER = "runs/av-kf-teacher"  # make av-kf-teacher
+WORLD_TEACHERS = {"t2va": "runs/av-teacher", "fl2va": "runs/av-kf-teacher", "ref2va": "runs/av-ref-teacher"}
 
 
 def frame_features(samples: torch.Tensor):
@@ -149,7 +155,7 @@ def _mean(rows: list[dict], key: str) -> dict:
     return out
 
 
-def targets(teacher: dict, student: dict) -> dict:
+def targets(teacher: dict, student: dict, workflow: str = "t2va") -> dict:
     t50, t8, t4 = teacher["50"], teacher["8"], teacher["4"]
     out = {}
     if "4" in student:
@@ -165,6 +171,9 @@ def targets(teacher: dict, student: dict) -> dict:
             out.update({"s4_frame_fd_at_or_below_teacher_50": s4["frame_fd"] <= t50["frame_fd"],
                         "s4_keyframe_agreement_at_or_above_teacher_50":
                             s4["keyframe_agreement"] >= t50["keyframe_agreement"]})
+        if workflow == "ref2va":  # issue 56: a ref2va student draws the digit its reference shows, as its teacher
+            out.update({"s4_frame_fd_at_or_below_teacher_50": s4["frame_fd"] <= t50["frame_fd"],
+                        "s4_frame_acc_within_3pt_teacher_50": s4["frame_acc"] >= t50["frame_acc"] - 0.03})
     if "1" in student:
         s1 = student["1"]["final"]
         out.update({
@@ -176,10 +185,12 @@ def targets(teacher: dict, student: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--workflow", choices=("t2va", "fl2va"), default="t2va",
+    parser.add_argument("--workflow", choices=tuple(WORLD_TEACHERS), default="t2va",
                         help="fl2va: the keyframe world (each clip conditioned on its own first and last frames), "
-                             "its teacher at runs/av-kf-teacher, evaluated on held-out clips' keyframes")
-    parser.add_argument("--teacher", default=None, help="default runs/av-teacher (fl2va: runs/av-kf-teacher)")
+                             "its teacher at runs/av-kf-teacher, evaluated on held-out clips' keyframes; ref2va: the "
+                             "reference world (a picture of the digit, the prompt naming none), runs/av-ref-teacher")
+    parser.add_argument("--teacher", default=None, help="default runs/av-teacher (fl2va: runs/av-kf-teacher, ref2va: "
+                        "runs/av-ref-teacher)")
     parser.add_argument("--iterations", type=int, default=240)
     parser.add_argument("--eval-every", type=int, default=40)
     parser.add_argument("--num-samples", type=int, default=600, help="eval clips (at 200 one seed's agreement has a "
@@ -211,7 +222,7 @@ def main() -> None:
     parser.add_argument("--progress", default=None, help="append every evaluation to this JSONL file")
     parser.add_argument("--summarise", default=None, help="print the JSON line from a progress file (a run cut short)")
     ns = parser.parse_args()
-    ns.teacher = ns.teacher or (KEYFRAME_TEACHER if ns.workflow == "fl2va" else "runs/av-teacher")
+    ns.teacher = ns.teacher or WORLD_TEACHERS[ns.workflow]
     if ns.summarise:
         return summarise(ns.summarise)
     try:
@@ -224,7 +235,7 @@ def main() -> None:
     start = time.perf_counter()
     teacher = sounding_digits_teacher.ensure_av_teacher(ns.teacher, log=lambda m: print(m, file=sys.stderr),
                                                         workflow=ns.workflow)
-    loaded = load_model_dir(teacher)
+    loaded = sounding_digits_teacher.load_teacher(teacher)
     family = sounding_digits_teacher.bound_family(loaded.model)
     clips = sounding_digits_teacher.EvalClips(ns.workflow, ns.num_samples)
     table, target = {}, None
@@ -323,7 +334,7 @@ def report(table: dict, evals: list[dict], ns, wall_s) -> None:
                       key=lambda r: r["seed"])
         if rows:
             student[str(k)] = {"best": _mean(rows, "best"), "final": _mean(rows, "final"), "per_seed": rows}
-    checks = targets(table, student)
+    checks = targets(table, student, getattr(ns, "workflow", "t2va"))
     for k in (s for s in ns.steps if isinstance(s, list)):
         checks.update(any_steps_targets(student, k))
     out = {"teacher": table, "real": {m: round(v, 4) for m, v in sounding_digits_metrics.real_clip_stats(ns.num_samples).items()},

@@ -104,6 +104,28 @@ class DecodedRun:
         return {"video": video, "audio": torch.zeros(len(order), 2, 2000), "sample_rate": 16000, "fps": 24.0}
 
 
+def world_teacher(tmp_path_factory, fixture: Path) -> str:
+    """A copy of a committed sounding-digits world's teacher (``fixture``) with its prompt and real
+    sets rebuilt beside it (not committed: ``ensure_conditions`` makes them to the bit)."""
+    import shutil
+
+    from dmd2_core.toys import sounding_digits_teacher
+
+    url = tmp_path_factory.mktemp(fixture.name) / "teacher"
+    shutil.copytree(fixture, url)
+    sounding_digits_teacher.ensure_conditions(str(url))
+    return str(url)
+
+
+def assert_same_prompt_set(url: str, expected: PromptSet) -> None:
+    """The prompt set at ``url`` holds ``expected``'s tensors to the bit."""
+    from dmd2_core.data import load_prompt_set
+
+    stored = load_prompt_set(url)
+    assert stored.embeds.keys() == expected.embeds.keys()
+    assert all(torch.equal(stored.embeds[k], expected.embeds[k]) for k in expected.embeds)
+
+
 def h3_prompts(lengths: list[int]) -> PromptSet:
     """The MiniMax-H3 stand-in's prompt set with the given text lengths (its packed sequence is 451
     video and audio rows plus the text: odd lengths make it split over 2 ranks)."""

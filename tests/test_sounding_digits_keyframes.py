@@ -4,17 +4,17 @@ first and last frames; a teacher trained with them keeps them, and the figure th
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from dmd2_core.data import KEYFRAME_PIXELS, load_prompt_set
+from dmd2_core.data import KEYFRAME_PIXELS
 from dmd2_core.errors import ArgsError
 from dmd2_core.run.preflight_checks import check_workflow_prompts
 from dmd2_core.models import load_model_dir
 from dmd2_core.toys import sounding_digits as sd, sounding_digits_metrics, sounding_digits_teacher
+from tests.helpers import assert_same_prompt_set, world_teacher
 
 KF_FIXTURE = Path(__file__).parent / "fixtures" / "av_kf_teacher"
 
@@ -56,10 +56,7 @@ def test_keyframe_agreement_is_whether_the_clips_ends_show_the_digit_where_its_k
 def kf_teacher(tmp_path_factory):
     """The committed fl2va teacher (``make av-kf-teacher`` trains it: ~15 min of a core), its prompt
     and real sets rebuilt beside a copy of it (3 MB not committed)."""
-    url = tmp_path_factory.mktemp("kf") / "teacher"
-    shutil.copytree(KF_FIXTURE, url)
-    sounding_digits_teacher.ensure_conditions(str(url))
-    return str(url)
+    return world_teacher(tmp_path_factory, KF_FIXTURE)
 
 
 def test_the_keyframe_teacher_fixture_is_the_recipes_weights(kf_teacher):
@@ -67,10 +64,7 @@ def test_the_keyframe_teacher_fixture_is_the_recipes_weights(kf_teacher):
     assert t.weights_sha256(str(KF_FIXTURE)) == t.recorded_sha256(str(KF_FIXTURE))
     assert t.differs(str(KF_FIXTURE), workflow="fl2va") is None  # DEFAULT_STEPS from seed 0, with keyframes
     assert t.differs(str(KF_FIXTURE)) == "trained for fl2va, not t2va"
-    rebuilt = load_prompt_set(t.prompts_url(kf_teacher))
-    expected = sd.keyframe_prompt_set(sd.make_clips("train"))
-    assert rebuilt.embeds.keys() == expected.embeds.keys()
-    assert all(torch.equal(rebuilt.embeds[k], expected.embeds[k]) for k in expected.embeds)
+    assert_same_prompt_set(t.prompts_url(kf_teacher), sd.keyframe_prompt_set(sd.make_clips("train")))
     assert json.loads((KF_FIXTURE / "training.json").read_text())["workflow"] == "fl2va"
     # what an fl2va run's preflight asks of its prompt set; a t2va run is refused it
     check_workflow_prompts(t.prompts_url(kf_teacher), "fl2va", sd.VIDEO_LATENT_SHAPE)

@@ -215,11 +215,13 @@ def save_model_dir(
     scheduler: str = "FlowMatchEulerDiscreteScheduler",
     vae: "torch.nn.Module | str | None" = None,
     state: Optional[dict[str, torch.Tensor]] = None,
+    folder: str = "transformer",
 ) -> None:
     """Save in diffusers format (safetensors) as a pipeline-style directory at any fsspec URL:
-    transformer/, scheduler/ and model_index.json, plus a VAE (a module, or a URL copied along).
-    With ``state`` (a whole state dict, e.g. gathered from shards) those weights are written
-    under ``model``'s config instead of the model's own."""
+    transformer/ (``folder``: MiniMax-H3's ref2va partition is transformer_ref/), scheduler/ and
+    model_index.json, plus a VAE (a module, or a URL copied along). With ``state`` (a whole state
+    dict, e.g. gathered from shards) those weights are written under ``model``'s config instead of
+    the model's own."""
     import shutil
 
     import diffusers
@@ -227,14 +229,14 @@ def save_model_dir(
     family = family_of(model)
     with storage.staged_dir(url) as tmp:
         if state is None:
-            model.save_pretrained(str(tmp / "transformer"), safe_serialization=True)
+            model.save_pretrained(str(tmp / folder), safe_serialization=True)
         else:
-            write_transformer(family, model.config, state, tmp / "transformer")
+            write_transformer(family, model.config, state, tmp / folder)
         getattr(diffusers, scheduler)(shift=shift).save_pretrained(str(tmp / "scheduler"))
         index = {
             "_class_name": family.pipeline_class,
             "_diffusers_version": diffusers.__version__,
-            "transformer": ["diffusers", family.class_name],
+            folder: ["diffusers", family.class_name],
             "scheduler": ["diffusers", scheduler],
         }
         if isinstance(vae, str):

@@ -170,3 +170,47 @@ def keyframe_prompt_set(clips: Clips, anchors: tuple[str, ...] = KEYFRAME_ANCHOR
                 "keyframe_anchors": torch.tensor([minimax_h3.KEYFRAME_ANCHORS.index(a) for a in anchors]).repeat(n, 1),
                 KEYFRAME_PIXELS: pixels.reshape(n, len(anchors), HEIGHT, WIDTH, 3).permute(0, 1, 4, 2, 3).contiguous()},
         negative={})
+
+
+def reference_partners(labels: torch.Tensor) -> torch.Tensor:
+    """Per clip, another clip of the same digit (the next of its class, cyclically): whose glyph
+    is its picture reference, so the reference names the digit without being the clip's own."""
+    partners = torch.arange(len(labels))
+    for digit in labels.unique().tolist():
+        members = torch.nonzero(labels == digit).flatten()
+        partners[members] = members.roll(-1)
+    return partners
+
+
+def glyphs(clips: Clips) -> torch.Tensor:
+    """Each clip's digit as a still 8x8 picture [N, DIGIT, DIGIT] in [-1, 1], cut from its first frame."""
+    return torch.stack([clip[0, :, c:c + DIGIT] for clip, c in zip(clips.frames, clips.columns[:, 0].tolist())])
+
+
+def neutral_prompt() -> torch.Tensor:
+    """A prompt that names no digit: the mean of the ten digits' embeddings [DIGITS_TOKENS, D]."""
+    return prompt_set().embeds["prompt_embeds"].mean(0)
+
+
+def reference_prompt_set(clips: Clips) -> PromptSet:
+    """MiniMax-H3 ref2va conditions, one row per clip: a prompt that names no digit
+    (``neutral_prompt``, tagged text) and, as its one picture reference, the glyph of another clip
+    of its digit (``reference_partners``) at the glyph's own 8x8 size (``reference_latents``
+    [N, 1, 1, 1, 8, 8]: the identity "VAE"), with ``reference_kinds`` and the pictures
+    ``reference_pixels`` uint8 [N, 1, 3, 8, 8]: the keys ``prepare-prompts --references`` writes.
+    The reference alone tells the clip's digit, and so its tone."""
+    from dmd2_core.data import REFERENCE_PIXELS
+    from dmd2_core.media.av_clips import video_uint8
+    from dmd2_core.models import minimax_h3
+
+    n, tokens = len(clips), DIGITS_TOKENS
+    references = glyphs(clips)[reference_partners(clips.labels)]  # [N, 8, 8]
+    pixels = torch.from_numpy(video_uint8(references[:, None]))  # [N, 8, 8, 3]
+    return PromptSet(
+        prompts=["a sounding handwritten digit, the one its picture reference shows"] * n,
+        embeds={"prompt_embeds": neutral_prompt().expand(n, -1, -1).contiguous(),
+                "prompt_lengths": torch.full((n,), tokens), "text_token_tags": torch.full((n, tokens), minimax_h3.TEXT_TAG),
+                "reference_latents": references[:, None, None, None].contiguous(),
+                "reference_kinds": torch.zeros(n, 1, dtype=torch.long),
+                REFERENCE_PIXELS: pixels.permute(0, 3, 1, 2)[:, None].contiguous()},
+        negative={})

@@ -48,7 +48,7 @@ from dmd2_core.train import dmd2_iteration
 from dmd2_core.data import REAL_LATENTS, write_safetensors
 from dmd2_core.toys import sounding_digits as sd
 from dmd2_core.losses import flow_matching_loss
-from dmd2_core.models import describe_model_dir, load_model_dir, save_model_dir
+from dmd2_core.models import describe_model_dir, load_model_dir, save_model_dir, transformer_folder
 from dmd2_core.errors import ModelDirError
 from dmd2_core.models.minimax_h3 import AUDIO_SHIFT, VIDEO_SHIFT, MiniMaxH3Family
 from dmd2_core.toys.digits_teacher import ema_update, lr_factor, logit_normal_sigmas
@@ -65,11 +65,16 @@ PROMPTS_FILE = "prompts.safetensors"
 TRAINING_FILE = "training.json"  # how the teacher was trained: what --reuse compares
 REAL_FILE = "real.safetensors"  # the train clips as a real set: the GAN head's real_data
 TABLE_STEPS = (50, 8, 4, 1)
-WEIGHTS_FILE = "transformer/diffusion_pytorch_model.safetensors"
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+WEIGHTS_FILE = f"transformer/{WEIGHTS_NAME}"  # a ref2va teacher's are in transformer_ref/, as H3's own partition
 # the test fixture: the saved teacher less its real set (6 MB that ``ensure_real_set`` rebuilds)
 FIXTURE_FILES = ("model_index.json", "scheduler/scheduler_config.json", "audio_scheduler/scheduler_config.json",
                  "transformer/config.json", WEIGHTS_FILE, PROMPTS_FILE, TRAINING_FILE)
 FIXTURE_HASH_FILE = "weights.sha256"  # `sha256sum -c weights.sha256` in the fixture checks it too
+
+
+# a world's conditions per train clip, by the workflow its teacher is trained for (t2va: the digits' prompts)
+WORLD_PROMPT_SETS = {"fl2va": sd.keyframe_prompt_set, "ref2va": sd.reference_prompt_set}
 
 
 def tiny_h3_config(width: int = 64, layers: int = 4) -> dict:
@@ -163,9 +168,10 @@ def train_av_teacher(save_url: Optional[str], seed: int = 0, num_steps: int = DE
 
 
 def train_conditions(workflow: str, clips: sd.Clips) -> Callable[[torch.Tensor], dict]:
-    """Clip indices -> their conditions: the digit's prompt (t2va), and its own keyframes (fl2va)."""
-    if workflow == "fl2va":
-        return sd.keyframe_prompt_set(clips).cond
+    """Clip indices -> their conditions: the digit's prompt (t2va), and its own keyframes (fl2va);
+    or a prompt naming no digit and a picture of its digit as a reference (ref2va)."""
+    if workflow in WORLD_PROMPT_SETS:
+        return WORLD_PROMPT_SETS[workflow](clips).cond
     prompts = sd.prompt_set()
     return lambda idx: prompts.cond(clips.labels[idx])
 
@@ -173,7 +179,7 @@ def train_conditions(workflow: str, clips: sd.Clips) -> Callable[[torch.Tensor],
 def save_av_teacher(model: torch.nn.Module, url: str, workflow: str = "t2va") -> None:
     from diffusers import MiniMaxH3Scheduler
 
-    save_model_dir(model, url, shift=VIDEO_SHIFT)
+    save_model_dir(model, url, shift=VIDEO_SHIFT, folder=transformer_folder(workflow))
     with tempfile.TemporaryDirectory() as tmp:
         MiniMaxH3Scheduler(shift=AUDIO_SHIFT).save_pretrained(tmp)
         storage.write_bytes(storage.join(url, "audio_scheduler", "scheduler_config.json"),
@@ -185,7 +191,8 @@ def save_conditions(url: str, workflow: str, data_seed: int = 0) -> None:
     """The teacher's prompt set (a student's training conditions: for fl2va the train clips'
     keyframes, one row each; a bench evaluates on the held-out clips', ``sd.heldout_clips``) and
     its real set."""
-    prompts = sd.keyframe_prompt_set(sd.make_clips("train", data_seed)) if workflow == "fl2va" else sd.prompt_set()
+    prompts = WORLD_PROMPT_SETS[workflow](sd.make_clips("train", data_seed)) if workflow in WORLD_PROMPT_SETS \
+        else sd.prompt_set()
     prompts.save(prompts_url(url))
     save_real_set(real_set_url(url), data_seed, workflow)
 
@@ -231,7 +238,7 @@ def ensure_conditions(teacher_url: str) -> str:
 def present(url: str) -> bool:
     """``url`` holds a readable teacher (its prompt and real sets are rebuilt when missing)."""
     try:
-        describe_model_dir(url)
+        describe_model_dir(url, transformer=transformer_folder(teacher_workflow(url)))
     except ModelDirError:
         return False
     return True
@@ -271,7 +278,17 @@ def ensure_av_teacher(url: str, seed: int = 0, log: Optional[Callable[[str], Non
 
 
 def weights_sha256(teacher_url: str) -> str:
-    return hashlib.sha256(storage.read_bytes(storage.join(teacher_url, WEIGHTS_FILE))).hexdigest()
+    return hashlib.sha256(storage.read_bytes(storage.join(teacher_url, weights_file(teacher_url)))).hexdigest()
+
+
+def weights_file(teacher_url: str) -> str:
+    """The teacher's weights file, in the partition its workflow distills (``transformer_folder``)."""
+    return f"{transformer_folder(teacher_workflow(teacher_url))}/{WEIGHTS_NAME}"
+
+
+def load_teacher(url: str):
+    """The teacher at ``url`` (``load_model_dir``), from the partition its workflow distills."""
+    return load_model_dir(url, transformer=transformer_folder(teacher_workflow(url)))
 
 
 def recorded_sha256(fixture_dir: str) -> str:
@@ -284,11 +301,13 @@ def write_fixture(teacher_url: str, fixture_dir: str) -> str:
     ``fixture_dir`` and record its weights' sha256 there."""
     out = Path(fixture_dir)
     # an fl2va teacher's prompt set is 3 MB that ``ensure_conditions`` rebuilds: not committed
+    folder = transformer_folder(teacher_workflow(teacher_url))
     for name in (n for n in FIXTURE_FILES if n != PROMPTS_FILE or teacher_workflow(teacher_url) == "t2va"):
+        name = name.replace("transformer/", f"{folder}/")
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_bytes(storage.read_bytes(storage.join(teacher_url, name)))
     digest = weights_sha256(str(out))
-    (out / FIXTURE_HASH_FILE).write_text(f"{digest}  {WEIGHTS_FILE}\n")
+    (out / FIXTURE_HASH_FILE).write_text(f"{digest}  {weights_file(teacher_url)}\n")
     return digest
 
 
@@ -306,8 +325,8 @@ def check_fixture(teacher_url: str, fixture_dir: str) -> Optional[str]:
         return None
     from safetensors.torch import load as load_safetensors
 
-    mine = load_safetensors(storage.read_bytes(storage.join(teacher_url, WEIGHTS_FILE)))
-    theirs = load_safetensors((Path(fixture_dir) / WEIGHTS_FILE).read_bytes())
+    mine = load_safetensors(storage.read_bytes(storage.join(teacher_url, weights_file(teacher_url))))
+    theirs = load_safetensors((Path(fixture_dir) / weights_file(fixture_dir)).read_bytes())
     if mine.keys() != theirs.keys() or any(mine[k].shape != theirs[k].shape for k in mine):
         return f"the teacher at {teacher_url} has other tensors than the fixture's: another model config"
     gap = max((mine[k].float() - theirs[k].float()).abs().max().item() for k in mine)
@@ -329,8 +348,10 @@ def sample_clips(family, model, labels: torch.Tensor, num_steps: int, seed: int,
 
 class EvalClips:
     """What a sampler of the teacher's workflow is evaluated on: ``n`` digits balanced over the
-    ten (t2va), or ``n`` held-out clips' keyframes (fl2va: ``sd.heldout_clips``, never trained on),
-    and their figures (``sounding_digits_metrics``; with keyframes, ``keyframe_figures`` too)."""
+    ten (t2va), or ``n`` held-out clips' conditions (``sd.heldout_clips``, never trained on: fl2va
+    their keyframes, ref2va their digits' pictures), and their figures
+    (``sounding_digits_metrics``; with keyframes, ``keyframe_figures`` too; with references, the
+    digit and sound accuracies are the reference's: the prompt names no digit)."""
 
     def __init__(self, workflow: str, n: int, data_seed: int = 0):
         from dmd2_core.toys import sounding_digits_metrics
@@ -341,6 +362,10 @@ class EvalClips:
             self.labels, self.anchors = clips.labels, sd.KEYFRAME_ANCHORS
             self.cond = sd.keyframe_prompt_set(clips, self.anchors).cond(torch.arange(n))
             self.keyframes = clips.frames[:, sd.keyframe_frames(self.anchors)]
+        elif workflow == "ref2va":
+            clips = sd.heldout_clips(n, data_seed)
+            self.labels = clips.labels
+            self.cond = sd.reference_prompt_set(clips).cond(torch.arange(n))
         else:
             self.labels, self.cond = sounding_digits_metrics.balanced_labels(n), None
 
@@ -357,7 +382,7 @@ class EvalClips:
 
 
 def av_teacher_table(url: str, steps=TABLE_STEPS, num_samples: int = 500, seed: int = 0) -> dict:
-    loaded = load_model_dir(url)
+    loaded = load_teacher(url)
     family = bound_family(loaded.model)
     clips = EvalClips(teacher_workflow(url), num_samples)
     return {str(k): clips.figures(clips.sample(family, loaded.model.eval(), k, seed)) for k in steps}
@@ -370,8 +395,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
     parser.add_argument("--lr", type=float, default=DEFAULT_LR)
-    parser.add_argument("--workflow", choices=("t2va", "fl2va"), default="t2va",
-                        help="fl2va: every clip conditioned on its own first and last frames too.")
+    parser.add_argument("--workflow", choices=("t2va", "fl2va", "ref2va"), default="t2va",
+                        help="fl2va: every clip conditioned on its own first and last frames too; ref2va: on a "
+                             "picture of its digit (another clip's), its prompt naming no digit.")
     parser.add_argument("--reuse", action="store_true", help="Reuse a teacher already at --save.")
     parser.add_argument("--table", action="store_true", help="Print the quality table at 50/8/4/1 steps.")
     parser.add_argument("--num-samples", type=int, default=500)
