@@ -203,6 +203,7 @@ def _no_ref_partition(ref2va):
     (dict(prompts="t2va"), r"^prompts: .*t2va.safetensors holds no 'reference_latents' .*--references"),
     (dict(prompts="kinds"), r"^prompts: .* row 0 names references \[0, 0\] .* for 1 image and 1 audio references"),
     (dict(prompts="long_sound"), r"^prompts: .* audio references span 300 latents, the clip's soundtrack 207"),
+    (dict(prompts="sound_alone"), r"^prompts: .*'reference_latents' is \[2, 0, 24, 1, 2, 2\]; .*at least one image"),
     (dict(hf_checkpoint="no_ref"), r"^hf_checkpoint: .*no_ref/transformer_ref: missing"),
     (dict(num_devices=2, cp_size=2), r"^cp_size: 2 ranks do not split the \d+-token sequence of latent_shape "
                                      r"\[24, 37, 2, 2\] and its references with a \d+-token prompt"),
@@ -213,7 +214,9 @@ def test_a_bad_reference_set_fails_before_any_actor_in_one_line(ref2va, tmp_path
     sets = {"t2va": lambda: h3_prompt_set().save(str(ref2va["root"] / "t2va.safetensors"))
             or str(ref2va["root"] / "t2va.safetensors"),
             "kinds": lambda: _bad_set(ref2va, "kinds.safetensors", reference_kinds=torch.zeros(2, 2, dtype=torch.long)),
-            "long_sound": lambda: _bad_set(ref2va, "long.safetensors", reference_audio_latents=torch.zeros(2, 1, 600, 32))}
+            "long_sound": lambda: _bad_set(ref2va, "long.safetensors", reference_audio_latents=torch.zeros(2, 1, 600, 32)),
+            "sound_alone": lambda: _bad_set(ref2va, "alone.safetensors", reference_latents=torch.zeros(2, 0, 24, 1, 2, 2),
+                                            reference_kinds=torch.ones(2, 1, dtype=torch.long))}
     prompts = override.pop("prompts", None)
     url = ref2va["prompts"] if prompts is None else sets[prompts]()
     if override.get("hf_checkpoint") == "no_ref":

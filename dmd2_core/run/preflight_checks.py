@@ -290,8 +290,9 @@ def check_reference_prompts(url: str, entries: dict, latent_shape: Optional[list
         if entries[key]["shape"][0] != n:
             raise ArgsError(f"prompts: {url} '{key}' has {entries[key]['shape'][0]} rows for {n} prompts")
     images = entries["reference_latents"]["shape"]
-    if len(images) != 6 or images[3] != 1:
-        raise ArgsError(f"prompts: {url} 'reference_latents' is {images}; it must be [N, I, C, 1, h, w]")
+    if len(images) != 6 or images[3] != 1 or not images[1]:
+        raise ArgsError(f"prompts: {url} 'reference_latents' is {images}; it must be [N, I, C, 1, h, w], at least "
+                        "one image per row (a sound never stands alone)")
     sounds = entries[REFERENCE_AUDIO]["shape"] if REFERENCE_AUDIO in entries else [n, 0, 0, AUDIO_LATENT_CHANNELS]
     if len(sounds) != 4 or sounds[3] != AUDIO_LATENT_CHANNELS or sounds[2] % AUDIO_CHANNELS:
         raise ArgsError(f"prompts: {url} '{REFERENCE_AUDIO}' is {sounds}; it must be [N, A, 2 L, "
