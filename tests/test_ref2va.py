@@ -331,3 +331,37 @@ def test_a_ref2va_lora_export_loads_into_transformer_ref_through_diffusers(ref2v
     theirs = {n.replace(".default_0.", "."): p for n, p in pipe.transformer_ref.named_parameters()}
     assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
     assert not any("lora" in n for n, _ in pipe.transformer.named_parameters())
+
+
+def test_a_lora_ref2va_checkpoint_exported_whole_after_the_fact_serves_ref2va(ref2va, tmp_path):
+    """A LoRA ref2va run's checkpoint, exported after the fact as a whole pipeline (``--format
+    pipeline``): the adapters merged into transformer_ref/'s weights (not transformer/'s), written
+    to the export's transformer_ref/, which diffusers' ref2va pipeline loads and samples the
+    trainer's eval latents from."""
+    import contextlib
+    import io
+
+    from dmd2_core.cli import main
+    from dmd2_core.models.h3_repository import load_denoising, run_ref2va
+    from tests.helpers import in_process_trainers, iterate_in_process
+
+    save, out = tmp_path / "run", tmp_path / "whole"
+    trainers = in_process_trainers(load_args("minimax-h3", dict(
+        CPU, hf_checkpoint=ref2va["url"], prompts=ref2va["prompts"], save=str(save), async_save=False,
+        dmd2_student_steps=[2], lora_rank=4, lora_alpha=8.0, ema_decay=None)))
+    iterate_in_process(trainers, 1)
+    actor = trainers["actor"]
+    actor.save(1)
+    actor.save_status(wait=True)
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["export", "--load", str(save), "--out", str(out), "--format", "pipeline"]) == 0
+    assert (out / "transformer_ref").is_dir() and not (out / "transformer").exists()
+    assert json.loads((out / "export.json").read_text())["workflow"] == "ref2va"
+    ours = actor.sample([1], seed=7, decode=False)
+    embeds, length = ref2va["set"].embeds, int(ref2va["set"].embeds["prompt_lengths"][1])
+    theirs = run_ref2va(load_denoising(str(out), "ref2va"), embeds["prompt_embeds"][1, :length],
+                        embeds["text_token_tags"][1, :length], embeds["reference_latents"][1],
+                        embeds["reference_kinds"][1].tolist(), embeds["reference_audio_latents"][1],
+                        num_inference_steps=3, seed=7, **H3_GEOMETRY)
+    joined = ref2va["family"].join(theirs["latents"][None], theirs["audio_latents"][None])
+    torch.testing.assert_close(joined, ours, atol=2e-4, rtol=2e-4)
