@@ -291,27 +291,27 @@ def keyframe_pictures(prompts_url: Optional[str], indices: Sequence[int]) -> dic
     """Prompt index -> its keyframes as pictures (uint8 [K, 3, H, W]) and their anchor codes (0
     first, 1 last), for the prompts ``indices`` of an fl2va set: those rows only. Empty for a set
     without pictures (a built-in or t2va set, or an fl2va set prepared before they were kept)."""
+    rows = _prompt_rows(prompts_url, indices, [KEYFRAME_PIXELS, "keyframe_anchors"])
+    return {p: (row[KEYFRAME_PIXELS], row["keyframe_anchors"].tolist()) for p, row in rows.items()}
+
+
+def _prompt_rows(prompts_url: Optional[str], indices: Sequence[int], keys: list[str]) -> dict[int, dict]:
+    """Prompt index -> its rows of ``keys`` in a stored set, for the prompts ``indices`` only; empty
+    for a built-in set or one without every key."""
     if not prompts_url or prompts_url in BUILTIN_SETS:
         return {}
     stored = StoredRows(prompts_url)
-    if KEYFRAME_PIXELS not in stored.shapes or "keyframe_anchors" not in stored.shapes:
+    if any(key not in stored.shapes for key in keys):
         return {}
     unique = sorted(set(int(i) for i in indices))
-    rows = stored.rows([KEYFRAME_PIXELS, "keyframe_anchors"], unique)
-    return {p: (rows[KEYFRAME_PIXELS][i], rows["keyframe_anchors"][i].tolist()) for i, p in enumerate(unique)}
+    rows = stored.rows(keys, unique)
+    return {p: {key: rows[key][i] for key in keys} for i, p in enumerate(unique)}
 
 
 def reference_pictures(prompts_url: Optional[str], indices: Sequence[int]) -> dict[int, torch.Tensor]:
     """Prompt index -> its image references as pictures (uint8 [I, 3, H, W], as encoded), for the
     prompts ``indices`` of a ref2va set: those rows only. Empty for a set without them."""
-    if not prompts_url or prompts_url in BUILTIN_SETS:
-        return {}
-    stored = StoredRows(prompts_url)
-    if REFERENCE_PIXELS not in stored.shapes:
-        return {}
-    unique = sorted(set(int(i) for i in indices))
-    rows = stored.rows([REFERENCE_PIXELS], unique)[REFERENCE_PIXELS]
-    return {p: rows[i] for i, p in enumerate(unique)}
+    return {p: row[REFERENCE_PIXELS] for p, row in _prompt_rows(prompts_url, indices, [REFERENCE_PIXELS]).items()}
 
 
 def references_per_sample(prompts_url: Optional[str], workflow: str) -> tuple:
@@ -327,6 +327,16 @@ def references_per_sample(prompts_url: Optional[str], workflow: str) -> tuple:
         return ()
     kinds = StoredRows(prompts_url).rows(["reference_kinds"], [0])["reference_kinds"][0].tolist()
     return reference_layout(kinds, shapes["reference_latents"][2:], (shapes.get(REFERENCE_AUDIO) or [0, 0, 0])[2])
+
+
+def workflow_conditions(prompts_url: Optional[str], workflow: str) -> dict:
+    """The condition rows each sample of a MiniMax-H3 run carries, as ``family.bind`` takes them:
+    {'keyframes': K} (fl2va), {'references': ...} (ref2va), {} otherwise; from its prompt set."""
+    if workflow == "fl2va":
+        return {"keyframes": keyframes_per_sample(prompts_url, workflow)}
+    if workflow == "ref2va":
+        return {"references": references_per_sample(prompts_url, workflow)}
+    return {}
 
 
 def keyframes_per_sample(prompts_url: Optional[str], workflow: str) -> int:

@@ -167,12 +167,11 @@ def group_plan(role: str, args: Args, size: ModelSize, teacher: Optional[ModelSi
                scored: Optional[bool] = None) -> GroupPlan:
     """``teacher``: the critic's separate frozen teacher; ``scored``: the group scores with a teacher
     (default: it has one; a LoRA critic over a shared base has none of its own)."""
-    family = FAMILIES[describe_model_dir(args.hf_checkpoint)["family"]].bind(args.latent_shape)
-    if args.workflow != "t2va":  # the keyframes' or references' condition rows lengthen every sequence
-        from dmd2_core.data import keyframes_per_sample, references_per_sample
+    from dmd2_core.data import workflow_conditions
 
-        family = family.bind(args.latent_shape, keyframes=keyframes_per_sample(args.prompts, args.workflow),
-                             references=references_per_sample(args.prompts, args.workflow))
+    # a workflow's keyframes' or references' condition rows lengthen every sequence
+    family = FAMILIES[describe_model_dir(args.hf_checkpoint)["family"]].bind(
+        args.latent_shape, **workflow_conditions(args.prompts, args.workflow))
     compute = _dtype_bytes(args.dtype)
     fp32 = 4
     shard = lambda n: -(-n // shard_size)  # noqa: E731 - ceil division, as FSDP pads shards
@@ -318,13 +317,10 @@ def _plan(trainer_args: dict[str, Args], with_eval: bool = True) -> MemoryPlan:
     decoder = 0
     if "actor" in by_role and args.eval_interval and with_eval:  # eval: the student's K steps, then rank 0 decodes
         actor_args, actor = trainer_args["actor"], by_role["actor"]
-        family = FAMILIES[describe_model_dir(actor_args.hf_checkpoint)["family"]].bind(actor_args.latent_shape)
-        if actor_args.workflow != "t2va":
-            from dmd2_core.data import keyframes_per_sample, references_per_sample
+        from dmd2_core.data import workflow_conditions
 
-            family = family.bind(actor_args.latent_shape,
-                                 keyframes=keyframes_per_sample(actor_args.prompts, actor_args.workflow),
-                                 references=references_per_sample(actor_args.prompts, actor_args.workflow))
+        family = FAMILIES[describe_model_dir(actor_args.hf_checkpoint)["family"]].bind(
+            actor_args.latent_shape, **workflow_conditions(actor_args.prompts, actor_args.workflow))
         size = size_of(actor_args.hf_checkpoint)
         compute = _dtype_bytes(actor_args.dtype)
         shape = family_shape(family, size.config, actor_args.latent_shape)

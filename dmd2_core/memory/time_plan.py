@@ -220,12 +220,12 @@ def _rollout_forwards(args: Args, stop_step: Optional[int] = None) -> float:
     return sum(w * f for w, f in zip(weights, per)) / sum(weights)
 
 
-def _conditions(args: Args) -> tuple[int, tuple]:
-    """The keyframe condition frames (fl2va) and the references (ref2va) a run's every forward
-    carries: ``model_flops``' last two arguments."""
-    from dmd2_core.data import keyframes_per_sample, references_per_sample
+def _conditions(args: Args) -> dict:
+    """The keyframe condition frames (fl2va) or the references (ref2va) a run's every forward
+    carries: ``model_flops``' keyword arguments."""
+    from dmd2_core.data import workflow_conditions
 
-    return keyframes_per_sample(args.prompts, args.workflow), references_per_sample(args.prompts, args.workflow)
+    return workflow_conditions(args.prompts, args.workflow)
 
 
 def iteration_flops(trainers: dict[str, Args], stop_step: Optional[int] = None) -> dict[str, float]:
@@ -233,13 +233,13 @@ def iteration_flops(trainers: dict[str, Args], stop_step: Optional[int] = None) 
     the expected iteration, or the one whose rollout stopped at ``stop_step``."""
     actor = trainers["actor"]
     key = lambda a: tuple(a.latent_shape) if a.latent_shape else None  # noqa: E731
-    student = model_flops(actor.hf_checkpoint, key(actor), actor.gan_feature_block, None, *_conditions(actor))
+    student = model_flops(actor.hf_checkpoint, key(actor), actor.gan_feature_block, None, **_conditions(actor))
     batch = actor.global_batch_size
     parts = {"rollout": batch * _rollout_forwards(actor, stop_step) * student.forward,
              "actor": batch * _trained(actor) * student.forward}
     critic = trainers.get("critic")
     if critic is not None:
-        fake = model_flops(critic.hf_checkpoint, key(critic), critic.gan_feature_block, None, *_conditions(critic))
+        fake = model_flops(critic.hf_checkpoint, key(critic), critic.gan_feature_block, None, **_conditions(critic))
         trained = _trained(critic) * fake.forward
         steps = critic.num_steps_per_rollout
         scoring = critic.loss_type == "dmd2_critic"
@@ -249,7 +249,7 @@ def iteration_flops(trainers: dict[str, Args], stop_step: Optional[int] = None) 
         parts["critic"] = batch * (steps * per_step + generator)
         if scoring:
             teacher_url = critic.teacher_checkpoint or critic.hf_checkpoint
-            teacher = model_flops(teacher_url, key(critic), critic.gan_feature_block, None, *_conditions(critic))
+            teacher = model_flops(teacher_url, key(critic), critic.gan_feature_block, None, **_conditions(critic))
             family = FAMILIES[describe_model_dir(teacher_url)["family"]]
             guided = _guided(critic, family) * teacher.forward
             original = fake.forward if critic.dmd2_critic_scoring == "original" and not generator else 0
@@ -269,7 +269,7 @@ def eval_flops(trainers: dict[str, Args], evaluator: str) -> dict[str, float]:
         return {"eval": 0.0, "reference": 0.0}
     key = lambda a: tuple(a.latent_shape) if a.latent_shape else None  # noqa: E731
     share = lambda n, a: math.ceil(n / (a.num_devices // a.cp_size))  # noqa: E731 - one rank's rows (EvalShare)
-    student = model_flops(actor.hf_checkpoint, key(actor), actor.gan_feature_block, None, *_conditions(actor))
+    student = model_flops(actor.hf_checkpoint, key(actor), actor.gan_feature_block, None, **_conditions(actor))
     steps = sum(actor.student_step_counts)  # an eval of a set samples at each of its K
     samples, clips = actor.eval_num_samples, eval_clips(actor)
     flops = (share(samples, actor) + (share(clips, actor) if clips > samples else 0)) * steps * student.forward
@@ -277,7 +277,7 @@ def eval_flops(trainers: dict[str, Args], evaluator: str) -> dict[str, float]:
     if evaluator == "teacher":
         critic = trainers.get("critic") or actor
         teacher_url = critic.teacher_checkpoint or critic.hf_checkpoint
-        teacher = model_flops(teacher_url, key(critic), critic.gan_feature_block, None, *_conditions(critic))
+        teacher = model_flops(teacher_url, key(critic), critic.gan_feature_block, None, **_conditions(critic))
         family = FAMILIES[describe_model_dir(teacher_url)["family"]]
         features = share(samples, critic) * teacher.feature_forward
         flops += features

@@ -30,7 +30,7 @@ What differs from the project's flow-matching math, mapped here and nowhere else
   fl2va blocks do, the keyframes become condition rows in front of the generated video rows,
   noised to ``t = 0.999`` and held at ``max(t, 0.999)``; the model's outputs on them are dropped,
   so no loss and no DMD gradient reaches them. An eval sample j draws as a request of seed
-  ``s + j`` does, each keyframe's noise first and then the clip's (``eval_keyframe_noise``,
+  ``s + j`` does, each keyframe's noise first and then the clip's (``eval_condition_noise``,
   ``eval_noise``), so the export loaded with ``workflow="fl2va"`` samples the eval's latents
   from the same inputs.
 - ``ref2va`` conditions on references and distills the repository's other partition,
@@ -88,6 +88,8 @@ WORKFLOW_COND_KEYS = {"t2va": TEXT_COND_KEYS, "fl2va": (*TEXT_COND_KEYS, *KEYFRA
 WORKFLOW_TRANSFORMER = {"ref2va": "transformer_ref"}  # the repository partition a workflow distills (else transformer/)
 EVAL_KEYFRAME_NOISE = "keyframe_noise"  # an eval sample's own draw of its keyframes' noise, beside its conditions
 EVAL_REFERENCE_NOISE = "reference_noise"  # and of its image references' noise
+# a set's noised conditions (noised to 0.999 as condition rows) -> the key of an eval sample's own draw of their noise
+NOISED_CONDITIONS = {"keyframe_latents": EVAL_KEYFRAME_NOISE, "reference_latents": EVAL_REFERENCE_NOISE}
 KEYFRAME_NOISE_AUG = 0.999  # the t a keyframe anchor is noised to and held at (pipe.keyframe_noise_aug)
 # diffusers draws the anchors' 0.1 % of noise from the request's generator, before the clip's noise;
 # training draws it once from this seed, so every forward of a sample (rollout, teacher, fake score)
@@ -318,7 +320,7 @@ class MiniMaxH3Family(ModelFamily):
         sample's own condition noise where it holds one (``keyframe_noise`` / ``reference_noise``:
         without it the forward noises the conditions with the fixed training draw)."""
         keys = WORKFLOW_COND_KEYS[cond_workflow(cond)]
-        extra = (REFERENCE_AUDIO, EVAL_KEYFRAME_NOISE, EVAL_REFERENCE_NOISE)
+        extra = (REFERENCE_AUDIO, *NOISED_CONDITIONS.values())
         return {k: cond[k] for k in (*keys, *extra) if k in keys or k in cond}
 
     def workflow_cond_keys(self, workflow: str) -> tuple[str, ...]:
@@ -483,9 +485,8 @@ class MiniMaxH3Family(ModelFamily):
         n = x_t.shape[0]
         u = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1).expand(n).tolist()
         text = cond["prompt_embeds"].to(x_t.device)
-        workflow = cond_workflow(cond)
-        noised, noise = {"fl2va": ("keyframe_latents", EVAL_KEYFRAME_NOISE),
-                         "ref2va": ("reference_latents", EVAL_REFERENCE_NOISE)}.get(workflow, (None, None))
+        noised = next((key for key in NOISED_CONDITIONS if key in cond), None)
+        noise = NOISED_CONDITIONS.get(noised)
 
         def pick(key, index):
             return cond[key].index_select(0, index.to(cond[key].device)) if key in cond else None
@@ -610,12 +611,12 @@ class MiniMaxH3Family(ModelFamily):
         each noised condition's noise at its latent shape ([K, 24, 1, h, w]: one latent frame each),
         then the clip's video latents and audio rows (flat [1, D])."""
         g = torch.Generator().manual_seed(seed)
-        anchors = torch.stack([torch.randn(tuple(shape), generator=g) for shape in conditions]) \
+        condition_noise = torch.stack([torch.randn(tuple(shape), generator=g) for shape in conditions]) \
             if conditions else torch.zeros(0)
         video = torch.randn((1, *self.video_shape), generator=g)
         audio_rows = torch.randn((self.audio_shape[2] * AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS), generator=g)
         audio = audio_rows.reshape(AUDIO_CHANNELS, -1, AUDIO_LATENT_CHANNELS).permute(0, 2, 1)
-        return anchors, self.join(video, audio[None])
+        return condition_noise, self.join(video, audio[None])
 
     # ---- for the memory plan ----------------------------------------------------------------------
     def tokens(self, config, sample_shape):

@@ -212,13 +212,9 @@ def keyframe_pixels(image) -> torch.Tensor:
     return torch.from_numpy(np.array(image.convert("RGB"), dtype=np.uint8)).permute(2, 0, 1).contiguous()
 
 
-REFERENCE_FILES = ("image", "audio")  # a references entry's keys (diffusers' MiniMaxH3ImageReference / AudioReference)
-
-
 def _audio_rate(hf_checkpoint: str) -> int:
     """The audio VAE's sample rate (a reference sound must come at it: resampling needs torchaudio)."""
-    config = json.loads(storage.read_text(storage.join(hf_checkpoint, "audio_vae", "config.json")))
-    return int(config.get("sampling_rate") or config.get("sample_rate"))
+    return int(json.loads(storage.read_text(storage.join(hf_checkpoint, "audio_vae", "config.json")))["sampling_rate"])
 
 
 def read_references(url: str, prompts: list[str], sample_rate: int) -> list[list]:
@@ -235,6 +231,7 @@ def read_references(url: str, prompts: list[str], sample_rate: int) -> list[list
     from PIL import Image
 
     from dmd2_core.args import nearest
+    from dmd2_core.models.minimax_h3 import REFERENCE_KINDS  # a references entry's keys
 
     entries, base = read_condition_list(url, "references", prompts)
     out, layout = [], None
@@ -248,9 +245,9 @@ def read_references(url: str, prompts: list[str], sample_rate: int) -> list[list
             if key == "video":
                 raise ArgsError(f"{where} reference {j}: a video reference needs Qwen3-VL's video processor, which "
                                 "needs torchvision (not installed); give image and audio references")
-            if key not in REFERENCE_FILES:
+            if key not in REFERENCE_KINDS:
                 raise ArgsError(f"{where} reference {j}: {json.dumps(ref)} is no reference"
-                                f"{nearest(str(key), REFERENCE_FILES)} (one key: image or audio)")
+                                f"{nearest(str(key), REFERENCE_KINDS)} (one key: image or audio)")
             media = ref[key] if "://" in ref[key] or ref[key].startswith("/") else storage.join(base, ref[key])
             if not storage.exists(media):
                 raise ArgsError(f"{where} reference {j}: no {key} at {media}{storage.nearest_sibling(media)}")
@@ -301,17 +298,17 @@ def encode_reference_prompts(hf_checkpoint: str, prompts: list[str], references:
         encoded = encode_reference_prompts_h3(hf_checkpoint, prompts, references, *clip)
     except ValueError as exc:
         raise ArgsError(f"references: {one_line(exc)}") from None
+    images = list(encoded[0]["reference_latents"].shape)
+    sounds = [tuple(r.shape) for r in encoded[0][REFERENCE_AUDIO]]
     for row, e in enumerate(encoded):
-        first = encoded[0]["reference_latents"]
-        if e["reference_latents"].shape != first.shape:
+        if list(e["reference_latents"].shape) != images:
             raise ArgsError(f"references: row {row} ({prompts[row]!r}) images encode to "
-                            f"{list(e['reference_latents'].shape)} latents, row 0's to {list(first.shape)}; give "
+                            f"{list(e['reference_latents'].shape)} latents, row 0's to {images}; give "
                             "every row's images one aspect ratio")
-        sounds = [tuple(r.shape) for r in e[REFERENCE_AUDIO]]
-        if sounds != [tuple(r.shape) for r in encoded[0][REFERENCE_AUDIO]]:
-            raise ArgsError(f"references: row {row} ({prompts[row]!r}) sounds encode to {sounds} rows, row 0's to "
-                            f"{[tuple(r.shape) for r in encoded[0][REFERENCE_AUDIO]]}; give every row sounds as long "
-                            "(at least the clip's duration)")
+        if [tuple(r.shape) for r in e[REFERENCE_AUDIO]] != sounds:
+            raise ArgsError(f"references: row {row} ({prompts[row]!r}) sounds encode to "
+                            f"{[tuple(r.shape) for r in e[REFERENCE_AUDIO]]} rows, row 0's to {sounds}; give every "
+                            "row sounds as long (at least the clip's duration)")
     text = padded_presentations(encoded)
     conditions = {
         **text, "reference_latents": torch.stack([e["reference_latents"] for e in encoded]),

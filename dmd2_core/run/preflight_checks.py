@@ -239,15 +239,8 @@ def check_workflow_prompts(url: str, workflow: str, latent_shape: Optional[list[
     if workflow == "ref2va":
         check_reference_prompts(url, entries, latent_shape)
         return
-    missing = [key for key in KEYFRAME_KEYS if key not in entries]
-    if missing:
-        raise ArgsError(f"prompts: {url} holds no '{missing[0]}' ({workflow} conditions on keyframes); prepare it "
-                        "with prepare-prompts --keyframes")
-    n = entries["prompt_embeds"]["shape"][0]
+    n = _condition_keys(url, entries, KEYFRAME_KEYS, workflow, "keyframes")
     keyframes = entries["keyframe_latents"]["shape"]
-    for key in KEYFRAME_KEYS:
-        if entries[key]["shape"][0] != n:
-            raise ArgsError(f"prompts: {url} '{key}' has {entries[key]['shape'][0]} rows for {n} prompts")
     if len(keyframes) != 6 or keyframes[3] != 1:
         raise ArgsError(f"prompts: {url} 'keyframe_latents' is {keyframes}; it must be [N, K, C, 1, H, W]")
     if latent_shape and list(keyframes[4:]) != list(latent_shape[2:]):
@@ -266,6 +259,21 @@ def check_workflow_prompts(url: str, workflow: str, latent_shape: Optional[list[
                         "0 (first) and 1 (last)")
 
 
+def _condition_keys(url: str, entries: dict, keys, workflow: str, what: str, optional=()) -> int:
+    """A workflow's prompt set holds each of its condition ``keys`` (``what``: keyframes or
+    references, the ``prepare-prompts`` flag that writes them), and those and the ``optional`` keys
+    it holds have a row per prompt; returns the prompts' count."""
+    missing = [key for key in keys if key not in entries]
+    if missing:
+        raise ArgsError(f"prompts: {url} holds no '{missing[0]}' ({workflow} conditions on {what}); prepare it "
+                        f"with prepare-prompts --{what}")
+    n = entries["prompt_embeds"]["shape"][0]
+    for key in (*keys, *optional):
+        if entries[key]["shape"][0] != n:
+            raise ArgsError(f"prompts: {url} '{key}' has {entries[key]['shape'][0]} rows for {n} prompts")
+    return n
+
+
 def check_reference_prompts(url: str, entries: dict, latent_shape: Optional[list[int]]) -> None:
     """A ref2va set: its references' keys, one row per prompt, image latents [N, I, C, 1, h, w],
     audio rows [N, A, 2 L, 32] no longer than the clip's soundtrack (diffusers truncates a
@@ -281,14 +289,8 @@ def check_reference_prompts(url: str, entries: dict, latent_shape: Optional[list
         pixel_frames,
     )
 
-    missing = [key for key in REFERENCE_KEYS if key not in entries]
-    if missing:
-        raise ArgsError(f"prompts: {url} holds no '{missing[0]}' (ref2va conditions on references); prepare it "
-                        "with prepare-prompts --references")
-    n = entries["prompt_embeds"]["shape"][0]
-    for key in (*REFERENCE_KEYS, *([REFERENCE_AUDIO] if REFERENCE_AUDIO in entries else [])):
-        if entries[key]["shape"][0] != n:
-            raise ArgsError(f"prompts: {url} '{key}' has {entries[key]['shape'][0]} rows for {n} prompts")
+    n = _condition_keys(url, entries, REFERENCE_KEYS, "ref2va", "references",
+                        [REFERENCE_AUDIO] if REFERENCE_AUDIO in entries else [])
     images = entries["reference_latents"]["shape"]
     if len(images) != 6 or images[3] != 1 or not images[1]:
         raise ArgsError(f"prompts: {url} 'reference_latents' is {images}; it must be [N, I, C, 1, h, w], at least "
@@ -443,7 +445,7 @@ def check_context_parallel(args: Args, trainer_args: dict[str, Args]) -> None:
     context-parallel plan, the heads split over cp, and every sequence the trainer runs (the latent
     shape's tokens, plus each prompt's text for a joint model) splits evenly. The critic scores the
     actor's rows rank by rank, so both split a batch alike."""
-    from dmd2_core.data import keyframes_per_sample, references_per_sample
+    from dmd2_core.data import workflow_conditions
     from dmd2_core.models import FAMILIES, describe_model_dir, transformer_folder
 
     keys = {"actor": "cp_size", "critic": "cp_size" if args.critic_cp_size is None else "critic_cp_size"}
@@ -462,9 +464,7 @@ def check_context_parallel(args: Args, trainer_args: dict[str, Args]) -> None:
         urls = [targs.hf_checkpoint] + ([targs.teacher_checkpoint or targs.hf_checkpoint]
                                         if targs.loss_type == "dmd2_critic" else [])
         # a MiniMax-H3 workflow's condition rows (keyframes, references) lengthen every sequence
-        conditions = {} if targs.workflow == "t2va" else dict(
-            keyframes=keyframes_per_sample(targs.prompts, targs.workflow),
-            references=references_per_sample(targs.prompts, targs.workflow))
+        conditions = workflow_conditions(targs.prompts, targs.workflow)
         for url in dict.fromkeys(urls):
             info = describe_model_dir(url, transformer=transformer_folder(targs.workflow))
             config = json.loads(storage.read_text(storage.join(info["transformer_url"], "config.json")))

@@ -17,6 +17,7 @@ from dmd2_core import rng
 from dmd2_core.args import Args
 from dmd2_core.losses import dmd2_gradient, floored_modalities
 from dmd2_core.models.base import ModelFamily
+from dmd2_core.models.minimax_h3 import NOISED_CONDITIONS
 from dmd2_core.sampling import guided_velocity, student_sample
 
 
@@ -216,10 +217,6 @@ def eval_start_noise(family: ModelFamily, shape: tuple[int, ...], seed: int, con
     return torch.randn(shape, generator=g), g
 
 
-# a cond's noised conditions -> the key of an eval sample's own draw of their noise (MiniMax-H3's fl2va, ref2va)
-CONDITION_NOISE = {"keyframe_latents": "keyframe_noise", "reference_latents": "reference_noise"}
-
-
 def eval_cond(family: ModelFamily, cond: dict, n: int, seed: int, rows: Optional[list[int]] = None) -> dict:
     """``cond`` of an eval batch of ``n`` samples (``rows`` of it: this rank's share), with each
     sample's condition noise as its request draws it where it holds noised conditions (MiniMax-H3's
@@ -232,12 +229,12 @@ def eval_cond(family: ModelFamily, cond: dict, n: int, seed: int, rows: Optional
     noise = family.eval_condition_noise(n, seed, shapes)
     if rows is not None:
         noise = noise.index_select(0, torch.tensor(rows, dtype=torch.long))
-    return dict(cond, **{CONDITION_NOISE[key]: noise.to(cond[key].device)})
+    return dict(cond, **{NOISED_CONDITIONS[key]: noise.to(cond[key].device)})
 
 
 def _condition_shapes(cond: Optional[dict]) -> tuple[Optional[str], tuple]:
     """The key of ``cond``'s noised conditions and each one's latent shape per sample (none: ())."""
-    for key in CONDITION_NOISE:
+    for key in NOISED_CONDITIONS:
         if cond and key in cond:
             return key, (tuple(cond[key].shape[2:]),) * int(cond[key].shape[1])
     return None, ()
