@@ -229,6 +229,11 @@ class Args(TrackerFlags):
         "DMD gradient comes from, on dmd2_min_sigma's scale (MiniMax-H3: the schedule position both modalities share): "
         "a sample drawn below it leaves that modality's part out, the other's kept. Default dmd2_min_sigma for each.")
     dmd2_max_sigma: float = _f(0.98, "dmd2", "Upper clamp of DMD/critic sigmas.", gt=0, le=1)
+    dmd2_modality_shifts: Optional[dict[str, float]] = _f(
+        None, "dmd2", "Per modality of a joint model (MiniMax-H3: video, audio), the schedule shift its noise is drawn "
+        "at where the critic trains and the DMD gradient is taken: both modalities share one schedule position u per "
+        "clip, and a modality sits at shift(u, its shift). The student's steps, the teacher's samplers and the eval "
+        "keep the schedulers' shifts. Default the schedulers' (MiniMax-H3: video 12, audio 3).")
     dmd2_regression_weight: float = _f(
         0.0, "dmd2", "Weight of DMD's regression loss (0: off): the student's x0 pulled towards the frozen teacher's own "
         "dmd2_regression_steps-step sample run on from the student's x_t, made by the critic group each iteration "

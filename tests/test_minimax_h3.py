@@ -170,6 +170,8 @@ def test_one_iteration_trains_both_modalities(h3, tmp_path):
     (dict(dmd2_modality_min_sigma={"vido": 0.2}), r"^dmd2_modality_min_sigma: unknown modality 'vido' .* did you mean 'video'"),
     (dict(dmd2_modality_min_sigma={"video": 0.99}),
      r"^dmd2_modality_min_sigma: video floor 0.99 is outside the draws' range \[dmd2_min_sigma 0.02, dmd2_max_sigma 0.98\)$"),
+    (dict(dmd2_modality_shifts={"audo": 1.0}), r"^dmd2_modality_shifts: unknown modality 'audo' .* did you mean 'audio'"),
+    (dict(dmd2_modality_shifts={"audio": 0.0}), r"^dmd2_modality_shifts: audio shift must be > 0 \(got 0.0\)$"),
     (dict(latent_shape=[24, 7, 2, 4]), r"latent_shape: \[24, 7, 2, 4\] disagrees with num_frames/height/width \(\[.*\]\); set one"),
 ])
 def test_bad_clip_input_fails_before_any_actor_in_one_line(h3, tmp_path, override, message):
@@ -530,6 +532,58 @@ def test_a_modality_drawn_below_its_floor_leaves_the_dmd_gradient_and_the_other_
 
     oracle = floor_args("oracle", dmd2_modality_min_sigma={"video": 0.6})
     trainers, loop = in_process_trainers(oracle), ReferenceLoop(oracle)
+    iterate_in_process(trainers, 1)
+    loop.iterate(1)
+    a, b = trainers["actor"].weights(), loop.student.state_dict()
+    assert max((a[k] - b[k].detach()).abs().max().item() for k in b) < 1e-5
+
+
+def test_the_critic_draws_the_sound_at_its_own_shift_and_the_student_steps_on_the_schedulers(h3, tmp_path, monkeypatch):
+    """``dmd2_modality_shifts: {audio: 1}``: every forward of the critic's steps and of the DMD
+    scoring (the fake score's and the teacher's) carries the sound at shift(u, 1) = u beside the
+    picture at shift(u, 12); every forward of the student's rollout and of its graded step carries
+    the schedulers' pair (the sound at shift(u, 3)). The reference loop (the bench's) takes the
+    same step as the trainers."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from dmd2_core.models.minimax_h3 import shifted
+    from dmd2_core.train.reference import ReferenceLoop
+    from tests.helpers import in_process_trainers, iterate_in_process
+
+    seen, phase = [], ["student"]
+    forward = MiniMaxH3Transformer3DModel.forward
+
+    def recording(self, *a, **kw):
+        t, rows = kw["timestep"], kw["timestep_indices"]
+        seen.append((phase[0], 1 - float(t[rows[kw["video_indices"][-1]]]), 1 - float(t[rows[kw["audio_indices"][-1]]])))
+        return forward(self, *a, **kw)
+
+    monkeypatch.setattr(MiniMaxH3Transformer3DModel, "forward", recording)
+    args = load_args("minimax-h3", dict(CPU, hf_checkpoint=h3["url"], prompts=h3["prompts"], save=str(tmp_path / "run"),
+                                        lr=1e-4, critic_lr=1e-4, dmd2_update_ratio=2, num_frames=None, height=None,
+                                        width=None, latent_shape=[24, 37, 2, 2], dmd2_modality_shifts={"audio": 1.0}))
+    trainers = in_process_trainers(args)
+    pairs, _ = trainers["actor"].rollout(1)
+    phase[0] = "critic"
+    scores, _ = trainers["critic"].train(1, pairs)
+    phase[0] = "student"
+    trainers["actor"].train(1, pairs, scores)
+
+    def audio_shift_of(s_video, s_audio):  # the shift that puts the sound at s_audio where u puts the picture at s_video
+        u = torch.tensor(s_video / (12 - 11 * s_video))
+        return min((abs(float(shifted(u, k)) - s_audio), k) for k in (1.0, 3.0))
+
+    def telling(s_video):  # at u = 1 (a rollout's first step) every shift puts the sound at 1
+        u = torch.tensor(s_video / (12 - 11 * s_video))
+        return abs(float(shifted(u, 1.0) - shifted(u, 3.0))) > 1e-3
+
+    by_phase = {p: [audio_shift_of(v, a) for q, v, a in seen if q == p and telling(v)] for p in ("student", "critic")}
+    assert len(by_phase["critic"]) > 2 * args.global_batch_size and len(by_phase["student"]) >= 2
+    for p, shift in (("critic", 1.0), ("student", 3.0)):
+        assert all(k == shift and gap < 1e-4 for gap, k in by_phase[p]), (p, by_phase[p])
+
+    monkeypatch.setattr(MiniMaxH3Transformer3DModel, "forward", forward)
+    trainers, loop = in_process_trainers(args), ReferenceLoop(args)
     iterate_in_process(trainers, 1)
     loop.iterate(1)
     a, b = trainers["actor"].weights(), loop.student.state_dict()

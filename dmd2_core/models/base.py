@@ -85,6 +85,14 @@ class ModelFamily:
     def sigma_field(self, sigma, like: torch.Tensor):
         return sigma
 
+    def drawing_at(self, shifts: Optional[dict[str, float]]) -> "ModelFamily":
+        """This family with the critic's and the DMD gradient's draws at ``shifts`` (modality ->
+        schedule shift, ``dmd2_modality_shifts``); itself when none. A family of one modality has
+        no modality to shift (preflight refuses the key for it)."""
+        if shifts:
+            raise ValueError(f"dmd2_modality_shifts: {type(self).__name__} has one modality, nothing to shift")
+        return self
+
     def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, sigma) -> torch.Tensor:
         return fm.add_noise(x0, noise, self.sigma_field(sigma, x0))
 

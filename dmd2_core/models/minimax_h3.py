@@ -52,6 +52,7 @@ The packed layout and the per-row timesteps are built by diffusers' own blocks
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from functools import cached_property
@@ -71,6 +72,7 @@ AUDIO_LATENT_CHANNELS = 32
 MIN_SECONDS, MAX_SECONDS = 5.0, 15.0
 MIN_ASPECT, MAX_ASPECT = 1 / 4, 4.0
 VIDEO_SHIFT, AUDIO_SHIFT = 12.0, 3.0
+MODALITIES = ("video", "audio")  # ``shifts``' order, and each flat sample's
 TEXT_TAG = 1
 VIDEO_TAG, AUDIO_TAG = 0, 2
 PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -307,6 +309,17 @@ class MiniMaxH3Family(ModelFamily):
         video = shifted(u, self.shifts[0]).expand(-1, seg["video"].stop)
         audio = shifted(u, self.shifts[1]).expand(-1, seg["audio"].stop - seg["audio"].start)
         return torch.cat([video, audio], dim=1).expand(like.shape[0], -1)
+
+    def drawing_at(self, shifts: Optional[dict[str, float]]) -> "MiniMaxH3Family":
+        """This family with a modality's noise at its own shift of the shared u (``dmd2_modality_shifts``):
+        the critic's steps and the DMD gradient draw there, the student's steps and the teacher's
+        samplers stay on the schedulers' shifts. Itself when ``shifts`` changes nothing."""
+        drawn = tuple(float((shifts or {}).get(name, s)) for name, s in zip(MODALITIES, self.shifts))
+        if drawn == self.shifts:
+            return self
+        changed = copy.copy(self)
+        changed.shifts = drawn
+        return changed
 
     def modality_sigmas(self, u: float) -> tuple[float, float]:
         t = torch.tensor([u], dtype=torch.float32)

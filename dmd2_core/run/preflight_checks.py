@@ -168,6 +168,7 @@ def check_family_args(args: Args, teacher: dict[str, Any]) -> Args:
     for flag in ("dmd2_modality_weights", "gan_modality_weights"):
         check_modality_weights(flag, getattr(args, flag), family, name)
     check_modality_floors(args, family, name)
+    check_modality_shifts(args.dmd2_modality_shifts, family, name)
     if args.gan_judged_modalities is not None:
         if not args.gan_judged_modalities:
             raise ArgsError("gan_judged_modalities: empty; name the modalities the GAN head judges, or leave it unset for all")
@@ -192,6 +193,14 @@ def check_modality_weights(flag: str, weights: Optional[dict], family, name: str
     for key, value in (weights or {}).items():
         if not value >= 0:
             raise ArgsError(f"{flag}: {key} weight must be >= 0 (got {value})")
+
+
+def check_modality_shifts(shifts: Optional[dict], family, name: str) -> None:
+    """``dmd2_modality_shifts``: known modalities, each shift > 0."""
+    check_modality_names("dmd2_modality_shifts", shifts or {}, family, name)
+    for key, value in (shifts or {}).items():
+        if not value > 0:
+            raise ArgsError(f"dmd2_modality_shifts: {key} shift must be > 0 (got {value})")
 
 
 def check_modality_floors(args, family, name: str) -> None:

@@ -78,7 +78,7 @@ class Critic:
             total, modality_losses = 0.0, {}
             for mb in micro_batches(B, args.micro_batch_size):
                 mb_cond = {k: v[mb] for k, v in cond.items()}
-                out = gan.critic_forward(self.family, self.model, self.disc, args.gan_feature_block, x0[mb], noise[mb],
+                out = gan.critic_forward(self.draws, self.model, self.disc, args.gan_feature_block, x0[mb], noise[mb],
                                          sigma[mb], mb_cond, real and _rows(real, mb), args.gan_critic_weight,
                                          args.gan_weight if fuse and self.disc is not None and args.gan_weight else None,
                                          self.modality_weights, args.gan_judged_modalities)
@@ -127,10 +127,16 @@ class Critic:
             grad = grad + reg_grad
         return {"dmd2_grad": grad}, metrics
 
+    @property
+    def draws(self):
+        """The family the critic's steps and the DMD gradient draw their noise at (``dmd2_modality_shifts``;
+        the regression target's teacher sampler steps on ``family``'s schedules, as the student)."""
+        return self.family.drawing_at(self.args.dmd2_modality_shifts)
+
     def score(self, x0, x_t, sigma, cond, v_fake=None, gan_grad=None) -> dict:
         """The teacher's and the fake score's view of ``x0`` noised to ``x_t`` (``dmd2.score``),
         with the GAN head's generator gradient ``gan_grad`` alongside when there is one."""
-        out = dmd2_iteration.score(self.family, self.teacher, self.model, x0, x_t, sigma, cond,
+        out = dmd2_iteration.score(self.draws, self.teacher, self.model, x0, x_t, sigma, cond,
                          self.uncond(x0.shape[0]), self.guidance, v_fake=v_fake,
                          weights=self.modality_weights, floors=self.args.dmd2_modality_min_sigma)
         return out if gan_grad is None else {**out, "gan_grad": gan_grad}
@@ -154,12 +160,12 @@ class Critic:
         for mb in micro_batches(self.local_batch, self.args.micro_batch_size):
             mb_cond = {k: v[mb] for k, v in cond.items()}
             if self.disc is not None and self.args.gan_weight:  # one critic forward for the score and g_gan
-                out = gan.critic_forward(self.family, self.model, self.disc, self.args.gan_feature_block, x0[mb],
+                out = gan.critic_forward(self.draws, self.model, self.disc, self.args.gan_feature_block, x0[mb],
                                          noise[mb], sigma[mb], mb_cond, gen_weight=self.args.gan_weight,
                                          modality_weights=self.modality_weights, judged=self.args.gan_judged_modalities)
                 scores.append(self.score(x0[mb], out["x_t"], sigma[mb], mb_cond, v_fake=out["v"], gan_grad=out["gan_grad"]))
             else:
-                scores.append(self.score(x0[mb], self.family.add_noise(x0[mb], noise[mb], sigma[mb]), sigma[mb], mb_cond))
+                scores.append(self.score(x0[mb], self.draws.add_noise(x0[mb], noise[mb], sigma[mb]), sigma[mb], mb_cond))
         return scores
 
     def _real_batch(self, iteration: int, step: int, global_shape) -> tuple:

@@ -103,11 +103,12 @@ class ReferenceLoop:
 
         gen_weight = args.gan_weight if self.disc is not None and args.gan_weight else None
         gan_grad = None
+        draws = family.drawing_at(args.dmd2_modality_shifts)  # the critic's and the DMD gradient's noise, as the critic's
 
         def scores_at(stream, v_fake=None, noisy=None):
             sigma, noise = noisy or dmd2_iteration.noisy_inputs(args, iteration, stream, shape, everything)
-            x_t = family.add_noise(x0, noise, sigma)  # each modality at its own sigma, as the critic
-            return dmd2_iteration.score(family, self.teacher, self.critic, x0, x_t, sigma, cond, uncond,
+            x_t = draws.add_noise(x0, noise, sigma)  # each modality at its own sigma, as the critic
+            return dmd2_iteration.score(draws, self.teacher, self.critic, x0, x_t, sigma, cond, uncond,
                               guidance, v_fake=v_fake, weights=args.dmd2_modality_weights,
                               floors=args.dmd2_modality_min_sigma)
 
@@ -117,7 +118,7 @@ class ReferenceLoop:
             if step == last and args.dmd2_critic_scoring == "original":
                 noisy = dmd2_iteration.noisy_inputs(args, iteration, dmd2_iteration.SCORING_STREAM, shape, everything)
                 if gen_weight is not None:  # g_gan at the scoring pass's own sigma and noise
-                    out = gan.critic_forward(family, self.critic, self.disc, args.gan_feature_block, x0, noisy[1],
+                    out = gan.critic_forward(draws, self.critic, self.disc, args.gan_feature_block, x0, noisy[1],
                                              noisy[0], cond, gen_weight=gen_weight,
                                              modality_weights=args.dmd2_modality_weights,
                                              judged=args.gan_judged_modalities)
@@ -131,7 +132,7 @@ class ReferenceLoop:
                 x_real, cond_real = self.real.batch(index)
                 real = (x_real, noise_real, cond_real)
             fuse = step == last and args.dmd2_critic_scoring == "fused"
-            out = gan.critic_forward(family, self.critic, self.disc, args.gan_feature_block, x0, noise, sigma, cond,
+            out = gan.critic_forward(draws, self.critic, self.disc, args.gan_feature_block, x0, noise, sigma, cond,
                                      real, args.gan_critic_weight, gen_weight if fuse else None,
                                      args.dmd2_modality_weights, args.gan_judged_modalities)
             critic_loss = out["loss"]
