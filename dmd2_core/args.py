@@ -229,6 +229,11 @@ class Args(TrackerFlags):
         "DMD gradient comes from, on dmd2_min_sigma's scale (MiniMax-H3: the schedule position both modalities share): "
         "a sample drawn below it leaves that modality's part out, the other's kept. Default dmd2_min_sigma for each.")
     dmd2_max_sigma: float = _f(0.98, "dmd2", "Upper clamp of DMD/critic sigmas.", gt=0, le=1)
+    student_modality_shifts: Optional[dict[str, float]] = _f(
+        None, "dmd2", "Per modality of a joint model (MiniMax-H3: video, audio), the schedule shift the student steps "
+        "on: its K steps at u = 1, (K-1)/K, .., 1/K, a modality at shift(u, its shift). The export's schedulers "
+        "carry them, so the modular pipeline steps the student as it trained; the critic and the teacher keep the "
+        "schedulers' pairs of noise levels. Default the schedulers' (MiniMax-H3: video 12, audio 3).")
     dmd2_modality_shifts: Optional[dict[str, float]] = _f(
         None, "dmd2", "Per modality of a joint model (MiniMax-H3: video, audio), the schedule shift its noise is drawn "
         "at where the critic trains and the DMD gradient is taken: both modalities share one schedule position u per "

@@ -172,6 +172,7 @@ def test_one_iteration_trains_both_modalities(h3, tmp_path):
      r"^dmd2_modality_min_sigma: video floor 0.99 is outside the draws' range \[dmd2_min_sigma 0.02, dmd2_max_sigma 0.98\)$"),
     (dict(dmd2_modality_shifts={"audo": 1.0}), r"^dmd2_modality_shifts: unknown modality 'audo' .* did you mean 'audio'"),
     (dict(dmd2_modality_shifts={"audio": 0.0}), r"^dmd2_modality_shifts: audio shift must be > 0 \(got 0.0\)$"),
+    (dict(student_modality_shifts={"vidoe": 1.0}), r"^student_modality_shifts: unknown modality 'vidoe' .* did you mean 'video'"),
     (dict(latent_shape=[24, 7, 2, 4]), r"latent_shape: \[24, 7, 2, 4\] disagrees with num_frames/height/width \(\[.*\]\); set one"),
 ])
 def test_bad_clip_input_fails_before_any_actor_in_one_line(h3, tmp_path, override, message):
@@ -274,6 +275,40 @@ def test_export_loads_in_diffusers_modular_pipeline_and_reproduces_eval_samples(
             joined = family.join(theirs["latents"][None], theirs["audio_latents"][None])
             torch.testing.assert_close(joined, ours[j:j + 1], atol=2e-4, rtol=2e-4)
     assert not torch.allclose(ours, actor.sample([1, 2], seed=7, decode=False, num_steps=2), atol=1e-3)
+
+
+def test_a_student_on_its_own_sound_schedule_exports_schedulers_that_step_it_so(h3, tmp_path):
+    """``student_modality_shifts: {audio: 1}``: the export's audio scheduler is at shift 1 (the
+    picture's stays the teacher's 12), so diffusers' pipeline loaded from it reproduces the
+    trainer's eval samples; the export command writes the same from the checkpoint."""
+    from dmd2_core import checkpoint
+    from dmd2_core.export.from_checkpoint import export_checkpoint, plan_export
+    from dmd2_core.models.h3_repository import run_t2va
+    from dmd2_core.train.trainer import Trainer
+
+    save = tmp_path / "run"
+    args = load_args("minimax-h3", dict(CPU, hf_checkpoint=h3["url"], prompts=h3["prompts"], save=str(save),
+                                        async_save=False, student_modality_shifts={"audio": 1.0}))
+    roles = preflight(args)
+    actor, critic = Trainer(roles["actor"], "actor"), Trainer(roles["critic"], "critic")
+    pairs, _ = actor.rollout(1)
+    outputs, _ = critic.train(1, pairs)
+    actor.train(1, pairs, outputs)
+    url = actor.save(1, export=True)["export_url"]
+    again = plan_export(str(save), out=str(tmp_path / "again"), export_format="pipeline")
+    export_checkpoint(again)
+    prompts = h3_prompt_set()
+    ours = actor.sample([1], seed=7, decode=False)
+    for export in (url, str(tmp_path / "again")):
+        shifts = [json.loads((tmp_path / export / name / "scheduler_config.json").read_text())["shift"]
+                  for name in ("scheduler", "audio_scheduler")]
+        assert shifts == [12.0, 1.0], (export, shifts)
+        length = int(prompts.embeds["prompt_lengths"][1])
+        theirs = run_t2va(export, prompts.embeds["prompt_embeds"][1:2, :length], num_inference_steps=5,
+                          num_frames=124, height=32, width=32, seed=7)
+        joined = h3["family"].join(theirs["latents"][None], theirs["audio_latents"][None])
+        torch.testing.assert_close(joined, ours, atol=2e-4, rtol=2e-4)
+    assert url == checkpoint.export_url(str(save), 1)
 
 
 @pytest.mark.multi_rank
@@ -538,12 +573,18 @@ def test_a_modality_drawn_below_its_floor_leaves_the_dmd_gradient_and_the_other_
     assert max((a[k] - b[k].detach()).abs().max().item() for k in b) < 1e-5
 
 
-def test_the_critic_draws_the_sound_at_its_own_shift_and_the_student_steps_on_the_schedulers(h3, tmp_path, monkeypatch):
+@pytest.mark.parametrize("setting, critic_shift, student_shift", [
+    ({"dmd2_modality_shifts": {"audio": 1.0}}, 1.0, 3.0),
+    ({"student_modality_shifts": {"audio": 1.0}}, 3.0, 1.0),
+])
+def test_the_critic_and_the_student_each_put_the_sound_at_its_own_shift(h3, tmp_path, monkeypatch, setting,
+                                                                         critic_shift, student_shift):
     """``dmd2_modality_shifts: {audio: 1}``: every forward of the critic's steps and of the DMD
     scoring (the fake score's and the teacher's) carries the sound at shift(u, 1) = u beside the
     picture at shift(u, 12); every forward of the student's rollout and of its graded step carries
-    the schedulers' pair (the sound at shift(u, 3)). The reference loop (the bench's) takes the
-    same step as the trainers."""
+    the schedulers' pair (the sound at shift(u, 3)). ``student_modality_shifts: {audio: 1}`` the
+    other way round, and the eval's teacher reference stays on the schedulers'. The reference loop
+    (the bench's) takes the same step as the trainers."""
     from diffusers import MiniMaxH3Transformer3DModel
 
     from dmd2_core.models.minimax_h3 import shifted
@@ -561,13 +602,16 @@ def test_the_critic_draws_the_sound_at_its_own_shift_and_the_student_steps_on_th
     monkeypatch.setattr(MiniMaxH3Transformer3DModel, "forward", recording)
     args = load_args("minimax-h3", dict(CPU, hf_checkpoint=h3["url"], prompts=h3["prompts"], save=str(tmp_path / "run"),
                                         lr=1e-4, critic_lr=1e-4, dmd2_update_ratio=2, num_frames=None, height=None,
-                                        width=None, latent_shape=[24, 37, 2, 2], dmd2_modality_shifts={"audio": 1.0}))
+                                        width=None, latent_shape=[24, 37, 2, 2], **setting))
     trainers = in_process_trainers(args)
     pairs, _ = trainers["actor"].rollout(1)
     phase[0] = "critic"
     scores, _ = trainers["critic"].train(1, pairs)
     phase[0] = "student"
     trainers["actor"].train(1, pairs, scores)
+    trainers["actor"].sample([0, 1], seed=3, decode=False)
+    phase[0] = "teacher"
+    trainers["critic"].teacher_reference([0, 1], seed=3, num_steps=4)
 
     def audio_shift_of(s_video, s_audio):  # the shift that puts the sound at s_audio where u puts the picture at s_video
         u = torch.tensor(s_video / (12 - 11 * s_video))
@@ -577,9 +621,11 @@ def test_the_critic_draws_the_sound_at_its_own_shift_and_the_student_steps_on_th
         u = torch.tensor(s_video / (12 - 11 * s_video))
         return abs(float(shifted(u, 1.0) - shifted(u, 3.0))) > 1e-3
 
-    by_phase = {p: [audio_shift_of(v, a) for q, v, a in seen if q == p and telling(v)] for p in ("student", "critic")}
-    assert len(by_phase["critic"]) > 2 * args.global_batch_size and len(by_phase["student"]) >= 2
-    for p, shift in (("critic", 1.0), ("student", 3.0)):
+    by_phase = {p: [audio_shift_of(v, a) for q, v, a in seen if q == p and telling(v)]
+                for p in ("student", "critic", "teacher")}
+    assert len(by_phase["critic"]) > 2 * args.global_batch_size and len(by_phase["student"]) >= 4
+    assert len(by_phase["teacher"]) >= 3
+    for p, shift in (("critic", critic_shift), ("student", student_shift), ("teacher", 3.0)):
         assert all(k == shift and gap < 1e-4 for gap, k in by_phase[p]), (p, by_phase[p])
 
     monkeypatch.setattr(MiniMaxH3Transformer3DModel, "forward", forward)

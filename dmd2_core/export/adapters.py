@@ -72,9 +72,10 @@ def gather(model: torch.nn.Module, export_dtype: torch.dtype, metadata: dict, em
 
 def write(url: str, family, gathered: dict, *, teacher_url: str, shift: float, num_steps: int,
           export_dtype: torch.dtype, verify: bool = True, iteration: Optional[int] = None,
-          started: Optional[float] = None, workflow: str = "t2va") -> dict:
+          started: Optional[float] = None, workflow: str = "t2va", schedule_shifts: Optional[dict] = None) -> dict:
     """The writer's half (no collective): the adapters at ``url`` through the family's
-    ``save_lora_weights``, the student's scheduler, a read-back check, export.json last."""
+    ``save_lora_weights``, the student's scheduler, a read-back check, export.json last.
+    ``schedule_shifts`` (``student_modality_shifts``): the marker says which schedulers to set."""
     started = time.perf_counter() if started is None else started
     teacher = describe_model_dir(teacher_url)
     if teacher["family"] != family.class_name:
@@ -99,11 +100,21 @@ def write(url: str, family, gathered: dict, *, teacher_url: str, shift: float, n
             "transformer_online": ONLINE_WEIGHT_NAME if averaged is not None else None,
             "scheduler": None if scheduler is None else {
                 "class": scheduler[0], **scheduler[1], "note": "set_timesteps(num_steps) gives the student's sigmas"},
+            **({"schedule_shifts": _schedule_note(schedule_shifts)} if schedule_shifts else {}),
             "teacher": teacher_url, "pipeline": False, "components": [], "bytes": size,
             "export_s": round(export_s, 3), "verified": bool(verify), "verify_s": round(verify_s, 3),
         }
         storage.write_text(storage.join(staging, EXPORT_MARKER_NAME), json.dumps(marker, indent=2) + "\n")
     return {"url": url, "bytes": size, "export_s": export_s, "verify_s": verify_s, "pipeline": False}
+
+
+def _schedule_note(shifts: dict) -> dict:
+    """The schedulers a pipeline loaded with these adapters must step the student on."""
+    from dmd2_core.models.minimax_h3 import MODALITY_SCHEDULERS
+
+    folders = {MODALITY_SCHEDULERS[m]: float(s) for m, s in shifts.items()}
+    calls = "; ".join(f"pipe.{f} = type(pipe.{f}).from_config(pipe.{f}.config, shift={s:g})" for f, s in folders.items())
+    return {**folders, "note": f"the student steps on these shifts, not the teacher's: {calls}"}
 
 
 def _write_files(staging: str, family, files: dict, metadata: dict, *, shift: float, num_steps: int,

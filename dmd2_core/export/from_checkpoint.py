@@ -67,6 +67,7 @@ class ExportPlan:
     shift: float
     dtype: torch.dtype
     workflow: str = "t2va"  # what the student was distilled on (MiniMax-H3's workflows), as its run records it
+    schedule_shifts: Optional[dict] = None  # the shifts the student steps on where not the schedulers' (its run's)
 
 
 def plan_export(load: str, out: str, export_format: str, iteration: Optional[int] = None,
@@ -121,7 +122,7 @@ def plan_export(load: str, out: str, export_format: str, iteration: Optional[int
     return ExportPlan(load=load, iteration=iteration, out=out, format=export_format, family=family, teacher=teacher,
                       config=config, lora=metadata, has_ema="ema" in sections, num_steps=num_steps, shift=shift,
                       dtype=getattr(torch, dtype or student.get("export_dtype") or "float32"),
-                      workflow=student.get("workflow") or "t2va")
+                      workflow=student.get("workflow") or "t2va", schedule_shifts=student.get("modality_shifts"))
 
 
 def pick_iteration(load: str, iteration: Optional[int]) -> int:
@@ -195,7 +196,7 @@ def export_checkpoint(plan: ExportPlan) -> dict:
     if plan.format == "lora-diffusers":
         adapters.write(plan.out, plan.family, {"online": online, "ema": ema, "lora": plan.lora}, teacher_url=plan.teacher,
                        shift=plan.shift, num_steps=plan.num_steps, export_dtype=plan.dtype, iteration=plan.iteration,
-                       workflow=plan.workflow)
+                       workflow=plan.workflow, schedule_shifts=plan.schedule_shifts)
     elif plan.format in ("peft", "original"):
         _write_adapter_layout(plan, ema if ema is not None else online)
     else:
@@ -211,7 +212,7 @@ def export_checkpoint(plan: ExportPlan) -> dict:
                                              folder=transformer_folder(plan.workflow))
             pipeline.write_export(plan.out, model, staged, teacher_url=plan.teacher, shift=plan.shift,
                                   num_steps=plan.num_steps, export_dtype=plan.dtype, iteration=plan.iteration,
-                                  started=started, workflow=plan.workflow)
+                                  started=started, workflow=plan.workflow, schedule_shifts=plan.schedule_shifts)
         else:
             _write_transformer(plan, model, ema if ema is not None else online)
     return {"out": plan.out, "format": plan.format, "iteration": plan.iteration, "bytes": total_bytes(plan.out),

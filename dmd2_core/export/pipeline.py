@@ -75,6 +75,7 @@ def export_student(
     lora_metadata: Optional[dict] = None,
     merged: bool = False,
     workflow: str = "t2va",
+    schedule_shifts: Optional[dict] = None,
 ):
     """Export the student ``model`` (possibly FSDP2-sharded; ``ema``: its EMA tensors in
     parameter order, sharded like it) to ``url`` as a diffusers directory (layout in the module
@@ -100,7 +101,9 @@ def export_student(
     (``dmd2_core.export.adapters``), or with ``merged`` merged into its base as a full export (that
     one merges on the writer's host: the merged model whole, once). ``workflow``: what the student
     was distilled on (MiniMax-H3's t2va or fl2va), recorded in export.json for the pipeline call
-    that serves it (``workflow_entry``).
+    that serves it (``workflow_entry``). ``schedule_shifts``: the schedule shift per modality the
+    student steps on where it is not the teacher's scheduler's (``student_modality_shifts``),
+    written into the export's schedulers.
     """
     started = time.perf_counter()
     if not family_of(model).modular_pipeline:
@@ -113,7 +116,7 @@ def export_student(
         return None
     write = functools.partial(write_export, url, model, staged, teacher_url=teacher_url, shift=shift,
                               num_steps=num_steps, export_dtype=export_dtype, verify=verify, iteration=iteration,
-                              started=started, workflow=workflow)
+                              started=started, workflow=workflow, schedule_shifts=schedule_shifts)
     return write() if run_write is None else run_write(write)
 
 
@@ -156,7 +159,7 @@ def stream_student(url: str, model: torch.nn.Module, export_dtype: torch.dtype, 
 
 def write_export(url: str, model: torch.nn.Module, staged: dict, *, teacher_url: str, shift: float,
                  num_steps: int, export_dtype: torch.dtype, verify: bool = True, iteration: Optional[int] = None,
-                 started: Optional[float] = None, workflow: str = "t2va") -> dict:
+                 started: Optional[float] = None, workflow: str = "t2va", schedule_shifts: Optional[dict] = None) -> dict:
     """The writer's half of an export (no collective: it may run in a background thread): from
     ``stream_student``'s staging (or a LoRA's gathered adapters, or a merged LoRA's whole
     states), the transformers' configs, the rest of the pipeline, verification, export.json last,
@@ -166,7 +169,7 @@ def write_export(url: str, model: torch.nn.Module, staged: dict, *, teacher_url:
     if staged.get("lora") is not None:  # the adapters alone, in the family's diffusers LoRA format
         return adapters.write(url, family, staged, teacher_url=teacher_url, shift=shift, num_steps=num_steps,
                               export_dtype=export_dtype, verify=verify, iteration=iteration, started=started,
-                              workflow=workflow)
+                              workflow=workflow, schedule_shifts=schedule_shifts)
     if "streamed" not in staged:  # a merged LoRA's whole states
         staged = stream_student(url, model, export_dtype, values=staged)
     try:
@@ -181,7 +184,7 @@ def write_export(url: str, model: torch.nn.Module, staged: dict, *, teacher_url:
                     storage.upload_dir(staged["local"] / name, storage.join(staging, name))
             marker = _finish(staging, model, family, teacher, staged["streamed"], teacher_url=teacher_url, shift=shift,
                              num_steps=num_steps, export_dtype=export_dtype, verify=verify, iteration=iteration,
-                             started=started, workflow=workflow)
+                             started=started, workflow=workflow, schedule_shifts=schedule_shifts)
     finally:
         if staged.get("held") is not None:  # the local staging of an object store's export
             staged["held"].remove()
@@ -191,7 +194,7 @@ def write_export(url: str, model: torch.nn.Module, staged: dict, *, teacher_url:
 
 def _finish(staging: str, model, family, teacher: dict, streamed: dict, *, teacher_url: str, shift: float,
             num_steps: int, export_dtype: torch.dtype, verify: bool, iteration: Optional[int], started: float,
-            workflow: str = "t2va") -> dict:
+            workflow: str = "t2va", schedule_shifts: Optional[dict] = None) -> dict:
     """Beside the streamed transformers in ``staging``: the scheduler (or the teacher's modular
     index), the teacher's other components, the index, verification, then export.json."""
     modular = family.modular_pipeline  # the teacher's own (modular) pipeline steps the student
@@ -206,6 +209,8 @@ def _finish(staging: str, model, family, teacher: dict, streamed: dict, *, teach
         storage.write_text(storage.join(staging, "model_index.json"), json.dumps(index, indent=2) + "\n")
     for name in components:
         _copy_tree(storage.join(teacher_url, name), storage.join(staging, name))
+    if modular:
+        _student_schedulers(staging, schedule_shifts)
     export_s = time.perf_counter() - started
     verify_s = 0.0
     if verify:
@@ -274,6 +279,17 @@ def _modular_index(teacher_url: str, folder: str = "transformer") -> tuple[dict,
             components.append(component)
     index.pop("transformer_ref" if folder == "transformer" else "transformer", None)
     return index, components
+
+
+def _student_schedulers(staging: str, shifts: Optional[dict]) -> None:
+    """The copied schedulers at the shifts the student steps on (``student_modality_shifts``), so
+    the pipeline steps it as it trained."""
+    from dmd2_core.models.minimax_h3 import MODALITY_SCHEDULERS
+
+    for modality, value in (shifts or {}).items():
+        path = storage.join(staging, MODALITY_SCHEDULERS[modality], "scheduler_config.json")
+        config = json.loads(storage.read_text(path))
+        storage.write_text(path, json.dumps({**config, "shift": float(value)}, indent=2) + "\n")
 
 
 def _modality_sigmas(staging: str, steps: StudentSteps):

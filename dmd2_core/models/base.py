@@ -85,10 +85,22 @@ class ModelFamily:
     def sigma_field(self, sigma, like: torch.Tensor):
         return sigma
 
+    def stepping_at(self, shifts: Optional[dict[str, float]]) -> "ModelFamily":
+        """This family with the student's steps at ``shifts`` (modality -> schedule shift,
+        ``student_modality_shifts``); itself when none. A family of one modality has no modality to
+        shift (preflight refuses the key for it)."""
+        if shifts:
+            raise ValueError(f"student_modality_shifts: {type(self).__name__} has one modality, nothing to shift")
+        return self
+
+    def on_schedulers(self) -> "ModelFamily":
+        """This family on the checkpoint's own schedules (the teacher's samplers and features), whatever
+        the student steps on."""
+        return self
+
     def drawing_at(self, shifts: Optional[dict[str, float]]) -> "ModelFamily":
         """This family with the critic's and the DMD gradient's draws at ``shifts`` (modality ->
-        schedule shift, ``dmd2_modality_shifts``); itself when none. A family of one modality has
-        no modality to shift (preflight refuses the key for it)."""
+        schedule shift, ``dmd2_modality_shifts``, the others at the schedulers'); itself when none."""
         if shifts:
             raise ValueError(f"dmd2_modality_shifts: {type(self).__name__} has one modality, nothing to shift")
         return self

@@ -73,6 +73,7 @@ MIN_SECONDS, MAX_SECONDS = 5.0, 15.0
 MIN_ASPECT, MAX_ASPECT = 1 / 4, 4.0
 VIDEO_SHIFT, AUDIO_SHIFT = 12.0, 3.0
 MODALITIES = ("video", "audio")  # ``shifts``' order, and each flat sample's
+MODALITY_SCHEDULERS = {"video": "scheduler", "audio": "audio_scheduler"}  # the repository's folders
 TEXT_TAG = 1
 VIDEO_TAG, AUDIO_TAG = 0, 2
 PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -237,10 +238,12 @@ class MiniMaxH3Family(ModelFamily):
 
     def __init__(self, latent_shape: Optional[list[int]] = None, patch_size=(1, 2, 2),
                  shifts: tuple[float, float] = (VIDEO_SHIFT, AUDIO_SHIFT), keyframes: int = 0,
-                 references: tuple = ()):
+                 references: tuple = (), scheduler_shifts: Optional[tuple[float, float]] = None):
         self.latent_shape = tuple(int(d) for d in latent_shape) if latent_shape else None
         self.patch_size = tuple(int(p) for p in patch_size)
-        self.shifts = tuple(float(s) for s in shifts)
+        self.shifts = tuple(float(s) for s in shifts)  # what this family steps and noises at
+        # the checkpoint's schedulers' (the teacher's pairs of noise levels), whatever a student steps on
+        self.scheduler_shifts = tuple(float(s) for s in scheduler_shifts or shifts)
         # per sample, for the plan (the forward reads the cond's): keyframes (fl2va), references (ref2va:
         # ``reference_layout``'s tuple)
         self.keyframes = int(keyframes)
@@ -259,7 +262,8 @@ class MiniMaxH3Family(ModelFamily):
         patch = tuple(model.config.patch_size) if model is not None else self.patch_size
         return MiniMaxH3Family(latent_shape, patch, shifts or self.shifts,
                                self.keyframes if keyframes is None else keyframes,
-                               self.references if references is None else references)
+                               self.references if references is None else references,
+                               None if shifts else self.scheduler_shifts)
 
     def pixel_frames(self, latent_frames: int) -> int:
         return pixel_frames(latent_frames)
@@ -310,15 +314,27 @@ class MiniMaxH3Family(ModelFamily):
         audio = shifted(u, self.shifts[1]).expand(-1, seg["audio"].stop - seg["audio"].start)
         return torch.cat([video, audio], dim=1).expand(like.shape[0], -1)
 
+    def stepping_at(self, shifts: Optional[dict[str, float]]) -> "MiniMaxH3Family":
+        """This family with the student's steps at its own shift of u per modality named in ``shifts``
+        (``student_modality_shifts``; the export's schedulers carry them). Itself when ``shifts``
+        changes nothing."""
+        return self._at_shifts(shifts, self.shifts)
+
+    def on_schedulers(self) -> "MiniMaxH3Family":
+        return self._at_shifts(None, self.scheduler_shifts)
+
     def drawing_at(self, shifts: Optional[dict[str, float]]) -> "MiniMaxH3Family":
-        """This family with a modality's noise at its own shift of the shared u (``dmd2_modality_shifts``):
-        the critic's steps and the DMD gradient draw there, the student's steps and the teacher's
-        samplers stay on the schedulers' shifts. Itself when ``shifts`` changes nothing."""
-        drawn = tuple(float((shifts or {}).get(name, s)) for name, s in zip(MODALITIES, self.shifts))
-        if drawn == self.shifts:
+        """This family with a modality's noise at its own shift of the shared u (``dmd2_modality_shifts``),
+        the others at the schedulers' (whatever the student steps on): where the critic trains and
+        the DMD gradient is taken, the teacher's own pairs of noise levels unless told otherwise."""
+        return self._at_shifts(shifts, self.scheduler_shifts)
+
+    def _at_shifts(self, shifts: Optional[dict[str, float]], base: tuple[float, float]) -> "MiniMaxH3Family":
+        wanted = tuple(float((shifts or {}).get(name, s)) for name, s in zip(MODALITIES, base))
+        if wanted == self.shifts:
             return self
         changed = copy.copy(self)
-        changed.shifts = drawn
+        changed.shifts = wanted
         return changed
 
     def modality_sigmas(self, u: float) -> tuple[float, float]:

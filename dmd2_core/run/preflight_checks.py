@@ -168,7 +168,8 @@ def check_family_args(args: Args, teacher: dict[str, Any]) -> Args:
     for flag in ("dmd2_modality_weights", "gan_modality_weights"):
         check_modality_weights(flag, getattr(args, flag), family, name)
     check_modality_floors(args, family, name)
-    check_modality_shifts(args.dmd2_modality_shifts, family, name)
+    for flag in ("dmd2_modality_shifts", "student_modality_shifts"):
+        check_modality_shifts(flag, getattr(args, flag), family, name)
     if args.gan_judged_modalities is not None:
         if not args.gan_judged_modalities:
             raise ArgsError("gan_judged_modalities: empty; name the modalities the GAN head judges, or leave it unset for all")
@@ -195,12 +196,12 @@ def check_modality_weights(flag: str, weights: Optional[dict], family, name: str
             raise ArgsError(f"{flag}: {key} weight must be >= 0 (got {value})")
 
 
-def check_modality_shifts(shifts: Optional[dict], family, name: str) -> None:
-    """``dmd2_modality_shifts``: known modalities, each shift > 0."""
-    check_modality_names("dmd2_modality_shifts", shifts or {}, family, name)
+def check_modality_shifts(flag: str, shifts: Optional[dict], family, name: str) -> None:
+    """A schedule shift per modality of a joint model: known modality names, each > 0."""
+    check_modality_names(flag, shifts or {}, family, name)
     for key, value in (shifts or {}).items():
         if not value > 0:
-            raise ArgsError(f"dmd2_modality_shifts: {key} shift must be > 0 (got {value})")
+            raise ArgsError(f"{flag}: {key} shift must be > 0 (got {value})")
 
 
 def check_modality_floors(args, family, name: str) -> None:

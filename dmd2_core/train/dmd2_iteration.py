@@ -52,7 +52,9 @@ def student_is_euler(family: ModelFamily, args: Args) -> bool:
 
 
 def with_student_sampler(family: ModelFamily, args: Args) -> ModelFamily:
-    """``family`` stepping the student as ``dmd2_student_sampler`` says (a copy when it differs)."""
+    """``family`` stepping the student as ``dmd2_student_sampler`` and ``student_modality_shifts``
+    say (a copy when it differs)."""
+    family = family.stepping_at(args.student_modality_shifts)
     euler = student_is_euler(family, args)
     if euler == family.deterministic_student:
         return family

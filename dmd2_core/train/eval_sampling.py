@@ -48,11 +48,12 @@ class EvalSampling:
         compares the student with. Critic group only."""
         share = self._eval_share(len(prompt_index))
         cond = self._cond(torch.tensor(share.pick(prompt_index)))
-        noise, _ = dmd2_iteration.eval_start_noise(self.family, (share.n, *self.shape), seed, cond)
+        family = self.family.on_schedulers()  # the teacher's sampler, whatever the student steps on
+        noise, _ = dmd2_iteration.eval_start_noise(family, (share.n, *self.shape), seed, cond)
         noise = noise.index_select(0, torch.tensor(share.positions, dtype=torch.long))
-        cond = dmd2_iteration.eval_cond(self.family, cond, share.n, seed, share.positions)
+        cond = dmd2_iteration.eval_cond(family, cond, share.n, seed, share.positions)
         with self._awake():
-            x = dmd2_iteration.regression_target(self.family, self._real_score(), noise.to(self.device),
+            x = dmd2_iteration.regression_target(family, self._real_score(), noise.to(self.device),
                                               torch.ones(share.per), cond, self._uncond(share.per),
                                               self.args.dmd2_guidance_scale, num_steps, self.shift)
             self._reshard()
@@ -67,7 +68,7 @@ class EvalSampling:
         share = self._eval_share(x0.shape[0])
         rows = torch.tensor(share.positions, dtype=torch.long)
         with self._awake():
-            out = teacher_features(self.family, self._real_score(), x0.index_select(0, rows).to(self.device),
+            out = teacher_features(self.family.on_schedulers(), self._real_score(), x0.index_select(0, rows).to(self.device),
                                    self._cond(torch.tensor(share.pick(prompt_index))), u=u, seed=seed,
                                    micro_batch=self.args.micro_batch_size or 8, index_offset=share.start,
                                    stop=self.world_size == 1)  # a sharded forward runs whole on every rank
@@ -86,7 +87,7 @@ class EvalSampling:
         share = self._eval_share(len(rows))
         x0, cond = open_real_set(self.args.real_data).batch(torch.tensor(share.pick(rows)))  # this rank's rows alone
         with self._awake():
-            out = teacher_features(self.family, self._real_score(), x0.to(self.device), cond, u=u, seed=seed,
+            out = teacher_features(self.family.on_schedulers(), self._real_score(), x0.to(self.device), cond, u=u, seed=seed,
                                    micro_batch=self.args.micro_batch_size or 8, index_offset=index_offset + share.start,
                                    stop=self.world_size == 1)
             self._reshard()

@@ -48,7 +48,7 @@ class RankOutputs:
                 export_dtype=getattr(torch, args.export_dtype or args.dtype), ema=ema,
                 writer=self.rank == 0, iteration=iteration, run_write=run_write,
                 lora_metadata=lora.adapter_metadata(args) if args.lora_rank else None, merged=args.export_merged,
-                workflow=args.workflow)
+                workflow=args.workflow, schedule_shifts=args.student_modality_shifts)
         return self.checkpoint
 
     def durable(self) -> bool:

@@ -376,7 +376,7 @@ class Trainer(EvalSampling):
         adapters = lora.adapter_record(self.args)
         student = {"num_steps": self.args.dmd2_student_steps, "shift": float(self.shift),
                    "euler": self.family.deterministic_student, "export_dtype": self.args.export_dtype or self.args.dtype,
-                   "workflow": self.args.workflow}
+                   "workflow": self.args.workflow, "modality_shifts": self.args.student_modality_shifts}
         return {**run_origin(self.args), "lora": adapters, "student": student,
                 "base": base_identity(self.args.hf_checkpoint, transformer_folder(self.args.workflow)) if adapters else None}
 
