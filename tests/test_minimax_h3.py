@@ -348,6 +348,26 @@ def test_a_lora_student_on_its_own_sound_schedule_says_which_scheduler_to_set(h3
     assert not torch.allclose(joined, on_theirs, atol=1e-3)  # the note matters
 
 
+def test_an_adapter_layout_exported_after_the_fact_says_which_scheduler_to_set(h3, tmp_path):
+    """A LoRA run's checkpoint of a student on its own sound schedule, exported after the fact in
+    the peft layout: its marker names the scheduler to set, as the run's own LoRA export does."""
+    from dmd2_core.export.from_checkpoint import export_checkpoint, plan_export
+    from dmd2_core.train.trainer import Trainer
+
+    save = tmp_path / "run"
+    args = load_args("minimax-h3", dict(CPU, hf_checkpoint=h3["url"], prompts=h3["prompts"], save=str(save),
+                                        async_save=False, lora_rank=4, lora_alpha=8.0,
+                                        student_modality_shifts={"audio": 1.0}))
+    roles = preflight(args)
+    actor, critic = Trainer(roles["actor"], "actor"), Trainer(roles["critic"], "critic")
+    pairs, _ = actor.rollout(1)
+    actor.train(1, pairs, critic.train(1, pairs)[0])
+    run_export = actor.save(1, export=True)["export_url"]
+    export_checkpoint(plan_export(str(save), out=str(tmp_path / "peft"), export_format="peft"))
+    said = [json.loads((tmp_path / d / "export.json").read_text())["schedule_shifts"] for d in (run_export, "peft")]
+    assert said[0] == said[1] and said[0]["audio_scheduler"] == 1.0 and "shift=1)" in said[0]["note"]
+
+
 @pytest.mark.multi_rank
 def test_two_sharded_ranks_equal_one_rank_on_the_stand_in(ray_session, h3, tmp_path):
     """FSDP2 over 2 ranks (the fp32 modules as their own units, the root leaving its inputs' dtypes
@@ -611,7 +631,7 @@ def test_a_modality_drawn_below_its_floor_leaves_the_dmd_gradient_and_the_other_
 
 
 @pytest.mark.parametrize("setting, critic_shift, student_shift", [
-    ({"dmd2_modality_shifts": {"audio": 1.0}}, 1.0, 3.0),
+    ({"dmd2_modality_shifts": {"audio": 1.0}, "student_modality_shifts": None}, 1.0, 3.0),
     ({"student_modality_shifts": {"audio": 1.0}}, 3.0, 1.0),
 ])
 def test_the_critic_and_the_student_each_put_the_sound_at_its_own_shift(h3, tmp_path, monkeypatch, setting,

@@ -100,7 +100,7 @@ def write(url: str, family, gathered: dict, *, teacher_url: str, shift: float, n
             "transformer_online": ONLINE_WEIGHT_NAME if averaged is not None else None,
             "scheduler": None if scheduler is None else {
                 "class": scheduler[0], **scheduler[1], "note": "set_timesteps(num_steps) gives the student's sigmas"},
-            **({"schedule_shifts": _schedule_note(schedule_shifts)} if schedule_shifts else {}),
+            **({"schedule_shifts": schedule_note(schedule_shifts)} if schedule_shifts else {}),
             "teacher": teacher_url, "pipeline": False, "components": [], "bytes": size,
             "export_s": round(export_s, 3), "verified": bool(verify), "verify_s": round(verify_s, 3),
         }
@@ -108,7 +108,7 @@ def write(url: str, family, gathered: dict, *, teacher_url: str, shift: float, n
     return {"url": url, "bytes": size, "export_s": export_s, "verify_s": verify_s, "pipeline": False}
 
 
-def _schedule_note(shifts: dict) -> dict:
+def schedule_note(shifts: dict) -> dict:
     """The schedulers a pipeline loaded with these adapters must step the student on."""
     from dmd2_core.models.minimax_h3 import MODALITY_SCHEDULERS
 

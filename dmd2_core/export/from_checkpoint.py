@@ -256,7 +256,8 @@ def _write_marker(staging: str, plan: ExportPlan, files: dict) -> None:
     marker = {"format": EXPORT_FORMAT, "layout": plan.format, "iteration": plan.iteration, "checkpoint": plan.load,
               "teacher": plan.teacher, **plan.num_steps.marker(plan.shift), "shift": plan.shift,
               "dtype": str(plan.dtype).removeprefix("torch."), "transformer": "ema" if plan.has_ema else "online",
-              "lora": plan.lora, **files, "bytes": total_bytes(staging)}
+              "lora": plan.lora, **files, "bytes": total_bytes(staging),
+              **({"schedule_shifts": adapters.schedule_note(plan.schedule_shifts)} if plan.schedule_shifts else {})}
     storage.write_text(storage.join(staging, EXPORT_MARKER_NAME), json.dumps(marker, indent=2) + "\n")
 
 
