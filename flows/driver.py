@@ -200,7 +200,8 @@ class DriverBase:
 
 def shown_args(trainer_args: dict) -> dict:
     """Each trainer's args as the summary shows them: what the run used. A family that shifts each
-    modality by its own scheduler (MiniMax-H3) steps at those shifts, not at ``dmd2_shift``."""
+    modality by its own scheduler (MiniMax-H3) steps at those shifts, not at ``dmd2_shift``; where
+    ``student_modality_shifts`` moves one, the student's, with the schedulers' beside them."""
     from dmd2_core.errors import ModelDirError
     from dmd2_core.models import describe_model_dir
 
@@ -210,7 +211,12 @@ def shown_args(trainer_args: dict) -> dict:
     except ModelDirError:  # a run without a model directory (bench/orchestration.py's stand-in): as set
         shifts = None
     if shifts:
-        used = ", ".join(f"{m} {s:g}" for m, s in zip(("video", "audio"), shifts))
-        for args in shown.values():
-            args["dmd2_shift"] = used
+        def named(values):
+            return ", ".join(f"{m} {s:g}" for m, s in zip(("video", "audio"), values))
+
+        for role, args in shown.items():
+            student = trainer_args[role].student_modality_shifts or {}
+            stepped = [student.get(m, s) for m, s in zip(("video", "audio"), shifts)]
+            args["dmd2_shift"] = named(shifts) if stepped == list(shifts) else \
+                f"{named(stepped)} (the schedulers': {named(shifts)})"
     return shown
