@@ -204,6 +204,7 @@ def shown_args(trainer_args: dict) -> dict:
     ``student_modality_shifts`` moves one, the student's, with the schedulers' beside them."""
     from dmd2_core.errors import ModelDirError
     from dmd2_core.models import describe_model_dir
+    from dmd2_core.models.minimax_h3 import MODALITIES
 
     shown = {role: a.model_dump(mode="json") for role, a in trainer_args.items()}
     try:
@@ -212,11 +213,11 @@ def shown_args(trainer_args: dict) -> dict:
         shifts = None
     if shifts:
         def named(values):
-            return ", ".join(f"{m} {s:g}" for m, s in zip(("video", "audio"), values))
+            return ", ".join(f"{m} {s:g}" for m, s in zip(MODALITIES, values))
 
         for role, args in shown.items():
             student = trainer_args[role].student_modality_shifts or {}
-            stepped = [student.get(m, s) for m, s in zip(("video", "audio"), shifts)]
+            stepped = [student.get(m, s) for m, s in zip(MODALITIES, shifts)]
             args["dmd2_shift"] = named(shifts) if stepped == list(shifts) else \
                 f"{named(stepped)} (the schedulers': {named(shifts)})"
     return shown

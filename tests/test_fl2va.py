@@ -223,16 +223,14 @@ def test_an_fl2va_export_serves_the_fl2va_workflow_with_the_trainers_latents(fl2
 
     from dmd2_core.cli import main
     from dmd2_core.models.h3_repository import load_denoising, run_fl2va
-    from dmd2_core.train.trainer import Trainer
+    from tests.helpers import in_process_trainers, iterate_in_process
 
     save = tmp_path / "run"
-    args = load_args("minimax-h3", dict(CPU, hf_checkpoint=fl2va["url"], prompts=fl2va["prompts"], workflow="fl2va",
-                                        save=str(save), async_save=False, dmd2_student_steps=[2]))
-    roles = preflight(args)
-    actor, critic = Trainer(roles["actor"], "actor"), Trainer(roles["critic"], "critic")
-    pairs, _ = actor.rollout(1)
-    outputs, _ = critic.train(1, pairs)
-    actor.train(1, pairs, outputs)
+    trainers = in_process_trainers(load_args("minimax-h3", dict(
+        CPU, hf_checkpoint=fl2va["url"], prompts=fl2va["prompts"], workflow="fl2va", save=str(save),
+        async_save=False, dmd2_student_steps=[2])))
+    iterate_in_process(trainers, 1)
+    actor = trainers["actor"]
     url = actor.save(1, export=True)["export_url"]
     marker = json.loads((save / "exports" / "iter_0000001" / "export.json").read_text())
     assert marker["workflow"] == "fl2va" and marker["num_inference_steps"] == 3

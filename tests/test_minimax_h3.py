@@ -284,16 +284,14 @@ def test_a_student_on_its_own_sound_schedule_exports_schedulers_that_step_it_so(
     from dmd2_core import checkpoint
     from dmd2_core.export.from_checkpoint import export_checkpoint, plan_export
     from dmd2_core.models.h3_repository import run_t2va
-    from dmd2_core.train.trainer import Trainer
+    from tests.helpers import in_process_trainers, iterate_in_process
 
     save = tmp_path / "run"
-    args = load_args("minimax-h3", dict(CPU, hf_checkpoint=h3["url"], prompts=h3["prompts"], save=str(save),
-                                        async_save=False, student_modality_shifts={"audio": 1.0}))
-    roles = preflight(args)
-    actor, critic = Trainer(roles["actor"], "actor"), Trainer(roles["critic"], "critic")
-    pairs, _ = actor.rollout(1)
-    outputs, _ = critic.train(1, pairs)
-    actor.train(1, pairs, outputs)
+    trainers = in_process_trainers(load_args("minimax-h3", dict(
+        CPU, hf_checkpoint=h3["url"], prompts=h3["prompts"], save=str(save), async_save=False,
+        student_modality_shifts={"audio": 1.0})))
+    iterate_in_process(trainers, 1)
+    actor = trainers["actor"]
     url = actor.save(1, export=True)["export_url"]
     again = plan_export(str(save), out=str(tmp_path / "again"), export_format="pipeline")
     export_checkpoint(again)
@@ -352,17 +350,14 @@ def test_an_adapter_layout_exported_after_the_fact_says_which_scheduler_to_set(h
     """A LoRA run's checkpoint of a student on its own sound schedule, exported after the fact in
     the peft layout: its marker names the scheduler to set, as the run's own LoRA export does."""
     from dmd2_core.export.from_checkpoint import export_checkpoint, plan_export
-    from dmd2_core.train.trainer import Trainer
+    from tests.helpers import in_process_trainers, iterate_in_process
 
     save = tmp_path / "run"
-    args = load_args("minimax-h3", dict(CPU, hf_checkpoint=h3["url"], prompts=h3["prompts"], save=str(save),
-                                        async_save=False, lora_rank=4, lora_alpha=8.0,
-                                        student_modality_shifts={"audio": 1.0}))
-    roles = preflight(args)
-    actor, critic = Trainer(roles["actor"], "actor"), Trainer(roles["critic"], "critic")
-    pairs, _ = actor.rollout(1)
-    actor.train(1, pairs, critic.train(1, pairs)[0])
-    run_export = actor.save(1, export=True)["export_url"]
+    trainers = in_process_trainers(load_args("minimax-h3", dict(
+        CPU, hf_checkpoint=h3["url"], prompts=h3["prompts"], save=str(save), async_save=False, lora_rank=4,
+        lora_alpha=8.0, student_modality_shifts={"audio": 1.0})))
+    iterate_in_process(trainers, 1)
+    run_export = trainers["actor"].save(1, export=True)["export_url"]
     export_checkpoint(plan_export(str(save), out=str(tmp_path / "peft"), export_format="peft"))
     said = [json.loads((tmp_path / d / "export.json").read_text())["schedule_shifts"] for d in (run_export, "peft")]
     assert said[0] == said[1] and said[0]["audio_scheduler"] == 1.0 and "shift=1)" in said[0]["note"]

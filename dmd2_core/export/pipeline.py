@@ -294,8 +294,10 @@ def _student_schedulers(staging: str, shifts: Optional[dict]) -> None:
 
 def _modality_sigmas(staging: str, steps: StudentSteps):
     """Each modality's K sigmas through its scheduler's shift (the configs read once), per K."""
+    from dmd2_core.models.minimax_h3 import MODALITY_SCHEDULERS
+
     shifts = {name: json.loads(storage.read_text(storage.join(staging, name, "scheduler_config.json")))["shift"]
-              for name in ("scheduler", "audio_scheduler")}
+              for name in MODALITY_SCHEDULERS.values()}
 
     def at(num_steps: int) -> dict[str, list[float]]:
         base = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float32)

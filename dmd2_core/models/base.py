@@ -95,8 +95,8 @@ class ModelFamily:
 
     def on_schedulers(self) -> "ModelFamily":
         """This family on the checkpoint's own schedules (the teacher's samplers and features), whatever
-        the student steps on."""
-        return self
+        the student steps on: its draws with nothing moved."""
+        return self.drawing_at(None)
 
     def drawing_at(self, shifts: Optional[dict[str, float]]) -> "ModelFamily":
         """This family with the critic's and the DMD gradient's draws at ``shifts`` (modality ->

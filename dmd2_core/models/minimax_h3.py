@@ -320,9 +320,6 @@ class MiniMaxH3Family(ModelFamily):
         changes nothing."""
         return self._at_shifts(shifts, self.shifts)
 
-    def on_schedulers(self) -> "MiniMaxH3Family":
-        return self._at_shifts(None, self.scheduler_shifts)
-
     def drawing_at(self, shifts: Optional[dict[str, float]]) -> "MiniMaxH3Family":
         """This family with a modality's noise at its own shift of the shared u (``dmd2_modality_shifts``),
         the others at the schedulers' (whatever the student steps on): where the critic trains and
