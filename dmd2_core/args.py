@@ -243,6 +243,10 @@ class Args(TrackerFlags):
         0.0, "dmd2", "Weight of DMD's regression loss (0: off): the student's x0 pulled towards the frozen teacher's own "
         "dmd2_regression_steps-step sample run on from the student's x_t, made by the critic group each iteration "
         "(no stored pairs). It copies the teacher's few-step sampler where DMD only matches its distribution.", ge=0)
+    dmd2_regression_modality_weights: Optional[dict[str, float]] = _f(
+        None, "dmd2", "Weight of each modality of a joint model (MiniMax-H3: video, audio) in the regression pull, "
+        "times dmd2_regression_weight: {video: 0, audio: 1} anchors the sound to the teacher's few-step sampler "
+        "while the picture learns by DMD alone. Default 1 each.")
     dmd2_regression_steps: int = _f(
         4, "dmd2", "Steps of the teacher's sampler that makes the regression target (its grid on the DMD schedule, "
         "continued from the student's stop step).", ge=1)

@@ -173,6 +173,8 @@ def test_one_iteration_trains_both_modalities(h3, tmp_path):
     (dict(dmd2_modality_shifts={"audo": 1.0}), r"^dmd2_modality_shifts: unknown modality 'audo' .* did you mean 'audio'"),
     (dict(dmd2_modality_shifts={"audio": 0.0}), r"^dmd2_modality_shifts: audio shift must be > 0 \(got 0.0\)$"),
     (dict(student_modality_shifts={"vidoe": 1.0}), r"^student_modality_shifts: unknown modality 'vidoe' .* did you mean 'video'"),
+    (dict(dmd2_regression_modality_weights={"audoi": 1.0}),
+     r"^dmd2_regression_modality_weights: unknown modality 'audoi' .* did you mean 'audio'"),
     (dict(latent_shape=[24, 7, 2, 4]), r"latent_shape: \[24, 7, 2, 4\] disagrees with num_frames/height/width \(\[.*\]\); set one"),
 ])
 def test_bad_clip_input_fails_before_any_actor_in_one_line(h3, tmp_path, override, message):
@@ -618,6 +620,40 @@ def test_a_modality_drawn_below_its_floor_leaves_the_dmd_gradient_and_the_other_
     assert handed["no_floor"][below][:, video].norm(dim=1).min() > 0 < handed["no_floor"][:, audio].norm(dim=1).min()
 
     oracle = floor_args("oracle", dmd2_modality_min_sigma={"video": 0.6})
+    trainers, loop = in_process_trainers(oracle), ReferenceLoop(oracle)
+    iterate_in_process(trainers, 1)
+    loop.iterate(1)
+    a, b = trainers["actor"].weights(), loop.student.state_dict()
+    assert max((a[k] - b[k].detach()).abs().max().item() for k in b) < 1e-5
+
+
+def test_a_regression_pull_on_the_sound_alone_leaves_the_pictures_gradient_to_dmd(h3, tmp_path):
+    """``dmd2_regression_modality_weights: {video: 0, audio: 1}``: the student's sound is pulled to the
+    teacher's few-step sampler as by a pull on both (to the bit), its picture gets the DMD gradient
+    alone (as without a pull). The reference loop (the bench's) takes the same step as the trainers."""
+    from dmd2_core.train.reference import ReferenceLoop
+    from tests.helpers import in_process_trainers, iterate_in_process
+
+    family = h3["family"]
+
+    def pull_args(name, **extra):
+        return load_args("minimax-h3", dict(CPU, hf_checkpoint=h3["url"], prompts=h3["prompts"], save=str(tmp_path / name),
+                                            lr=1e-4, critic_lr=1e-4, dmd2_update_ratio=2, num_frames=None, height=None,
+                                            width=None, latent_shape=[24, 37, 2, 2], dmd2_student_steps=2, **extra))
+
+    sound_only = {"dmd2_regression_weight": 0.5, "dmd2_regression_modality_weights": {"video": 0.0, "audio": 1.0}}
+    handed = {}
+    for name, extra in (("sound_pull", sound_only), ("both_pull", {"dmd2_regression_weight": 0.5}), ("no_pull", {})):
+        trainers = in_process_trainers(pull_args(name, **extra))
+        pairs, _ = trainers["actor"].rollout(1)
+        handed[name] = trainers["critic"].train(1, pairs)[0]["dmd2_grad"]
+    audio, video = family.segments["audio"], family.segments["video"]
+    assert torch.equal(handed["sound_pull"][:, video], handed["no_pull"][:, video])
+    assert torch.equal(handed["sound_pull"][:, audio], handed["both_pull"][:, audio])
+    assert (handed["sound_pull"][:, audio] - handed["no_pull"][:, audio]).abs().max() > 1e-4
+    assert (handed["both_pull"][:, video] - handed["no_pull"][:, video]).abs().max() > 1e-4
+
+    oracle = pull_args("oracle", **sound_only)
     trainers, loop = in_process_trainers(oracle), ReferenceLoop(oracle)
     iterate_in_process(trainers, 1)
     loop.iterate(1)

@@ -165,7 +165,7 @@ def check_family_args(args: Args, teacher: dict[str, Any]) -> Args:
                             "set num_frames, height and width instead")
     if args.size_schedule:
         args = args.model_copy(update={"size_schedule": resolve_stages(args, family, name, teacher)})
-    for flag in ("dmd2_modality_weights", "gan_modality_weights"):
+    for flag in ("dmd2_modality_weights", "gan_modality_weights", "dmd2_regression_modality_weights"):
         check_modality_weights(flag, getattr(args, flag), family, name)
     check_modality_floors(args, family, name)
     for flag in ("dmd2_modality_shifts", "student_modality_shifts"):

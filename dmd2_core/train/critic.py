@@ -149,7 +149,8 @@ class Critic:
             target = dmd2_iteration.regression_target(
                 self.family, self.teacher, pairs["x_t"][mb], pairs["sigma"][mb], {k: v[mb] for k, v in cond.items()},
                 self.uncond(mb.stop - mb.start), self.guidance, args.dmd2_regression_steps, args.dmd2_shift)
-            grads.append(dmd2_iteration.regression_gradient(x0[mb], target, args.dmd2_regression_weight))
+            grads.append(dmd2_iteration.regression_gradient(x0[mb], target, args.dmd2_regression_weight,
+                                                            self.family.segments, args.dmd2_regression_modality_weights))
         return torch.cat(grads)
 
     def _score_separately(self, iteration, x0, cond, global_shape) -> list[dict]:

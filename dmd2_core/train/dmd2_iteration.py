@@ -15,7 +15,7 @@ import torch
 from dmd2_core import flow_matching as fm
 from dmd2_core import rng
 from dmd2_core.args import Args
-from dmd2_core.losses import dmd2_gradient, floored_modalities
+from dmd2_core.losses import dmd2_gradient, floored_modalities, weighted_modalities
 from dmd2_core.models.base import ModelFamily
 from dmd2_core.models.minimax_h3 import NOISED_CONDITIONS
 from dmd2_core.sampling import guided_velocity, student_sample
@@ -180,10 +180,13 @@ def regression_target(family: ModelFamily, teacher, x_t: torch.Tensor, sigma: to
     return x
 
 
-def regression_gradient(x0: torch.Tensor, target: torch.Tensor, weight: float) -> torch.Tensor:
+def regression_gradient(x0: torch.Tensor, target: torch.Tensor, weight: float,
+                        segments: Optional[dict[str, slice]] = None,
+                        modality_weights: Optional[dict[str, float]] = None) -> torch.Tensor:
     """weight * mse(x0, target) as a gradient for the actor's x0 beside the DMD one: dmd2_loss turns
-    g into g / numel, so this is 2 * weight * (x0 - target)."""
-    return 2.0 * weight * (x0.float() - target.float())
+    g into g / numel, so this is 2 * weight * (x0 - target), each modality's part of a joint sample
+    scaled by its ``modality_weights``."""
+    return weighted_modalities(2.0 * weight * (x0.float() - target.float()), segments, modality_weights)
 
 
 @torch.no_grad()

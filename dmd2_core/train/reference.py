@@ -152,7 +152,8 @@ class ReferenceLoop:
         if args.dmd2_regression_weight:
             target = dmd2_iteration.regression_target(family, self.teacher, pairs["x_t"], pairs["sigma"], cond, uncond,
                                             guidance, args.dmd2_regression_steps, args.dmd2_shift)
-            grad = grad + dmd2_iteration.regression_gradient(x0, target, args.dmd2_regression_weight)
+            grad = grad + dmd2_iteration.regression_gradient(x0, target, args.dmd2_regression_weight, family.segments,
+                                                             args.dmd2_regression_modality_weights)
         loss = dmd2_loss(x0_graded, grad)
         loss.backward()
         student_norm = _step(self.student, self.student_opt, args.clip_grad)
