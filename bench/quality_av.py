@@ -88,6 +88,14 @@ def regression(ns, steps: int) -> dict:
     return {"dmd2_regression_weight": weight, "dmd2_regression_steps": n} if weight and most < n else {}
 
 
+def critic_lr(ns) -> float:
+    """--critic-lr, or the bench's --lr scaled as the recipe scales its critic's (critic_lr / lr)."""
+    if getattr(ns, "critic_lr", None):
+        return ns.critic_lr
+    recipe = load_args("minimax-h3", {})
+    return ns.lr * recipe.critic_lr / recipe.lr
+
+
 def cpu_overrides(teacher: str, steps: int, seed: int, ns, sets: dict) -> dict:
     heads = gan_weights(ns, sets)
     if any(heads.values()):
@@ -96,7 +104,7 @@ def cpu_overrides(teacher: str, steps: int, seed: int, ns, sets: dict) -> dict:
             "device": "cpu", "num_devices": 1, "cp_size": 1, "lora_rank": 0, "dtype": "float32", "gradient_checkpointing": False,
             "sleep_after_train": False, "num_frames": None, "height": None, "width": None,
             "latent_shape": sd.VIDEO_LATENT_SHAPE, "global_batch_size": ns.batch_size,
-            "micro_batch_size": ns.batch_size, "lr": ns.lr, "critic_lr": ns.lr, "ema_decay": ns.ema or None,
+            "micro_batch_size": ns.batch_size, "lr": ns.lr, "critic_lr": critic_lr(ns), "ema_decay": ns.ema or None,
             "dmd2_update_ratio": ns.update_ratio, "dmd2_min_sigma": ns.min_sigma, "dmd2_student_steps": steps,
             "seed": seed, "torch_threads": 1, "workflow": getattr(ns, "workflow", "t2va"),
             **({"dmd2_modality_weights": {"video": ns.video_weight, "audio": ns.audio_weight}}
@@ -203,6 +211,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="the recipe's global batch (at 8 the 1-step "
                         "student's stereo agreement was 3.5 points lower)")
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--critic-lr", type=float, default=None, help="the fake score's learning rate; default "
+                        "--lr times the recipe's critic_lr / lr")
     parser.add_argument("--ema", type=float, default=0.9, help="EMA decay of the students (0: none)")
     parser.add_argument("--update-ratio", type=int, default=5, help="critic steps per student step (the recipe's 5)")
     parser.add_argument("--gan-weight", type=float, default=2.0, help="the GAN head on the train clips (0: none)")
@@ -223,6 +233,7 @@ def main() -> None:
     parser.add_argument("--summarise", default=None, help="print the JSON line from a progress file (a run cut short)")
     ns = parser.parse_args()
     ns.teacher = ns.teacher or WORLD_TEACHERS[ns.workflow]
+    ns.critic_lr = critic_lr(ns)
     if ns.summarise:
         return summarise(ns.summarise)
     try:
@@ -267,7 +278,8 @@ def summarise(path: str) -> None:
     last one made; ``complete`` says whether every student reached its last iteration)."""
     lines = [json.loads(x) for x in open(path) if x.strip()]
     head = next(x for x in lines if "teacher" in x)
-    report(head["teacher"], [x for x in lines if "iteration" in x], argparse.Namespace(**head["ns"]), None)
+    ns = {"critic_lr": head["ns"]["lr"], **head["ns"]}  # files from before --critic-lr trained the critic at --lr
+    report(head["teacher"], [x for x in lines if "iteration" in x], argparse.Namespace(**ns), None)
 
 
 def step_counts(text: str):
@@ -343,7 +355,7 @@ def report(table: dict, evals: list[dict], ns, wall_s) -> None:
                            for per in ([v] if "per_seed" in v else v["at_steps"].values()) for r in per["per_seed"])
            and len(student) == len(ns.steps),
            "iterations": ns.iterations, "eval_every": ns.eval_every, "seeds": ns.seeds, "num_samples": ns.num_samples,
-           "batch_size": ns.batch_size, "lr": ns.lr, "ema_decay": ns.ema or None, "update_ratio": ns.update_ratio,
+           "batch_size": ns.batch_size, "lr": ns.lr, "critic_lr": critic_lr(ns), "ema_decay": ns.ema or None, "update_ratio": ns.update_ratio,
            "min_sigma": getattr(ns, "min_sigma", 0.02),
            "modality_weights": {"video": ns.video_weight, "audio": ns.audio_weight},
            "gan": gan_weights(ns, parse_set(getattr(ns, "sets", []))),
