@@ -314,7 +314,8 @@ def test_a_student_on_its_own_sound_schedule_exports_schedulers_that_step_it_so(
 def test_a_lora_student_on_its_own_sound_schedule_says_which_scheduler_to_set(h3, tmp_path):
     """A LoRA student's export holds adapters only, served on the teacher's pipeline: its marker
     names the scheduler to set, and the teacher's pipeline, given the adapters and set as the
-    marker's note says, samples the student's eval latents (stepped on its own sound schedule)."""
+    marker's note says, samples the student's eval latents (stepped on its own schedules: the
+    recipe's, picture on 8 and sound on 1)."""
     from dmd2_core.export.pipeline import export_student
     from dmd2_core.models import lora
     from dmd2_core.models.h3_repository import load_t2va, run_t2va
@@ -329,9 +330,9 @@ def test_a_lora_student_on_its_own_sound_schedule_says_which_scheduler_to_set(h3
                 param.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(1))
     done = export_student(str(tmp_path / "export"), student, teacher_url=h3["url"], shift=1.0, num_steps=4,
                           export_dtype=torch.float32, lora_metadata=lora.adapter_metadata(args),
-                          schedule_shifts={"audio": 1.0})
+                          schedule_shifts={"video": 8.0, "audio": 1.0})
     said = json.loads((tmp_path / "export" / "export.json").read_text())["schedule_shifts"]
-    assert said["audio_scheduler"] == 1.0 and "scheduler" not in said
+    assert said["audio_scheduler"] == 1.0 and said["scheduler"] == 8.0
     pipe = load_t2va(h3["url"])
     pipe.load_lora_weights(done["url"])
     exec(said["note"].split(": ", 1)[1], {"pipe": pipe})  # what the user runs
@@ -339,7 +340,7 @@ def test_a_lora_student_on_its_own_sound_schedule_says_which_scheduler_to_set(h3
     length = int(prompts.embeds["prompt_lengths"][1])
     theirs = run_t2va(pipe, prompts.embeds["prompt_embeds"][1:2, :length], num_inference_steps=5,
                       num_frames=124, height=32, width=32, seed=7)
-    family = h3["family"].stepping_at({"audio": 1.0})
+    family = h3["family"].stepping_at({"video": 8.0, "audio": 1.0})
     cond = {k: v[:, :length] if k == "prompt_embeds" else v for k, v in prompts.cond(torch.tensor([1])).items()}
     ours = dmd2_iteration.eval_samples(family, student, cond, (1, family.segments["audio"].stop), 7, 4, 1.0)
     joined = family.join(theirs["latents"][None], theirs["audio_latents"][None])

@@ -248,7 +248,7 @@ def test_a_teacher_evaluated_night_has_numbers_per_modality_its_drift_and_its_be
 def test_the_summary_shows_what_a_joint_run_used_and_no_dead_link_to_a_local_clip(tmp_path):
     """MiniMax-H3 steps each modality at its scheduler's shift, which the configuration shows (not
     the shared schedule's dmd2_shift 1), the student's where ``student_modality_shifts`` moves one
-    (the recipe's sound on 1); a clip on local storage is named, not linked (the UI would open a
+    (the recipe's: video 8, sound 1); a clip on local storage is named, not linked (the UI would open a
     page of its own)."""
     from dmd2_core.args import load_args
     from dmd2_core.toys.standins import build_h3_standin
@@ -258,7 +258,7 @@ def test_the_summary_shows_what_a_joint_run_used_and_no_dead_link_to_a_local_cli
     url = build_h3_standin(str(tmp_path / "h3"))
     args = load_args("minimax-h3", {"hf_checkpoint": url, "prompts": "s3://d/p.safetensors", "save": "s3://r/h3"})
     shown = shown_args({c.role: compute_trainer_args(args, c) for c in compute_trainer_configs(args)})
-    assert {a["dmd2_shift"] for a in shown.values()} == {"video 12, audio 1 (the schedulers': video 12, audio 3)"}
+    assert {a["dmd2_shift"] for a in shown.values()} == {"video 8, audio 1 (the schedulers': video 12, audio 3)"}
     on_theirs = args.model_copy(update={"student_modality_shifts": None})
     assert {a["dmd2_shift"] for a in shown_args({c.role: compute_trainer_args(on_theirs, c)
                                                   for c in compute_trainer_configs(on_theirs)}).values()} == \
@@ -267,5 +267,5 @@ def test_the_summary_shows_what_a_joint_run_used_and_no_dead_link_to_a_local_cli
               "caption": "p0: frames", "video_url": "/r/h3/media/iter_0000002_p0.mp4", "play": "/r/h3/media/iter_0000002_p0.mp4"}]
     text = report.summary_markdown({"name": "n", "iteration": 2, "final": 2, "trainer_args": shown, "evals": [],
                                     "media": media, "media_iteration": 2})
-    assert "| dmd2_shift | `video 12, audio 1 (the schedulers': video 12, audio 3)` |" in text
+    assert "| dmd2_shift | `video 8, audio 1 (the schedulers': video 12, audio 3)` |" in text
     assert "](/r/h3/media/iter_0000002_p0.mp4)" not in text and "MP4 with sound: `/r/h3/media/iter_0000002_p0.mp4`" in text

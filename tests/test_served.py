@@ -238,7 +238,7 @@ def test_served_minimax_h3_run_on_the_stand_in(served, receiver, shared_ray, tmp
     assert "dmd2-nights-minimax-h3" in {a["key"] for a in artifacts}
     # local: each clip plays in place (a data: video), named, never a dead link
     assert "MP4 with sound, played in place" in summary and "[MP4 with sound](" not in summary
-    assert "| dmd2_shift | `video 12, audio 1 (the schedulers': video 12, audio 3)` |" in summary and "## Drift against the teacher" in summary
+    assert "| dmd2_shift | `video 8, audio 1 (the schedulers': video 12, audio 3)` |" in summary and "## Drift against the teacher" in summary
     assert any(line.startswith("| iteration |") and "sound_mel_kid" in line for line in summary.splitlines()), summary
 
 
