@@ -105,8 +105,9 @@ SYNC_SHIFTS = (0, 1, 2, 4)
 # bench/quality_av.py's CPU sizes of the minimax-h3 recipe (batch, learning rate, EMA) with the
 # recipe's own choices: no GAN head, DMD2's noise floor 0.02, no regression pull. The bench's head
 # (2 / 0.1 at a floor of 0.2) grows a floor in picture and sound that the frame FD cannot see
-# (bench/README.md, 2026-12-06): students trained with it are not the recipe's.
-AV_DEFAULTS = {"batch_size": 16, "lr": 1e-4, "ema": 0.9, "update_ratio": 5, "gan_weight": 0.0, "gan_critic_weight": 0.0,
+# (bench/README.md, 2026-12-06): students trained with it are not the recipe's. The critic at the
+# student's rate, as when the signal was validated (the recipe's 2x came after).
+AV_DEFAULTS = {"batch_size": 16, "lr": 1e-4, "critic_lr": 1e-4, "ema": 0.9, "update_ratio": 5, "gan_weight": 0.0, "gan_critic_weight": 0.0,
                "video_weight": 1.0, "audio_weight": 1.0, "min_sigma": 0.02, "regression_weight": 0.0,
                "regression_steps": 4}
 

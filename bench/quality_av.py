@@ -355,7 +355,7 @@ def report(table: dict, evals: list[dict], ns, wall_s) -> None:
                            for per in ([v] if "per_seed" in v else v["at_steps"].values()) for r in per["per_seed"])
            and len(student) == len(ns.steps),
            "iterations": ns.iterations, "eval_every": ns.eval_every, "seeds": ns.seeds, "num_samples": ns.num_samples,
-           "batch_size": ns.batch_size, "lr": ns.lr, "critic_lr": critic_lr(ns), "ema_decay": ns.ema or None, "update_ratio": ns.update_ratio,
+           "batch_size": ns.batch_size, "lr": ns.lr, "critic_lr": ns.critic_lr, "ema_decay": ns.ema or None, "update_ratio": ns.update_ratio,
            "min_sigma": getattr(ns, "min_sigma", 0.02),
            "modality_weights": {"video": ns.video_weight, "audio": ns.audio_weight},
            "gan": gan_weights(ns, parse_set(getattr(ns, "sets", []))),
